@@ -1,0 +1,361 @@
+"""Typed run configuration: YAML files -> frozen dataclasses, validated at load time.
+
+Owns the schema of every config key, the lookup of `--config NAME` (a file in
+`configs/` or a path), dotted `--set section.key=value` overrides, and the
+validation that turns bad input into one `ConfigError` line naming the key and
+the fix. Nothing here imports jax: the shell can validate before the backend starts.
+
+Dimension letters used across the project (declared once, here):
+  B batch, T sequence length, D model width, V vocabulary, F MLP hidden width,
+  H query heads, K key/value heads (GQA groups), G = H // K query heads per KV head,
+  Dk / Dv head dims, L layers, Tc compressed tokens, Nb selection blocks, N selected blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line that names the key and how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NSAConfig:
+    """Native Sparse Attention hyper-parameters (NSA_SPEC.md "Shapes and names")."""
+
+    l: int = 32  # compression block length
+    d: int = 16  # compression stride; must divide l and lp
+    lp: int = 64  # selection block length (the paper's l')
+    n: int = 16  # selected blocks per query, the 3 forced ones included
+    w: int = 512  # sliding window
+    cmp_phi: Literal["mlp", "avg"] = "mlp"  # block -> one key/value map
+    cmp_mlp_hidden: int = 128  # hidden width of the mlp phi (weights shared across heads)
+    gate_hidden: int = 64  # hidden width of the gate MLP
+    # Branches whose output enters the gated sum; others are dropped (ablations).
+    # Selection still scores blocks with the compressed keys when cmp is off.
+    branches: tuple[str, ...] = ("cmp", "slc", "win")
+    # Selection and window kernels: auto = pallas on GPU, xla elsewhere.
+    attention_impl: Literal["auto", "pallas", "xla"] = "auto"
+    # Query chunk of the XLA path: bounds the live memory of every branch.
+    query_chunk: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only LM shape and numerics."""
+
+    vocab_size: int = 256
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int = 2
+    head_dim: int = 64  # Dk
+    v_head_dim: int = 64  # Dv
+    d_ff: int = 2048  # SwiGLU hidden width F
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    # Compute dtype of matmuls; params are always fp32, softmax and loss fp32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Activation rematerialisation per block: none, full (recompute the block), dots
+    # (save matmul outputs only).
+    remat: Literal["none", "full", "dots"] = "none"
+    scan_layers: bool = True
+    init_std: float = 0.02
+    nsa: NSAConfig = dataclasses.field(default_factory=NSAConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and loop cadence, counted in optimizer steps."""
+
+    seq_len: int = 2048
+    global_batch: int = 2  # sequences per micro-batch, summed over all devices
+    accumulate: int = 1  # micro-batches per optimizer step
+    steps: int = 50_000
+    lr: float = 2e-4
+    min_lr: float = 0.0
+    warmup: int = 2000
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    log_every: int = 20
+    eval_every: int = 1000
+    eval_batches: int = 4
+    seed: int = 1337
+    out_dir: str = "artifacts/run"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall"] = "synthetic"
+    path: str = ""
+    tokenizer: str = "byte"
+    val_fraction: float = 0.01
+    loader_timeout: float = 0.0  # seconds; 0 waits forever
+    synthetic_on_fail: bool = False
+    prefetch: int = 2
+    workers: int = 0
+    # kv_recall: key/value pairs written at the start of each row, and queries of
+    # them at the end of the row (each query's pair lies farther back than model.nsa.w).
+    kv_pairs: int = 8
+    kv_queries: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the train step is spread over devices and processes."""
+
+    strategy: Literal["dp", "gspmd", "zero1", "fsdp", "pmap"] = "dp"
+    grad_reduce_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    bucket_mb: float = 25.0  # XLA all-reduce combine threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Which run artifacts are written (RUNBOOK_MAPPING.md "Artifacts")."""
+
+    csv: bool = True
+    tensorboard: bool = True
+    heartbeat: bool = True
+    aux_stats: bool = True
+    env_json: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoint cadence."""
+
+    save_every: int = 5000
+    max_to_keep: int = 3
+    enabled: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class OpsConfig:
+    """Run health: watchdogs and halts."""
+
+    stall_seconds: float = 0.0  # 0 disables the in-process stall watchdog
+    nan_policy: Literal["halt", "skip"] = "halt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    ops: OpsConfig = dataclasses.field(default_factory=OpsConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+# ---------------------------------------------------------------------------
+# dict <-> dataclass
+
+
+def to_dict(obj: Any) -> Any:
+    """A plain, YAML-safe dict of a config dataclass (tuples become lists)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks `value` against the annotation `tp`; returns it in canonical form."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config: {key} is {value!r}; it must be {_type_name(tp)}")
+        return value
+    if origin in (tuple, list):
+        (elem,) = typing.get_args(tp)[:1]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config: {key} must be a list, got {value!r}")
+        return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config: {key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config: {key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "3e-4" (no dot) as a string; accept any float literal.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config: {key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config: {key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+
+
+def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
+    """Builds dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"config: unknown key '{prefix}{unknown[0]}'; valid keys in "
+            f"'{prefix.rstrip('.') or '<root>'}' are: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------
+# validation
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks; raises ConfigError with the first problem found."""
+    m, a, t = cfg.model, cfg.model.nsa, cfg.train
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"config: {msg}")
+
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "v_head_dim", "d_ff"):
+        need(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    need(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
+    )
+    need(m.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {m.head_dim}")
+    for key in ("l", "d", "lp", "n", "w", "cmp_mlp_hidden", "gate_hidden", "query_chunk"):
+        need(getattr(a, key) > 0, f"model.nsa.{key} must be positive, got {getattr(a, key)}")
+    need(a.l % a.d == 0, f"model.nsa.d ({a.d}) must divide model.nsa.l ({a.l})")
+    need(a.lp % a.d == 0, f"model.nsa.d ({a.d}) must divide model.nsa.lp ({a.lp})")
+    need(a.n >= 3, f"model.nsa.n must be >= 3 (block 0, the current and the previous block are forced), got {a.n}")
+    need(len(a.branches) > 0, "model.nsa.branches must name at least one of cmp, slc, win")
+    for b in a.branches:
+        need(b in ("cmp", "slc", "win"), f"model.nsa.branches has {b!r}; use a subset of cmp, slc, win")
+    need(len(set(a.branches)) == len(a.branches), f"model.nsa.branches repeats a branch: {list(a.branches)}")
+    need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
+
+    for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):
+        need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+    need(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
+    need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    need(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
+    need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    need(0.0 <= cfg.data.val_fraction < 1.0, f"data.val_fraction must lie in [0, 1), got {cfg.data.val_fraction}")
+    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
+    need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
+    need(cfg.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep must be positive, got {cfg.checkpoint.max_to_keep}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+def resolve_path(name: str) -> pathlib.Path:
+    """`a100_pcie` -> configs/a100_pcie.yaml; an existing path is taken as is."""
+    p = pathlib.Path(name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"config: file {name} not found; pass a YAML path or a name from {CONFIG_DIR}")
+        return p
+    candidate = CONFIG_DIR / f"{name}.yaml"
+    if not candidate.is_file():
+        names = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
+        raise ConfigError(f"config: no config named '{name}'; choose one of: {names}, or pass a YAML path")
+    return candidate
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`model.n_layers=2` -> (['model', 'n_layers'], 2); values are read as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError(f"config: override '{item}' must look like section.key=value (e.g. model.n_layers=2)")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if len(path) < 2:
+        raise ConfigError(f"config: override key '{key}' must name a section and a key, e.g. train.steps=100")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"config: override '{item}': '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(name: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads, overrides and validates a config; `name=None` gives the defaults."""
+    data: dict[str, Any] = {}
+    if name is not None:
+        path = resolve_path(name)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            first = str(e).splitlines()[0] if str(e) else "parse error"
+            raise ConfigError(f"config: {path} is not valid YAML ({first}); fix the file") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: {path} must hold a mapping of sections (model:, train:, ...)")
+    data = apply_overrides(data, list(overrides))
+    return validate(from_dict(Config, data))
+
+
+def replace(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A copy of `cfg` with dotted overrides applied and validated."""
+    return validate(from_dict(Config, apply_overrides(to_dict(cfg), list(overrides))))

@@ -1,0 +1,55 @@
+"""Attention kernels for the selection and window branches, and their dispatch.
+
+`attention_impl`: `xla` (the reference and CPU path, kernels/xla.py), `pallas`
+(Triton-backend Pallas kernels; interpreted when the backend is not a GPU), or
+`auto` (pallas on GPU, xla elsewhere).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from nsa_jax.kernels.xla import selection_attention_xla, window_attention_xla
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """The implementation `impl` stands for on `backend` (default: jax's)."""
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"attention_impl must be auto, pallas or xla, got {impl!r}")
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend() if backend is None else backend
+    return "pallas" if backend in ("gpu", "cuda", "rocm") else "xla"
+
+
+def describe_impl(impl: str, backend: str | None = None) -> dict[str, str]:
+    """What each branch runs, for env.json and the boot heartbeat."""
+    backend = jax.default_backend() if backend is None else backend
+    chosen = resolve_impl(impl, backend)
+    if chosen == "pallas":
+        kind = "pallas-triton" if backend in ("gpu", "cuda") else "pallas-interpret"
+    else:
+        kind = "xla-chunked"
+    return {"cmp": "xla-chunked", "slc": kind, "win": kind}
+
+
+def _interpret() -> bool:
+    return jax.default_backend() not in ("gpu", "cuda")
+
+
+def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512):
+    """Selection attention through the chosen implementation (kernel contract of NSA_SPEC.md)."""
+    if resolve_impl(impl) == "pallas":
+        from nsa_jax.kernels.selection_pallas import selection_attention_pallas
+
+        return selection_attention_pallas(q, k, v, idx, block_size, scale, interpret=_interpret())
+    return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk)
+
+
+def window_attention(q, k, v, window, scale=None, *, impl="xla", query_chunk=512):
+    """Sliding-window attention through the chosen implementation."""
+    if resolve_impl(impl) == "pallas":
+        from nsa_jax.kernels.window_pallas import window_attention_pallas
+
+        return window_attention_pallas(q, k, v, window, scale, interpret=_interpret())
+    return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk)

@@ -1,0 +1,151 @@
+"""Plain-XLA attention for the selection and sliding-window branches.
+
+This is the reference path and the CPU path. It never builds a T x T matrix:
+queries are processed in chunks of C (`map_query_chunks`); a chunk of the
+selection branch gathers only its selected blocks (C x N*lp keys), a chunk of the
+window branch slices the C + w - 1 keys it can see. Each chunk body is
+rematerialised, so the backward pass holds one chunk's scores at a time too.
+
+Contract (NSA_SPEC.md, "Selection branch"): q[B,T,H,Dk], k[B,T,K,Dk],
+v[B,T,K,Dv]; query head h reads KV head h // G; softmax in fp32; -1 marks an
+unused slot; positions after t are masked.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def map_query_chunks(body: Callable, chunk: int, *per_query) -> jax.Array:
+    """Applies `body(start, *chunks)` to query chunks and stitches the outputs.
+
+    Every array in `per_query` has the query axis at position 1 ([B, T, ...]).
+    `body` gets the chunk's first position (traced int32) and [B, C, ...] slices,
+    and returns [B, C, ...] (or a tuple of such). T is padded up to a multiple
+    of C; padded queries are computed and dropped.
+    """
+    T = per_query[0].shape[1]
+    C = min(chunk, T)
+    n_chunks = -(-T // C)
+    if n_chunks == 1:
+        return body(jnp.int32(0), *per_query)
+    pad = n_chunks * C - T
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(x.shape[0], n_chunks, C, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    chunks = [split(x) for x in per_query]
+    starts = jnp.arange(n_chunks, dtype=jnp.int32) * C
+    # Recompute each chunk in the backward pass: residuals stay O(C), not O(T).
+    rematted = jax.checkpoint(lambda s, *xs: body(s, *xs))
+    out = jax.lax.map(lambda args: rematted(*args), (starts, *chunks))
+
+    def stitch(y):
+        y = jnp.moveaxis(y, 0, 1)
+        return y.reshape(y.shape[0], n_chunks * C, *y.shape[3:])[:, :T]
+
+    return jax.tree.map(stitch, out)
+
+
+def masked_softmax_attend(s_f32: jax.Array, visible: jax.Array, v: jax.Array, spec: str) -> jax.Array:
+    """softmax(s) over the last axis restricted to `visible`, then contracts with v.
+
+    Rows with no visible key give 0, never NaN.
+    """
+    s_f32 = jnp.where(visible, s_f32, NEG_INF)
+    m = jnp.max(s_f32, axis=-1, keepdims=True)
+    p = jnp.where(visible, jnp.exp(s_f32 - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _group(q_BxCxHxD: jax.Array, n_kv: int) -> jax.Array:
+    B, C, H, D = q_BxCxHxD.shape
+    return q_BxCxHxD.reshape(B, C, n_kv, H // n_kv, D)
+
+
+def selection_attention_xla(
+    q_BxTxHxDk: jax.Array,
+    k_BxTxKxDk: jax.Array,
+    v_BxTxKxDv: jax.Array,
+    idx_BxTxKxN: jax.Array,
+    block_size: int,
+    scale: float | None = None,
+    *,
+    query_chunk: int = 512,
+) -> jax.Array:
+    """Attention of q_t over positions p <= t inside its selected blocks."""
+    B, T, H, Dk = q_BxTxHxDk.shape
+    K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
+    N = idx_BxTxKxN.shape[-1]
+    scale = Dk**-0.5 if scale is None else scale
+    n_blocks = -(-T // block_size)
+    pad = n_blocks * block_size - T
+    # [B, K, T', D]: one contiguous row per KV head, so a block is a contiguous run.
+    k_BxKxTxD = jnp.moveaxis(jnp.pad(k_BxTxKxDk, [(0, 0), (0, pad), (0, 0), (0, 0)]), 2, 1)
+    v_BxKxTxD = jnp.moveaxis(jnp.pad(v_BxTxKxDv, [(0, 0), (0, pad), (0, 0), (0, 0)]), 2, 1)
+    offs = jnp.arange(block_size, dtype=jnp.int32)
+
+    def body(start, q_BxCxHxDk, idx_BxCxKxN):
+        C = q_BxCxHxDk.shape[1]
+        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        used = idx_BxCxKxN >= 0
+        pos_BxCxKxNxL = jnp.where(used, idx_BxCxKxN, 0)[..., None] * block_size + offs
+        visible = used[..., None] & (pos_BxCxKxNxL <= t_C[None, :, None, None, None])
+        pos_BxKxS = jnp.moveaxis(pos_BxCxKxNxL, 2, 1).reshape(B, K, C * N * block_size)
+        kg = jnp.take_along_axis(k_BxKxTxD, pos_BxKxS[..., None], axis=2)
+        vg = jnp.take_along_axis(v_BxKxTxD, pos_BxKxS[..., None], axis=2)
+        kg_BxCxKxSxD = jnp.moveaxis(kg.reshape(B, K, C, N * block_size, Dk), 1, 2)
+        vg_BxCxKxSxD = jnp.moveaxis(vg.reshape(B, K, C, N * block_size, Dv), 1, 2)
+        qg = _group(q_BxCxHxDk, K)
+        s = jnp.einsum("bckgd,bcksd->bckgs", qg, kg_BxCxKxSxD, preferred_element_type=jnp.float32) * scale
+        vis = visible.reshape(B, C, K, 1, N * block_size)
+        o = masked_softmax_attend(s, vis, vg_BxCxKxSxD, "bckgs,bcksd->bckgd")
+        return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
+
+    return map_query_chunks(body, query_chunk, q_BxTxHxDk, idx_BxTxKxN)
+
+
+def window_attention_xla(
+    q_BxTxHxDk: jax.Array,
+    k_BxTxKxDk: jax.Array,
+    v_BxTxKxDv: jax.Array,
+    window: int,
+    scale: float | None = None,
+    *,
+    query_chunk: int = 512,
+) -> jax.Array:
+    """Attention of q_t over positions [max(0, t - w + 1), t]."""
+    B, T, H, Dk = q_BxTxHxDk.shape
+    K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
+    scale = Dk**-0.5 if scale is None else scale
+    w = min(window, T)
+    C = min(query_chunk, T)
+    n_chunks = -(-T // C)
+    # Left pad of w - 1 puts the first key a chunk can see at padded index `start`.
+    right = n_chunks * C - T
+    k_pad = jnp.pad(k_BxTxKxDk, [(0, 0), (w - 1, right), (0, 0), (0, 0)])
+    v_pad = jnp.pad(v_BxTxKxDv, [(0, 0), (w - 1, right), (0, 0), (0, 0)])
+    S = C + w - 1
+
+    def body(start, q_BxCxHxDk):
+        kc = jax.lax.dynamic_slice_in_dim(k_pad, start, S, axis=1)
+        vc = jax.lax.dynamic_slice_in_dim(v_pad, start, S, axis=1)
+        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        p_S = start - (w - 1) + jnp.arange(S, dtype=jnp.int32)
+        visible_CxS = (p_S[None, :] <= t_C[:, None]) & (p_S[None, :] > t_C[:, None] - w) & (p_S[None, :] >= 0)
+        qg = _group(q_BxCxHxDk, K)
+        s = jnp.einsum("bckgd,bskd->bckgs", qg, kc, preferred_element_type=jnp.float32) * scale
+        vis = visible_CxS[None, :, None, None, :]
+        o = masked_softmax_attend(s, vis, vc, "bckgs,bskd->bckgd")
+        return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
+
+    return map_query_chunks(body, C, q_BxTxHxDk)

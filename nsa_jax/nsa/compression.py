@@ -1,0 +1,102 @@
+"""The compressed branch (NSA_SPEC.md "Compressed branch").
+
+Owns phi (block of l keys/values -> one token, `mlp` or `avg`), and causal
+attention over the compressed tokens, which also yields the selection-block
+scores of every KV group from the same probabilities.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from nsa_jax.kernels.xla import map_query_chunks, masked_softmax_attend
+from nsa_jax.nsa.selection import block_scores_from_cmp, num_compressed
+
+
+def gather_blocks(x_BxTxKxD: jax.Array, l: int, d: int) -> jax.Array:
+    """[B, Tc, l, K, D]: compressed token i covers raw tokens [i*d, i*d + l)."""
+    Tc = num_compressed(x_BxTxKxD.shape[1], l, d)
+    pos_TcxL = jnp.arange(Tc)[:, None] * d + jnp.arange(l)[None, :]
+    return x_BxTxKxD[:, pos_TcxL]
+
+
+class Compressor(nn.Module):
+    """phi: l consecutive keys (or values) -> one, per KV head, weights shared across heads.
+
+    `mlp` (the paper's choice): add a learned intra-block position embedding,
+    flatten the block, two-layer MLP. `avg`: mean pooling, no parameters.
+    """
+
+    l: int
+    d: int
+    phi: str
+    hidden: int
+    dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x_BxTxKxD: jax.Array) -> jax.Array:
+        D = x_BxTxKxD.shape[-1]
+        blocks_BxTcxLxKxD = gather_blocks(x_BxTxKxD, self.l, self.d)
+        if self.phi == "avg":
+            return jnp.mean(blocks_BxTcxLxKxD.astype(jnp.float32), axis=2).astype(x_BxTxKxD.dtype)
+        init = nn.initializers.normal(self.init_std)
+        pos_LxD = self.param("pos", init, (self.l, D), jnp.float32)
+        x = blocks_BxTcxLxKxD + pos_LxD[None, None, :, None, :].astype(x_BxTxKxD.dtype)
+        B, Tc, L, K, _ = x.shape
+        x_BxTcxKxLD = jnp.moveaxis(x, 2, 3).reshape(B, Tc, K, L * D)
+        h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=init, name="fc1")(x_BxTcxKxLD)
+        h = nn.gelu(h)
+        # No output bias: a bias on compressed keys shifts every score of a query
+        # equally, which softmax ignores, so it could never learn.
+        return nn.Dense(D, use_bias=False, dtype=self.dtype, kernel_init=init, name="fc2")(h)
+
+
+def compressed_attention(
+    q_BxTxHxDk: jax.Array,
+    kc_BxTcxKxDk: jax.Array,
+    vc_BxTcxKxDv: jax.Array,
+    *,
+    l: int,
+    d: int,
+    lp: int,
+    scale: float | None = None,
+    query_chunk: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention over compressed tokens, and the selection-block scores.
+
+    Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
+    gets 0. Returns o_cmp [B, T, H, Dv] and group block scores [B, T, K, Nb]
+    (probabilities summed over the G heads of each group, then over the
+    compressed tokens overlapping each selection block; no gradient).
+    """
+    B, T, H, Dk = q_BxTxHxDk.shape
+    Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
+    n_blocks = -(-T // lp)
+    scale = Dk**-0.5 if scale is None else scale
+    if Tc == 0:
+        return (
+            jnp.zeros((B, T, H, Dv), q_BxTxHxDk.dtype),
+            jnp.zeros((B, T, K, n_blocks), jnp.float32),
+        )
+    end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
+
+    def body(start, q_BxCxHxDk):
+        C = q_BxCxHxDk.shape[1]
+        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        qg = q_BxCxHxDk.reshape(B, C, K, H // K, Dk)
+        s = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk, preferred_element_type=jnp.float32) * scale
+        visible = (end_Tc[None, :] <= t_C[:, None])[None, :, None, None, :]
+        s_masked = jnp.where(visible, s, -1e30)
+        m = jnp.max(s_masked, axis=-1, keepdims=True)
+        p = jnp.where(visible, jnp.exp(s_masked - m), 0.0)
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        o = jnp.einsum("bckgi,bikd->bckgd", p.astype(vc_BxTcxKxDv.dtype), vc_BxTcxKxDv, preferred_element_type=jnp.float32)
+        p_group = jax.lax.stop_gradient(jnp.sum(p, axis=3))  # GQA sharing, Eq. 10
+        scores = block_scores_from_cmp(p_group, n_blocks, l, d, lp)
+        return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype), scores
+
+    o, scores = map_query_chunks(body, query_chunk, q_BxTxHxDk)
+    return o, jax.lax.stop_gradient(scores)

@@ -1,0 +1,175 @@
+"""Naive NSA reference for the tests, written from NSA_SPEC.md and nothing else.
+
+Per-token loops (numpy) decide which keys each query sees; dense T x T masks
+carry those decisions into differentiable jax code, so forward values and
+gradients can be compared with the production path. Slow on purpose: keep T small.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+# ---------------------------------------------------------------------------
+# masks decided token by token
+
+
+def naive_selection(p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, lp: int, n: int) -> np.ndarray:
+    """Block indices [B, T, K, n] by the spec's rules, one query at a time."""
+    B, H, _, Tc = p_cmp_BxHxTxTc.shape
+    K = H // G
+    n_blocks = math.ceil(T / lp)
+    out = -np.ones((B, T, K, n), np.int64)
+    for b in range(B):
+        for t in range(T):
+            for k in range(K):
+                score = np.zeros(n_blocks)
+                for j in range(n_blocks):
+                    for i in range(Tc):
+                        overlaps = i * d < (j + 1) * lp and i * d + l > j * lp
+                        if overlaps:
+                            score[j] += sum(p_cmp_BxHxTxTc[b, h, t, i] for h in range(k * G, (k + 1) * G))
+                cur = t // lp
+                candidates = [j for j in range(n_blocks) if j * lp <= t]
+                forced = sorted({0, cur} | ({cur - 1} if cur - 1 >= 0 else set()))
+                rest = sorted((j for j in candidates if j not in forced), key=lambda j: (-score[j], j))
+                chosen = (forced + rest)[:n]
+                out[b, t, k, : len(chosen)] = chosen
+    return out
+
+
+def selection_mask(idx_BxTxKxN: np.ndarray, T: int, lp: int) -> np.ndarray:
+    """[B, K, T, T] bool: query t sees key p iff p <= t and p lies in a selected block."""
+    B, _, K, _ = idx_BxTxKxN.shape
+    mask = np.zeros((B, K, T, T), bool)
+    for b in range(B):
+        for t in range(T):
+            for k in range(K):
+                for j in idx_BxTxKxN[b, t, k]:
+                    if j < 0:
+                        continue
+                    for p in range(j * lp, min((j + 1) * lp, T)):
+                        if p <= t:
+                            mask[b, k, t, p] = True
+    return mask
+
+
+def window_mask(T: int, w: int) -> np.ndarray:
+    """[T, T] bool: query t sees [max(0, t - w + 1), t]."""
+    mask = np.zeros((T, T), bool)
+    for t in range(T):
+        for p in range(max(0, t - w + 1), t + 1):
+            mask[t, p] = True
+    return mask
+
+
+def compressed_mask(T: int, Tc: int, l: int, d: int) -> np.ndarray:
+    """[T, Tc] bool: query t sees compressed token i iff its block has ended."""
+    mask = np.zeros((T, Tc), bool)
+    for t in range(T):
+        for i in range(Tc):
+            mask[t, i] = i * d + l - 1 <= t
+    return mask
+
+
+# ---------------------------------------------------------------------------
+# dense attention under a mask
+
+
+def dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask, scale=None):
+    """softmax(q k^T * scale) v with `mask` [B or 1, K or 1, T, S]; masked rows give 0."""
+    B, T, H, D = q_BxTxHxD.shape
+    K = k_BxSxKxD.shape[2]
+    G = H // K
+    scale = D**-0.5 if scale is None else scale
+    k_rep = jnp.repeat(k_BxSxKxD, G, axis=2)
+    v_rep = jnp.repeat(v_BxSxKxD, G, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q_BxTxHxD.astype(jnp.float32), k_rep.astype(jnp.float32)) * scale
+    mask = jnp.asarray(mask)
+    mask_h = jnp.repeat(mask, G, axis=1) if mask.shape[1] == K and K != H else mask
+    s = jnp.where(mask_h, s, -jnp.inf)
+    any_visible = jnp.any(mask_h, axis=-1, keepdims=True)
+    p = jax.nn.softmax(jnp.where(any_visible, s, 0.0), axis=-1)
+    p = jnp.where(mask_h & any_visible, p, 0.0)
+    return jnp.einsum("bhts,bshd->bthd", p, v_rep.astype(jnp.float32)), p
+
+
+# ---------------------------------------------------------------------------
+# the layer, from the flax parameter tree
+
+
+def rope_ref(x_BxTxHxD, positions):
+    """Rotary embedding pairing dim i with dim i + D/2, angle pos * 10000^(-2i/D)."""
+    D = x_BxTxHxD.shape[-1]
+    half = D // 2
+    freqs = np.array([10000.0 ** (-2.0 * i / D) for i in range(half)])
+    ang = np.asarray(positions, np.float64)[:, None] * freqs[None, :]
+    cos = jnp.asarray(np.cos(ang), jnp.float32)[None, :, None, :]
+    sin = jnp.asarray(np.sin(ang), jnp.float32)[None, :, None, :]
+    a, b = x_BxTxHxD[..., :half], x_BxTxHxD[..., half:]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def compress_ref(x_BxTxKxD, p, l, d, phi):
+    """phi applied block by block: token i is made from raw positions i*d .. i*d+l-1."""
+    B, T, K, D = x_BxTxKxD.shape
+    Tc = 0 if T < l else (T - l) // d + 1
+    outs = []
+    for i in range(Tc):
+        blk = x_BxTxKxD[:, i * d : i * d + l]  # [B, l, K, D]
+        if phi == "avg":
+            outs.append(jnp.mean(blk, axis=1))
+            continue
+        blk = blk + p["pos"][None, :, None, :]
+        flat = jnp.transpose(blk, (0, 2, 1, 3)).reshape(B, K, l * D)
+        h = jax.nn.gelu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"])
+        outs.append(h @ p["fc2"]["kernel"])
+    if not outs:
+        return jnp.zeros((B, 0, K, D), x_BxTxKxD.dtype)
+    return jnp.stack(outs, axis=1)
+
+
+def nsa_layer_ref(params, x_BxTxD, cfg, idx=None):
+    """NSA attention output [B, T, D] and the block indices it used.
+
+    `idx`: block indices to use; computed token by token when None (pass them
+    back in for gradient checks, since selection carries no gradient).
+    """
+    a = cfg.nsa
+    B, T, D = x_BxTxD.shape
+    H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
+    G = H // K
+    pos = np.arange(T)
+
+    def lin(name, heads, dim):
+        return (x_BxTxD @ params[name]["kernel"]).reshape(B, T, heads, dim)
+
+    q = rope_ref(lin("q", H, Dk), pos)
+    k_cmp, v_cmp = rope_ref(lin("k_cmp", K, Dk), pos), lin("v_cmp", K, Dv)
+    k_slc, v_slc = rope_ref(lin("k_slc", K, Dk), pos), lin("v_slc", K, Dv)
+    k_win, v_win = rope_ref(lin("k_win", K, Dk), pos), lin("v_win", K, Dv)
+
+    gh = x_BxTxD @ params["gate_fc1"]["kernel"] + params["gate_fc1"]["bias"]
+    g = jax.nn.sigmoid(jax.nn.silu(gh) @ params["gate_fc2"]["kernel"] + params["gate_fc2"]["bias"]).reshape(B, T, H, 3)
+
+    kc = compress_ref(k_cmp, params.get("cmp_k", {}), a.l, a.d, a.cmp_phi)
+    vc = compress_ref(v_cmp, params.get("cmp_v", {}), a.l, a.d, a.cmp_phi)
+    Tc = kc.shape[1]
+    if Tc:
+        cmask = compressed_mask(T, Tc, a.l, a.d)[None, None]
+        o_cmp, p_cmp = dense_attention(q, kc, vc, cmask)
+    else:
+        o_cmp, p_cmp = jnp.zeros((B, T, H, Dv)), jnp.zeros((B, H, T, 0))
+    if idx is None:
+        idx = naive_selection(np.asarray(p_cmp, np.float64), T, G, a.l, a.d, a.lp, a.n)
+    smask = selection_mask(idx, T, a.lp)
+    o_slc, _ = dense_attention(q, k_slc, v_slc, smask)
+    o_win, _ = dense_attention(q, k_win, v_win, window_mask(T, a.w)[None, None])
+
+    branch_out = {"cmp": o_cmp, "slc": o_slc, "win": o_win}
+    o = sum(g[..., i : i + 1] * branch_out[name] for i, name in enumerate(("cmp", "slc", "win")) if name in a.branches)
+    return o.reshape(B, T, H * Dv) @ params["o"]["kernel"], idx

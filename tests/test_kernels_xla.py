@@ -1,0 +1,131 @@
+"""The XLA selection and window attention against per-token and dense references."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import rel_err
+from nsa_jax.kernels.xla import selection_attention_xla, window_attention_xla
+from nsa_jax.nsa.selection import select_blocks
+from reference import dense_attention, selection_mask, window_mask
+
+
+def random_block_indices(rng: np.random.Generator, B: int, T: int, K: int, n: int, lp: int) -> np.ndarray:
+    """Valid indices: forced blocks, then random distinct earlier blocks, -1 padding, shuffled."""
+    idx = -np.ones((B, T, K, n), np.int32)
+    for b in range(B):
+        for t in range(T):
+            for k in range(K):
+                cur = t // lp
+                forced = sorted({0, cur} | ({cur - 1} if cur else set()))
+                others = [j for j in range(cur + 1) if j not in forced]
+                rng.shuffle(others)
+                chosen = (forced + others)[:n]
+                rng.shuffle(chosen)
+                idx[b, t, k, : len(chosen)] = chosen
+    return idx
+
+
+def per_token_attention(q, k, v, visible_fn):
+    """o[b,t,h] = softmax over the keys visible_fn(b, t, kv_head) lists, in float64."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    out = np.zeros((B, T, H, v.shape[-1]))
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                keys = visible_fn(b, t, h // G)
+                if not keys:
+                    continue
+                s = np.array([q[b, t, h] @ k[b, p, h // G] for p in keys]) / math.sqrt(D)
+                w = np.exp(s - s.max())
+                w /= w.sum()
+                out[b, t, h] = sum(wi * v[b, p, h // G] for wi, p in zip(w, keys))
+    return out
+
+
+def _qkv(B, T, H, K, D, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (
+        jax.random.normal(ks[0], (B, T, H, D)),
+        jax.random.normal(ks[1], (B, T, K, D)),
+        jax.random.normal(ks[2], (B, T, K, D)),
+    )
+
+
+@pytest.mark.parametrize("G,K,T,lp,n,chunk", [(1, 2, 37, 8, 3, 16), (6, 1, 50, 8, 4, 512), (2, 2, 64, 16, 3, 20)])
+def test_selection_matches_per_token_and_dense_grads(G, K, T, lp, n, chunk):
+    B, D = 2, 8
+    q, k, v = _qkv(B, T, G * K, K, D)
+    idx = random_block_indices(np.random.default_rng(0), B, T, K, n, lp)
+    f = jax.jit(lambda q, k, v: selection_attention_xla(q, k, v, jnp.asarray(idx), lp, query_chunk=chunk))
+    out = f(q, k, v)
+
+    def visible(b, t, kv):
+        return [p for j in idx[b, t, kv] if j >= 0 for p in range(j * lp, min((j + 1) * lp, T)) if p <= t]
+
+    assert rel_err(out, per_token_attention(q, k, v, visible)) < 1e-5
+
+    mask = selection_mask(idx, T, lp)
+    cot = jax.random.normal(jax.random.PRNGKey(9), out.shape)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(lambda *a: jnp.sum(dense_attention(*a, mask)[0] * cot), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(grads, ref):
+        assert rel_err(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("G,K,T,w,chunk", [(1, 2, 45, 7, 16), (6, 1, 40, 64, 512), (2, 1, 33, 16, 8)])
+def test_window_matches_per_token_and_dense_grads(G, K, T, w, chunk):
+    B, D = 2, 8
+    q, k, v = _qkv(B, T, G * K, K, D, seed=1)
+    f = jax.jit(lambda q, k, v: window_attention_xla(q, k, v, w, query_chunk=chunk))
+    out = f(q, k, v)
+    assert rel_err(out, per_token_attention(q, k, v, lambda b, t, kv: list(range(max(0, t - w + 1), t + 1)))) < 1e-5
+
+    mask = window_mask(T, w)[None, None]
+    cot = jax.random.normal(jax.random.PRNGKey(9), out.shape)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(lambda *a: jnp.sum(dense_attention(*a, mask)[0] * cot), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(grads, ref):
+        assert rel_err(g, r) < 1e-5
+
+
+def test_selection_with_all_blocks_is_full_causal_attention():
+    """n >= ceil(T/lp): selection (through select_blocks) equals causal attention."""
+    B, G, K, T, D, lp = 1, 3, 2, 45, 8, 8
+    n = math.ceil(T / lp)
+    q, k, v = _qkv(B, T, G * K, K, D, seed=2)
+    scores = jax.random.uniform(jax.random.PRNGKey(3), (B, T, K, n))
+    idx = select_blocks(scores, lp, n)
+    out = selection_attention_xla(q, k, v, idx, lp, query_chunk=16)
+    causal = np.tril(np.ones((T, T), bool))[None, None]
+    ref, _ = dense_attention(q, k, v, causal)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_window_covering_sequence_is_full_causal_attention():
+    B, G, K, T, D = 1, 2, 2, 30, 8
+    q, k, v = _qkv(B, T, G * K, K, D, seed=4)
+    out = window_attention_xla(q, k, v, T + 5, query_chunk=8)
+    ref, _ = dense_attention(q, k, v, np.tril(np.ones((T, T), bool))[None, None])
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_select_blocks_prefers_high_scores_and_breaks_ties_low():
+    lp, n, T = 4, 4, 24  # 6 blocks; at t=23 the current block is 5
+    scores = np.zeros((1, T, 1, 6), np.float32)
+    scores[0, 23, 0] = [0.0, 0.3, 0.1, 0.3, 0.0, 0.0]  # blocks 1 and 3 tie
+    idx = np.asarray(select_blocks(jnp.asarray(scores), lp, n))
+    assert sorted(idx[0, 23, 0]) == [0, 1, 4, 5]  # forced 0, 4, 5; the tie goes to block 1
+    scores[0, 23, 0, 3] = 0.31
+    idx = np.asarray(select_blocks(jnp.asarray(scores), lp, n))
+    assert sorted(idx[0, 23, 0]) == [0, 3, 4, 5]
+    # t = 5: candidates 0 and 1 only, so two slots stay unused.
+    assert sorted(idx[0, 5, 0]) == [-1, -1, 0, 1]
