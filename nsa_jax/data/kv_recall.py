@@ -1,0 +1,165 @@
+"""Long-range key-value recall: `dataset: kv_recall` and its scoring (pure numpy).
+
+Owns the row layout, the batch stream and `retrieval_accuracy`. One row of
+T1 = seq_len + 1 tokens:
+
+    [k_1 v_1 k_2 v_2 ... k_P v_P] [filler ...] [Q k_a v_a  Q k_b v_b ...]
+     pairs at positions 0..2P-1      noise      Q queries at the very end
+
+Keys are distinct within a row; each query repeats one of the row's keys after the
+QUERY marker, and the scored target is the value that followed that key in the pairs.
+The filler is long enough that every queried pair lies more than model.nsa.w tokens
+before the query key, so the sliding-window branch alone cannot answer it: the
+compressed/selected branches must retrieve it.
+
+Vocabulary partition (V = model.vocab_size): keys [0, n), values [n, 2n), filler
+[2n, V - 1), QUERY marker V - 1, with n = (V - 1) // 4. The marker never occurs
+elsewhere, so the answer positions are recoverable from the tokens alone
+(`answer_mask_from_tokens`), and `next(ds)` can stay a plain int32 array.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from nsa_jax.data.stream import BatchStream, check_state, split_id
+
+MIN_VOCAB = 16
+
+
+class KVBatch(NamedTuple):
+    tokens_BxT1: np.ndarray  # int32 [B, T + 1]
+    answer_mask_BxT: np.ndarray  # bool [B, T]: targets (= tokens[:, 1:]) that are scored
+    pair_key_pos_BxQ: np.ndarray  # int [B, Q]: position of the queried key in the pairs
+    query_key_pos_BxQ: np.ndarray  # int [B, Q]: position of the key after the QUERY marker
+
+
+def vocab_layout(vocab_size: int) -> tuple[int, int, int]:
+    """(n_keys, first filler id, QUERY id) for a vocabulary of `vocab_size`."""
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"model.vocab_size must be >= {MIN_VOCAB} for kv_recall, got {vocab_size}")
+    n = (vocab_size - 1) // 4
+    return n, 2 * n, vocab_size - 1
+
+
+def min_seq_len(window: int, n_pairs: int, n_queries: int) -> int:
+    """Shortest train.seq_len for which every queried pair lies farther back than `window`."""
+    # Query key j sits at T1 - 3Q + 3j + 1; the last pair value at 2P - 1. Require
+    # (T1 - 3Q + 1) - (2P - 1) > window, with T1 = seq_len + 1.
+    return window + 2 * n_pairs + 3 * n_queries - 2
+
+
+def make_kv_batch(
+    rng: np.random.Generator, batch: int, seq_len: int, vocab_size: int, window: int, n_pairs: int, n_queries: int
+) -> KVBatch:
+    """One KVBatch; see the module docstring for the layout."""
+    n_keys, filler_lo, query_id = vocab_layout(vocab_size)
+    if n_pairs < 1 or n_queries < 1:
+        raise ValueError(f"data.kv_pairs and data.kv_queries must be >= 1, got {n_pairs}, {n_queries}")
+    if n_pairs > n_keys:
+        raise ValueError(
+            f"data.kv_pairs ({n_pairs}) exceeds the {n_keys} distinct keys of vocab {vocab_size}; lower data.kv_pairs"
+        )
+    need = min_seq_len(window, n_pairs, n_queries)
+    if seq_len < need:
+        raise ValueError(
+            f"train.seq_len ({seq_len}) is too short for kv_recall with model.nsa.w={window}, "
+            f"data.kv_pairs={n_pairs}, data.kv_queries={n_queries}; set train.seq_len >= {need}"
+        )
+    P, Q, T1 = n_pairs, n_queries, seq_len + 1
+    tokens_BxT1 = rng.integers(filler_lo, query_id, size=(batch, T1), dtype=np.int32)
+
+    # Distinct keys per row: the first P of a random permutation of the key range.
+    keys_BxP = np.argsort(rng.random((batch, n_keys)), axis=1)[:, :P].astype(np.int32)
+    values_BxP = rng.integers(n_keys, 2 * n_keys, size=(batch, P), dtype=np.int32)
+    tokens_BxT1[:, 0 : 2 * P : 2] = keys_BxP
+    tokens_BxT1[:, 1 : 2 * P : 2] = values_BxP
+
+    which_BxQ = rng.integers(0, P, size=(batch, Q))
+    rows_Bx1 = np.arange(batch)[:, None]
+    q0 = T1 - 3 * Q
+    marker_pos_Q = q0 + 3 * np.arange(Q)
+    tokens_BxT1[:, marker_pos_Q] = query_id
+    tokens_BxT1[:, marker_pos_Q + 1] = keys_BxP[rows_Bx1, which_BxQ]
+    tokens_BxT1[:, marker_pos_Q + 2] = values_BxP[rows_Bx1, which_BxQ]
+
+    answer_mask_BxT = np.zeros((batch, T1 - 1), dtype=bool)
+    # The value at position p + 2 is target index p + 1, predicted at the query key.
+    answer_mask_BxT[:, marker_pos_Q + 1] = True
+    query_key_pos_BxQ = np.broadcast_to(marker_pos_Q + 1, (batch, Q)).copy()
+    return KVBatch(tokens_BxT1, answer_mask_BxT, 2 * which_BxQ, query_key_pos_BxQ)
+
+
+def answer_mask_from_tokens(tokens_BxT1: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [B, T]: target t is scored iff the token before input t is the QUERY marker."""
+    _, _, query_id = vocab_layout(vocab_size)
+    tokens_BxT1 = np.asarray(tokens_BxT1)
+    mask_BxT = np.zeros((tokens_BxT1.shape[0], tokens_BxT1.shape[1] - 1), dtype=bool)
+    mask_BxT[:, 1:] = tokens_BxT1[:, :-2] == query_id
+    return mask_BxT
+
+
+def retrieval_counts(
+    logits_or_preds: np.ndarray, tokens_BxT1: np.ndarray, vocab_size: int, answer_mask_BxT: np.ndarray | None = None
+) -> tuple[int, int]:
+    """(correct, scored) over the answer positions; logits [B, T, V'] or predictions [B, T]."""
+    x = np.asarray(logits_or_preds)
+    preds_BxT = x.argmax(-1) if x.ndim == 3 else x
+    targets_BxT = np.asarray(tokens_BxT1)[:, 1:]
+    if preds_BxT.shape != targets_BxT.shape:
+        raise ValueError(f"predictions have shape {preds_BxT.shape}, targets {targets_BxT.shape}")
+    mask_BxT = answer_mask_from_tokens(tokens_BxT1, vocab_size) if answer_mask_BxT is None else answer_mask_BxT
+    return int(((preds_BxT == targets_BxT) & mask_BxT).sum()), int(mask_BxT.sum())
+
+
+def retrieval_accuracy(
+    logits_or_preds: np.ndarray, tokens_BxT1: np.ndarray, vocab_size: int, answer_mask_BxT: np.ndarray | None = None
+) -> float:
+    """Fraction of answer positions predicted exactly (argmax over logits); NaN if none scored."""
+    correct, scored = retrieval_counts(logits_or_preds, tokens_BxT1, vocab_size, answer_mask_BxT)
+    return correct / scored if scored else float("nan")
+
+
+class KVRecallDataset(BatchStream):
+    """`dataset: kv_recall`: random access by position, like the synthetic stream."""
+
+    kind = "kv_recall"
+
+    def __init__(self, vocab_size: int, window: int, n_pairs: int, n_queries: int, seed: int, batch: int,
+                 seq_len: int, split: str, process_index: int):
+        self.vocab_size, self.window = int(vocab_size), int(window)
+        self.n_pairs, self.n_queries = int(n_pairs), int(n_queries)
+        self.seed, self.batch, self.seq_len = int(seed), int(batch), int(seq_len)
+        self.split, self.process_index = split, int(process_index)
+        self.position = 0
+        self.kv_batch_at(0)  # validates the layout now rather than at the first step
+
+    @classmethod
+    def from_config(cls, cfg: Any, batch: int, split: str, process_index: int) -> KVRecallDataset:
+        return cls(cfg.model.vocab_size, cfg.model.nsa.w, cfg.data.kv_pairs, cfg.data.kv_queries,
+                   cfg.train.seed, batch, cfg.train.seq_len, split, process_index)
+
+    def kv_batch_at(self, position: int) -> KVBatch:
+        """The batch at `position` with its answer mask (for evaluation)."""
+        rng = np.random.default_rng(
+            [self.seed % 2**32, split_id(self.split), self.process_index, int(position), 0x4B56]
+        )
+        return make_kv_batch(rng, self.batch, self.seq_len, self.vocab_size, self.window, self.n_pairs,
+                             self.n_queries)
+
+    def next_kv_batch(self) -> KVBatch:
+        out = self.kv_batch_at(self.position)
+        self.position += 1
+        return out
+
+    def __next__(self) -> np.ndarray:
+        return self.next_kv_batch().tokens_BxT1
+
+    def get_state(self) -> dict[str, Any]:
+        return {"kind": self.kind, "split": self.split, "process_index": self.process_index, "position": self.position}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        check_state(self, state)
+        self.position = int(state["position"])
