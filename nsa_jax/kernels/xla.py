@@ -54,16 +54,18 @@ def map_query_chunks(body: Callable, chunk: int, *per_query) -> jax.Array:
     return jax.tree.map(stitch, out)
 
 
-def masked_softmax_attend(s_f32: jax.Array, visible: jax.Array, v: jax.Array, spec: str) -> jax.Array:
-    """softmax(s) over the last axis restricted to `visible`, then contracts with v.
-
-    Rows with no visible key give 0, never NaN.
-    """
+def masked_softmax(s_f32: jax.Array, visible: jax.Array) -> jax.Array:
+    """fp32 softmax over the last axis restricted to `visible`; rows with no visible key are 0, never NaN."""
     s_f32 = jnp.where(visible, s_f32, NEG_INF)
     m = jnp.max(s_f32, axis=-1, keepdims=True)
     p = jnp.where(visible, jnp.exp(s_f32 - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
+    return p / jnp.where(denom > 0, denom, 1.0)
+
+
+def masked_softmax_attend(s_f32: jax.Array, visible: jax.Array, v: jax.Array, spec: str) -> jax.Array:
+    """masked_softmax(s) contracted with v by einsum `spec`, accumulated in fp32."""
+    p = masked_softmax(s_f32, visible)
     return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 

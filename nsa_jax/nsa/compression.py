@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nsa_jax.kernels.xla import map_query_chunks, masked_softmax_attend
+from nsa_jax.kernels.xla import map_query_chunks, masked_softmax
 from nsa_jax.nsa.selection import block_scores_from_cmp, num_compressed
 
 
@@ -89,11 +89,10 @@ def compressed_attention(
         qg = q_BxCxHxDk.reshape(B, C, K, H // K, Dk)
         s = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk, preferred_element_type=jnp.float32) * scale
         visible = (end_Tc[None, :] <= t_C[:, None])[None, :, None, None, :]
-        s_masked = jnp.where(visible, s, -1e30)
-        m = jnp.max(s_masked, axis=-1, keepdims=True)
-        p = jnp.where(visible, jnp.exp(s_masked - m), 0.0)
-        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-        o = jnp.einsum("bckgi,bikd->bckgd", p.astype(vc_BxTcxKxDv.dtype), vc_BxTcxKxDv, preferred_element_type=jnp.float32)
+        p = masked_softmax(s, visible)
+        o = jnp.einsum(
+            "bckgi,bikd->bckgd", p.astype(vc_BxTcxKxDv.dtype), vc_BxTcxKxDv, preferred_element_type=jnp.float32
+        )
         p_group = jax.lax.stop_gradient(jnp.sum(p, axis=3))  # GQA sharing, Eq. 10
         scores = block_scores_from_cmp(p_group, n_blocks, l, d, lp)
         return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype), scores
