@@ -1,0 +1,259 @@
+"""`python -m launch.generate`: sample text from a checkpoint with NSA prefill + cached decode.
+
+    python -m launch.generate --ckpt OUT [--config NAME] [--set KEY=VALUE ...]
+        (--prompt TEXT | --prompt-file F) [--max-new-tokens N] [--temperature T]
+        [--top-k K] [--top-p P] [--seed S] [--batch-size B]
+    python -m launch.generate --random-init --config cpu_tiny --prompt "Hello"
+
+Weights: `nsa_jax.checkpoint.load_for_inference(path) -> (Config, params)` when
+that function exists; a directory holding `config.yaml` + `params.msgpack`
+(flax.serialization) is read directly; `--random-init` uses freshly initialised
+params of `--config` (smoke tests). `--config`/`--set` give the config when the
+checkpoint carries none, or with `--random-init`.
+
+`--prompt` streams the completion to stdout as it is sampled. `--prompt-file`
+reads one prompt per line (blank lines skipped) and generates them in batches
+of `--batch-size`: the prompts of a batch are left-aligned, each row prefilled
+to its own length and decoded at its own position; one JSON line
+{"prompt", "completion"} per prompt is printed in file order.
+
+Temperature 0 is greedy decoding. Text goes through `cfg.data.tokenizer`
+(the byte tokenizer by default); generation of a row stops at its EOS id.
+Bad input prints one line `error: ...` on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+PARAMS_FILE = "params.msgpack"
+CONFIG_FILE = "config.yaml"
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one `error:` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m launch.generate", description="Sample text with NSA prefill and cached decode.")
+    p.add_argument("--ckpt", help="checkpoint path (see module docstring for the formats)")
+    p.add_argument("--random-init", action="store_true", help="random params of --config instead of a checkpoint")
+    p.add_argument("--config", default=None, help="config name in configs/ or a YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text (streamed completion)")
+    src.add_argument("--prompt-file", default=None, help="file with one prompt per line (batched)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file")
+    return p
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        if args.prompt == "":
+            raise UsageError("--prompt is empty; pass some text")
+        return [args.prompt]
+    if args.prompt_file is None:
+        raise UsageError("pass --prompt TEXT or --prompt-file FILE")
+    path = pathlib.Path(args.prompt_file)
+    if not path.is_file():
+        raise UsageError(f"--prompt-file {path} not found")
+    prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError(f"--prompt-file {path} holds no non-blank line")
+    return prompts
+
+
+def _check_sampling(args) -> None:
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+
+
+def write_inference_dir(path, cfg, params) -> None:
+    """Writes `config.yaml` + `params.msgpack`: the directory format this command reads directly."""
+    import flax.serialization
+    import jax
+    import numpy as np
+    import yaml
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    host = jax.tree.map(np.asarray, params)
+    (path / PARAMS_FILE).write_bytes(flax.serialization.msgpack_serialize(host))
+
+
+def _load_dir(path: pathlib.Path, args):
+    import flax.serialization
+
+    from nsa_jax.config import load_config
+
+    if (path / CONFIG_FILE).is_file():
+        cfg = load_config(str(path / CONFIG_FILE), args.overrides)
+    elif args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+    else:
+        raise UsageError(f"--ckpt {path} has no {CONFIG_FILE}; pass --config NAME")
+    params = flax.serialization.msgpack_restore((path / PARAMS_FILE).read_bytes())
+    if set(params) == {"params"}:
+        params = params["params"]
+    return cfg, params
+
+
+def load_model(args):
+    """(Config, params) from --random-init, a params.msgpack directory, or nsa_jax.checkpoint."""
+    from nsa_jax.config import load_config
+
+    if args.random_init:
+        if args.config is None:
+            raise UsageError("--random-init needs --config NAME")
+        import jax
+
+        from nsa_jax.model import init_params
+
+        cfg = load_config(args.config, args.overrides)
+        return cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(args.seed))
+    if not args.ckpt:
+        raise UsageError("pass --ckpt PATH (or --random-init --config NAME)")
+    path = pathlib.Path(args.ckpt)
+    if not path.exists():
+        raise UsageError(f"--ckpt {path} does not exist")
+    if path.is_dir() and (path / PARAMS_FILE).is_file():
+        return _load_dir(path, args)
+    try:
+        from nsa_jax.checkpoint import load_for_inference
+    except ImportError:
+        raise UsageError(
+            f"--ckpt {path} has no {PARAMS_FILE} and nsa_jax.checkpoint.load_for_inference is not available"
+        ) from None
+    cfg, params = load_for_inference(str(path))
+    if args.overrides:
+        from nsa_jax.config import replace
+
+        cfg = replace(cfg, args.overrides)
+    return cfg, params
+
+
+def _check_params(cfg, params) -> dict:
+    """Scanned params whose shapes match cfg.model, or a UsageError naming the first mismatch."""
+    import jax
+
+    from nsa_jax.inference import stack_layers
+    from nsa_jax.inference.decode import inference_config
+    from nsa_jax.info import param_shapes
+
+    try:
+        params = stack_layers(cfg.model, params)
+    except ValueError as e:
+        raise UsageError(f"checkpoint params: {e}") from None
+    want = param_shapes(inference_config(cfg.model))
+    got_flat = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    for k, v in jax.tree_util.tree_leaves_with_path(want):
+        name = jax.tree_util.keystr(k)
+        if tuple(got_flat.get(name, ())) != tuple(v.shape):
+            raise UsageError(f"checkpoint params do not match the config at {name}: {got_flat.get(name)} vs {v.shape}")
+    return params
+
+
+class _Streamer:
+    """Prints a single row's text as it grows; holds back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tok, out):
+        self.tok, self.out, self.ids, self.printed = tok, out, [], ""
+
+    def __call__(self, step, ids, active):
+        if not active[0]:
+            return
+        self.ids.append(int(ids[0]))
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return
+        self.out.write(text[len(self.printed) :])
+        self.out.flush()
+        self.printed = text
+
+    def finish(self):
+        text = self.tok.decode(self.ids)
+        if text.startswith(self.printed):
+            self.out.write(text[len(self.printed) :])
+        self.out.write("\n")
+        self.out.flush()
+
+
+def run(args, out=sys.stdout) -> int:
+    _check_sampling(args)
+    prompts = _read_prompts(args)
+    import numpy as np
+
+    from nsa_jax.config import ConfigError
+    from nsa_jax.data.tokenizers import make_tokenizer
+    from nsa_jax.inference import generate
+
+    try:
+        cfg, params = load_model(args)
+        tok = make_tokenizer(cfg.data)
+    except (ConfigError, ValueError, OSError) as e:
+        raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    params = _check_params(cfg, params)
+    V = cfg.model.vocab_size
+    encoded = [tok.encode(p) for p in prompts]
+    for p, ids in zip(prompts, encoded):
+        if not ids:
+            raise UsageError(f"prompt {p!r} encodes to no tokens")
+        if max(ids) >= V:
+            raise UsageError(f"prompt token id {max(ids)} is outside the model vocabulary ({V})")
+    # Only ids the tokenizer can emit, never its padding id.
+    allowed = np.arange(V) < min(V, tok.vocab_size)
+    if 0 <= tok.pad_id < V:
+        allowed[tok.pad_id] = False
+    eos = tok.eos_id if 0 <= tok.eos_id < V else None
+    kw = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=eos, allowed_V=allowed
+    )
+    if args.prompt is not None:
+        out.write(prompts[0])
+        out.flush()
+        streamer = _Streamer(tok, out)
+        generate(cfg.model, params, encoded, args.max_new_tokens, seed=args.seed, on_token=streamer, **kw)
+        streamer.finish()
+        return 0
+    for start in range(0, len(prompts), args.batch_size):
+        batch = encoded[start : start + args.batch_size]
+        outs = generate(cfg.model, params, batch, args.max_new_tokens, seed=args.seed + start, **kw)
+        for text, ids in zip(prompts[start : start + args.batch_size], outs):
+            out.write(json.dumps({"prompt": text, "completion": tok.decode(ids)}, ensure_ascii=False) + "\n")
+        out.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Prefill + cached decode against the training forward pass (NSALM.apply on the whole sequence).
+
+Every reference here is the model's full forward pass; the decode path is never
+its own reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_model_cfg
+
+from nsa_jax.config import Config
+from nsa_jax.inference import decode_step, generate, init_cache, prefill, sample_logits
+from nsa_jax.layers import rope
+from nsa_jax.model import NSALM
+
+T = 70
+PROMPT_LENS = np.array([1, 8, 13, 30])  # P=1; P = l (a block completes in the prompt); P % d, P % lp != 0; P > w
+PREFILL_WIDTH = 32  # what `generate` pads these prompts to, so the compiled prefill is shared
+MAX_LEN = int(PROMPT_LENS.max()) + T - 1
+NEW_TOKENS = MAX_LEN - int(PROMPT_LENS.max())
+CONFIGS = {
+    # l=8, d=4, lp=8, w=12 with T=70: 16 compressed tokens, 9 selection blocks, well past the window.
+    "G1K2n5": dict(G=1, K=2, n=5),
+    "G3K1n4": dict(G=3, K=1, n=4),
+}
+_CAPTURE = ("k_win", "k_cmp", "cmp_k", "cmp_v")
+_refs: dict = {}
+
+
+def _cfg(name):
+    cfg = tiny_model_cfg(T_hint=T, l=8, d=4, lp=8, w=12, **CONFIGS[name])
+    # A vocabulary that holds the byte tokenizer's ids, so the CLI test can share this model.
+    return dataclasses.replace(cfg, vocab_size=264)
+
+
+def _random_params(cfg, seed):
+    """Params of the model's shapes filled from numpy (jitting the model's init is slow on CPU)."""
+    shapes = jax.eval_shape(lambda: NSALM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, cfg.nsa.l), jnp.int32)))
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, s):
+        x = rng.standard_normal(s.shape).astype(np.float32)
+        # Norm scales near 1, everything else at the config's (large) init std.
+        return jnp.asarray(1.0 + 0.1 * x if jax.tree_util.keystr(path).endswith("['scale']") else cfg.init_std * x)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes["params"])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(cfg, params, tokens):
+    """The training forward pass: logits and some of its own projections."""
+    logits, st = NSALM(cfg).apply(
+        {"params": params},
+        tokens,
+        capture_intermediates=lambda m, meth: meth == "__call__" and m.name in _CAPTURE,
+        mutable=["intermediates"],
+    )
+    attn = st["intermediates"]["layers"]["attn"]
+    return logits, {k: attn[k]["__call__"][0] for k in _CAPTURE}
+
+
+def _reference(name):
+    """cfg, params, tokens [B, T] and the full forward's logits and captured projections."""
+    if name not in _refs:
+        cfg = _cfg(name)
+        tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (len(PROMPT_LENS), T), 0, cfg.vocab_size))
+        params = _random_params(cfg, 1)
+        logits, cap = _forward(cfg, params, tokens)
+        _refs[name] = (cfg, params, tokens, np.asarray(logits), jax.tree.map(np.asarray, cap))
+    return _refs[name]
+
+
+def _roped(cfg, x_LxBxTxKD):
+    L, B, T_, KD = x_LxBxTxKD.shape
+    K = cfg.n_kv_heads
+    x = jnp.asarray(x_LxBxTxKD).reshape(L * B, T_, K, KD // K)
+    return np.asarray(rope(x, jnp.arange(T_), cfg.rope_theta)).reshape(L, B, T_, K, KD // K)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_decode_matches_forward_at_every_position(name):
+    """Prefill P tokens (a different P per row), then decode to T - 1: every position's logits match."""
+    cfg, params, tokens, ref, _ = _reference(name)
+    B = len(PROMPT_LENS)
+    P = PREFILL_WIDTH
+    # Rows shorter than P are padded with wrong tokens: their stale cache entries differ
+    # from the true ones and must never be read before decode overwrites them.
+    padded = np.where(np.arange(P)[None, :] < PROMPT_LENS[:, None], tokens[:, :P], (tokens[:, :P] + 5) % cfg.vocab_size)
+    assert np.any(padded != tokens[:, :P])
+    logits, cache = prefill(cfg, params, padded, PROMPT_LENS, max_len=MAX_LEN)
+    err = np.zeros((B, T))
+    err[np.arange(B), PROMPT_LENS - 1] = np.abs(np.asarray(logits) - ref[np.arange(B), PROMPT_LENS - 1]).max(-1)
+    compiled = None
+    for step in range(T - 1):
+        pos = PROMPT_LENS + step
+        feed = np.where(pos < T, np.asarray(tokens)[np.arange(B), np.minimum(pos, T - 1)], 0)
+        logits, cache = decode_step(cfg, params, cache, jnp.asarray(feed, jnp.int32))
+        if compiled is None:
+            compiled = decode_step._cache_size()
+        lo = np.asarray(logits)
+        for b in np.nonzero(pos < T)[0]:
+            err[b, pos[b]] = np.abs(lo[b] - ref[b, pos[b]]).max()
+    # The position is data: no recompilation while positions advance.
+    assert decode_step._cache_size() == compiled
+    np.testing.assert_array_equal(np.asarray(cache.pos_B), PROMPT_LENS + T - 1)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() < 1e-4, f"row {worst[0]} position {worst[1]}: max |logit diff| {err.max():.2e}"
+
+
+def test_cache_boundaries_follow_the_forward():
+    """From an empty cache: compressed tokens appear exactly when their block completes, equal to
+    the forward's compressor outputs; the window ring holds exactly [max(0, t-w+1), t]; the raw
+    compression tail holds the last l positions; logits match at every position (P = 0)."""
+    cfg, params, tokens, ref, cap = _reference("G3K1n4")
+    a = cfg.nsa
+    B = len(PROMPT_LENS)
+    kwin = _roped(cfg, cap["k_win"])
+    kraw = _roped(cfg, cap["k_cmp"])
+    kc_ref, vc_ref = cap["cmp_k"], cap["cmp_v"]  # [L, B, Tc(T), K, D]
+    cache = init_cache(cfg, B, MAX_LEN)
+    R = cache.kwin_LxBxRxKxDk.shape[2]
+    assert R == a.w
+    emitted = []
+    for t in range(T):
+        logits, cache = decode_step(cfg, params, cache, jnp.asarray(tokens[:, t], jnp.int32))
+        np.testing.assert_allclose(np.asarray(logits), ref[:, t], rtol=0, atol=1e-4, err_msg=f"t={t}")
+        assert np.all(np.asarray(cache.pos_B) == t + 1)
+
+        kc, vc = np.asarray(cache.kcmp_LxBxTcxKxDk), np.asarray(cache.vcmp_LxBxTcxKxDv)
+        n_done = 0 if t + 1 < a.l else (t + 1 - a.l) // a.d + 1  # blocks with i*d + l - 1 <= t
+        np.testing.assert_allclose(kc[:, :, :n_done], kc_ref[:, :, :n_done], rtol=0, atol=1e-5, err_msg=f"t={t}")
+        np.testing.assert_allclose(vc[:, :, :n_done], vc_ref[:, :, :n_done], rtol=0, atol=1e-5, err_msg=f"t={t}")
+        assert not np.any(kc[:, :, n_done:]), f"t={t}: a compressed token appeared before its block completed"
+        emitted.append(n_done)
+
+        lo = max(0, t - a.w + 1)
+        win = np.asarray(cache.kwin_LxBxRxKxDk)
+        for p in range(lo, t + 1):
+            np.testing.assert_allclose(win[:, :, p % R], kwin[:, :, p], rtol=0, atol=1e-5, err_msg=f"t={t} p={p}")
+        if t + 1 < R:  # never-written slots stay empty
+            assert not np.any(win[:, :, t + 1 :])
+
+        tail = np.asarray(cache.ktail_LxBxlxKxDk)
+        for p in range(max(0, t - a.l + 1), t + 1):
+            np.testing.assert_allclose(tail[:, :, p % a.l], kraw[:, :, p], rtol=0, atol=1e-5)
+    # Completions at t = 7, 11, 15, ...: one new compressed token every d steps from t = l - 1.
+    steps = np.nonzero(np.diff([0] + emitted))[0]
+    np.testing.assert_array_equal(steps, np.arange(a.l - 1, T, a.d))
+
+
+# ---------------------------------------------------------------------------
+# generation and the command line
+
+# Byte lengths 1, 8, 13, 30 (PROMPT_LENS): the generation test reuses the programs compiled above.
+_PROMPTS = ["a", "8 bytes.", "thirteen char", "a prompt longer than window w."]
+
+
+def test_greedy_generation_agrees_with_the_forward_and_the_cli(tmp_path, capsys):
+    """Greedy `generate` (rows of different lengths, per-row positions) picks the forward's argmax
+    at every generated position; the CLI prints the same completions from a params.msgpack dir."""
+    from launch.generate import main, write_inference_dir
+
+    cfg, params, _, _, _ = _reference("G3K1n4")
+    prompts = [list(p.encode()) for p in _PROMPTS]
+    assert [len(p) for p in prompts] == list(PROMPT_LENS)
+    V = cfg.vocab_size
+    # What the CLI allows with the byte tokenizer: bytes and EOS (256), not PAD (257) or ids >= 258.
+    allowed = (np.arange(V) < 258) & (np.arange(V) != 257)
+    eos = 256
+    outs = generate(cfg, params, prompts, NEW_TOKENS, temperature=0.0, allowed_V=allowed, eos_id=eos)
+
+    # Teacher-forced check with the training forward on each generated sequence (first T positions).
+    batch = np.zeros((len(prompts), T), np.int32)
+    for b, (p, o) in enumerate(zip(prompts, outs)):
+        seq = (p + o)[:T]
+        batch[b, : len(seq)] = seq
+    ref = np.asarray(_forward(cfg, params, batch)[0])
+    pred = np.argmax(np.where(allowed, ref, -np.inf), axis=-1)
+    for b, (p, o) in enumerate(zip(prompts, outs)):
+        seq = p + o
+        for q in range(len(p) - 1, min(T, len(seq))):
+            if q + 1 < len(seq):
+                assert pred[b, q] == seq[q + 1], f"row {b} position {q}"
+            elif len(o) < NEW_TOKENS:  # the row stopped: the forward's next id is EOS
+                assert pred[b, q] == eos, f"row {b} position {q}"
+    assert sum(map(len, outs)) > 0
+
+    ckpt = tmp_path / "ckpt"
+    write_inference_dir(ckpt, Config(model=cfg), params)  # byte tokenizer: the default data config
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("\n".join(_PROMPTS[:2]) + "\n\n" + "\n".join(_PROMPTS[2:]) + "\n")  # blank line skipped
+    argv = ["--ckpt", str(ckpt), "--prompt-file", str(prompt_file), "--max-new-tokens", str(NEW_TOKENS)]
+    assert main([*argv, "--temperature", "0"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["prompt"] for r in rows] == _PROMPTS
+    assert [r["completion"] for r in rows] == [bytes(o).decode("utf-8", errors="replace") for o in outs]
+
+
+def test_streamer_holds_back_partial_utf8():
+    from launch.generate import _Streamer
+    from nsa_jax.data.tokenizers import ByteTokenizer
+
+    class Out(list):
+        def write(self, s):
+            self.append(s)
+
+        def flush(self):
+            pass
+
+    out = Out()
+    st = _Streamer(ByteTokenizer(), out)
+    ids = list("hé€!".encode())
+    for i, t in enumerate(ids):
+        st(i, np.array([t]), np.array([True]))
+    st(len(ids), np.array([256]), np.array([False]))  # EOS: row inactive, nothing printed
+    st.finish()
+    assert "".join(out) == "hé€!\n"
+    assert all("\ufffd" not in piece for piece in out)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--prompt", "hi"], "--ckpt"),
+        (["--ckpt", "/nonexistent/ckpt", "--prompt", "hi"], "does not exist"),
+        (["--random-init", "--config", "cpu_tiny", "--prompt", ""], "empty"),
+        (["--random-init", "--config", "cpu_tiny", "--prompt", "hi", "--temperature", "-0.5"], "--temperature"),
+        (["--random-init", "--config", "cpu_tiny", "--prompt", "hi", "--top-p", "0"], "--top-p"),
+        (["--random-init", "--config", "cpu_tiny", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
+        (["--random-init", "--config", "cpu_tiny", "--prompt", "hi", "--max-new-tokens", "x"], "invalid int"),
+        (["--random-init", "--config", "no_such_config", "--prompt", "hi"], "no config named"),
+    ],
+)
+def test_cli_bad_input_is_one_error_line_and_exit_2(argv, needle, capsys):
+    from launch.generate import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_cli_empty_prompt_file(tmp_path, capsys):
+    from launch.generate import main
+
+    f = tmp_path / "p.txt"
+    f.write_text("\n  \n")
+    assert main(["--random-init", "--config", "cpu_tiny", "--prompt-file", str(f)]) == 2
+    assert "no non-blank line" in capsys.readouterr().err
+
+
+def test_sampling_filters():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 50)) * 3
+    greedy = np.argmax(np.asarray(logits), -1)
+    keys = jax.random.split(jax.random.PRNGKey(1), 64)
+    np.testing.assert_array_equal(sample_logits(logits, keys[0], 0.0), greedy)
+    np.testing.assert_array_equal(sample_logits(logits, keys[1], 1.0, 1e-6), greedy)
+    # top-k over the allowed ids only: the best id of every row is banned.
+    order = np.argsort(-np.asarray(logits), -1)
+    allowed = np.ones(50, bool)
+    allowed[order[:, 0]] = False
+    seen = np.stack([np.asarray(sample_logits(logits, k, 1.0, 1.0, jnp.asarray(allowed), top_k=5)) for k in keys])
+    for b in range(4):
+        top5 = [int(i) for i in order[b] if allowed[i]][:5]
+        assert set(seen[:, b].tolist()) <= set(top5)
+    assert len(set(seen[:, 0].tolist())) > 1  # it does sample
