@@ -122,6 +122,9 @@ class ParallelConfig:
     strategy: Literal["dp", "gspmd", "zero1", "fsdp", "pmap"] = "dp"
     grad_reduce_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     bucket_mb: float = 25.0  # XLA all-reduce combine threshold
+    # Devices on the `data` mesh axis: 0 = every visible device, N = the first N
+    # (N = 1 is the single-device fallback of the runbooks' `--ddp 0`).
+    num_devices: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +292,8 @@ def validate(cfg: Config) -> Config:
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
     need(0.0 <= cfg.data.val_fraction < 1.0, f"data.val_fraction must lie in [0, 1), got {cfg.data.val_fraction}")
     need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
+    n_dev = cfg.parallel.num_devices
+    need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
     need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
     need(cfg.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep must be positive, got {cfg.checkpoint.max_to_keep}")
     return cfg

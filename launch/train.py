@@ -1,0 +1,171 @@
+"""`python -m launch.train --config NAME [--dataset D] [--steps N] [--out-dir DIR] [--set key=value ...]`
+
+Settles the whole configuration before jax is imported, because some of it must
+reach XLA_FLAGS before the backend starts. Precedence, lowest first:
+  the YAML file < runbook environment variables < command-line flags and --set.
+
+Environment variables (the torch runbooks' names):
+  NSA_ACCUM -> train.accumulate      NSA_LR -> train.lr
+  NSA_SEQ_LEN -> train.seq_len       NSA_BATCH_SIZE -> train.global_batch
+  NSA_DDP_COMPRESS=bf16|off -> parallel.grad_reduce_dtype bfloat16|float32
+  NSA_DDP_BUCKET_MB -> parallel.bucket_mb (-> --xla_gpu_all_reduce_combine_threshold_bytes)
+  NSA_TB_DISABLE, NSA_DISABLE_CSV_LOGS, NSA_DISABLE_AUX_STATS = 1|0
+      -> logging.tensorboard, logging.csv, logging.aux_stats off|on
+Bad input prints one `error: ...` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import sys
+
+from nsa_jax.config import ConfigError, load_config
+
+BUCKET_FLAG = "--xla_gpu_all_reduce_combine_threshold_bytes"
+# Files a run writes into its out_dir (besides heartbeat_rank<r>.jsonl and tb/).
+RUN_FILES = ("training.csv", "env.json", ".HALT", ".anomaly_type")
+
+# variable -> (config key, value converter)
+_NUMERIC_ENV = {
+    "NSA_ACCUM": ("train.accumulate", int),
+    "NSA_LR": ("train.lr", float),
+    "NSA_SEQ_LEN": ("train.seq_len", int),
+    "NSA_BATCH_SIZE": ("train.global_batch", int),
+    "NSA_DDP_BUCKET_MB": ("parallel.bucket_mb", float),
+}
+_DISABLE_ENV = {
+    "NSA_TB_DISABLE": "logging.tensorboard",
+    "NSA_DISABLE_CSV_LOGS": "logging.csv",
+    "NSA_DISABLE_AUX_STATS": "logging.aux_stats",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m launch.train", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
+    p.add_argument("--dataset", help="data.dataset (synthetic, fineweb_edu, jsonl, text, kv_recall)")
+    p.add_argument("--steps", type=int, help="train.steps (optimizer steps)")
+    p.add_argument("--out-dir", help="train.out_dir")
+    p.add_argument("--loader-timeout", type=float, help="data.loader_timeout in seconds (0 waits forever)")
+    p.add_argument("--synthetic-on-fail", action="store_true", help="fall back to synthetic data on a loader timeout")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="model.dtype bfloat16 | float32")
+    p.add_argument("--ddp", type=int, choices=(0, 1), help="0: one device only (parallel.num_devices=1); 1: all")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config override, e.g. --set model.n_layers=2 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace the artifacts of an earlier run in the out dir")
+    return p
+
+
+def env_overrides(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Runbook variables -> (dotted overrides, {variable: what it set}); ConfigError on bad values."""
+    overrides, applied = [], {}
+
+    def add(var: str, key: str, value) -> None:
+        overrides.append(f"{key}={value}")
+        applied[var] = f"{key}={value}"
+
+    for var, (key, conv) in _NUMERIC_ENV.items():
+        raw = environ.get(var, "").strip()
+        if raw:
+            try:
+                add(var, key, conv(raw))
+            except ValueError:
+                kind = "an integer" if conv is int else "a number"
+                raise ConfigError(f"{var}={raw!r} must be {kind} ({key})") from None
+    raw = environ.get("NSA_DDP_COMPRESS", "").strip().lower()
+    if raw:
+        dtypes = {"bf16": "bfloat16", "bfloat16": "bfloat16", "off": "float32", "fp32": "float32", "none": "float32"}
+        if raw not in dtypes:
+            raise ConfigError(f"NSA_DDP_COMPRESS={raw!r} must be bf16 or off")
+        add("NSA_DDP_COMPRESS", "parallel.grad_reduce_dtype", dtypes[raw])
+    for var, key in _DISABLE_ENV.items():
+        raw = environ.get(var, "").strip()
+        if raw:
+            if raw not in ("0", "1"):
+                raise ConfigError(f"{var}={raw!r} must be 1 (disable) or 0 (enable)")
+            add(var, key, "false" if raw == "1" else "true")
+    return overrides, applied
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.dataset is not None:
+        out.append(f"data.dataset={args.dataset}")
+    if args.steps is not None:
+        out.append(f"train.steps={args.steps}")
+    if args.out_dir is not None:
+        out.append(f"train.out_dir={args.out_dir}")
+    if args.loader_timeout is not None:
+        out.append(f"data.loader_timeout={args.loader_timeout}")
+    if args.synthetic_on_fail:
+        out.append("data.synthetic_on_fail=true")
+    if args.precision is not None:
+        out.append(f"model.dtype={'bfloat16' if args.precision == 'bf16' else 'float32'}")
+    if args.ddp is not None:
+        out.append(f"parallel.num_devices={1 if args.ddp == 0 else 0}")
+    return out + list(args.overrides)
+
+
+def xla_flags_with_bucket(flags: str, bucket_mb: float) -> str:
+    """XLA_FLAGS plus the all-reduce combine threshold, unless the flags already set one."""
+    if BUCKET_FLAG in flags:
+        return flags
+    return f"{flags} {BUCKET_FLAG}={int(bucket_mb * 2**20)}".strip()
+
+
+def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuses to mix a new run into an earlier run's artifacts unless `overwrite`."""
+    out = pathlib.Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.out_dir {out} exists and is not a directory")
+    if not out.is_dir():
+        return
+    found = [n for n in RUN_FILES if (out / n).exists()] + sorted(q.name for q in out.glob("heartbeat_rank*.jsonl"))
+    if not found:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"{out} already holds a run ({', '.join(found[:3])}); choose another directory with "
+            "--out-dir or --set train.out_dir=..., or pass --overwrite to replace it"
+        )
+    for name in found:
+        (out / name).unlink()
+    if (out / "tb").is_dir():
+        shutil.rmtree(out / "tb")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        env_sets, applied = env_overrides(os.environ)
+        cfg = load_config(args.config, env_sets + flag_overrides(args))
+        prepare_out_dir(cfg.train.out_dir, args.overwrite)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Before the first jax import: XLA reads its flags once, when the backend starts.
+    os.environ["XLA_FLAGS"] = xla_flags_with_bucket(os.environ.get("XLA_FLAGS", ""), cfg.parallel.bucket_mb)
+
+    from nsa_jax.train.loop import Trainer
+
+    try:
+        trainer = Trainer(cfg, applied_env=applied)
+    except (ConfigError, ValueError, TimeoutError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = trainer.run()
+    return 1 if summary.get("halted") in ("nan_loss", "nan_grad") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

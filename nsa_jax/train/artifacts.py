@@ -1,0 +1,287 @@
+"""Run artifacts under the output directory (RUNBOOK_MAPPING.md "Artifacts").
+
+Owns the file formats operators and their scripts read:
+  training.csv            header row; step, loss, lr, toks_per_s first (runbook scripts
+                          read column 3 as tokens/s), then the columns of `csv_columns`
+  heartbeat_rank<r>.jsonl one JSON object per line: ts, iso, pid, rank, step, msg, memory,
+                          event (boot, compile, step_start, progress, step_end, eval,
+                          loader_*, anomaly, halt, done) plus event-specific fields
+  env.json                versions, devices, mesh, XLA_FLAGS, NSA_*/NCCL_* variables and
+                          what each NSA_* toggle does here, git sha, config, kernels
+  tb/                     tensorboardX event files
+Process 0 writes the CSV, env.json and tb/; every process writes its own heartbeat.
+Each kind is switched by `logging.*` (the launcher maps NSA_TB_DISABLE,
+NSA_DISABLE_CSV_LOGS and NSA_DISABLE_AUX_STATS onto those keys).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+
+from nsa_jax.config import Config
+
+BRANCHES = ("cmp", "slc", "win")
+CSV_HEAD = ("step", "loss", "lr", "toks_per_s", "grad_norm", "step_time_s")
+CSV_TAIL = ("tokens", "elapsed_s", "skipped", "val_loss")
+# Layer means of the NSA statistics; per-layer values go to TensorBoard.
+CSV_AUX = ("gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_frac")
+
+
+# Torch-runbook variables that are accepted and do nothing here, and why.
+NOOP_TOGGLES = {
+    "NSA_PREFILL_BATCHED": "always vectorised",
+    "NSA_SEL_RANGES_V2": "always vectorised; the kernel choice is model.nsa.attention_impl",
+    "NSA_DDP_FIND_UNUSED": "jit traces one static graph; no unused-parameter search",
+    "NSA_DDP_STATIC_GRAPH": "jit traces one static graph",
+    "NSA_DDP_DISABLE_GC": "activation checkpointing is model.remat and works under data parallel",
+    "NSA_DDP_SAFE_MODE": "no DDP hooks to make conservative",
+    "NSA_OPT_FUSED": "XLA fuses the optimizer update",
+    "NSA_USE_FA2": "no dense SDPA path; per-branch kernels are recorded in attention_impl",
+    "NSA_SDPA_AUDIT": "no dense SDPA path; per-branch kernels are recorded in attention_impl",
+    "NSA_SDPA_FLASH_ONLY": "no dense SDPA path; per-branch kernels are recorded in attention_impl",
+    "NSA_SDPA_NO_FLASH": "no dense SDPA path; per-branch kernels are recorded in attention_impl",
+    "NSA_NVTX": "branches always carry named scopes in profiler traces",
+    "NSA_SCALER_INIT_SCALE": "no fp16 path; bf16 needs no loss scaling",
+    "NSA_SCALER_GROWTH_INTERVAL": "no fp16 path; bf16 needs no loss scaling",
+    "NSA_SCALER_GROWTH_FACTOR": "no fp16 path; bf16 needs no loss scaling",
+    "NSA_SCALER_BACKOFF_FACTOR": "no fp16 path; bf16 needs no loss scaling",
+    "NSA_MEM_DUMP_EVERY": "not implemented yet",
+    "NSA_PG_TIMEOUT_MIN": "not implemented yet; see ops.stall_seconds",
+}
+
+
+def csv_columns(cfg: Config) -> tuple[str, ...]:
+    return CSV_HEAD + CSV_TAIL + (CSV_AUX if cfg.logging.aux_stats else ())
+
+
+# ---------------------------------------------------------------------------
+# memory and environment
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        except Exception:  # noqa: BLE001 - memory is best effort
+            return None
+
+
+def memory_snapshot() -> dict[str, Any]:
+    """Device bytes in use (max over local devices) where the backend reports it, else process RSS."""
+    in_use, peak = [], []
+    for d in jax.local_devices():
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - not every backend implements it
+            stats = None
+        if stats and "bytes_in_use" in stats:
+            in_use.append(int(stats["bytes_in_use"]))
+            peak.append(int(stats.get("peak_bytes_in_use", stats["bytes_in_use"])))
+    if in_use:
+        return {"source": "device", "bytes_in_use": max(in_use), "peak_bytes_in_use": max(peak)}
+    return {"source": "process_rss", "bytes_in_use": _rss_bytes()}
+
+
+def _git_sha() -> str | None:
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - absent package
+        return None
+
+
+def toggle_effects(environ: dict[str, str], applied: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Every NSA_* variable set -> its value and what it does in this run."""
+    out = {}
+    for name in sorted(k for k in environ if k.startswith("NSA_")):
+        if name in applied:
+            effect = f"applied: {applied[name]}"
+        elif name in NOOP_TOGGLES:
+            effect = f"accepted, no effect: {NOOP_TOGGLES[name]}"
+        else:
+            effect = "not recognised; ignored"
+        out[name] = {"value": environ[name], "effect": effect}
+    return out
+
+
+def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None) -> dict[str, Any]:
+    from nsa_jax.kernels import describe_impl
+
+    environ = dict(os.environ)
+    return {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "versions": {
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "jaxlib": _version("jaxlib"),
+            "flax": _version("flax"),
+            "optax": _version("optax"),
+            "orbax-checkpoint": _version("orbax-checkpoint"),
+            "grain": _version("grain"),
+            "numpy": _version("numpy"),
+            "nsa_jax": _version("nsa-jax"),
+        },
+        "git_sha": _git_sha(),
+        "host": platform.node(),
+        "backend": jax.default_backend(),
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "devices": [str(d) for d in jax.devices()],
+        "local_device_count": jax.local_device_count(),
+        "mesh": {"axis_names": list(mesh.axis_names), "shape": dict(mesh.shape),
+                 "devices": [str(d) for d in mesh.devices.flat]},
+        "attention_impl": describe_impl(cfg.model.nsa.attention_impl),
+        "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
+        "nsa_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NSA_")},
+        "nccl_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_")},
+        "toggles": toggle_effects(environ, applied or {}),
+        "noop_toggles": {k: f"accepted, no effect: {v}" for k, v in NOOP_TOGGLES.items()},
+        "config": cfg.to_dict(),
+    }
+
+
+# ---------------------------------------------------------------------------
+# writers
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class Heartbeat:
+    """Appends one JSON line per event to heartbeat_rank<r>.jsonl, flushed at once (watchdogs tail it)."""
+
+    def __init__(self, path: pathlib.Path, rank: int):
+        self.path, self.rank, self.pid = path, rank, os.getpid()
+        self.f = open(path, "a", buffering=1)
+
+    def event(self, event: str, step: int, msg: str = "", **fields: Any) -> None:
+        ts = time.time()
+        rec = {"ts": ts, "iso": _iso(ts), "pid": self.pid, "rank": self.rank, "step": int(step),
+               "event": event, "msg": msg, "memory": memory_snapshot(), **fields}
+        self.f.write(json.dumps(rec, default=_json_default) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class CsvLog:
+    """training.csv: a header row, then one row per optimizer step."""
+
+    def __init__(self, path: pathlib.Path, columns: tuple[str, ...]):
+        self.columns = columns
+        self.f = open(path, "w", buffering=1)
+        self.f.write(",".join(columns) + "\n")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.f.write(",".join(_fmt(row.get(c)) for c in self.columns) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class TbLog:
+    """tensorboardX scalars under <out>/tb."""
+
+    def __init__(self, logdir: pathlib.Path):
+        from tensorboardX import SummaryWriter
+
+        self.w = SummaryWriter(logdir=str(logdir), flush_secs=30)
+
+    def scalars(self, step: int, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            if v is not None and math.isfinite(float(v)):
+                self.w.add_scalar(k, float(v), step)
+
+    def close(self) -> None:
+        self.w.close()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _json_default(v: Any):
+    try:
+        return v.item()
+    except AttributeError:
+        return str(v)
+
+
+class RunArtifacts:
+    """The writers of one process, each present only when enabled for it."""
+
+    def __init__(self, cfg: Config, out_dir: str | os.PathLike, mesh, applied_env: dict[str, str] | None = None):
+        self.cfg, self.out = cfg, pathlib.Path(out_dir)
+        self.rank = jax.process_index()
+        lead = self.rank == 0
+        self.out.mkdir(parents=True, exist_ok=True)
+        log = cfg.logging
+        self.env_path = self.out / "env.json"
+        self.env = env_info(cfg, mesh, applied_env) if log.env_json and lead else None
+        if self.env is not None:
+            self.write_env()
+        self.hb = Heartbeat(self.out / f"heartbeat_rank{self.rank}.jsonl", self.rank) if log.heartbeat else None
+        self.csv = CsvLog(self.out / "training.csv", csv_columns(cfg)) if log.csv and lead else None
+        self.tb = TbLog(self.out / "tb") if log.tensorboard and lead else None
+
+    def write_env(self, **sections: Any) -> None:
+        """(Re)writes env.json atomically, adding `sections` (e.g. compile statistics)."""
+        if self.env is None:
+            return
+        self.env.update(sections)
+        tmp = self.env_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.env, indent=2, default=_json_default) + "\n")
+        os.replace(tmp, self.env_path)
+
+    def event(self, event: str, step: int, msg: str = "", **fields: Any) -> None:
+        if self.hb is not None:
+            self.hb.event(event, step, msg, **fields)
+
+    def row(self, row: dict[str, Any]) -> None:
+        if self.csv is not None:
+            self.csv.write(row)
+
+    def scalars(self, step: int, values: dict[str, Any]) -> None:
+        if self.tb is not None:
+            self.tb.scalars(step, values)
+
+    def close(self) -> None:
+        for w in (self.hb, self.csv, self.tb):
+            if w is not None:
+                w.close()

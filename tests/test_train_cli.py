@@ -1,0 +1,183 @@
+"""`python -m launch.train` end to end in subprocesses: artifacts, toggles, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from launch.train import BUCKET_FLAG, env_overrides, prepare_out_dir, xla_flags_with_bucket  # noqa: E402
+from nsa_jax.config import ConfigError, load_config  # noqa: E402
+
+TINY = [
+    "model.n_layers=1", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
+    "model.v_head_dim=16", "model.d_ff=128", "model.nsa.cmp_mlp_hidden=32", "model.nsa.gate_hidden=16",
+    "train.seq_len=64", "train.global_batch=4",
+]
+HEARTBEAT_FIELDS = {"ts", "iso", "pid", "rank", "step", "msg", "memory", "event"}
+
+
+def launch(args: list[str], env: dict[str, str] | None = None, devices: int = 2, timeout: int = 600):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("NSA_")}
+    full_env.update(
+        PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+    )
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "launch.train", *args], cwd=ROOT, env=full_env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def sets(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def read_heartbeat(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
+    out = tmp_path / "run"
+    extra = ["train.log_every=2", "train.eval_every=2", "train.eval_batches=1"]
+    r = launch(["--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out), *sets(TINY + extra)],
+               env={"NSA_PREFILL_BATCHED": "1", "NSA_DDP_COMPRESS": "off", "NCCL_ALGO": "Ring"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"^compile: [\d.]+s \| per device: arguments ", r.stdout, re.M), r.stdout
+    assert re.search(r"^step 2/3 \| loss \d+\.\d{4} \| lr \d\.\d\de-\d\d \| [\d,]+ tok/s \| ETA \S+", r.stdout, re.M)
+
+    with open(out / "training.csv") as f:
+        rows = list(csv.reader(f))
+    header, body = rows[0], rows[1:]
+    assert header[:6] == ["step", "loss", "lr", "toks_per_s", "grad_norm", "step_time_s"]
+    assert {"gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_frac", "val_loss"} <= set(header)
+    assert [int(r[0]) for r in body] == [1, 2, 3]
+    col = {name: i for i, name in enumerate(header)}
+    for row in body:
+        assert all(math.isfinite(float(row[col[c]])) for c in ("loss", "lr", "grad_norm", "gate_slc"))
+        assert float(row[col["toks_per_s"]]) > 0 and float(row[col["step_time_s"]]) > 0
+    assert [bool(r[col["val_loss"]]) for r in body] == [False, True, False]
+
+    beats = read_heartbeat(out / "heartbeat_rank0.jsonl")
+    assert all(HEARTBEAT_FIELDS <= set(b) for b in beats)
+    events = [b["event"] for b in beats]
+    assert {"boot", "compile", "step_start", "progress", "step_end", "done"} <= set(events)
+    assert [b["step"] for b in beats if b["event"] == "step_end"] == [1, 2, 3]
+    assert all(b["memory"]["bytes_in_use"] > 0 and b["rank"] == 0 for b in beats)
+    # Every step is announced before it ends.
+    for s in (1, 2, 3):
+        start = next(i for i, b in enumerate(beats) if b["event"] == "step_start" and b["step"] == s)
+        end = next(i for i, b in enumerate(beats) if b["event"] == "step_end" and b["step"] == s)
+        assert start < end
+
+    env = json.loads((out / "env.json").read_text())
+    assert {"python", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint"} <= set(env["versions"])
+    assert all(env["versions"][k] for k in ("python", "jax", "jaxlib", "flax", "optax"))
+    assert len(env["devices"]) == 2 and env["mesh"]["shape"] == {"data": 2}
+    assert "--xla_force_host_platform_device_count=2" in env["XLA_FLAGS"]
+    assert f"{BUCKET_FLAG}={25 * 2**20}" in env["XLA_FLAGS"]
+    assert env["nsa_env"]["NSA_PREFILL_BATCHED"] == "1" and env["nccl_env"] == {"NCCL_ALGO": "Ring"}
+    assert env["toggles"]["NSA_PREFILL_BATCHED"]["effect"].startswith("accepted, no effect")
+    assert env["toggles"]["NSA_DDP_COMPRESS"]["effect"] == "applied: parallel.grad_reduce_dtype=float32"
+    assert env["config"]["parallel"]["grad_reduce_dtype"] == "float32"
+    assert env["config"]["model"]["n_layers"] == 1 and env["config"]["train"]["steps"] == 3
+    assert set(env["attention_impl"]) == {"cmp", "slc", "win"}
+    assert "git_sha" in env and env["compile"]["seconds"] > 0
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+    # The same out_dir again: refused before anything is touched.
+    before = (out / "training.csv").read_text()
+    again = launch(["--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out)])
+    assert again.returncode == 2
+    assert again.stderr.strip().count("\n") == 0 and again.stderr.startswith("error: ")
+    assert "--out-dir" in again.stderr and "--overwrite" in again.stderr
+    assert (out / "training.csv").read_text() == before
+
+
+def test_env_toggles_switch_artifacts_off(tmp_path):
+    out = tmp_path / "quiet"
+    # Only the compressed branch: the artifacts are the point here, and it compiles fastest.
+    args = ["--config", "cpu_tiny", "--steps", "1", "--out-dir", str(out), *sets(TINY + ["model.nsa.branches=[cmp]"])]
+    r = launch(args,
+               env={"NSA_DISABLE_CSV_LOGS": "1", "NSA_TB_DISABLE": "1", "NSA_DISABLE_AUX_STATS": "1"}, devices=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (out / "training.csv").exists() and not (out / "tb").exists()
+    assert [b["step"] for b in read_heartbeat(out / "heartbeat_rank0.jsonl") if b["event"] == "step_end"] == [1]
+    env = json.loads((out / "env.json").read_text())
+    assert env["config"]["logging"]["csv"] is False and env["config"]["logging"]["tensorboard"] is False
+    assert env["config"]["logging"]["aux_stats"] is False
+    assert env["toggles"]["NSA_DISABLE_CSV_LOGS"]["effect"] == "applied: logging.csv=false"
+
+
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        (["--steps", "abc"], {}),
+        (["--bogus"], {}),
+        (["--config", "no_such_config"], {}),
+        (["--set", "model.n_layers=-1"], {}),
+        (["--set", "train.no_such_key=1"], {}),
+        ([], {"NSA_DDP_COMPRESS": "fp8"}),
+        ([], {"NSA_ACCUM": "two"}),
+        (["--set", "train.global_batch=3", *sets(TINY[:-1])], {}),  # 3 rows over 2 devices
+    ],
+)
+def test_bad_input_gives_one_error_line_and_status_2(tmp_path, args, env):
+    r = launch(["--config", "cpu_tiny", "--out-dir", str(tmp_path / "x"), *args], env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+
+
+def test_launcher_does_not_import_jax_before_setting_flags():
+    code = "import sys, launch.train; print('jax' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.strip() == "False", r.stderr
+
+
+def test_env_overrides_map_runbook_variables():
+    sets_, applied = env_overrides({
+        "NSA_ACCUM": "2", "NSA_LR": "3e-4", "NSA_SEQ_LEN": "1024", "NSA_BATCH_SIZE": "4",
+        "NSA_DDP_COMPRESS": "bf16", "NSA_DDP_BUCKET_MB": "100", "NSA_TB_DISABLE": "0",
+        "NSA_DISABLE_CSV_LOGS": "1", "NSA_PREFILL_BATCHED": "1",
+    })
+    cfg = load_config("a100_pcie", sets_)
+    assert (cfg.train.accumulate, cfg.train.lr, cfg.train.seq_len, cfg.train.global_batch) == (2, 3e-4, 1024, 4)
+    assert cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.parallel.bucket_mb == 100.0
+    assert cfg.logging.tensorboard is True and cfg.logging.csv is False
+    assert "NSA_PREFILL_BATCHED" not in applied and applied["NSA_ACCUM"] == "train.accumulate=2"
+    off = load_config("a100_pcie", env_overrides({"NSA_DDP_COMPRESS": "off"})[0])
+    assert off.parallel.grad_reduce_dtype == "float32"
+    with pytest.raises(ConfigError, match="NSA_TB_DISABLE"):
+        env_overrides({"NSA_TB_DISABLE": "yes"})
+
+
+def test_bucket_flag_is_appended_once():
+    assert xla_flags_with_bucket("", 25) == f"{BUCKET_FLAG}={25 * 2**20}"
+    assert xla_flags_with_bucket("--a=1", 100) == f"--a=1 {BUCKET_FLAG}={100 * 2**20}"
+    mine = f"--a=1 {BUCKET_FLAG}=5"
+    assert xla_flags_with_bucket(mine, 100) == mine
+
+
+def test_overwrite_clears_an_earlier_run(tmp_path):
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "events.out.tfevents.1").write_text("x")
+    for name in ("training.csv", "heartbeat_rank0.jsonl", "env.json", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_out_dir(str(tmp_path), overwrite=False)
+    prepare_out_dir(str(tmp_path), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    prepare_out_dir(str(tmp_path), overwrite=False)  # nothing left to protect
