@@ -60,12 +60,23 @@ def _qkv(B, T, H, K, D, seed=0):
     )
 
 
-@pytest.mark.parametrize("G,K,T,lp,n,chunk", [(1, 2, 37, 8, 3, 16), (6, 1, 50, 8, 4, 512), (2, 2, 64, 16, 3, 20)])
-def test_selection_matches_per_token_and_dense_grads(G, K, T, lp, n, chunk):
+@pytest.mark.parametrize(
+    "G,K,T,lp,n,chunk,strategy",
+    [
+        (1, 2, 37, 8, 3, 16, "gather"),
+        (6, 1, 50, 8, 4, 512, "gather"),
+        (2, 2, 64, 16, 3, 20, "gather"),
+        (1, 2, 37, 8, 3, 16, "masked"),
+        (6, 1, 50, 8, 4, 512, "masked"),
+    ],
+)
+def test_selection_matches_per_token_and_dense_grads(G, K, T, lp, n, chunk, strategy):
     B, D = 2, 8
     q, k, v = _qkv(B, T, G * K, K, D)
     idx = random_block_indices(np.random.default_rng(0), B, T, K, n, lp)
-    f = jax.jit(lambda q, k, v: selection_attention_xla(q, k, v, jnp.asarray(idx), lp, query_chunk=chunk))
+    f = jax.jit(
+        lambda q, k, v: selection_attention_xla(q, k, v, jnp.asarray(idx), lp, query_chunk=chunk, strategy=strategy)
+    )
     out = f(q, k, v)
 
     def visible(b, t, kv):
@@ -104,7 +115,7 @@ def test_selection_with_all_blocks_is_full_causal_attention():
     q, k, v = _qkv(B, T, G * K, K, D, seed=2)
     scores = jax.random.uniform(jax.random.PRNGKey(3), (B, T, K, n))
     idx = select_blocks(scores, lp, n)
-    out = selection_attention_xla(q, k, v, idx, lp, query_chunk=16)
+    out = jax.jit(lambda *a: selection_attention_xla(*a, lp, query_chunk=16, strategy="gather"))(q, k, v, idx)
     causal = np.tril(np.ones((T, T), bool))[None, None]
     ref, _ = dense_attention(q, k, v, causal)
     assert rel_err(out, ref) < 1e-5
@@ -113,7 +124,7 @@ def test_selection_with_all_blocks_is_full_causal_attention():
 def test_window_covering_sequence_is_full_causal_attention():
     B, G, K, T, D = 1, 2, 2, 30, 8
     q, k, v = _qkv(B, T, G * K, K, D, seed=4)
-    out = window_attention_xla(q, k, v, T + 5, query_chunk=8)
+    out = jax.jit(lambda *a: window_attention_xla(*a, T + 5, query_chunk=8))(q, k, v)
     ref, _ = dense_attention(q, k, v, np.tril(np.ones((T, T), bool))[None, None])
     assert rel_err(out, ref) < 1e-5
 

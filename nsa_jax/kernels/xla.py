@@ -83,12 +83,27 @@ def selection_attention_xla(
     scale: float | None = None,
     *,
     query_chunk: int = 512,
+    strategy: str = "auto",
 ) -> jax.Array:
-    """Attention of q_t over positions p <= t inside its selected blocks."""
+    """Attention of q_t over positions p <= t inside its selected blocks.
+
+    `strategy`: `gather` reads only the N*lp selected keys of each query
+    (O(T N lp) work; the long-context path); `masked` scores a query chunk
+    against all T keys under a block mask (O(T^2) work but O(C T) memory, and
+    plain matmuls instead of gathers and their scatter-add gradients, which is
+    much faster when the selection covers a large share of T anyway); `auto`
+    takes `masked` when T <= 2 N lp.
+    """
     B, T, H, Dk = q_BxTxHxDk.shape
     K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
     N = idx_BxTxKxN.shape[-1]
     scale = Dk**-0.5 if scale is None else scale
+    if strategy == "auto":
+        strategy = "masked" if T <= 2 * N * block_size else "gather"
+    if strategy == "masked":
+        return _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk)
+    if strategy != "gather":
+        raise ValueError(f"selection strategy must be auto, gather or masked, got {strategy!r}")
     n_blocks = -(-T // block_size)
     pad = n_blocks * block_size - T
     # [B, K, T', D]: one contiguous row per KV head, so a block is a contiguous run.
@@ -111,6 +126,28 @@ def selection_attention_xla(
         s = jnp.einsum("bckgd,bcksd->bckgs", qg, kg_BxCxKxSxD, preferred_element_type=jnp.float32) * scale
         vis = visible.reshape(B, C, K, 1, N * block_size)
         o = masked_softmax_attend(s, vis, vg_BxCxKxSxD, "bckgs,bcksd->bckgd")
+        return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
+
+    return map_query_chunks(body, query_chunk, q_BxTxHxDk, idx_BxTxKxN)
+
+
+def _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk):
+    """Selection attention as chunked dense attention under a selected-block mask."""
+    B, T, H, Dk = q_BxTxHxDk.shape
+    K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
+    n_blocks = -(-T // block_size)
+    p_T = jnp.arange(T, dtype=jnp.int32)
+    block_of_T = p_T // block_size
+
+    def body(start, q_BxCxHxDk, idx_BxCxKxN):
+        C = q_BxCxHxDk.shape[1]
+        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        # chosen[b, c, k, j]: block j is among the row's selected blocks (-1 matches none).
+        chosen = jnp.any(idx_BxCxKxN[..., None] == jnp.arange(n_blocks, dtype=jnp.int32), axis=-2)
+        visible = chosen[..., block_of_T] & (p_T[None, None, None, :] <= t_C[None, :, None, None])
+        qg = _group(q_BxCxHxDk, K)
+        s = jnp.einsum("bckgd,btkd->bckgt", qg, k_BxTxKxDk, preferred_element_type=jnp.float32) * scale
+        o = masked_softmax_attend(s, visible[:, :, :, None, :], v_BxTxKxDv, "bckgt,btkd->bckgd")
         return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
 
     return map_query_chunks(body, query_chunk, q_BxTxHxDk, idx_BxTxKxN)

@@ -1,0 +1,85 @@
+"""Smoke tests of the benchmark scripts: each CLI runs at tiny sizes and writes the JSON it documents.
+
+No timing is asserted (timings are printed by the benchmarks, never tested).
+The scripts run in a subprocess, as a user would run them; most of their time
+is XLA:CPU compiling the tiny programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def run_cli(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_bench_attention_cli_writes_json(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = run_cli(
+        "bench_attention.py", "--config", "cpu_tiny", "--seq-lens", "64", "--no-backward",
+        "--iters", "1", "--warmup", "0", "--json", str(out),
+    )
+    assert "backend: cpu" in proc.stdout
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["rows"]
+    for key in ("backend", "device", "jax", "dtype", "batch", "model", "kernels", "chunked_check_max_abs_err"):
+        assert key in meta, key
+    # The chunked dense baseline computes the same attention (output and grads).
+    assert meta["chunked_check_max_abs_err"] < 1e-4
+    assert [(r["seq"], r["mode"]) for r in rows] == [(64, "fwd")]
+    row = rows[0]
+    for name in ("nsa", "dense_xla", "dense_chunked"):
+        assert row[f"{name}_ms"] > 0, name
+        mem = row[f"{name}_mem"]
+        for key in ("argument", "output", "temp", "alias", "generated_code", "total"):
+            assert key in mem, (name, key)
+        assert mem["total"] > 0
+    assert row["dense_best"] in ("xla", "chunked")
+    assert row["dense_ms"] == row[f"dense_{row['dense_best']}_ms"]
+    assert row["speedup_nsa_vs_dense"] == pytest.approx(row["dense_ms"] / row["nsa_ms"])
+    for key in ("mem_ratio_dense_vs_nsa", "dense_mem_total", "cpu_time_ratio_dense_vs_nsa"):
+        assert key in row, key
+
+
+def test_bench_compile_cli_writes_json(tmp_path):
+    out = tmp_path / "compile.json"
+    proc = run_cli(
+        "bench_compile.py", "--config", "cpu_tiny", "--seq-len", "32", "--n-layers", "1",
+        "--remat", "none", "--scan", "true", "--set", "train.global_batch=1", "--json", str(out),
+    )
+    assert "backend: cpu" in proc.stdout
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["rows"]
+    for key in ("backend", "device", "config", "seq_len", "global_batch", "accumulate"):
+        assert key in meta, key
+    assert meta["seq_len"] == 32
+    assert len(rows) == 1
+    row = rows[0]
+    assert "error" not in row, row.get("error")
+    assert (row["n_layers"], row["remat"], row["scan_layers"]) == (1, "none", True)
+    assert row["step"] in ("project", "minimal")
+    for key in ("lower_s", "compile_s", "total_s", "stablehlo_kib", "n_params"):
+        assert row[key] > 0, key
+    for key in ("argument", "output", "alias", "temp", "generated_code", "total"):
+        assert key in row["mem"], key
+    assert row["mem"]["argument"] > 0
