@@ -137,14 +137,15 @@ def _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_siz
     K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
     n_blocks = -(-T // block_size)
     p_T = jnp.arange(T, dtype=jnp.int32)
-    block_of_T = p_T // block_size
 
     def body(start, q_BxCxHxDk, idx_BxCxKxN):
         C = q_BxCxHxDk.shape[1]
         t_C = start + jnp.arange(C, dtype=jnp.int32)
         # chosen[b, c, k, j]: block j is among the row's selected blocks (-1 matches none).
         chosen = jnp.any(idx_BxCxKxN[..., None] == jnp.arange(n_blocks, dtype=jnp.int32), axis=-2)
-        visible = chosen[..., block_of_T] & (p_T[None, None, None, :] <= t_C[None, :, None, None])
+        # Broadcast each block's flag over its lp positions (a reshape, not a gather).
+        chosen_T = jnp.broadcast_to(chosen[..., None], (*chosen.shape, block_size)).reshape(*chosen.shape[:-1], -1)
+        visible = chosen_T[..., :T] & (p_T[None, None, None, :] <= t_C[None, :, None, None])
         qg = _group(q_BxCxHxDk, K)
         s = jnp.einsum("bckgd,btkd->bckgt", qg, k_BxTxKxDk, preferred_element_type=jnp.float32) * scale
         o = masked_softmax_attend(s, visible[:, :, :, None, :], v_BxTxKxDv, "bckgt,btkd->bckgd")
