@@ -202,8 +202,16 @@ def main(argv: list[str] | None = None) -> int:
 
     d_ff = args.d_ff or -(-(8 * args.d_model // 3) // 64) * 64
     cfg = ModelConfig(
-        vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-        head_dim=args.head_dim, v_head_dim=args.head_dim, d_ff=d_ff, dtype=args.dtype, nsa=nsa,
+        vocab_size=256,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        v_head_dim=args.head_dim,
+        d_ff=d_ff,
+        dtype=args.dtype,
+        nsa=nsa,
     )
     cfg = inference_config(cfg)
     params = random_params(cfg)

@@ -38,212 +38,209 @@ from nsa_jax.kernels.selection_pallas import selection_attention_pallas  # noqa:
 from nsa_jax.kernels.window_pallas import window_attention_pallas  # noqa: E402
 
 try:
-  from nsa_jax.kernels import xla as xla_kernels  # noqa: E402
+    from nsa_jax.kernels import xla as xla_kernels  # noqa: E402
 except ImportError:  # the reference path is optional for this script
-  xla_kernels = None
+    xla_kernels = None
 
-PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16,
-            window=512)
+PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512)
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
 
 
 def on_gpu() -> bool:
-  return jax.default_backend() in ("gpu", "cuda", "rocm")
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def random_block_indices(key, batch, seq, kv_heads, slots, block_size):
-  """Valid selections: blocks 0, cur, cur-1 forced, the rest random <= cur."""
-  num_blocks = -(-seq // block_size)
-  chunk = min(seq, 4096)
+    """Valid selections: blocks 0, cur, cur-1 forced, the rest random <= cur."""
+    num_blocks = -(-seq // block_size)
+    chunk = min(seq, 4096)
 
-  def one_chunk(args):
-    start, key = args
-    t_C = start + jnp.arange(chunk)
-    cur_C = t_C // block_size
-    j_N = jnp.arange(num_blocks)
-    score = jax.random.uniform(key, (batch, chunk, kv_heads, num_blocks))
-    forced = ((j_N == 0) | (j_N[None] == cur_C[:, None])
-              | (j_N[None] == cur_C[:, None] - 1))[None, :, None, :]
-    allowed = (j_N[None] <= cur_C[:, None])[None, :, None, :]
-    score = jnp.where(forced, 2.0, jnp.where(allowed, score, -1.0))
-    top, idx = jax.lax.top_k(score, min(slots, num_blocks))
-    idx = jnp.where(top >= 0.0, idx, -1).astype(jnp.int32)
-    if slots > num_blocks:
-      idx = jnp.pad(idx, [(0, 0)] * 3 + [(0, slots - num_blocks)],
-                    constant_values=-1)
-    return idx
+    def one_chunk(args):
+        start, key = args
+        t_C = start + jnp.arange(chunk)
+        cur_C = t_C // block_size
+        j_N = jnp.arange(num_blocks)
+        score = jax.random.uniform(key, (batch, chunk, kv_heads, num_blocks))
+        forced = ((j_N == 0) | (j_N[None] == cur_C[:, None]) | (j_N[None] == cur_C[:, None] - 1))[None, :, None, :]
+        allowed = (j_N[None] <= cur_C[:, None])[None, :, None, :]
+        score = jnp.where(forced, 2.0, jnp.where(allowed, score, -1.0))
+        top, idx = jax.lax.top_k(score, min(slots, num_blocks))
+        idx = jnp.where(top >= 0.0, idx, -1).astype(jnp.int32)
+        if slots > num_blocks:
+            idx = jnp.pad(idx, [(0, 0)] * 3 + [(0, slots - num_blocks)], constant_values=-1)
+        return idx
 
-  n_chunks = -(-seq // chunk)
-  starts = jnp.arange(n_chunks) * chunk
-  keys = jax.random.split(key, n_chunks)
-  out = jax.lax.map(one_chunk, (starts, keys))  # [chunks, B, C, K, n]
-  out = jnp.moveaxis(out, 0, 1).reshape(batch, n_chunks * chunk, kv_heads,
-                                        slots)
-  return out[:, :seq]
+    n_chunks = -(-seq // chunk)
+    starts = jnp.arange(n_chunks) * chunk
+    keys = jax.random.split(key, n_chunks)
+    out = jax.lax.map(one_chunk, (starts, keys))  # [chunks, B, C, K, n]
+    out = jnp.moveaxis(out, 0, 1).reshape(batch, n_chunks * chunk, kv_heads, slots)
+    return out[:, :seq]
 
 
 def time_fn(fn, args, warmup, iters):
-  """Median wall time (ms) of the jitted ``fn(*args)``."""
-  jitted = jax.jit(fn)
-  for _ in range(warmup):
-    jax.block_until_ready(jitted(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(jitted(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
+    """Median wall time (ms) of the jitted ``fn(*args)``."""
+    jitted = jax.jit(fn)
+    for _ in range(warmup):
+        jax.block_until_ready(jitted(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def with_backward(fn):
-  """fn(q, k, v) -> forward+backward of sum(o * ct) w.r.t. q, k, v."""
-  def run(q, k, v, ct):
-    o, vjp = jax.vjp(fn, q, k, v)
-    return o, vjp(ct)
-  return run
+    """fn(q, k, v) -> forward+backward of sum(o * ct) w.r.t. q, k, v."""
+
+    def run(q, k, v, ct):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return o, vjp(ct)
+
+    return run
 
 
 def candidates(branch, idx, interpret=False):
-  p = PROD
-  impls = {}
-  if branch == "selection":
-    impls["pallas"] = lambda q, k, v: selection_attention_pallas(
-        q, k, v, idx, p["block_size"], interpret=interpret)
-    if xla_kernels is not None:
-      impls["xla"] = lambda q, k, v: xla_kernels.selection_attention_xla(
-          q, k, v, idx, p["block_size"])
-  else:
-    impls["pallas"] = lambda q, k, v: window_attention_pallas(
-        q, k, v, p["window"], interpret=interpret)
-    if xla_kernels is not None:
-      impls["xla"] = lambda q, k, v: xla_kernels.window_attention_xla(
-          q, k, v, p["window"])
-  impls["dense"] = lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=True)
-  return impls
+    p = PROD
+    impls = {}
+    if branch == "selection":
+        impls["pallas"] = lambda q, k, v: selection_attention_pallas(q, k, v, idx, p["block_size"], interpret=interpret)
+        if xla_kernels is not None:
+            impls["xla"] = lambda q, k, v: xla_kernels.selection_attention_xla(q, k, v, idx, p["block_size"])
+    else:
+        impls["pallas"] = lambda q, k, v: window_attention_pallas(q, k, v, p["window"], interpret=interpret)
+        if xla_kernels is not None:
+            impls["xla"] = lambda q, k, v: xla_kernels.window_attention_xla(q, k, v, p["window"])
+    impls["dense"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return impls
 
 
 def run_one(name, fn, args, ct, mode, opts):
-  try:
-    if mode == "fwd":
-      return time_fn(fn, args, opts.warmup, opts.iters), None
-    return time_fn(with_backward(fn), args + (ct,), opts.warmup,
-                   opts.iters), None
-  except Exception as e:  # out of memory, unsupported size, ...
-    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    print(f"  {name} failed: {msg}", file=sys.stderr)
-    return None, msg
+    try:
+        if mode == "fwd":
+            return time_fn(fn, args, opts.warmup, opts.iters), None
+        return time_fn(with_backward(fn), args + (ct,), opts.warmup, opts.iters), None
+    except Exception as e:  # out of memory, unsupported size, ...
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        print(f"  {name} failed: {msg}", file=sys.stderr)
+        return None, msg
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seq-lens", type=str, default=None,
-                      help="comma-separated T values (default: 2k..64k on "
-                           "GPU, 2048,4096 on CPU)")
-  parser.add_argument("--backward", action="store_true",
-                      help="also time forward+backward")
-  parser.add_argument("--branches", default="selection,window")
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--dtype", default="bfloat16",
-                      choices=("bfloat16", "float32"))
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--iters", type=int, default=5)
-  parser.add_argument("--dense-max-seq", type=int, default=16384,
-                      help="largest T for dense attention (T x T memory)")
-  parser.add_argument("--json", type=str, default=None,
-                      help="write the results to this JSON file")
-  opts = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--seq-lens",
+        type=str,
+        default=None,
+        help="comma-separated T values (default: 2k..64k on GPU, 2048,4096 on CPU)",
+    )
+    parser.add_argument("--backward", action="store_true", help="also time forward+backward")
+    parser.add_argument("--branches", default="selection,window")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--dense-max-seq", type=int, default=16384, help="largest T for dense attention (T x T memory)")
+    parser.add_argument("--json", type=str, default=None, help="write the results to this JSON file")
+    opts = parser.parse_args(argv)
 
-  gpu = on_gpu()
-  device = jax.devices()[0]
-  print(f"backend: {jax.default_backend()}  device: {device.device_kind}  "
-        f"jax {jax.__version__}")
-  if not gpu:
-    print("No GPU found: the Pallas kernels would only run in the "
-          "interpreter, which is not a benchmark, so they are SKIPPED. "
-          "Timing the XLA and dense paths only.")
-  if xla_kernels is None:
-    print("nsa_jax.kernels.xla not importable: XLA path skipped.")
-  if opts.seq_lens:
-    seq_lens = [int(s) for s in opts.seq_lens.split(",") if s]
-  else:
-    seq_lens = list(GPU_SEQ_LENS if gpu else CPU_SEQ_LENS)
-  dtype = jnp.dtype(opts.dtype)
-  modes = ["fwd"] + (["fwd+bwd"] if opts.backward else [])
-  branches = [b.strip() for b in opts.branches.split(",") if b.strip()]
-  p = PROD
+    gpu = on_gpu()
+    device = jax.devices()[0]
+    print(f"backend: {jax.default_backend()}  device: {device.device_kind}  jax {jax.__version__}")
+    if not gpu:
+        print(
+            "No GPU found: the Pallas kernels would only run in the "
+            "interpreter, which is not a benchmark, so they are SKIPPED. "
+            "Timing the XLA and dense paths only."
+        )
+    if xla_kernels is None:
+        print("nsa_jax.kernels.xla not importable: XLA path skipped.")
+    if opts.seq_lens:
+        seq_lens = [int(s) for s in opts.seq_lens.split(",") if s]
+    else:
+        seq_lens = list(GPU_SEQ_LENS if gpu else CPU_SEQ_LENS)
+    dtype = jnp.dtype(opts.dtype)
+    modes = ["fwd"] + (["fwd+bwd"] if opts.backward else [])
+    branches = [b.strip() for b in opts.branches.split(",") if b.strip()]
+    p = PROD
 
-  rows = []
-  dense_cache = {}
-  key = jax.random.PRNGKey(0)
-  for seq in seq_lens:
-    kq, kk, kv, kc, ki = jax.random.split(jax.random.fold_in(key, seq), 5)
-    shape_q = (opts.batch, seq, p["heads"], p["head_dim"])
-    shape_kv = (opts.batch, seq, p["kv_heads"], p["head_dim"])
-    q = jax.random.normal(kq, shape_q, dtype)
-    k = jax.random.normal(kk, shape_kv, dtype)
-    v = jax.random.normal(kv, shape_kv, dtype)
-    ct = jax.random.normal(kc, shape_q, dtype)
-    idx = random_block_indices(ki, opts.batch, seq, p["kv_heads"], p["slots"],
-                               p["block_size"])
-    for branch in branches:
-      impls = candidates(branch, idx)
-      for mode in modes:
-        row = dict(seq=seq, branch=branch, mode=mode)
-        for name, fn in impls.items():
-          skip = None
-          if name == "pallas" and not gpu:
-            skip = "no GPU"
-          elif name == "dense" and seq > opts.dense_max_seq:
-            skip = f"T > --dense-max-seq {opts.dense_max_seq}"
-          if skip:
-            row[f"{name}_ms"], row[f"{name}_note"] = None, skip
-            continue
-          if name == "dense" and (seq, mode) in dense_cache:
-            # Same computation for both branches: time it once.
-            row["dense_ms"], err = dense_cache[(seq, mode)]
-          else:
-            print(f"T={seq} {branch} {mode} {name} ...", file=sys.stderr,
-                  flush=True)
-            row[f"{name}_ms"], err = run_one(name, fn, (q, k, v), ct, mode,
-                                             opts)
-            if name == "dense":
-              dense_cache[(seq, mode)] = (row["dense_ms"], err)
-          if err:
-            row[f"{name}_note"] = err
-        for other in ("xla", "dense"):
-          a, b = row.get("pallas_ms"), row.get(f"{other}_ms")
-          row[f"speedup_vs_{other}"] = (b / a) if a and b else None
-        rows.append(row)
+    rows = []
+    dense_cache = {}
+    key = jax.random.PRNGKey(0)
+    for seq in seq_lens:
+        kq, kk, kv, kc, ki = jax.random.split(jax.random.fold_in(key, seq), 5)
+        shape_q = (opts.batch, seq, p["heads"], p["head_dim"])
+        shape_kv = (opts.batch, seq, p["kv_heads"], p["head_dim"])
+        q = jax.random.normal(kq, shape_q, dtype)
+        k = jax.random.normal(kk, shape_kv, dtype)
+        v = jax.random.normal(kv, shape_kv, dtype)
+        ct = jax.random.normal(kc, shape_q, dtype)
+        idx = random_block_indices(ki, opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"])
+        for branch in branches:
+            impls = candidates(branch, idx)
+            for mode in modes:
+                row = dict(seq=seq, branch=branch, mode=mode)
+                for name, fn in impls.items():
+                    skip = None
+                    if name == "pallas" and not gpu:
+                        skip = "no GPU"
+                    elif name == "dense" and seq > opts.dense_max_seq:
+                        skip = f"T > --dense-max-seq {opts.dense_max_seq}"
+                    if skip:
+                        row[f"{name}_ms"], row[f"{name}_note"] = None, skip
+                        continue
+                    if name == "dense" and (seq, mode) in dense_cache:
+                        # Same computation for both branches: time it once.
+                        row["dense_ms"], err = dense_cache[(seq, mode)]
+                    else:
+                        print(f"T={seq} {branch} {mode} {name} ...", file=sys.stderr, flush=True)
+                        row[f"{name}_ms"], err = run_one(name, fn, (q, k, v), ct, mode, opts)
+                        if name == "dense":
+                            dense_cache[(seq, mode)] = (row["dense_ms"], err)
+                    if err:
+                        row[f"{name}_note"] = err
+                for other in ("xla", "dense"):
+                    a, b = row.get("pallas_ms"), row.get(f"{other}_ms")
+                    row[f"speedup_vs_{other}"] = (b / a) if a and b else None
+                rows.append(row)
 
-  def fmt(x, spec="{:9.2f}"):
-    return spec.format(x) if x is not None else f"{'-':>9}"
+    def fmt(x, spec="{:9.2f}"):
+        return spec.format(x) if x is not None else f"{'-':>9}"
 
-  header = (f"{'T':>6} {'branch':<9} {'mode':<7} {'pallas ms':>9} "
-            f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9}")
-  print()
-  print(header)
-  print("-" * len(header))
-  for r in rows:
-    print(f"{r['seq']:>6} {r['branch']:<9} {r['mode']:<7} "
-          f"{fmt(r.get('pallas_ms'))} {fmt(r.get('xla_ms'))} "
-          f"{fmt(r.get('dense_ms'))} "
-          f"{fmt(r.get('speedup_vs_xla'), '{:8.2f}x')} "
-          f"{fmt(r.get('speedup_vs_dense'), '{:8.2f}x')}")
-  notes = sorted({(k[:-5], r[k]) for r in rows for k in r
-                  if k.endswith("_note")})
-  for name, note in notes:
-    print(f"  {name}: {note}")
-  if opts.json:
-    meta = dict(backend=jax.default_backend(), device=device.device_kind,
-                jax=jax.__version__, python=platform.python_version(),
-                dtype=opts.dtype, batch=opts.batch, config=PROD,
-                pallas_skipped=not gpu)
-    Path(opts.json).write_text(json.dumps(dict(meta=meta, rows=rows),
-                                          indent=2))
-    print(f"wrote {opts.json}")
+    header = (
+        f"{'T':>6} {'branch':<9} {'mode':<7} {'pallas ms':>9} "
+        f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9}"
+    )
+    print()
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['seq']:>6} {r['branch']:<9} {r['mode']:<7} "
+            f"{fmt(r.get('pallas_ms'))} {fmt(r.get('xla_ms'))} "
+            f"{fmt(r.get('dense_ms'))} "
+            f"{fmt(r.get('speedup_vs_xla'), '{:8.2f}x')} "
+            f"{fmt(r.get('speedup_vs_dense'), '{:8.2f}x')}"
+        )
+    notes = sorted({(k[:-5], r[k]) for r in rows for k in r if k.endswith("_note")})
+    for name, note in notes:
+        print(f"  {name}: {note}")
+    if opts.json:
+        meta = dict(
+            backend=jax.default_backend(),
+            device=device.device_kind,
+            jax=jax.__version__,
+            python=platform.python_version(),
+            dtype=opts.dtype,
+            batch=opts.batch,
+            config=PROD,
+            pallas_skipped=not gpu,
+        )
+        Path(opts.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+        print(f"wrote {opts.json}")
 
 
 if __name__ == "__main__":
-  main()
+    main()

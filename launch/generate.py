@@ -227,9 +227,7 @@ def run(args, out=sys.stdout) -> int:
     if 0 <= tok.pad_id < V:
         allowed[tok.pad_id] = False
     eos = tok.eos_id if 0 <= tok.eos_id < V else None
-    kw = dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=eos, allowed_V=allowed
-    )
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=eos, allowed_V=allowed)
     if args.prompt is not None:
         out.write(prompts[0])
         out.flush()

@@ -49,4 +49,6 @@ class SwiGLU(nn.Module):
         gate = nn.Dense(self.d_ff, use_bias=False, dtype=self.dtype, kernel_init=init, name="w1")(x_BxTxD)
         up = nn.Dense(self.d_ff, use_bias=False, dtype=self.dtype, kernel_init=init, name="w3")(x_BxTxD)
         h = nn.silu(gate) * up
-        return nn.Dense(D, use_bias=False, dtype=self.dtype, kernel_init=nn.initializers.normal(self.out_std), name="w2")(h)
+        return nn.Dense(
+            D, use_bias=False, dtype=self.dtype, kernel_init=nn.initializers.normal(self.out_std), name="w2"
+        )(h)

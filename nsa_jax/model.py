@@ -67,7 +67,13 @@ class NSALM(nn.Module):
         x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             return embed.attend(x.astype(jnp.float32))
-        head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=nn.initializers.normal(cfg.init_std), name="lm_head")
+        head = nn.Dense(
+            cfg.vocab_size,
+            use_bias=False,
+            dtype=dtype,
+            kernel_init=nn.initializers.normal(cfg.init_std),
+            name="lm_head",
+        )
         return head(x).astype(jnp.float32)
 
 

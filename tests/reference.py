@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 # ---------------------------------------------------------------------------
 # masks decided token by token
 

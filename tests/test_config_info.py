@@ -61,7 +61,16 @@ def test_unknown_config_name():
 
 def _expected_params(m) -> int:
     """The production model's count, from the architecture (independent of flax)."""
-    D, H, K, Dk, Dv, F, V, L = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.v_head_dim, m.d_ff, m.vocab_size, m.n_layers
+    D, H, K, Dk, Dv, F, V, L = (
+        m.d_model,
+        m.n_heads,
+        m.n_kv_heads,
+        m.head_dim,
+        m.v_head_dim,
+        m.d_ff,
+        m.vocab_size,
+        m.n_layers,
+    )
     a = m.nsa
     proj = D * H * Dk + 3 * (D * K * Dk + D * K * Dv) + H * Dv * D
     gates = D * a.gate_hidden + a.gate_hidden + a.gate_hidden * 3 * H + 3 * H
@@ -90,6 +99,9 @@ def test_info_cli():
         [sys.executable, "-m", "launch.info", "--config", "a100_pcie"], capture_output=True, text=True, check=True
     )
     assert "85,428,144" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "launch.info", "--config", "cpu_tiny", "--set", "model.nsa.n=1"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "launch.info", "--config", "cpu_tiny", "--set", "model.nsa.n=1"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: config: model.nsa.n")

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from nsa_jax.config import load_config
-from nsa_jax.data import first_batch_with_timeout, make_dataset, make_tokenizer, padded_vocab_size
-from nsa_jax.data import kv_recall, sources
+from nsa_jax.data import first_batch_with_timeout, kv_recall, make_dataset, make_tokenizer, padded_vocab_size, sources
 from nsa_jax.data.tokenizers import ByteTokenizer
 
 BYTE = ByteTokenizer()
@@ -150,8 +149,14 @@ def test_file_dataset_with_hf_tokenizer(tmp_path):
     tok = make_tokenizer(str(tok_path))
     docs = make_docs(12, seed=9)
     root = write_jsonl_corpus(tmp_path / "j", docs, files=2)
-    cfg = file_cfg("jsonl", root, f"data.tokenizer={tok_path}", "data.val_fraction=0.0", "data.prefetch=0",
-                   f"model.vocab_size={padded_vocab_size(tok.vocab_size)}")
+    cfg = file_cfg(
+        "jsonl",
+        root,
+        f"data.tokenizer={tok_path}",
+        "data.val_fraction=0.0",
+        "data.prefetch=0",
+        f"model.vocab_size={padded_vocab_size(tok.vocab_size)}",
+    )
     n = sum(len(tok.encode(d)) + 1 for d in docs)
     flat = flat_stream(make_dataset(cfg), n)
     assert flat.max() < tok.vocab_size and (flat == tok.eos_id).sum() == len(docs)
@@ -302,8 +307,9 @@ def test_parquet_source_ignores_other_columns(tmp_path):
     root.mkdir()
     for f in range(2):
         part = docs[f::2]
-        table = pa.table({"id": [f"<urn:{i}>" for i in range(len(part))], "text": part,
-                          "score": np.linspace(0, 5, len(part))})
+        table = pa.table(
+            {"id": [f"<urn:{i}>" for i in range(len(part))], "text": part, "score": np.linspace(0, 5, len(part))}
+        )
         pq.write_table(table, root / f"shard_{f:05d}.parquet", row_group_size=4)
     chunks = sources.index_chunks(sources.list_files(str(root), "fineweb_edu"), "fineweb_edu")
     assert len(chunks) == 8  # 15 rows per file in row groups of 4
@@ -426,8 +432,15 @@ def test_kv_recall_layout_and_scoring():
 
 
 def test_kv_recall_dataset():
-    cfg = cfg_with("data.dataset=kv_recall", "model.nsa.w=32", "train.seq_len=80", "train.global_batch=4",
-                   "model.vocab_size=128", "data.kv_pairs=6", "data.kv_queries=4")
+    cfg = cfg_with(
+        "data.dataset=kv_recall",
+        "model.nsa.w=32",
+        "train.seq_len=80",
+        "train.global_batch=4",
+        "model.vocab_size=128",
+        "data.kv_pairs=6",
+        "data.kv_queries=4",
+    )
     ds = make_dataset(cfg)
     a = take(ds, 3)
     assert a[0].shape == (4, 81) and a[0].dtype == np.int32

@@ -37,74 +37,77 @@ TRITON_TARGET = "__gpu$xla.gpu.triton"
 
 
 def make_block_indices(rng, b, t, kv_heads, n, bs, shuffle_unused=False):
-  """Valid selections: forced blocks 0, cur, cur-1 plus random candidates.
+    """Valid selections: forced blocks 0, cur, cur-1 plus random candidates.
 
-  Rows with fewer than n candidates are padded with -1 (at the end, or at
-  random slots when ``shuffle_unused``).
-  """
-  idx = -np.ones((b, t, kv_heads, n), np.int32)
-  for bi in range(b):
-    for ti in range(t):
-      cur = ti // bs
-      forced = sorted({0, cur, max(cur - 1, 0)})
-      others = [j for j in range(cur + 1) if j not in forced]
-      rng.shuffle(others)
-      for ki in range(kv_heads):
-        rng.shuffle(others)
-        sel = (forced + others)[:n]
-        rng.shuffle(sel)
-        row = sel + [-1] * (n - len(sel))
-        if shuffle_unused:
-          rng.shuffle(row)
-        idx[bi, ti, ki] = row
-  return idx
+    Rows with fewer than n candidates are padded with -1 (at the end, or at
+    random slots when ``shuffle_unused``).
+    """
+    idx = -np.ones((b, t, kv_heads, n), np.int32)
+    for bi in range(b):
+        for ti in range(t):
+            cur = ti // bs
+            forced = sorted({0, cur, max(cur - 1, 0)})
+            others = [j for j in range(cur + 1) if j not in forced]
+            rng.shuffle(others)
+            for ki in range(kv_heads):
+                rng.shuffle(others)
+                sel = (forced + others)[:n]
+                rng.shuffle(sel)
+                row = sel + [-1] * (n - len(sel))
+                if shuffle_unused:
+                    rng.shuffle(row)
+                idx[bi, ti, ki] = row
+    return idx
 
 
 def selection_visible(idx, bs, seq):
-  """visible(b, t, kv) -> sorted key positions of the selection contract."""
-  def visible(b, t, kv):
-    pos = []
-    for j in idx[b, t, kv]:
-      if j >= 0:
-        pos.extend(p for p in range(j * bs, (j + 1) * bs) if p <= t and p < seq)
-    return np.array(sorted(pos), np.int64)
-  return visible
+    """visible(b, t, kv) -> sorted key positions of the selection contract."""
+
+    def visible(b, t, kv):
+        pos = []
+        for j in idx[b, t, kv]:
+            if j >= 0:
+                pos.extend(p for p in range(j * bs, (j + 1) * bs) if p <= t and p < seq)
+        return np.array(sorted(pos), np.int64)
+
+    return visible
 
 
 def window_visible(window):
-  def visible(b, t, kv):
-    del b, kv
-    return np.arange(max(0, t - window + 1), t + 1)
-  return visible
+    def visible(b, t, kv):
+        del b, kv
+        return np.arange(max(0, t - window + 1), t + 1)
+
+    return visible
 
 
 def reference_attention(q, k, v, do, visible, scale):
-  """float64 per-token attention and its hand-written gradients."""
-  q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-  b_, t_, h, _ = q.shape
-  kvh = k.shape[2]
-  g = h // kvh
-  o = np.zeros(do.shape)
-  dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-  for b in range(b_):
-    for t in range(t_):
-      for kv in range(kvh):
-        pos = visible(b, t, kv)
-        heads = slice(kv * g, (kv + 1) * g)
-        if pos.size == 0:
-          continue
-        k_PxD, v_PxD = k[b, pos, kv], v[b, pos, kv]
-        q_GxD, do_GxD = q[b, t, heads], do[b, t, heads]
-        s = q_GxD @ k_PxD.T * scale
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        o[b, t, heads] = p @ v_PxD
-        dp = do_GxD @ v_PxD.T
-        ds = p * (dp - np.sum(p * dp, axis=1, keepdims=True))
-        dq[b, t, heads] = scale * ds @ k_PxD
-        np.add.at(dk[b, :, kv], pos, scale * ds.T @ q_GxD)
-        np.add.at(dv[b, :, kv], pos, p.T @ do_GxD)
-  return o, dq, dk, dv
+    """float64 per-token attention and its hand-written gradients."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    b_, t_, h, _ = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    o = np.zeros(do.shape)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(b_):
+        for t in range(t_):
+            for kv in range(kvh):
+                pos = visible(b, t, kv)
+                heads = slice(kv * g, (kv + 1) * g)
+                if pos.size == 0:
+                    continue
+                k_PxD, v_PxD = k[b, pos, kv], v[b, pos, kv]
+                q_GxD, do_GxD = q[b, t, heads], do[b, t, heads]
+                s = q_GxD @ k_PxD.T * scale
+                p = np.exp(s - s.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                o[b, t, heads] = p @ v_PxD
+                dp = do_GxD @ v_PxD.T
+                ds = p * (dp - np.sum(p * dp, axis=1, keepdims=True))
+                dq[b, t, heads] = scale * ds @ k_PxD
+                np.add.at(dk[b, :, kv], pos, scale * ds.T @ q_GxD)
+                np.add.at(dv[b, :, kv], pos, p.T @ do_GxD)
+    return o, dq, dk, dv
 
 
 # ---------------------------------------------------------------------------
@@ -113,42 +116,45 @@ def reference_attention(q, k, v, do, visible, scale):
 
 
 def random_inputs(rng, b, t, h, kvh, d, dtype, dv=None):
-  dv = d if dv is None else dv
-  def draw(*shape):
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-  return draw(b, t, h, d), draw(b, t, kvh, d), draw(b, t, kvh, dv), \
-      draw(b, t, h, dv)
+    dv = d if dv is None else dv
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+    return draw(b, t, h, d), draw(b, t, kvh, d), draw(b, t, kvh, dv), draw(b, t, h, dv)
 
 
 def run_with_grads(fn, q, k, v, do):
-  """Output and (dq, dk, dv) of ``fn`` for cotangent ``do``, jitted once."""
-  def both(q, k, v, do):
-    o, vjp = jax.vjp(fn, q, k, v)
-    return (o,) + vjp(do)
-  return [np.asarray(x.astype(jnp.float32)) for x in jax.jit(both)(q, k, v, do)]
+    """Output and (dq, dk, dv) of ``fn`` for cotangent ``do``, jitted once."""
+
+    def both(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o,) + vjp(do)
+
+    return [np.asarray(x.astype(jnp.float32)) for x in jax.jit(both)(q, k, v, do)]
 
 
 def assert_close_fp32(got, want, name):
-  tol = 1e-5 * max(1.0, float(np.max(np.abs(want))))
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=tol, err_msg=name)
+    tol = 1e-5 * max(1.0, float(np.max(np.abs(want))))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=tol, err_msg=name)
 
 
 def rel_rms(got, want):
-  return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
+    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
 
 
 def check_all(results, reference, dtype):
-  for name, got, want in zip(("o", "dq", "dk", "dv"), results, reference):
-    assert np.all(np.isfinite(got)), name
-    if dtype == jnp.float32:
-      assert_close_fp32(got, want, name)
-    else:
-      err = rel_rms(got, want)
-      assert err < 5e-3, f"{name}: relative RMS error {err:.2e}"
+    for name, got, want in zip(("o", "dq", "dk", "dv"), results, reference):
+        assert np.all(np.isfinite(got)), name
+        if dtype == jnp.float32:
+            assert_close_fp32(got, want, name)
+        else:
+            err = rel_rms(got, want)
+            assert err < 5e-3, f"{name}: relative RMS error {err:.2e}"
 
 
 def as_f32(*xs):
-  return [np.asarray(x.astype(jnp.float32)) for x in xs]
+    return [np.asarray(x.astype(jnp.float32)) for x in xs]
 
 
 # ---------------------------------------------------------------------------
@@ -157,104 +163,102 @@ def as_f32(*xs):
 
 # (batch, T, G, KV heads, head dim, block size, n, dtype, block sizes)
 SELECTION_CASES = [
-    pytest.param(2, 45, 1, 2, 32, 16, 3, jnp.float32,
-                 SelectionBlockSizes(rows_dkv=16, dkv_segment=7),
-                 id="G1-d32-T45-f32-small-segments"),
-    pytest.param(1, 70, 6, 2, 64, 16, 4, jnp.float32, None,
-                 id="G6-d64-T70-f32"),
-    pytest.param(1, 40, 16, 1, 128, 16, 3, jnp.float32,
-                 SelectionBlockSizes(rows_dkv=32, dkv_segment=16),
-                 id="G16-d128-T40-f32"),
-    pytest.param(2, 100, 6, 2, 64, 16, 5, jnp.bfloat16, None,
-                 id="G6-d64-T100-bf16"),
-    pytest.param(1, 52, 16, 1, 32, 32, 2, jnp.bfloat16, None,
-                 id="G16-d32-T52-bs32-bf16"),
+    pytest.param(
+        2,
+        45,
+        1,
+        2,
+        32,
+        16,
+        3,
+        jnp.float32,
+        SelectionBlockSizes(rows_dkv=16, dkv_segment=7),
+        id="G1-d32-T45-f32-small-segments",
+    ),
+    pytest.param(1, 70, 6, 2, 64, 16, 4, jnp.float32, None, id="G6-d64-T70-f32"),
+    pytest.param(
+        1, 40, 16, 1, 128, 16, 3, jnp.float32, SelectionBlockSizes(rows_dkv=32, dkv_segment=16), id="G16-d128-T40-f32"
+    ),
+    pytest.param(2, 100, 6, 2, 64, 16, 5, jnp.bfloat16, None, id="G6-d64-T100-bf16"),
+    pytest.param(1, 52, 16, 1, 32, 32, 2, jnp.bfloat16, None, id="G16-d32-T52-bs32-bf16"),
 ]
 
 
 @pytest.mark.parametrize("b,t,g,kvh,d,bs,n,dtype,bsz", SELECTION_CASES)
 def test_selection_matches_reference(b, t, g, kvh, d, bs, n, dtype, bsz):
-  rng = np.random.default_rng(t * 131 + g)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
-  idx = make_block_indices(rng, b, t, kvh, n, bs)
-  fn = lambda q, k, v: selection_attention_pallas(
-      q, k, v, jnp.asarray(idx), bs, interpret=True, block_sizes=bsz)
-  results = run_with_grads(fn, q, k, v, do)
-  reference = reference_attention(*as_f32(q, k, v, do),
-                                   selection_visible(idx, bs, t), d ** -0.5)
-  check_all(results, reference, dtype)
+    rng = np.random.default_rng(t * 131 + g)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
+    idx = make_block_indices(rng, b, t, kvh, n, bs)
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=True, block_sizes=bsz)
+    results = run_with_grads(fn, q, k, v, do)
+    reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), d**-0.5)
+    check_all(results, reference, dtype)
 
 
 def test_selection_unused_slots_anywhere_and_custom_scale():
-  # -1 slots scattered among the used ones (not only at the end), a
-  # non-default scale, and the first positions where few blocks exist.
-  b, t, g, kvh, d, bs, n = 1, 50, 2, 2, 32, 16, 4
-  rng = np.random.default_rng(7)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-  idx = make_block_indices(rng, b, t, kvh, n, bs, shuffle_unused=True)
-  assert (idx[:, :16] == -1).sum() > 0 and (idx[:, :, :, 0] == -1).any()
-  fn = lambda q, k, v: selection_attention_pallas(
-      q, k, v, jnp.asarray(idx), bs, 0.3, interpret=True)
-  results = run_with_grads(fn, q, k, v, do)
-  reference = reference_attention(*as_f32(q, k, v, do),
-                                  selection_visible(idx, bs, t), 0.3)
-  check_all(results, reference, jnp.float32)
+    # -1 slots scattered among the used ones (not only at the end), a
+    # non-default scale, and the first positions where few blocks exist.
+    b, t, g, kvh, d, bs, n = 1, 50, 2, 2, 32, 16, 4
+    rng = np.random.default_rng(7)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
+    idx = make_block_indices(rng, b, t, kvh, n, bs, shuffle_unused=True)
+    assert (idx[:, :16] == -1).sum() > 0 and (idx[:, :, :, 0] == -1).any()
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, 0.3, interpret=True)
+    results = run_with_grads(fn, q, k, v, do)
+    reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), 0.3)
+    check_all(results, reference, jnp.float32)
 
 
 def test_selection_fully_masked_rows_are_zero():
-  b, t, g, kvh, d, bs, n = 1, 20, 1, 1, 32, 16, 3
-  rng = np.random.default_rng(3)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-  idx = make_block_indices(rng, b, t, kvh, n, bs)
-  idx[0, 5] = -1                    # no slot used
-  idx[0, 3] = [1, -1, -1]           # only a future block: masked by p <= t
-  fn = lambda q, k, v: selection_attention_pallas(
-      q, k, v, jnp.asarray(idx), bs, interpret=True)
-  o, dq, dk, dv = run_with_grads(fn, q, k, v, do)
-  for x in (o, dq, dk, dv):
-    assert np.all(np.isfinite(x))
-  np.testing.assert_array_equal(o[0, 5], 0.0)
-  np.testing.assert_array_equal(o[0, 3], 0.0)
-  np.testing.assert_array_equal(dq[0, 5], 0.0)
-  vis = selection_visible(idx, bs, t)
-  reference = reference_attention(*as_f32(q, k, v, do), vis, d ** -0.5)
-  check_all((o, dq, dk, dv), reference, jnp.float32)
+    b, t, g, kvh, d, bs, n = 1, 20, 1, 1, 32, 16, 3
+    rng = np.random.default_rng(3)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
+    idx = make_block_indices(rng, b, t, kvh, n, bs)
+    idx[0, 5] = -1  # no slot used
+    idx[0, 3] = [1, -1, -1]  # only a future block: masked by p <= t
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=True)
+    o, dq, dk, dv = run_with_grads(fn, q, k, v, do)
+    for x in (o, dq, dk, dv):
+        assert np.all(np.isfinite(x))
+    np.testing.assert_array_equal(o[0, 5], 0.0)
+    np.testing.assert_array_equal(o[0, 3], 0.0)
+    np.testing.assert_array_equal(dq[0, 5], 0.0)
+    vis = selection_visible(idx, bs, t)
+    reference = reference_attention(*as_f32(q, k, v, do), vis, d**-0.5)
+    check_all((o, dq, dk, dv), reference, jnp.float32)
 
 
 def test_selection_uneven_head_dims():
-  # Dk != Dv, neither a power of two: padded inside, sliced on the way out.
-  b, t, g, kvh, dk, dv, bs, n = 1, 36, 3, 1, 48, 24, 16, 3
-  rng = np.random.default_rng(9)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
-  idx = make_block_indices(rng, b, t, kvh, n, bs)
-  fn = lambda q, k, v: selection_attention_pallas(
-      q, k, v, jnp.asarray(idx), bs, interpret=True)
-  results = run_with_grads(fn, q, k, v, do)
-  assert results[0].shape == (b, t, g * kvh, dv)
-  reference = reference_attention(*as_f32(q, k, v, do),
-                                  selection_visible(idx, bs, t), dk ** -0.5)
-  check_all(results, reference, jnp.float32)
+    # Dk != Dv, neither a power of two: padded inside, sliced on the way out.
+    b, t, g, kvh, dk, dv, bs, n = 1, 36, 3, 1, 48, 24, 16, 3
+    rng = np.random.default_rng(9)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
+    idx = make_block_indices(rng, b, t, kvh, n, bs)
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=True)
+    results = run_with_grads(fn, q, k, v, do)
+    assert results[0].shape == (b, t, g * kvh, dv)
+    reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), dk**-0.5)
+    check_all(results, reference, jnp.float32)
 
 
 def test_reverse_index_segments_cover_every_entry():
-  rng = np.random.default_rng(11)
-  b, t, kvh, n, bs, seg = 2, 37, 2, 4, 16, 5
-  idx = make_block_indices(rng, b, t, kvh, n, bs, shuffle_unused=True)
-  nb = -(-t // bs)
-  qlist, seg_blk, seg_lo, seg_hi, first, count = map(
-      np.asarray, reverse_index(jnp.asarray(idx), nb, seg))
-  for bi in range(b):
-    for ki in range(kvh):
-      for j in range(nb):
-        want = sorted(ti for ti in range(t) if j in idx[bi, ti, ki])
-        got = []
-        for p in range(first[bi, ki, j], first[bi, ki, j] + count[bi, ki, j]):
-          assert seg_blk[bi, ki, p] == j
-          assert 0 < seg_hi[bi, ki, p] - seg_lo[bi, ki, p] <= seg
-          got.extend(qlist[bi, ki, seg_lo[bi, ki, p]:seg_hi[bi, ki, p]])
-        assert got == want
-      unused = seg_blk[bi, ki] == nb
-      assert np.all(seg_lo[bi, ki][unused] == seg_hi[bi, ki][unused])
+    rng = np.random.default_rng(11)
+    b, t, kvh, n, bs, seg = 2, 37, 2, 4, 16, 5
+    idx = make_block_indices(rng, b, t, kvh, n, bs, shuffle_unused=True)
+    nb = -(-t // bs)
+    qlist, seg_blk, seg_lo, seg_hi, first, count = map(np.asarray, reverse_index(jnp.asarray(idx), nb, seg))
+    for bi in range(b):
+        for ki in range(kvh):
+            for j in range(nb):
+                want = sorted(ti for ti in range(t) if j in idx[bi, ti, ki])
+                got = []
+                for p in range(first[bi, ki, j], first[bi, ki, j] + count[bi, ki, j]):
+                    assert seg_blk[bi, ki, p] == j
+                    assert 0 < seg_hi[bi, ki, p] - seg_lo[bi, ki, p] <= seg
+                    got.extend(qlist[bi, ki, seg_lo[bi, ki, p] : seg_hi[bi, ki, p]])
+                assert got == want
+            unused = seg_blk[bi, ki] == nb
+            assert np.all(seg_lo[bi, ki][unused] == seg_hi[bi, ki][unused])
 
 
 # ---------------------------------------------------------------------------
@@ -263,41 +267,34 @@ def test_reverse_index_segments_cover_every_entry():
 
 # (batch, T, G, KV heads, head dim, window, dtype, block sizes)
 WINDOW_CASES = [
-    pytest.param(2, 45, 1, 2, 32, 7, jnp.float32,
-                 WindowBlockSizes(16, 16, 16, 16), id="G1-d32-w7-f32"),
-    pytest.param(1, 70, 6, 2, 64, 23, jnp.float32,
-                 WindowBlockSizes(16, 32, 16, 64), id="G6-d64-w23-f32"),
-    pytest.param(1, 40, 16, 1, 128, 100, jnp.float32, None,
-                 id="G16-d128-w>T-f32"),
-    pytest.param(1, 33, 2, 1, 32, 1, jnp.float32,
-                 WindowBlockSizes(16, 16, 16, 16), id="w1-f32"),
-    pytest.param(1, 130, 6, 2, 64, 32, jnp.bfloat16, None,
-                 id="G6-d64-w32-bf16"),
+    pytest.param(2, 45, 1, 2, 32, 7, jnp.float32, WindowBlockSizes(16, 16, 16, 16), id="G1-d32-w7-f32"),
+    pytest.param(1, 70, 6, 2, 64, 23, jnp.float32, WindowBlockSizes(16, 32, 16, 64), id="G6-d64-w23-f32"),
+    pytest.param(1, 40, 16, 1, 128, 100, jnp.float32, None, id="G16-d128-w>T-f32"),
+    pytest.param(1, 33, 2, 1, 32, 1, jnp.float32, WindowBlockSizes(16, 16, 16, 16), id="w1-f32"),
+    pytest.param(1, 130, 6, 2, 64, 32, jnp.bfloat16, None, id="G6-d64-w32-bf16"),
 ]
 
 
 @pytest.mark.parametrize("b,t,g,kvh,d,w,dtype,bsz", WINDOW_CASES)
 def test_window_matches_reference(b, t, g, kvh, d, w, dtype, bsz):
-  rng = np.random.default_rng(t * 17 + w)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
-  fn = lambda q, k, v: window_attention_pallas(
-      q, k, v, w, interpret=True, block_sizes=bsz)
-  results = run_with_grads(fn, q, k, v, do)
-  reference = reference_attention(*as_f32(q, k, v, do), window_visible(w),
-                                  d ** -0.5)
-  check_all(results, reference, dtype)
+    rng = np.random.default_rng(t * 17 + w)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
+    fn = lambda q, k, v: window_attention_pallas(q, k, v, w, interpret=True, block_sizes=bsz)
+    results = run_with_grads(fn, q, k, v, do)
+    reference = reference_attention(*as_f32(q, k, v, do), window_visible(w), d**-0.5)
+    check_all(results, reference, dtype)
 
 
 def test_window_uneven_head_dims():
-  b, t, g, kvh, dk, dv, w = 1, 36, 3, 1, 48, 24, 9
-  rng = np.random.default_rng(10)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
-  fn = lambda q, k, v: window_attention_pallas(
-      q, k, v, w, interpret=True, block_sizes=WindowBlockSizes(16, 16, 16, 16))
-  results = run_with_grads(fn, q, k, v, do)
-  reference = reference_attention(*as_f32(q, k, v, do), window_visible(w),
-                                  dk ** -0.5)
-  check_all(results, reference, jnp.float32)
+    b, t, g, kvh, dk, dv, w = 1, 36, 3, 1, 48, 24, 9
+    rng = np.random.default_rng(10)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
+    fn = lambda q, k, v: window_attention_pallas(
+        q, k, v, w, interpret=True, block_sizes=WindowBlockSizes(16, 16, 16, 16)
+    )
+    results = run_with_grads(fn, q, k, v, do)
+    reference = reference_attention(*as_f32(q, k, v, do), window_visible(w), dk**-0.5)
+    check_all(results, reference, jnp.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -306,36 +303,32 @@ def test_window_uneven_head_dims():
 
 
 def _xla_module():
-  xla = pytest.importorskip("nsa_jax.kernels.xla")
-  for name in ("selection_attention_xla", "window_attention_xla"):
-    if not hasattr(xla, name):
-      pytest.skip(f"nsa_jax.kernels.xla has no {name} yet")
-  return xla
+    xla = pytest.importorskip("nsa_jax.kernels.xla")
+    for name in ("selection_attention_xla", "window_attention_xla"):
+        if not hasattr(xla, name):
+            pytest.skip(f"nsa_jax.kernels.xla has no {name} yet")
+    return xla
 
 
 def test_selection_matches_xla_path():
-  xla = _xla_module()
-  b, t, g, kvh, d, bs, n = 1, 60, 6, 2, 32, 16, 3
-  rng = np.random.default_rng(5)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-  idx = jnp.asarray(make_block_indices(rng, b, t, kvh, n, bs))
-  got = run_with_grads(lambda q, k, v: selection_attention_pallas(
-      q, k, v, idx, bs, interpret=True), q, k, v, do)
-  want = run_with_grads(lambda q, k, v: xla.selection_attention_xla(
-      q, k, v, idx, bs), q, k, v, do)
-  check_all(got, want, jnp.float32)
+    xla = _xla_module()
+    b, t, g, kvh, d, bs, n = 1, 60, 6, 2, 32, 16, 3
+    rng = np.random.default_rng(5)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
+    idx = jnp.asarray(make_block_indices(rng, b, t, kvh, n, bs))
+    got = run_with_grads(lambda q, k, v: selection_attention_pallas(q, k, v, idx, bs, interpret=True), q, k, v, do)
+    want = run_with_grads(lambda q, k, v: xla.selection_attention_xla(q, k, v, idx, bs), q, k, v, do)
+    check_all(got, want, jnp.float32)
 
 
 def test_window_matches_xla_path():
-  xla = _xla_module()
-  b, t, g, kvh, d, w = 1, 60, 6, 2, 32, 19
-  rng = np.random.default_rng(6)
-  q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-  got = run_with_grads(lambda q, k, v: window_attention_pallas(
-      q, k, v, w, interpret=True), q, k, v, do)
-  want = run_with_grads(lambda q, k, v: xla.window_attention_xla(
-      q, k, v, w), q, k, v, do)
-  check_all(got, want, jnp.float32)
+    xla = _xla_module()
+    b, t, g, kvh, d, w = 1, 60, 6, 2, 32, 19
+    rng = np.random.default_rng(6)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
+    got = run_with_grads(lambda q, k, v: window_attention_pallas(q, k, v, w, interpret=True), q, k, v, do)
+    want = run_with_grads(lambda q, k, v: xla.window_attention_xla(q, k, v, w), q, k, v, do)
+    check_all(got, want, jnp.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -346,61 +339,58 @@ PROD = dict(b=1, t=2048, h=12, kvh=2, d=64, bs=64, n=16, w=512)
 
 
 def _export_text(fn, *args):
-  exported = jax.export.export(
-      jax.jit(fn), platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
-          TRITON_TARGET)])(*args)
-  return exported.mlir_module()
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+    )(*args)
+    return exported.mlir_module()
 
 
 def _prod_args(with_idx):
-  p = PROD
-  sds = jax.ShapeDtypeStruct
-  args = [sds((p["b"], p["t"], p["h"], p["d"]), jnp.bfloat16),
-          sds((p["b"], p["t"], p["kvh"], p["d"]), jnp.bfloat16),
-          sds((p["b"], p["t"], p["kvh"], p["d"]), jnp.bfloat16)]
-  if with_idx:
-    args.append(sds((p["b"], p["t"], p["kvh"], p["n"]), jnp.int32))
-  return args
+    p = PROD
+    sds = jax.ShapeDtypeStruct
+    args = [
+        sds((p["b"], p["t"], p["h"], p["d"]), jnp.bfloat16),
+        sds((p["b"], p["t"], p["kvh"], p["d"]), jnp.bfloat16),
+        sds((p["b"], p["t"], p["kvh"], p["d"]), jnp.bfloat16),
+    ]
+    if with_idx:
+        args.append(sds((p["b"], p["t"], p["kvh"], p["n"]), jnp.int32))
+    return args
 
 
 def _assert_triton_without_txt(text, min_kernels):
-  assert text.count(TRITON_TARGET) >= min_kernels
-  # No production path may hold a T x T tensor.
-  t = PROD["t"]
-  assert not re.search(rf"\b{t}x{t}x", text)
+    assert text.count(TRITON_TARGET) >= min_kernels
+    # No production path may hold a T x T tensor.
+    t = PROD["t"]
+    assert not re.search(rf"\b{t}x{t}x", text)
 
 
 def test_selection_lowers_to_triton_for_cuda():
-  bs = PROD["bs"]
-  fwd = lambda q, k, v, i: selection_attention_pallas(q, k, v, i, bs)
-  grad = jax.grad(
-      lambda q, k, v, i: fwd(q, k, v, i).astype(jnp.float32).sum(),
-      argnums=(0, 1, 2))
-  # forward: 1 kernel; gradient: forward + dq + dk/dv + segment reduction.
-  _assert_triton_without_txt(_export_text(fwd, *_prod_args(True)), 1)
-  _assert_triton_without_txt(_export_text(grad, *_prod_args(True)), 4)
+    bs = PROD["bs"]
+    fwd = lambda q, k, v, i: selection_attention_pallas(q, k, v, i, bs)
+    grad = jax.grad(lambda q, k, v, i: fwd(q, k, v, i).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    # forward: 1 kernel; gradient: forward + dq + dk/dv + segment reduction.
+    _assert_triton_without_txt(_export_text(fwd, *_prod_args(True)), 1)
+    _assert_triton_without_txt(_export_text(grad, *_prod_args(True)), 4)
 
 
 def test_window_lowers_to_triton_for_cuda():
-  w = PROD["w"]
-  fwd = lambda q, k, v: window_attention_pallas(q, k, v, w)
-  grad = jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(),
-                  argnums=(0, 1, 2))
-  _assert_triton_without_txt(_export_text(fwd, *_prod_args(False)), 1)
-  _assert_triton_without_txt(_export_text(grad, *_prod_args(False)), 3)
+    w = PROD["w"]
+    fwd = lambda q, k, v: window_attention_pallas(q, k, v, w)
+    grad = jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    _assert_triton_without_txt(_export_text(fwd, *_prod_args(False)), 1)
+    _assert_triton_without_txt(_export_text(grad, *_prod_args(False)), 3)
 
 
 def test_rejects_bad_arguments():
-  q = jnp.zeros((1, 32, 4, 32))
-  k = jnp.zeros((1, 32, 2, 32))
-  idx = jnp.zeros((1, 32, 2, 3), jnp.int32)
-  with pytest.raises(ValueError):
-    selection_attention_pallas(q, k, k, idx, 24, interpret=True)
-  with pytest.raises(ValueError):
-    selection_attention_pallas(q, k, k, idx[:, :, :1], 16, interpret=True)
-  with pytest.raises(ValueError):
-    window_attention_pallas(q, k, k, 0, interpret=True)
-  with pytest.raises(ValueError):
-    window_attention_pallas(q, jnp.zeros((1, 32, 3, 32)),
-                            jnp.zeros((1, 32, 3, 32)), 4, interpret=True)
+    q = jnp.zeros((1, 32, 4, 32))
+    k = jnp.zeros((1, 32, 2, 32))
+    idx = jnp.zeros((1, 32, 2, 3), jnp.int32)
+    with pytest.raises(ValueError):
+        selection_attention_pallas(q, k, k, idx, 24, interpret=True)
+    with pytest.raises(ValueError):
+        selection_attention_pallas(q, k, k, idx[:, :, :1], 16, interpret=True)
+    with pytest.raises(ValueError):
+        window_attention_pallas(q, k, k, 0, interpret=True)
+    with pytest.raises(ValueError):
+        window_attention_pallas(q, jnp.zeros((1, 32, 3, 32)), jnp.zeros((1, 32, 3, 32)), 4, interpret=True)

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import rel_err
+from reference import dense_attention, selection_mask, window_mask
+
 from nsa_jax.kernels.xla import selection_attention_xla, window_attention_xla
 from nsa_jax.nsa.selection import select_blocks
-from reference import dense_attention, selection_mask, window_mask
 
 
 def random_block_indices(rng: np.random.Generator, B: int, T: int, K: int, n: int, lp: int) -> np.ndarray:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from helpers import tiny_model_cfg
+
 from nsa_jax.model import NSALM, cross_entropy
 
 

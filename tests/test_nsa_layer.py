@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import rel_err, tiny_model_cfg
-from nsa_jax.nsa.layer import NSAAttention
 from reference import nsa_layer_ref
+
+from nsa_jax.nsa.layer import NSAAttention
 
 
 def _setup(cfg, T, B=2, seed=0):

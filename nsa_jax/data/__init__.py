@@ -73,11 +73,10 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
     if kind in FILE_DATASETS:
         from nsa_jax.data.pipeline import FileDataset
 
-        return FileDataset.from_config(cfg, batch=batch, split=split, process_index=process_index,
-                                       process_count=process_count)
-    raise ValueError(
-        f"data.dataset is {kind!r}; use one of synthetic, kv_recall, {', '.join(FILE_DATASETS)}"
-    )
+        return FileDataset.from_config(
+            cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
+        )
+    raise ValueError(f"data.dataset is {kind!r}; use one of synthetic, kv_recall, {', '.join(FILE_DATASETS)}")
 
 
 def first_batch_with_timeout(ds: BatchStream, seconds: float) -> np.ndarray:

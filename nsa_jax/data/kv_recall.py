@@ -127,8 +127,18 @@ class KVRecallDataset(BatchStream):
 
     kind = "kv_recall"
 
-    def __init__(self, vocab_size: int, window: int, n_pairs: int, n_queries: int, seed: int, batch: int,
-                 seq_len: int, split: str, process_index: int):
+    def __init__(
+        self,
+        vocab_size: int,
+        window: int,
+        n_pairs: int,
+        n_queries: int,
+        seed: int,
+        batch: int,
+        seq_len: int,
+        split: str,
+        process_index: int,
+    ):
         self.vocab_size, self.window = int(vocab_size), int(window)
         self.n_pairs, self.n_queries = int(n_pairs), int(n_queries)
         self.seed, self.batch, self.seq_len = int(seed), int(batch), int(seq_len)
@@ -138,16 +148,24 @@ class KVRecallDataset(BatchStream):
 
     @classmethod
     def from_config(cls, cfg: Any, batch: int, split: str, process_index: int) -> KVRecallDataset:
-        return cls(cfg.model.vocab_size, cfg.model.nsa.w, cfg.data.kv_pairs, cfg.data.kv_queries,
-                   cfg.train.seed, batch, cfg.train.seq_len, split, process_index)
+        return cls(
+            cfg.model.vocab_size,
+            cfg.model.nsa.w,
+            cfg.data.kv_pairs,
+            cfg.data.kv_queries,
+            cfg.train.seed,
+            batch,
+            cfg.train.seq_len,
+            split,
+            process_index,
+        )
 
     def kv_batch_at(self, position: int) -> KVBatch:
         """The batch at `position` with its answer mask (for evaluation)."""
         rng = np.random.default_rng(
             [self.seed % 2**32, split_id(self.split), self.process_index, int(position), 0x4B56]
         )
-        return make_kv_batch(rng, self.batch, self.seq_len, self.vocab_size, self.window, self.n_pairs,
-                             self.n_queries)
+        return make_kv_batch(rng, self.batch, self.seq_len, self.vocab_size, self.window, self.n_pairs, self.n_queries)
 
     def next_kv_batch(self) -> KVBatch:
         out = self.kv_batch_at(self.position)

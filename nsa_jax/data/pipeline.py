@@ -138,8 +138,21 @@ class PackRowsIterator(grain.DatasetIterator):
 class FileDataset(BatchStream):
     """Batches of packed documents from local files; see the module docstring."""
 
-    def __init__(self, dataset: str, path: str, tokenizer: Any, seed: int, batch: int, seq_len: int, split: str,
-                 process_index: int, process_count: int, val_fraction: float, workers: int = 0, prefetch: int = 2):
+    def __init__(
+        self,
+        dataset: str,
+        path: str,
+        tokenizer: Any,
+        seed: int,
+        batch: int,
+        seq_len: int,
+        split: str,
+        process_index: int,
+        process_count: int,
+        val_fraction: float,
+        workers: int = 0,
+        prefetch: int = 2,
+    ):
         self.kind = dataset
         self.split, self.process_index, self.process_count = split, int(process_index), int(process_count)
         self.batch, self.seq_len = int(batch), int(seq_len)
@@ -191,8 +204,20 @@ class FileDataset(BatchStream):
                 f"vocabulary ({tok.vocab_size}); set model.vocab_size={padded_vocab_size(tok.vocab_size)}"
             )
         d = cfg.data
-        return cls(d.dataset, d.path, tok, cfg.train.seed, batch, cfg.train.seq_len, split, process_index,
-                   process_count, d.val_fraction, workers=d.workers, prefetch=d.prefetch)
+        return cls(
+            d.dataset,
+            d.path,
+            tok,
+            cfg.train.seed,
+            batch,
+            cfg.train.seq_len,
+            split,
+            process_index,
+            process_count,
+            d.val_fraction,
+            workers=d.workers,
+            prefetch=d.prefetch,
+        )
 
     def __next__(self) -> np.ndarray:
         return next(self._iter)

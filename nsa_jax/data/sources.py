@@ -109,7 +109,9 @@ def _read_jsonl_range(path: str, start: int, end: int) -> list[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: invalid JSON at byte {line_start} ({e.msg}); fix or remove the line") from None
+                raise ValueError(
+                    f"{path}: invalid JSON at byte {line_start} ({e.msg}); fix or remove the line"
+                ) from None
             text = obj.get(TEXT_KEY) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise ValueError(f"{path}: line at byte {line_start} has no '{TEXT_KEY}' string field")

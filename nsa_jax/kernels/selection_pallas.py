@@ -80,51 +80,51 @@ MIN_DOT_DIM = 16
 
 @dataclasses.dataclass(frozen=True)
 class SelectionBlockSizes:
-  """Tiling knobs of the selection kernels (static, hashable).
+    """Tiling knobs of the selection kernels (static, hashable).
 
-  Attributes:
-    rows_dkv: flattened (query, head) rows gathered per step of the dK/dV
-      kernel; a power of two >= 16.
-    dkv_segment: most reverse-index entries (query, slot pairs) one dK/dV
-      program handles; bounds the longest program (block 0).
-    num_warps: Triton warps per program (None: pick from the head dim).
-    num_stages: Triton software-pipelining depth.
-  """
+    Attributes:
+      rows_dkv: flattened (query, head) rows gathered per step of the dK/dV
+        kernel; a power of two >= 16.
+      dkv_segment: most reverse-index entries (query, slot pairs) one dK/dV
+        program handles; bounds the longest program (block 0).
+      num_warps: Triton warps per program (None: pick from the head dim).
+      num_stages: Triton software-pipelining depth.
+    """
 
-  rows_dkv: int = 64
-  dkv_segment: int = 512
-  num_warps: int | None = None
-  num_stages: int = 2
+    rows_dkv: int = 64
+    dkv_segment: int = 512
+    num_warps: int | None = None
+    num_stages: int = 2
 
 
 def next_pow2(x: int) -> int:
-  return 1 << max(0, (int(x) - 1).bit_length())
+    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def padded_dim(d: int) -> int:
-  """Head dim as the kernels see it: a power of two, at least 16."""
-  return max(MIN_DOT_DIM, next_pow2(d))
+    """Head dim as the kernels see it: a power of two, at least 16."""
+    return max(MIN_DOT_DIM, next_pow2(d))
 
 
 def pad_axis(x, axis: int, size: int, value=0):
-  """Pads ``x`` along ``axis`` up to ``size`` (no-op when already there)."""
-  extra = size - x.shape[axis]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
+    """Pads ``x`` along ``axis`` up to ``size`` (no-op when already there)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def compiler_params(num_warps: int | None, num_stages: int, head_dim: int):
-  if num_warps is None:
-    num_warps = 4 if head_dim <= 64 else 8
-  return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if num_warps is None:
+        num_warps = 4 if head_dim <= 64 else 8
+    return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _check_pow2(name: str, value: int, minimum: int = MIN_DOT_DIM):
-  if value < minimum or value & (value - 1):
-    raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
 
 
 # ---------------------------------------------------------------------------
@@ -133,161 +133,206 @@ def _check_pow2(name: str, value: int, minimum: int = MIN_DOT_DIM):
 
 
 def _group_rows(t, kv, num_heads: int, group: int, group_padded: int):
-  """Rows of ``q[T*H, D]`` holding query ``t``'s heads of KV head ``kv``.
+    """Rows of ``q[T*H, D]`` holding query ``t``'s heads of KV head ``kv``.
 
-  Padded rows (g >= G) repeat head G-1 so every load stays in bounds.
-  """
-  g_Gp = jnp.minimum(lax.iota(jnp.int32, group_padded), group - 1)
-  return t * num_heads + kv * group + g_Gp
+    Padded rows (g >= G) repeat head G-1 so every load stays in bounds.
+    """
+    g_Gp = jnp.minimum(lax.iota(jnp.int32, group_padded), group - 1)
+    return t * num_heads + kv * group + g_Gp
 
 
-def _sel_fwd_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                    block_size, num_slots, num_blocks, num_heads, group,
-                    group_padded, scale_log2):
-  # Refs (leading batch / KV-head dims squeezed by the BlockSpecs):
-  #   idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv],
-  #   o_ref [Gp, Dv], lse_ref [Gp].
-  t = pl.program_id(0)
-  kv = pl.program_id(2)
-  q_GxDk = q_ref[_group_rows(t, kv, num_heads, group, group_padded), :]
-  dv = v_ref.shape[-1]
+def _sel_fwd_kernel(
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    block_size,
+    num_slots,
+    num_blocks,
+    num_heads,
+    group,
+    group_padded,
+    scale_log2,
+):
+    # Refs (leading batch / KV-head dims squeezed by the BlockSpecs):
+    #   idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv],
+    #   o_ref [Gp, Dv], lse_ref [Gp].
+    t = pl.program_id(0)
+    kv = pl.program_id(2)
+    q_GxDk = q_ref[_group_rows(t, kv, num_heads, group, group_padded), :]
+    dv = v_ref.shape[-1]
 
-  def body(s, carry):
-    acc_GxDv, m_G, l_G = carry
-    blk = idx_ref[s]
-    live = (blk >= 0) & (blk < num_blocks)
+    def body(s, carry):
+        acc_GxDv, m_G, l_G = carry
+        blk = idx_ref[s]
+        live = (blk >= 0) & (blk < num_blocks)
+        start = jnp.clip(blk, 0, num_blocks - 1) * block_size
+        k_SxDk = k_ref[pl.ds(start, block_size), :]
+        v_SxDv = v_ref[pl.ds(start, block_size), :]
+        s_GxS = plgpu_triton.dot(q_GxDk, k_SxDk, trans_b=True) * scale_log2
+        pos_S = start + lax.iota(jnp.int32, block_size)
+        vis_1xS = ((pos_S <= t) & live)[None, :]
+        s_GxS = jnp.where(vis_1xS, s_GxS, MASK_VALUE)
+        m_new_G = jnp.maximum(m_G, jnp.max(s_GxS, axis=1))
+        alpha_G = jnp.exp2(m_G - m_new_G)
+        # The explicit where keeps fully masked rows at exactly zero weight.
+        p_GxS = jnp.where(vis_1xS, jnp.exp2(s_GxS - m_new_G[:, None]), 0.0)
+        l_G = l_G * alpha_G + jnp.sum(p_GxS, axis=1)
+        acc_GxDv = acc_GxDv * alpha_G[:, None] + plgpu_triton.dot(p_GxS.astype(v_SxDv.dtype), v_SxDv)
+        return acc_GxDv, m_new_G, l_G
+
+    init = (
+        jnp.zeros((group_padded, dv), jnp.float32),
+        jnp.full((group_padded,), MASK_VALUE, jnp.float32),
+        jnp.zeros((group_padded,), jnp.float32),
+    )
+    acc_GxDv, m_G, l_G = lax.fori_loop(0, num_slots, body, init)
+    seen_G = l_G > 0.0
+    l_safe_G = jnp.where(seen_G, l_G, 1.0)
+    o_ref[...] = (acc_GxDv / l_safe_G[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen_G, m_G + jnp.log2(l_safe_G), 0.0)
+
+
+def _sel_dq_kernel(
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    block_size,
+    num_slots,
+    num_blocks,
+    num_heads,
+    group,
+    group_padded,
+    scale,
+    scale_log2,
+):
+    # Refs: idx [n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], do [T*H, Dv],
+    #   lse / delta [Gp], dq [Gp, Dk].
+    t = pl.program_id(0)
+    kv = pl.program_id(2)
+    rows_G = _group_rows(t, kv, num_heads, group, group_padded)
+    q_GxDk = q_ref[rows_G, :]
+    do_GxDv = do_ref[rows_G, :]
+    lse_G = lse_ref[...]
+    delta_G = delta_ref[...]
+
+    def body(s, dq_GxDk):
+        blk = idx_ref[s]
+        live = (blk >= 0) & (blk < num_blocks)
+        start = jnp.clip(blk, 0, num_blocks - 1) * block_size
+        k_SxDk = k_ref[pl.ds(start, block_size), :]
+        v_SxDv = v_ref[pl.ds(start, block_size), :]
+        s_GxS = plgpu_triton.dot(q_GxDk, k_SxDk, trans_b=True) * scale_log2
+        pos_S = start + lax.iota(jnp.int32, block_size)
+        vis_1xS = ((pos_S <= t) & live)[None, :]
+        p_GxS = jnp.where(vis_1xS, jnp.exp2(s_GxS - lse_G[:, None]), 0.0)
+        dp_GxS = plgpu_triton.dot(do_GxDv, v_SxDv, trans_b=True)
+        ds_GxS = p_GxS * (dp_GxS - delta_G[:, None])
+        return dq_GxDk + plgpu_triton.dot(ds_GxS.astype(k_SxDk.dtype), k_SxDk)
+
+    dq_GxDk = lax.fori_loop(0, num_slots, body, jnp.zeros((group_padded, q_ref.shape[-1]), jnp.float32))
+    dq_ref[...] = (dq_GxDk * scale).astype(dq_ref.dtype)
+
+
+def _sel_dkv_kernel(
+    seg_blk_ref,
+    seg_lo_ref,
+    seg_hi_ref,
+    qlist_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    block_size,
+    num_blocks,
+    num_heads,
+    group,
+    group_padded,
+    rows,
+    scale,
+    scale_log2,
+):
+    # One program = one segment of one block's reverse-index list.
+    # Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
+    #   do [T*H, Dv], lse / delta [T*Gp], dk [bs, Dk], dv [bs, Dv] (partials).
+    seg = pl.program_id(0)
+    kv = pl.program_id(2)
+    blk = seg_blk_ref[seg]
+    lo = seg_lo_ref[seg]
+    hi = seg_hi_ref[seg]
     start = jnp.clip(blk, 0, num_blocks - 1) * block_size
     k_SxDk = k_ref[pl.ds(start, block_size), :]
     v_SxDv = v_ref[pl.ds(start, block_size), :]
-    s_GxS = plgpu_triton.dot(q_GxDk, k_SxDk, trans_b=True) * scale_log2
-    pos_S = start + lax.iota(jnp.int32, block_size)
-    vis_1xS = ((pos_S <= t) & live)[None, :]
-    s_GxS = jnp.where(vis_1xS, s_GxS, MASK_VALUE)
-    m_new_G = jnp.maximum(m_G, jnp.max(s_GxS, axis=1))
-    alpha_G = jnp.exp2(m_G - m_new_G)
-    # The explicit where keeps fully masked rows at exactly zero weight.
-    p_GxS = jnp.where(vis_1xS, jnp.exp2(s_GxS - m_new_G[:, None]), 0.0)
-    l_G = l_G * alpha_G + jnp.sum(p_GxS, axis=1)
-    acc_GxDv = acc_GxDv * alpha_G[:, None] + plgpu_triton.dot(
-        p_GxS.astype(v_SxDv.dtype), v_SxDv)
-    return acc_GxDv, m_new_G, l_G
+    pos_1xS = (start + lax.iota(jnp.int32, block_size))[None, :]
 
-  init = (jnp.zeros((group_padded, dv), jnp.float32),
-          jnp.full((group_padded,), MASK_VALUE, jnp.float32),
-          jnp.zeros((group_padded,), jnp.float32))
-  acc_GxDv, m_G, l_G = lax.fori_loop(0, num_slots, body, init)
-  seen_G = l_G > 0.0
-  l_safe_G = jnp.where(seen_G, l_G, 1.0)
-  o_ref[...] = (acc_GxDv / l_safe_G[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen_G, m_G + jnp.log2(l_safe_G), 0.0)
+    # The entries [lo, hi) expand to flattened rows [lo*G, hi*G): row f is
+    # head f % G of query qlist[f // G]. Gathering whole row tiles (not one
+    # query at a time) keeps the matmuls `rows` tall even for G = 1.
+    f_lo = lo * group
+    f_hi = hi * group
+    r_R = lax.iota(jnp.int32, rows)
 
+    def body(it, carry):
+        dk_SxDk, dv_SxDv = carry
+        f_R = f_lo + it * rows + r_R
+        valid_R = f_R < f_hi
+        f_R = jnp.where(valid_R, f_R, f_lo)
+        e_R = lax.div(f_R, group)
+        g_R = lax.rem(f_R, group)
+        t_R = qlist_ref[e_R]
+        row_R = t_R * num_heads + kv * group + g_R
+        q_RxDk = q_ref[row_R, :]
+        do_RxDv = do_ref[row_R, :]
+        stat_R = t_R * group_padded + g_R
+        lse_R = lse_ref[stat_R]
+        delta_R = delta_ref[stat_R]
+        s_RxS = plgpu_triton.dot(q_RxDk, k_SxDk, trans_b=True) * scale_log2
+        vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
+        p_RxS = jnp.where(vis_RxS, jnp.exp2(s_RxS - lse_R[:, None]), 0.0)
+        dv_SxDv = dv_SxDv + plgpu_triton.dot(p_RxS.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
+        dp_RxS = plgpu_triton.dot(do_RxDv, v_SxDv, trans_b=True)
+        ds_RxS = p_RxS * (dp_RxS - delta_R[:, None])
+        dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
+        return dk_SxDk, dv_SxDv
 
-def _sel_dq_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                   dq_ref, *, block_size, num_slots, num_blocks, num_heads,
-                   group, group_padded, scale, scale_log2):
-  # Refs: idx [n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], do [T*H, Dv],
-  #   lse / delta [Gp], dq [Gp, Dk].
-  t = pl.program_id(0)
-  kv = pl.program_id(2)
-  rows_G = _group_rows(t, kv, num_heads, group, group_padded)
-  q_GxDk = q_ref[rows_G, :]
-  do_GxDv = do_ref[rows_G, :]
-  lse_G = lse_ref[...]
-  delta_G = delta_ref[...]
-
-  def body(s, dq_GxDk):
-    blk = idx_ref[s]
-    live = (blk >= 0) & (blk < num_blocks)
-    start = jnp.clip(blk, 0, num_blocks - 1) * block_size
-    k_SxDk = k_ref[pl.ds(start, block_size), :]
-    v_SxDv = v_ref[pl.ds(start, block_size), :]
-    s_GxS = plgpu_triton.dot(q_GxDk, k_SxDk, trans_b=True) * scale_log2
-    pos_S = start + lax.iota(jnp.int32, block_size)
-    vis_1xS = ((pos_S <= t) & live)[None, :]
-    p_GxS = jnp.where(vis_1xS, jnp.exp2(s_GxS - lse_G[:, None]), 0.0)
-    dp_GxS = plgpu_triton.dot(do_GxDv, v_SxDv, trans_b=True)
-    ds_GxS = p_GxS * (dp_GxS - delta_G[:, None])
-    return dq_GxDk + plgpu_triton.dot(ds_GxS.astype(k_SxDk.dtype), k_SxDk)
-
-  dq_GxDk = lax.fori_loop(
-      0, num_slots, body,
-      jnp.zeros((group_padded, q_ref.shape[-1]), jnp.float32))
-  dq_ref[...] = (dq_GxDk * scale).astype(dq_ref.dtype)
+    num_steps = lax.div(f_hi - f_lo + rows - 1, rows)
+    init = (
+        jnp.zeros((block_size, k_ref.shape[-1]), jnp.float32),
+        jnp.zeros((block_size, v_ref.shape[-1]), jnp.float32),
+    )
+    dk_SxDk, dv_SxDv = lax.fori_loop(0, num_steps, body, init)
+    dk_ref[...] = dk_SxDk * scale
+    dv_ref[...] = dv_SxDv
 
 
-def _sel_dkv_kernel(seg_blk_ref, seg_lo_ref, seg_hi_ref, qlist_ref, q_ref,
-                    k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                    *, block_size, num_blocks, num_heads, group, group_padded,
-                    rows, scale, scale_log2):
-  # One program = one segment of one block's reverse-index list.
-  # Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
-  #   do [T*H, Dv], lse / delta [T*Gp], dk [bs, Dk], dv [bs, Dv] (partials).
-  seg = pl.program_id(0)
-  kv = pl.program_id(2)
-  blk = seg_blk_ref[seg]
-  lo = seg_lo_ref[seg]
-  hi = seg_hi_ref[seg]
-  start = jnp.clip(blk, 0, num_blocks - 1) * block_size
-  k_SxDk = k_ref[pl.ds(start, block_size), :]
-  v_SxDv = v_ref[pl.ds(start, block_size), :]
-  pos_1xS = (start + lax.iota(jnp.int32, block_size))[None, :]
+def _segment_reduce_kernel(first_ref, count_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
+    # Sums the partial tiles of one block in a fixed order (deterministic).
+    # Refs: first / count [NB], *_part [P, bs, D], dk [bs, Dk], dv [bs, Dv].
+    blk = pl.program_id(0)
+    first = first_ref[blk]
 
-  # The entries [lo, hi) expand to flattened rows [lo*G, hi*G): row f is
-  # head f % G of query qlist[f // G]. Gathering whole row tiles (not one
-  # query at a time) keeps the matmuls `rows` tall even for G = 1.
-  f_lo = lo * group
-  f_hi = hi * group
-  r_R = lax.iota(jnp.int32, rows)
+    def body(c, carry):
+        dk_SxDk, dv_SxDv = carry
+        return dk_SxDk + dk_part_ref[first + c], dv_SxDv + dv_part_ref[first + c]
 
-  def body(it, carry):
-    dk_SxDk, dv_SxDv = carry
-    f_R = f_lo + it * rows + r_R
-    valid_R = f_R < f_hi
-    f_R = jnp.where(valid_R, f_R, f_lo)
-    e_R = lax.div(f_R, group)
-    g_R = lax.rem(f_R, group)
-    t_R = qlist_ref[e_R]
-    row_R = t_R * num_heads + kv * group + g_R
-    q_RxDk = q_ref[row_R, :]
-    do_RxDv = do_ref[row_R, :]
-    stat_R = t_R * group_padded + g_R
-    lse_R = lse_ref[stat_R]
-    delta_R = delta_ref[stat_R]
-    s_RxS = plgpu_triton.dot(q_RxDk, k_SxDk, trans_b=True) * scale_log2
-    vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
-    p_RxS = jnp.where(vis_RxS, jnp.exp2(s_RxS - lse_R[:, None]), 0.0)
-    dv_SxDv = dv_SxDv + plgpu_triton.dot(p_RxS.astype(do_RxDv.dtype), do_RxDv,
-                               trans_a=True)
-    dp_RxS = plgpu_triton.dot(do_RxDv, v_SxDv, trans_b=True)
-    ds_RxS = p_RxS * (dp_RxS - delta_R[:, None])
-    dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS.astype(q_RxDk.dtype), q_RxDk,
-                               trans_a=True)
-    return dk_SxDk, dv_SxDv
-
-  num_steps = lax.div(f_hi - f_lo + rows - 1, rows)
-  init = (jnp.zeros((block_size, k_ref.shape[-1]), jnp.float32),
-          jnp.zeros((block_size, v_ref.shape[-1]), jnp.float32))
-  dk_SxDk, dv_SxDv = lax.fori_loop(0, num_steps, body, init)
-  dk_ref[...] = dk_SxDk * scale
-  dv_ref[...] = dv_SxDv
-
-
-def _segment_reduce_kernel(first_ref, count_ref, dk_part_ref, dv_part_ref,
-                           dk_ref, dv_ref):
-  # Sums the partial tiles of one block in a fixed order (deterministic).
-  # Refs: first / count [NB], *_part [P, bs, D], dk [bs, Dk], dv [bs, Dv].
-  blk = pl.program_id(0)
-  first = first_ref[blk]
-
-  def body(c, carry):
-    dk_SxDk, dv_SxDv = carry
-    return dk_SxDk + dk_part_ref[first + c], dv_SxDv + dv_part_ref[first + c]
-
-  init = (jnp.zeros(dk_ref.shape, jnp.float32),
-          jnp.zeros(dv_ref.shape, jnp.float32))
-  dk_SxDk, dv_SxDv = lax.fori_loop(0, count_ref[blk], body, init)
-  dk_ref[...] = dk_SxDk.astype(dk_ref.dtype)
-  dv_ref[...] = dv_SxDv.astype(dv_ref.dtype)
+    init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    dk_SxDk, dv_SxDv = lax.fori_loop(0, count_ref[blk], body, init)
+    dk_ref[...] = dk_SxDk.astype(dk_ref.dtype)
+    dv_ref[...] = dv_SxDv.astype(dv_ref.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -297,320 +342,332 @@ def _segment_reduce_kernel(first_ref, count_ref, dk_part_ref, dv_part_ref,
 
 @dataclasses.dataclass(frozen=True)
 class _Dims:
-  """Static sizes shared by the selection kernels."""
+    """Static sizes shared by the selection kernels."""
 
-  batch: int
-  seq: int
-  heads: int
-  kv_heads: int
-  group: int
-  group_padded: int
-  dk: int  # padded head dims (what the kernels see)
-  dv: int
-  slots: int
-  block_size: int
-  num_blocks: int
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    group: int
+    group_padded: int
+    dk: int  # padded head dims (what the kernels see)
+    dv: int
+    slots: int
+    block_size: int
+    num_blocks: int
 
 
 def _dims(q, k, v, idx, block_size) -> _Dims:
-  b, t, h, _ = q.shape
-  kvh = k.shape[2]
-  g = h // kvh
-  return _Dims(b, t, h, kvh, g, max(MIN_DOT_DIM, next_pow2(g)),
-               padded_dim(q.shape[-1]), padded_dim(v.shape[-1]),
-               idx.shape[-1], block_size, pl.cdiv(t, block_size))
+    b, t, h, _ = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    return _Dims(
+        b,
+        t,
+        h,
+        kvh,
+        g,
+        max(MIN_DOT_DIM, next_pow2(g)),
+        padded_dim(q.shape[-1]),
+        padded_dim(v.shape[-1]),
+        idx.shape[-1],
+        block_size,
+        pl.cdiv(t, block_size),
+    )
 
 
 def _prep_kv(k, v, d: _Dims):
-  tp = d.num_blocks * d.block_size
-  k = pad_axis(pad_axis(k, 1, tp), 3, d.dk)
-  v = pad_axis(pad_axis(v, 1, tp), 3, d.dv)
-  return k, v
+    tp = d.num_blocks * d.block_size
+    k = pad_axis(pad_axis(k, 1, tp), 3, d.dk)
+    v = pad_axis(pad_axis(v, 1, tp), 3, d.dv)
+    return k, v
 
 
 def _flat_heads(x_BxTxHxD, d_pad: int):
-  b, t, h, _ = x_BxTxHxD.shape
-  return pad_axis(x_BxTxHxD, 3, d_pad).reshape(b, t * h, d_pad)
+    b, t, h, _ = x_BxTxHxD.shape
+    return pad_axis(x_BxTxHxD, 3, d_pad).reshape(b, t * h, d_pad)
 
 
 def _ungroup(x_BxKxTGpxD, d: _Dims, d_out: int):
-  """[B, K, T*Gp, D] (padded group layout) -> [B, T, H, d_out]."""
-  x = x_BxKxTGpxD.reshape(d.batch, d.kv_heads, d.seq, d.group_padded, -1)
-  x = x[:, :, :, :d.group, :d_out]
-  return x.transpose(0, 2, 1, 3, 4).reshape(d.batch, d.seq, d.heads, d_out)
+    """[B, K, T*Gp, D] (padded group layout) -> [B, T, H, d_out]."""
+    x = x_BxKxTGpxD.reshape(d.batch, d.kv_heads, d.seq, d.group_padded, -1)
+    x = x[:, :, :, : d.group, :d_out]
+    return x.transpose(0, 2, 1, 3, 4).reshape(d.batch, d.seq, d.heads, d_out)
 
 
 def _common_specs(d: _Dims):
-  tp = d.num_blocks * d.block_size
-  th = d.seq * d.heads
-  idx_spec = pl.BlockSpec((None, None, None, d.slots),
-                          lambda t, b, kv: (b, t, kv, 0))
-  q_spec = pl.BlockSpec((None, th, d.dk), lambda t, b, kv: (b, 0, 0))
-  k_spec = pl.BlockSpec((None, tp, None, d.dk), lambda t, b, kv: (b, 0, kv, 0))
-  v_spec = pl.BlockSpec((None, tp, None, d.dv), lambda t, b, kv: (b, 0, kv, 0))
-  return idx_spec, q_spec, k_spec, v_spec
+    tp = d.num_blocks * d.block_size
+    th = d.seq * d.heads
+    idx_spec = pl.BlockSpec((None, None, None, d.slots), lambda t, b, kv: (b, t, kv, 0))
+    q_spec = pl.BlockSpec((None, th, d.dk), lambda t, b, kv: (b, 0, 0))
+    k_spec = pl.BlockSpec((None, tp, None, d.dk), lambda t, b, kv: (b, 0, kv, 0))
+    v_spec = pl.BlockSpec((None, tp, None, d.dv), lambda t, b, kv: (b, 0, kv, 0))
+    return idx_spec, q_spec, k_spec, v_spec
 
 
-def _selection_forward(q, k, v, idx, block_size, scale, interpret,
-                       bsz: SelectionBlockSizes):
-  d = _dims(q, k, v, idx, block_size)
-  k_p, v_p = _prep_kv(k, v, d)
-  q_f = _flat_heads(q, d.dk)
-  idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
-  kernel = functools.partial(
-      _sel_fwd_kernel, block_size=block_size, num_slots=d.slots,
-      num_blocks=d.num_blocks, num_heads=d.heads, group=d.group,
-      group_padded=d.group_padded, scale_log2=scale * LOG2E)
-  rows_g = d.seq * d.group_padded
-  o_pad, lse = pl.pallas_call(
-      kernel,
-      grid=(d.seq, d.batch, d.kv_heads),
-      in_specs=[idx_spec, q_spec, k_spec, v_spec],
-      out_specs=[
-          pl.BlockSpec((None, None, d.group_padded, d.dv),
-                       lambda t, b, kv: (b, kv, t, 0)),
-          pl.BlockSpec((None, None, d.group_padded),
-                       lambda t, b, kv: (b, kv, t)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g, d.dv), q.dtype),
-          jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g), jnp.float32),
-      ],
-      compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
-      interpret=interpret,
-      name="nsa_selection_fwd",
-  )(idx, q_f, k_p, v_p)
-  return _ungroup(o_pad, d, v.shape[-1]), lse
+def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
+    d = _dims(q, k, v, idx, block_size)
+    k_p, v_p = _prep_kv(k, v, d)
+    q_f = _flat_heads(q, d.dk)
+    idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
+    kernel = functools.partial(
+        _sel_fwd_kernel,
+        block_size=block_size,
+        num_slots=d.slots,
+        num_blocks=d.num_blocks,
+        num_heads=d.heads,
+        group=d.group,
+        group_padded=d.group_padded,
+        scale_log2=scale * LOG2E,
+    )
+    rows_g = d.seq * d.group_padded
+    o_pad, lse = pl.pallas_call(
+        kernel,
+        grid=(d.seq, d.batch, d.kv_heads),
+        in_specs=[idx_spec, q_spec, k_spec, v_spec],
+        out_specs=[
+            pl.BlockSpec((None, None, d.group_padded, d.dv), lambda t, b, kv: (b, kv, t, 0)),
+            pl.BlockSpec((None, None, d.group_padded), lambda t, b, kv: (b, kv, t)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g, d.dv), q.dtype),
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g), jnp.float32),
+        ],
+        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
+        interpret=interpret,
+        name="nsa_selection_fwd",
+    )(idx, q_f, k_p, v_p)
+    return _ungroup(o_pad, d, v.shape[-1]), lse
 
 
 def _group_stat(x_BxTxH, d: _Dims):
-  """[B, T, H] per-head statistic -> padded group layout [B, K, T*Gp]."""
-  x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group)
-  x = pad_axis(x, 3, d.group_padded).transpose(0, 2, 1, 3)
-  return x.reshape(d.batch, d.kv_heads, d.seq * d.group_padded)
+    """[B, T, H] per-head statistic -> padded group layout [B, K, T*Gp]."""
+    x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group)
+    x = pad_axis(x, 3, d.group_padded).transpose(0, 2, 1, 3)
+    return x.reshape(d.batch, d.kv_heads, d.seq * d.group_padded)
 
 
 def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int):
-  """CSR reverse index of a selection, cut into work segments.
+    """CSR reverse index of a selection, cut into work segments.
 
-  Returns (all int32):
-    qlist [B, K, T*n]: query positions sorted by the block they selected
-      (stable, so ascending t within a block); unused slots sort last.
-    seg_blk, seg_lo, seg_hi [B, K, P]: segment p covers entries
-      ``qlist[seg_lo:seg_hi]`` of block ``seg_blk`` (``num_blocks`` and an
-      empty range for the unused tail); ``P = ceil(T*n/segment) + NB``.
-    blk_first, blk_count [B, K, NB]: each block's segments are
-      ``seg_first .. seg_first + blk_count - 1``.
-  """
-  b, t, kvh, n = idx_BxTxKxN.shape
-  entries = t * n
-  flat_BxKxE = idx_BxTxKxN.transpose(0, 2, 1, 3).reshape(b, kvh, entries)
-  key_BxKxE = jnp.where((flat_BxKxE >= 0) & (flat_BxKxE < num_blocks),
-                        flat_BxKxE, num_blocks).astype(jnp.int32)
-  order = jnp.argsort(key_BxKxE, axis=-1, stable=True)
-  qlist = (order // n).astype(jnp.int32)
+    Returns (all int32):
+      qlist [B, K, T*n]: query positions sorted by the block they selected
+        (stable, so ascending t within a block); unused slots sort last.
+      seg_blk, seg_lo, seg_hi [B, K, P]: segment p covers entries
+        ``qlist[seg_lo:seg_hi]`` of block ``seg_blk`` (``num_blocks`` and an
+        empty range for the unused tail); ``P = ceil(T*n/segment) + NB``.
+      blk_first, blk_count [B, K, NB]: each block's segments are
+        ``seg_first .. seg_first + blk_count - 1``.
+    """
+    b, t, kvh, n = idx_BxTxKxN.shape
+    entries = t * n
+    flat_BxKxE = idx_BxTxKxN.transpose(0, 2, 1, 3).reshape(b, kvh, entries)
+    key_BxKxE = jnp.where((flat_BxKxE >= 0) & (flat_BxKxE < num_blocks), flat_BxKxE, num_blocks).astype(jnp.int32)
+    order = jnp.argsort(key_BxKxE, axis=-1, stable=True)
+    qlist = (order // n).astype(jnp.int32)
 
-  def per_row(key_E):
-    counts = jnp.bincount(key_E, length=num_blocks + 1)[:num_blocks]
-    starts = jnp.cumsum(counts) - counts
-    nseg = (counts + segment - 1) // segment
-    seg_end = jnp.cumsum(nseg)
-    seg_first = seg_end - nseg
-    num_segments = pl.cdiv(entries, segment) + num_blocks
-    p = jnp.arange(num_segments, dtype=jnp.int32)
-    blk = jnp.searchsorted(seg_end, p, side="right").astype(jnp.int32)
-    used = blk < num_blocks
-    blk_c = jnp.minimum(blk, num_blocks - 1)
-    lo = starts[blk_c] + (p - seg_first[blk_c]) * segment
-    hi = jnp.minimum(lo + segment, starts[blk_c] + counts[blk_c])
-    lo = jnp.where(used, lo, 0)
-    hi = jnp.where(used, hi, 0)
-    return blk, lo.astype(jnp.int32), hi.astype(jnp.int32), \
-        seg_first.astype(jnp.int32), nseg.astype(jnp.int32)
+    def per_row(key_E):
+        counts = jnp.bincount(key_E, length=num_blocks + 1)[:num_blocks]
+        starts = jnp.cumsum(counts) - counts
+        nseg = (counts + segment - 1) // segment
+        seg_end = jnp.cumsum(nseg)
+        seg_first = seg_end - nseg
+        num_segments = pl.cdiv(entries, segment) + num_blocks
+        p = jnp.arange(num_segments, dtype=jnp.int32)
+        blk = jnp.searchsorted(seg_end, p, side="right").astype(jnp.int32)
+        used = blk < num_blocks
+        blk_c = jnp.minimum(blk, num_blocks - 1)
+        lo = starts[blk_c] + (p - seg_first[blk_c]) * segment
+        hi = jnp.minimum(lo + segment, starts[blk_c] + counts[blk_c])
+        lo = jnp.where(used, lo, 0)
+        hi = jnp.where(used, hi, 0)
+        return blk, lo.astype(jnp.int32), hi.astype(jnp.int32), seg_first.astype(jnp.int32), nseg.astype(jnp.int32)
 
-  per_bk = jax.vmap(jax.vmap(per_row))
-  seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(key_BxKxE)
-  return qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count
+    per_bk = jax.vmap(jax.vmap(per_row))
+    seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(key_BxKxE)
+    return qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count
 
 
-def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale,
-                        interpret, bsz: SelectionBlockSizes):
-  d = _dims(q, k, v, idx, block_size)
-  k_p, v_p = _prep_kv(k, v, d)
-  q_f = _flat_heads(q, d.dk)
-  do_f = _flat_heads(do, d.dv)
-  # delta_t = rowsum(dO * O): the softmax-Jacobian correction term.
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-  delta = _group_stat(delta, d)
-  params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
-  idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
-  do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv),
-                         lambda t, b, kv: (b, 0, 0))
-  stat_spec = pl.BlockSpec((None, None, d.group_padded),
-                           lambda t, b, kv: (b, kv, t))
+def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
+    d = _dims(q, k, v, idx, block_size)
+    k_p, v_p = _prep_kv(k, v, d)
+    q_f = _flat_heads(q, d.dk)
+    do_f = _flat_heads(do, d.dv)
+    # delta_t = rowsum(dO * O): the softmax-Jacobian correction term.
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = _group_stat(delta, d)
+    params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
+    idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
+    do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda t, b, kv: (b, 0, 0))
+    stat_spec = pl.BlockSpec((None, None, d.group_padded), lambda t, b, kv: (b, kv, t))
 
-  # ---- dQ: query-centric, same walk as the forward.
-  dq_kernel = functools.partial(
-      _sel_dq_kernel, block_size=block_size, num_slots=d.slots,
-      num_blocks=d.num_blocks, num_heads=d.heads, group=d.group,
-      group_padded=d.group_padded, scale=scale, scale_log2=scale * LOG2E)
-  dq_pad = pl.pallas_call(
-      dq_kernel,
-      grid=(d.seq, d.batch, d.kv_heads),
-      in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec,
-                stat_spec],
-      out_specs=pl.BlockSpec((None, None, d.group_padded, d.dk),
-                             lambda t, b, kv: (b, kv, t, 0)),
-      out_shape=jax.ShapeDtypeStruct(
-          (d.batch, d.kv_heads, d.seq * d.group_padded, d.dk), q.dtype),
-      compiler_params=params,
-      interpret=interpret,
-      name="nsa_selection_dq",
-  )(idx, q_f, k_p, v_p, do_f, lse, delta)
-  dq = _ungroup(dq_pad, d, q.shape[-1])
+    # ---- dQ: query-centric, same walk as the forward.
+    dq_kernel = functools.partial(
+        _sel_dq_kernel,
+        block_size=block_size,
+        num_slots=d.slots,
+        num_blocks=d.num_blocks,
+        num_heads=d.heads,
+        group=d.group,
+        group_padded=d.group_padded,
+        scale=scale,
+        scale_log2=scale * LOG2E,
+    )
+    dq_pad = pl.pallas_call(
+        dq_kernel,
+        grid=(d.seq, d.batch, d.kv_heads),
+        in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
+        out_specs=pl.BlockSpec((None, None, d.group_padded, d.dk), lambda t, b, kv: (b, kv, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.seq * d.group_padded, d.dk), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_selection_dq",
+    )(idx, q_f, k_p, v_p, do_f, lse, delta)
+    dq = _ungroup(dq_pad, d, q.shape[-1])
 
-  # ---- dK/dV: key-centric over the reverse index, in segments.
-  qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = reverse_index(
-      idx, d.num_blocks, bsz.dkv_segment)
-  num_segments = seg_blk.shape[-1]
-  entries = d.seq * d.slots
-  rows_g = d.seq * d.group_padded
-  tp = d.num_blocks * block_size
-  seg_spec = pl.BlockSpec((None, None, num_segments),
-                          lambda p, b, kv: (b, kv, 0))
-  dkv_kernel = functools.partial(
-      _sel_dkv_kernel, block_size=block_size, num_blocks=d.num_blocks,
-      num_heads=d.heads, group=d.group, group_padded=d.group_padded,
-      rows=bsz.rows_dkv, scale=scale, scale_log2=scale * LOG2E)
-  dk_part, dv_part = pl.pallas_call(
-      dkv_kernel,
-      grid=(num_segments, d.batch, d.kv_heads),
-      in_specs=[
-          seg_spec, seg_spec, seg_spec,
-          pl.BlockSpec((None, None, entries), lambda p, b, kv: (b, kv, 0)),
-          pl.BlockSpec((None, d.seq * d.heads, d.dk),
-                       lambda p, b, kv: (b, 0, 0)),
-          pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
-          pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
-          pl.BlockSpec((None, d.seq * d.heads, d.dv),
-                       lambda p, b, kv: (b, 0, 0)),
-          pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
-          pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, block_size, d.dk),
-                       lambda p, b, kv: (b, kv, p, 0, 0)),
-          pl.BlockSpec((None, None, None, block_size, d.dv),
-                       lambda p, b, kv: (b, kv, p, 0, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct(
-              (d.batch, d.kv_heads, num_segments, block_size, d.dk),
-              jnp.float32),
-          jax.ShapeDtypeStruct(
-              (d.batch, d.kv_heads, num_segments, block_size, d.dv),
-              jnp.float32),
-      ],
-      compiler_params=params,
-      interpret=interpret,
-      name="nsa_selection_dkv",
-  )(seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
+    # ---- dK/dV: key-centric over the reverse index, in segments.
+    qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = reverse_index(idx, d.num_blocks, bsz.dkv_segment)
+    num_segments = seg_blk.shape[-1]
+    entries = d.seq * d.slots
+    rows_g = d.seq * d.group_padded
+    tp = d.num_blocks * block_size
+    seg_spec = pl.BlockSpec((None, None, num_segments), lambda p, b, kv: (b, kv, 0))
+    dkv_kernel = functools.partial(
+        _sel_dkv_kernel,
+        block_size=block_size,
+        num_blocks=d.num_blocks,
+        num_heads=d.heads,
+        group=d.group,
+        group_padded=d.group_padded,
+        rows=bsz.rows_dkv,
+        scale=scale,
+        scale_log2=scale * LOG2E,
+    )
+    dk_part, dv_part = pl.pallas_call(
+        dkv_kernel,
+        grid=(num_segments, d.batch, d.kv_heads),
+        in_specs=[
+            seg_spec,
+            seg_spec,
+            seg_spec,
+            pl.BlockSpec((None, None, entries), lambda p, b, kv: (b, kv, 0)),
+            pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda p, b, kv: (b, 0, 0)),
+            pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
+            pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
+            pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda p, b, kv: (b, 0, 0)),
+            pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
+            pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_size, d.dk), lambda p, b, kv: (b, kv, p, 0, 0)),
+            pl.BlockSpec((None, None, None, block_size, d.dv), lambda p, b, kv: (b, kv, p, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dk), jnp.float32),
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dv), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_selection_dkv",
+    )(seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
 
-  blk_spec = pl.BlockSpec((None, None, d.num_blocks),
-                          lambda j, b, kv: (b, kv, 0))
-  dk_p, dv_p = pl.pallas_call(
-      _segment_reduce_kernel,
-      grid=(d.num_blocks, d.batch, d.kv_heads),
-      in_specs=[
-          blk_spec, blk_spec,
-          pl.BlockSpec((None, None, num_segments, block_size, d.dk),
-                       lambda j, b, kv: (b, kv, 0, 0, 0)),
-          pl.BlockSpec((None, None, num_segments, block_size, d.dv),
-                       lambda j, b, kv: (b, kv, 0, 0, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, block_size, None, d.dk),
-                       lambda j, b, kv: (b, j, kv, 0)),
-          pl.BlockSpec((None, block_size, None, d.dv),
-                       lambda j, b, kv: (b, j, kv, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((d.batch, tp, d.kv_heads, d.dk), k.dtype),
-          jax.ShapeDtypeStruct((d.batch, tp, d.kv_heads, d.dv), v.dtype),
-      ],
-      compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
-      name="nsa_selection_dkv_reduce",
-  )(blk_first, blk_count, dk_part, dv_part)
-  dk = dk_p[:, :d.seq, :, :k.shape[-1]]
-  dv = dv_p[:, :d.seq, :, :v.shape[-1]]
-  return dq, dk, dv
+    blk_spec = pl.BlockSpec((None, None, d.num_blocks), lambda j, b, kv: (b, kv, 0))
+    dk_p, dv_p = pl.pallas_call(
+        _segment_reduce_kernel,
+        grid=(d.num_blocks, d.batch, d.kv_heads),
+        in_specs=[
+            blk_spec,
+            blk_spec,
+            pl.BlockSpec((None, None, num_segments, block_size, d.dk), lambda j, b, kv: (b, kv, 0, 0, 0)),
+            pl.BlockSpec((None, None, num_segments, block_size, d.dv), lambda j, b, kv: (b, kv, 0, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, block_size, None, d.dk), lambda j, b, kv: (b, j, kv, 0)),
+            pl.BlockSpec((None, block_size, None, d.dv), lambda j, b, kv: (b, j, kv, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((d.batch, tp, d.kv_heads, d.dk), k.dtype),
+            jax.ShapeDtypeStruct((d.batch, tp, d.kv_heads, d.dv), v.dtype),
+        ],
+        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="nsa_selection_dkv_reduce",
+    )(blk_first, blk_count, dk_part, dv_part)
+    dk = dk_p[:, : d.seq, :, : k.shape[-1]]
+    dv = dv_p[:, : d.seq, :, : v.shape[-1]]
+    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _selection(q, k, v, idx, block_size, scale, interpret, bsz):
-  o, _ = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
-  return o
+    o, _ = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
+    return o
 
 
 def _selection_vjp_fwd(q, k, v, idx, block_size, scale, interpret, bsz):
-  o, lse = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
-  return o, (q, k, v, idx, o, lse)
+    o, lse = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
+    return o, (q, k, v, idx, o, lse)
 
 
 def _selection_vjp_bwd(block_size, scale, interpret, bsz, res, do):
-  q, k, v, idx, o, lse = res
-  dq, dk, dv = _selection_backward(q, k, v, idx, o, lse, do, block_size,
-                                   scale, interpret, bsz)
-  return dq, dk, dv, None
+    q, k, v, idx, o, lse = res
+    dq, dk, dv = _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz)
+    return dq, dk, dv, None
 
 
 _selection.defvjp(_selection_vjp_fwd, _selection_vjp_bwd)
 
 
 def validate_qkv(q, k, v):
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError("q, k, v must be [B, T, heads, D]")
-  b, t, h, dk = q.shape
-  if k.shape[:2] != (b, t) or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
-  if k.shape[-1] != dk:
-    raise ValueError("q and k must share the head dim")
-  if h % k.shape[2]:
-    raise ValueError(f"query heads {h} not a multiple of KV heads "
-                     f"{k.shape[2]}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [B, T, heads, D]")
+    b, t, h, dk = q.shape
+    if k.shape[:2] != (b, t) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
+    if k.shape[-1] != dk:
+        raise ValueError("q and k must share the head dim")
+    if h % k.shape[2]:
+        raise ValueError(f"query heads {h} not a multiple of KV heads {k.shape[2]}")
 
 
-def selection_attention_pallas(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv,
-                               idx_BxTxKxN, block_size: int,
-                               scale: float | None = None, *,
-                               interpret: bool = False, block_sizes=None):
-  """NSA selection attention (fused Pallas/Triton forward and backward).
+def selection_attention_pallas(
+    q_BxTxHxDk,
+    k_BxTxKxDk,
+    v_BxTxKxDv,
+    idx_BxTxKxN,
+    block_size: int,
+    scale: float | None = None,
+    *,
+    interpret: bool = False,
+    block_sizes=None,
+):
+    """NSA selection attention (fused Pallas/Triton forward and backward).
 
-  Args:
-    q_BxTxHxDk: queries; H = K*G, query head h reads KV head h // G.
-    k_BxTxKxDk, v_BxTxKxDv: selection-branch keys and values.
-    idx_BxTxKxN: int32 selected block ids per (query, KV head); -1 = unused;
-      ids in a row are distinct.
-    block_size: selection block length lp (power of two >= 16).
-    scale: softmax scale, default Dk**-0.5.
-    interpret: run the kernels in the Pallas interpreter (CPU tests).
-    block_sizes: optional ``SelectionBlockSizes``.
+    Args:
+      q_BxTxHxDk: queries; H = K*G, query head h reads KV head h // G.
+      k_BxTxKxDk, v_BxTxKxDv: selection-branch keys and values.
+      idx_BxTxKxN: int32 selected block ids per (query, KV head); -1 = unused;
+        ids in a row are distinct.
+      block_size: selection block length lp (power of two >= 16).
+      scale: softmax scale, default Dk**-0.5.
+      interpret: run the kernels in the Pallas interpreter (CPU tests).
+      block_sizes: optional ``SelectionBlockSizes``.
 
-  Returns:
-    o_BxTxHxDv in q's dtype.
-  """
-  validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
-  b, t, _, dk = q_BxTxHxDk.shape
-  if idx_BxTxKxN.shape[:3] != (b, t, k_BxTxKxDk.shape[2]):
-    raise ValueError(f"block indices {idx_BxTxKxN.shape} do not match "
-                     f"[B, T, K, n] of q{q_BxTxHxDk.shape} k{k_BxTxKxDk.shape}")
-  _check_pow2("block_size", block_size)
-  bsz = SelectionBlockSizes() if block_sizes is None else block_sizes
-  _check_pow2("rows_dkv", bsz.rows_dkv)
-  if bsz.dkv_segment < 1:
-    raise ValueError("dkv_segment must be >= 1")
-  scale = float(dk ** -0.5 if scale is None else scale)
-  return _selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv,
-                    idx_BxTxKxN.astype(jnp.int32), int(block_size), scale,
-                    bool(interpret), bsz)
+    Returns:
+      o_BxTxHxDv in q's dtype.
+    """
+    validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
+    b, t, _, dk = q_BxTxHxDk.shape
+    if idx_BxTxKxN.shape[:3] != (b, t, k_BxTxKxDk.shape[2]):
+        raise ValueError(
+            f"block indices {idx_BxTxKxN.shape} do not match [B, T, K, n] of q{q_BxTxHxDk.shape} k{k_BxTxKxDk.shape}"
+        )
+    _check_pow2("block_size", block_size)
+    bsz = SelectionBlockSizes() if block_sizes is None else block_sizes
+    _check_pow2("rows_dkv", bsz.rows_dkv)
+    if bsz.dkv_segment < 1:
+        raise ValueError("dkv_segment must be >= 1")
+    scale = float(dk**-0.5 if scale is None else scale)
+    return _selection(
+        q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN.astype(jnp.int32), int(block_size), scale, bool(interpret), bsz
+    )

@@ -53,359 +53,408 @@ from nsa_jax.kernels.selection_pallas import (
 
 @dataclasses.dataclass(frozen=True)
 class WindowBlockSizes:
-  """Tiling knobs of the window kernels (powers of two >= 16).
+    """Tiling knobs of the window kernels (powers of two >= 16).
 
-  Attributes:
-    block_rows: flattened (query, head) rows per forward / dQ program.
-    block_keys: keys per inner step of the forward / dQ loop.
-    block_keys_dkv: keys per dK/dV program.
-    block_rows_dkv: flattened rows per inner step of the dK/dV loop.
-    num_warps: Triton warps per program (None: pick from the head dim).
-    num_stages: Triton software-pipelining depth.
-  """
+    Attributes:
+      block_rows: flattened (query, head) rows per forward / dQ program.
+      block_keys: keys per inner step of the forward / dQ loop.
+      block_keys_dkv: keys per dK/dV program.
+      block_rows_dkv: flattened rows per inner step of the dK/dV loop.
+      num_warps: Triton warps per program (None: pick from the head dim).
+      num_stages: Triton software-pipelining depth.
+    """
 
-  block_rows: int = 64
-  block_keys: int = 64
-  block_keys_dkv: int = 64
-  block_rows_dkv: int = 64
-  num_warps: int | None = None
-  num_stages: int = 2
+    block_rows: int = 64
+    block_keys: int = 64
+    block_keys_dkv: int = 64
+    block_rows_dkv: int = 64
+    num_warps: int | None = None
+    num_stages: int = 2
 
 
 def _gather_rows(f_R, kv, *, seq, num_heads, group):
-  """Positions, validity and ``q[T*H]`` rows of flattened rows ``f``."""
-  valid_R = f_R < seq * group
-  f_c = jnp.minimum(f_R, seq * group - 1)
-  t_R = lax.div(f_c, group)
-  row_R = t_R * num_heads + kv * group + lax.rem(f_c, group)
-  return t_R, valid_R, row_R
+    """Positions, validity and ``q[T*H]`` rows of flattened rows ``f``."""
+    valid_R = f_R < seq * group
+    f_c = jnp.minimum(f_R, seq * group - 1)
+    t_R = lax.div(f_c, group)
+    row_R = t_R * num_heads + kv * group + lax.rem(f_c, group)
+    return t_R, valid_R, row_R
 
 
 def _visible(t_R, valid_R, pos_C, *, window, seq):
-  pos_1xC = pos_C[None, :]
-  t_Rx1 = t_R[:, None]
-  return (valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - window)
-          & (pos_1xC < seq))
+    pos_1xC = pos_C[None, :]
+    t_Rx1 = t_R[:, None]
+    return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - window) & (pos_1xC < seq)
 
 
 def _key_tile_range(f0, rows, *, seq, group, window, block_keys, num_tiles):
-  """Key tiles [lo, hi) that rows [f0, f0 + rows) can see."""
-  t_first = lax.div(f0, group)
-  t_last = jnp.minimum(lax.div(f0 + rows - 1, group), seq - 1)
-  lo = lax.div(jnp.maximum(t_first - window + 1, 0), block_keys)
-  hi = jnp.minimum(lax.div(t_last, block_keys) + 1, num_tiles)
-  return lo, hi
+    """Key tiles [lo, hi) that rows [f0, f0 + rows) can see."""
+    t_first = lax.div(f0, group)
+    t_last = jnp.minimum(lax.div(f0 + rows - 1, group), seq - 1)
+    lo = lax.div(jnp.maximum(t_first - window + 1, 0), block_keys)
+    hi = jnp.minimum(lax.div(t_last, block_keys) + 1, num_tiles)
+    return lo, hi
 
 
-def _win_fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, seq, num_heads,
-                    group, window, block_rows, block_keys, num_key_tiles,
-                    scale_log2):
-  # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], o [R, Dv], lse [R].
-  f0 = pl.program_id(0) * block_rows
-  kv = pl.program_id(2)
-  dims = dict(seq=seq, num_heads=num_heads, group=group)
-  t_R, valid_R, row_R = _gather_rows(
-      f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-  q_RxDk = q_ref[row_R, :]
+def _win_fwd_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    seq,
+    num_heads,
+    group,
+    window,
+    block_rows,
+    block_keys,
+    num_key_tiles,
+    scale_log2,
+):
+    # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], o [R, Dv], lse [R].
+    f0 = pl.program_id(0) * block_rows
+    kv = pl.program_id(2)
+    dims = dict(seq=seq, num_heads=num_heads, group=group)
+    t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
+    q_RxDk = q_ref[row_R, :]
 
-  def body(kt, carry):
-    acc_RxDv, m_R, l_R = carry
-    start = kt * block_keys
-    k_CxDk = k_ref[pl.ds(start, block_keys), :]
-    v_CxDv = v_ref[pl.ds(start, block_keys), :]
-    s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
-    vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys),
-                       window=window, seq=seq)
-    s_RxC = jnp.where(vis_RxC, s_RxC, MASK_VALUE)
-    m_new_R = jnp.maximum(m_R, jnp.max(s_RxC, axis=1))
-    alpha_R = jnp.exp2(m_R - m_new_R)
-    p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - m_new_R[:, None]), 0.0)
-    l_R = l_R * alpha_R + jnp.sum(p_RxC, axis=1)
-    acc_RxDv = acc_RxDv * alpha_R[:, None] + plgpu_triton.dot(
-        p_RxC.astype(v_CxDv.dtype), v_CxDv)
-    return acc_RxDv, m_new_R, l_R
+    def body(kt, carry):
+        acc_RxDv, m_R, l_R = carry
+        start = kt * block_keys
+        k_CxDk = k_ref[pl.ds(start, block_keys), :]
+        v_CxDv = v_ref[pl.ds(start, block_keys), :]
+        s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
+        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), window=window, seq=seq)
+        s_RxC = jnp.where(vis_RxC, s_RxC, MASK_VALUE)
+        m_new_R = jnp.maximum(m_R, jnp.max(s_RxC, axis=1))
+        alpha_R = jnp.exp2(m_R - m_new_R)
+        p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - m_new_R[:, None]), 0.0)
+        l_R = l_R * alpha_R + jnp.sum(p_RxC, axis=1)
+        acc_RxDv = acc_RxDv * alpha_R[:, None] + plgpu_triton.dot(p_RxC.astype(v_CxDv.dtype), v_CxDv)
+        return acc_RxDv, m_new_R, l_R
 
-  lo, hi = _key_tile_range(f0, block_rows, seq=seq, group=group,
-                           window=window, block_keys=block_keys,
-                           num_tiles=num_key_tiles)
-  init = (jnp.zeros((block_rows, v_ref.shape[-1]), jnp.float32),
-          jnp.full((block_rows,), MASK_VALUE, jnp.float32),
-          jnp.zeros((block_rows,), jnp.float32))
-  acc_RxDv, m_R, l_R = lax.fori_loop(lo, hi, body, init)
-  seen_R = l_R > 0.0
-  l_safe_R = jnp.where(seen_R, l_R, 1.0)
-  o_ref[...] = (acc_RxDv / l_safe_R[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen_R, m_R + jnp.log2(l_safe_R), 0.0)
-
-
-def _win_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-                   seq, num_heads, group, window, block_rows, block_keys,
-                   num_key_tiles, scale, scale_log2):
-  # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
-  #   lse / delta [R], dq [R, Dk].
-  f0 = pl.program_id(0) * block_rows
-  kv = pl.program_id(2)
-  dims = dict(seq=seq, num_heads=num_heads, group=group)
-  t_R, valid_R, row_R = _gather_rows(
-      f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-  q_RxDk = q_ref[row_R, :]
-  do_RxDv = do_ref[row_R, :]
-  lse_R = lse_ref[...]
-  delta_R = delta_ref[...]
-
-  def body(kt, dq_RxDk):
-    start = kt * block_keys
-    k_CxDk = k_ref[pl.ds(start, block_keys), :]
-    v_CxDv = v_ref[pl.ds(start, block_keys), :]
-    s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
-    vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys),
-                       window=window, seq=seq)
-    p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - lse_R[:, None]), 0.0)
-    dp_RxC = plgpu_triton.dot(do_RxDv, v_CxDv, trans_b=True)
-    ds_RxC = p_RxC * (dp_RxC - delta_R[:, None])
-    return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
-
-  lo, hi = _key_tile_range(f0, block_rows, seq=seq, group=group,
-                           window=window, block_keys=block_keys,
-                           num_tiles=num_key_tiles)
-  dq_RxDk = lax.fori_loop(
-      lo, hi, body, jnp.zeros((block_rows, q_ref.shape[-1]), jnp.float32))
-  dq_ref[...] = (dq_RxDk * scale).astype(dq_ref.dtype)
+    lo, hi = _key_tile_range(
+        f0, block_rows, seq=seq, group=group, window=window, block_keys=block_keys, num_tiles=num_key_tiles
+    )
+    init = (
+        jnp.zeros((block_rows, v_ref.shape[-1]), jnp.float32),
+        jnp.full((block_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_rows,), jnp.float32),
+    )
+    acc_RxDv, m_R, l_R = lax.fori_loop(lo, hi, body, init)
+    seen_R = l_R > 0.0
+    l_safe_R = jnp.where(seen_R, l_R, 1.0)
+    o_ref[...] = (acc_RxDv / l_safe_R[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen_R, m_R + jnp.log2(l_safe_R), 0.0)
 
 
-def _win_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                    dv_ref, *, seq, num_heads, group, window, block_keys,
-                    block_rows, scale, scale_log2):
-  # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
-  #   lse / delta [Rp], dk [C, Dk], dv [C, Dv].
-  start = pl.program_id(0) * block_keys
-  kv = pl.program_id(2)
-  dims = dict(seq=seq, num_heads=num_heads, group=group)
-  k_CxDk = k_ref[pl.ds(start, block_keys), :]
-  v_CxDv = v_ref[pl.ds(start, block_keys), :]
-  pos_C = start + lax.iota(jnp.int32, block_keys)
-
-  def body(rt, carry):
-    dk_CxDk, dv_CxDv = carry
-    f0 = rt * block_rows
-    t_R, valid_R, row_R = _gather_rows(
-        f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
+def _win_dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    seq,
+    num_heads,
+    group,
+    window,
+    block_rows,
+    block_keys,
+    num_key_tiles,
+    scale,
+    scale_log2,
+):
+    # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
+    #   lse / delta [R], dq [R, Dk].
+    f0 = pl.program_id(0) * block_rows
+    kv = pl.program_id(2)
+    dims = dict(seq=seq, num_heads=num_heads, group=group)
+    t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
     q_RxDk = q_ref[row_R, :]
     do_RxDv = do_ref[row_R, :]
-    lse_R = lse_ref[pl.ds(f0, block_rows)]
-    delta_R = delta_ref[pl.ds(f0, block_rows)]
-    s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
-    vis_RxC = _visible(t_R, valid_R, pos_C, window=window, seq=seq)
-    p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - lse_R[:, None]), 0.0)
-    dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv,
-                               trans_a=True)
-    dp_RxC = plgpu_triton.dot(do_RxDv, v_CxDv, trans_b=True)
-    ds_RxC = p_RxC * (dp_RxC - delta_R[:, None])
-    dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk,
-                               trans_a=True)
-    return dk_CxDk, dv_CxDv
+    lse_R = lse_ref[...]
+    delta_R = delta_ref[...]
 
-  # Queries that see a key in [start, start + C): t in
-  # [start, start + C - 1 + w - 1], i.e. rows [start*G, (start+C-1+w)*G).
-  t_end = jnp.minimum(start + block_keys - 1 + window, seq)
-  lo = lax.div(start * group, block_rows)
-  hi = lax.div(t_end * group + block_rows - 1, block_rows)
-  init = (jnp.zeros((block_keys, k_ref.shape[-1]), jnp.float32),
-          jnp.zeros((block_keys, v_ref.shape[-1]), jnp.float32))
-  dk_CxDk, dv_CxDv = lax.fori_loop(lo, hi, body, init)
-  dk_ref[...] = (dk_CxDk * scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv_CxDv.astype(dv_ref.dtype)
+    def body(kt, dq_RxDk):
+        start = kt * block_keys
+        k_CxDk = k_ref[pl.ds(start, block_keys), :]
+        v_CxDv = v_ref[pl.ds(start, block_keys), :]
+        s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
+        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), window=window, seq=seq)
+        p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - lse_R[:, None]), 0.0)
+        dp_RxC = plgpu_triton.dot(do_RxDv, v_CxDv, trans_b=True)
+        ds_RxC = p_RxC * (dp_RxC - delta_R[:, None])
+        return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
+
+    lo, hi = _key_tile_range(
+        f0, block_rows, seq=seq, group=group, window=window, block_keys=block_keys, num_tiles=num_key_tiles
+    )
+    dq_RxDk = lax.fori_loop(lo, hi, body, jnp.zeros((block_rows, q_ref.shape[-1]), jnp.float32))
+    dq_ref[...] = (dq_RxDk * scale).astype(dq_ref.dtype)
+
+
+def _win_dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    seq,
+    num_heads,
+    group,
+    window,
+    block_keys,
+    block_rows,
+    scale,
+    scale_log2,
+):
+    # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
+    #   lse / delta [Rp], dk [C, Dk], dv [C, Dv].
+    start = pl.program_id(0) * block_keys
+    kv = pl.program_id(2)
+    dims = dict(seq=seq, num_heads=num_heads, group=group)
+    k_CxDk = k_ref[pl.ds(start, block_keys), :]
+    v_CxDv = v_ref[pl.ds(start, block_keys), :]
+    pos_C = start + lax.iota(jnp.int32, block_keys)
+
+    def body(rt, carry):
+        dk_CxDk, dv_CxDv = carry
+        f0 = rt * block_rows
+        t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
+        q_RxDk = q_ref[row_R, :]
+        do_RxDv = do_ref[row_R, :]
+        lse_R = lse_ref[pl.ds(f0, block_rows)]
+        delta_R = delta_ref[pl.ds(f0, block_rows)]
+        s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
+        vis_RxC = _visible(t_R, valid_R, pos_C, window=window, seq=seq)
+        p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - lse_R[:, None]), 0.0)
+        dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
+        dp_RxC = plgpu_triton.dot(do_RxDv, v_CxDv, trans_b=True)
+        ds_RxC = p_RxC * (dp_RxC - delta_R[:, None])
+        dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
+        return dk_CxDk, dv_CxDv
+
+    # Queries that see a key in [start, start + C): t in
+    # [start, start + C - 1 + w - 1], i.e. rows [start*G, (start+C-1+w)*G).
+    t_end = jnp.minimum(start + block_keys - 1 + window, seq)
+    lo = lax.div(start * group, block_rows)
+    hi = lax.div(t_end * group + block_rows - 1, block_rows)
+    init = (
+        jnp.zeros((block_keys, k_ref.shape[-1]), jnp.float32),
+        jnp.zeros((block_keys, v_ref.shape[-1]), jnp.float32),
+    )
+    dk_CxDk, dv_CxDv = lax.fori_loop(lo, hi, body, init)
+    dk_ref[...] = (dk_CxDk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_CxDv.astype(dv_ref.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class _WinDims:
-  batch: int
-  seq: int
-  heads: int
-  kv_heads: int
-  group: int
-  dk: int
-  dv: int
-  rows_padded: int  # T*G rounded up to every row tile
-  keys_padded: int  # T rounded up to every key tile
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    group: int
+    dk: int
+    dv: int
+    rows_padded: int  # T*G rounded up to every row tile
+    keys_padded: int  # T rounded up to every key tile
 
 
 def _win_dims(q, k, v, bsz: WindowBlockSizes) -> _WinDims:
-  b, t, h, _ = q.shape
-  kvh = k.shape[2]
-  g = h // kvh
-  row_tile = max(bsz.block_rows, bsz.block_rows_dkv)
-  key_tile = max(bsz.block_keys, bsz.block_keys_dkv)
-  return _WinDims(b, t, h, kvh, g, padded_dim(q.shape[-1]),
-                  padded_dim(v.shape[-1]),
-                  pl.cdiv(t * g, row_tile) * row_tile,
-                  pl.cdiv(t, key_tile) * key_tile)
+    b, t, h, _ = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    row_tile = max(bsz.block_rows, bsz.block_rows_dkv)
+    key_tile = max(bsz.block_keys, bsz.block_keys_dkv)
+    return _WinDims(
+        b,
+        t,
+        h,
+        kvh,
+        g,
+        padded_dim(q.shape[-1]),
+        padded_dim(v.shape[-1]),
+        pl.cdiv(t * g, row_tile) * row_tile,
+        pl.cdiv(t, key_tile) * key_tile,
+    )
 
 
 def _prep(q, k, v, d: _WinDims):
-  q_f = pad_axis(q, 3, d.dk).reshape(d.batch, d.seq * d.heads, d.dk)
-  k_p = pad_axis(pad_axis(k, 1, d.keys_padded), 3, d.dk)
-  v_p = pad_axis(pad_axis(v, 1, d.keys_padded), 3, d.dv)
-  return q_f, k_p, v_p
+    q_f = pad_axis(q, 3, d.dk).reshape(d.batch, d.seq * d.heads, d.dk)
+    k_p = pad_axis(pad_axis(k, 1, d.keys_padded), 3, d.dk)
+    v_p = pad_axis(pad_axis(v, 1, d.keys_padded), 3, d.dv)
+    return q_f, k_p, v_p
 
 
 def _ungroup_rows(x_BxKxRpxD, d: _WinDims, d_out: int):
-  """[B, K, Rp, D] flattened-row layout -> [B, T, H, d_out]."""
-  x = x_BxKxRpxD[:, :, :d.seq * d.group, :d_out]
-  x = x.reshape(d.batch, d.kv_heads, d.seq, d.group, d_out)
-  return x.transpose(0, 2, 1, 3, 4).reshape(d.batch, d.seq, d.heads, d_out)
+    """[B, K, Rp, D] flattened-row layout -> [B, T, H, d_out]."""
+    x = x_BxKxRpxD[:, :, : d.seq * d.group, :d_out]
+    x = x.reshape(d.batch, d.kv_heads, d.seq, d.group, d_out)
+    return x.transpose(0, 2, 1, 3, 4).reshape(d.batch, d.seq, d.heads, d_out)
 
 
 def _group_rows_stat(x_BxTxH, d: _WinDims):
-  """[B, T, H] per-head statistic -> flattened-row layout [B, K, Rp]."""
-  x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group)
-  x = x.transpose(0, 2, 1, 3).reshape(d.batch, d.kv_heads, d.seq * d.group)
-  return pad_axis(x, 2, d.rows_padded)
+    """[B, T, H] per-head statistic -> flattened-row layout [B, K, Rp]."""
+    x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group)
+    x = x.transpose(0, 2, 1, 3).reshape(d.batch, d.kv_heads, d.seq * d.group)
+    return pad_axis(x, 2, d.rows_padded)
 
 
 def _in_specs(d: _WinDims):
-  q_spec = pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda i, b, kv: (b, 0, 0))
-  k_spec = pl.BlockSpec((None, d.keys_padded, None, d.dk),
-                        lambda i, b, kv: (b, 0, kv, 0))
-  v_spec = pl.BlockSpec((None, d.keys_padded, None, d.dv),
-                        lambda i, b, kv: (b, 0, kv, 0))
-  do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv),
-                         lambda i, b, kv: (b, 0, 0))
-  return q_spec, k_spec, v_spec, do_spec
+    q_spec = pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda i, b, kv: (b, 0, 0))
+    k_spec = pl.BlockSpec((None, d.keys_padded, None, d.dk), lambda i, b, kv: (b, 0, kv, 0))
+    v_spec = pl.BlockSpec((None, d.keys_padded, None, d.dv), lambda i, b, kv: (b, 0, kv, 0))
+    do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda i, b, kv: (b, 0, 0))
+    return q_spec, k_spec, v_spec, do_spec
 
 
 def _window_forward(q, k, v, window, scale, interpret, bsz):
-  d = _win_dims(q, k, v, bsz)
-  q_f, k_p, v_p = _prep(q, k, v, d)
-  q_spec, k_spec, v_spec, _ = _in_specs(d)
-  r = bsz.block_rows
-  kernel = functools.partial(
-      _win_fwd_kernel, seq=d.seq, num_heads=d.heads, group=d.group,
-      window=window, block_rows=r, block_keys=bsz.block_keys,
-      num_key_tiles=d.keys_padded // bsz.block_keys, scale_log2=scale * LOG2E)
-  o_rows, lse = pl.pallas_call(
-      kernel,
-      grid=(d.rows_padded // r, d.batch, d.kv_heads),
-      in_specs=[q_spec, k_spec, v_spec],
-      out_specs=[
-          pl.BlockSpec((None, None, r, d.dv), lambda i, b, kv: (b, kv, i, 0)),
-          pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dv),
-                               q.dtype),
-          jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded),
-                               jnp.float32),
-      ],
-      compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
-      interpret=interpret,
-      name="nsa_window_fwd",
-  )(q_f, k_p, v_p)
-  return _ungroup_rows(o_rows, d, v.shape[-1]), lse
+    d = _win_dims(q, k, v, bsz)
+    q_f, k_p, v_p = _prep(q, k, v, d)
+    q_spec, k_spec, v_spec, _ = _in_specs(d)
+    r = bsz.block_rows
+    kernel = functools.partial(
+        _win_fwd_kernel,
+        seq=d.seq,
+        num_heads=d.heads,
+        group=d.group,
+        window=window,
+        block_rows=r,
+        block_keys=bsz.block_keys,
+        num_key_tiles=d.keys_padded // bsz.block_keys,
+        scale_log2=scale * LOG2E,
+    )
+    o_rows, lse = pl.pallas_call(
+        kernel,
+        grid=(d.rows_padded // r, d.batch, d.kv_heads),
+        in_specs=[q_spec, k_spec, v_spec],
+        out_specs=[
+            pl.BlockSpec((None, None, r, d.dv), lambda i, b, kv: (b, kv, i, 0)),
+            pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dv), q.dtype),
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded), jnp.float32),
+        ],
+        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
+        interpret=interpret,
+        name="nsa_window_fwd",
+    )(q_f, k_p, v_p)
+    return _ungroup_rows(o_rows, d, v.shape[-1]), lse
 
 
 def _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz):
-  d = _win_dims(q, k, v, bsz)
-  q_f, k_p, v_p = _prep(q, k, v, d)
-  do_f = pad_axis(do, 3, d.dv).reshape(d.batch, d.seq * d.heads, d.dv)
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-  delta = _group_rows_stat(delta, d)
-  q_spec, k_spec, v_spec, do_spec = _in_specs(d)
-  params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
-  common = dict(seq=d.seq, num_heads=d.heads, group=d.group, window=window,
-                scale=scale, scale_log2=scale * LOG2E)
+    d = _win_dims(q, k, v, bsz)
+    q_f, k_p, v_p = _prep(q, k, v, d)
+    do_f = pad_axis(do, 3, d.dv).reshape(d.batch, d.seq * d.heads, d.dv)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = _group_rows_stat(delta, d)
+    q_spec, k_spec, v_spec, do_spec = _in_specs(d)
+    params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
+    common = dict(seq=d.seq, num_heads=d.heads, group=d.group, window=window, scale=scale, scale_log2=scale * LOG2E)
 
-  r = bsz.block_rows
-  stat_spec = pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i))
-  dq_rows = pl.pallas_call(
-      functools.partial(_win_dq_kernel, block_rows=r,
-                        block_keys=bsz.block_keys,
-                        num_key_tiles=d.keys_padded // bsz.block_keys,
-                        **common),
-      grid=(d.rows_padded // r, d.batch, d.kv_heads),
-      in_specs=[q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
-      out_specs=pl.BlockSpec((None, None, r, d.dk),
-                             lambda i, b, kv: (b, kv, i, 0)),
-      out_shape=jax.ShapeDtypeStruct(
-          (d.batch, d.kv_heads, d.rows_padded, d.dk), q.dtype),
-      compiler_params=params,
-      interpret=interpret,
-      name="nsa_window_dq",
-  )(q_f, k_p, v_p, do_f, lse, delta)
-  dq = _ungroup_rows(dq_rows, d, q.shape[-1])
+    r = bsz.block_rows
+    stat_spec = pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i))
+    dq_rows = pl.pallas_call(
+        functools.partial(
+            _win_dq_kernel,
+            block_rows=r,
+            block_keys=bsz.block_keys,
+            num_key_tiles=d.keys_padded // bsz.block_keys,
+            **common,
+        ),
+        grid=(d.rows_padded // r, d.batch, d.kv_heads),
+        in_specs=[q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
+        out_specs=pl.BlockSpec((None, None, r, d.dk), lambda i, b, kv: (b, kv, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dk), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_window_dq",
+    )(q_f, k_p, v_p, do_f, lse, delta)
+    dq = _ungroup_rows(dq_rows, d, q.shape[-1])
 
-  c = bsz.block_keys_dkv
-  full_stat = pl.BlockSpec((None, None, d.rows_padded),
-                           lambda i, b, kv: (b, kv, 0))
-  dk_p, dv_p = pl.pallas_call(
-      functools.partial(_win_dkv_kernel, block_keys=c,
-                        block_rows=bsz.block_rows_dkv, **common),
-      grid=(d.keys_padded // c, d.batch, d.kv_heads),
-      in_specs=[q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
-      out_specs=[
-          pl.BlockSpec((None, c, None, d.dk), lambda i, b, kv: (b, i, kv, 0)),
-          pl.BlockSpec((None, c, None, d.dv), lambda i, b, kv: (b, i, kv, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dk),
-                               k.dtype),
-          jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dv),
-                               v.dtype),
-      ],
-      compiler_params=params,
-      interpret=interpret,
-      name="nsa_window_dkv",
-  )(q_f, k_p, v_p, do_f, lse, delta)
-  dk = dk_p[:, :d.seq, :, :k.shape[-1]]
-  dv = dv_p[:, :d.seq, :, :v.shape[-1]]
-  return dq, dk, dv
+    c = bsz.block_keys_dkv
+    full_stat = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, 0))
+    dk_p, dv_p = pl.pallas_call(
+        functools.partial(_win_dkv_kernel, block_keys=c, block_rows=bsz.block_rows_dkv, **common),
+        grid=(d.keys_padded // c, d.batch, d.kv_heads),
+        in_specs=[q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
+        out_specs=[
+            pl.BlockSpec((None, c, None, d.dk), lambda i, b, kv: (b, i, kv, 0)),
+            pl.BlockSpec((None, c, None, d.dv), lambda i, b, kv: (b, i, kv, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dk), k.dtype),
+            jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dv), v.dtype),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_window_dkv",
+    )(q_f, k_p, v_p, do_f, lse, delta)
+    dk = dk_p[:, : d.seq, :, : k.shape[-1]]
+    dv = dv_p[:, : d.seq, :, : v.shape[-1]]
+    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _window(q, k, v, window, scale, interpret, bsz):
-  o, _ = _window_forward(q, k, v, window, scale, interpret, bsz)
-  return o
+    o, _ = _window_forward(q, k, v, window, scale, interpret, bsz)
+    return o
 
 
 def _window_vjp_fwd(q, k, v, window, scale, interpret, bsz):
-  o, lse = _window_forward(q, k, v, window, scale, interpret, bsz)
-  return o, (q, k, v, o, lse)
+    o, lse = _window_forward(q, k, v, window, scale, interpret, bsz)
+    return o, (q, k, v, o, lse)
 
 
 def _window_vjp_bwd(window, scale, interpret, bsz, res, do):
-  q, k, v, o, lse = res
-  return _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz)
+    q, k, v, o, lse = res
+    return _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz)
 
 
 _window.defvjp(_window_vjp_fwd, _window_vjp_bwd)
 
 
-def window_attention_pallas(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, window: int,
-                            scale: float | None = None, *,
-                            interpret: bool = False, block_sizes=None):
-  """Sliding-window attention (fused Pallas/Triton forward and backward).
+def window_attention_pallas(
+    q_BxTxHxDk,
+    k_BxTxKxDk,
+    v_BxTxKxDv,
+    window: int,
+    scale: float | None = None,
+    *,
+    interpret: bool = False,
+    block_sizes=None,
+):
+    """Sliding-window attention (fused Pallas/Triton forward and backward).
 
-  Query t of head h attends to positions [max(0, t - window + 1), t] of KV
-  head h // G. Softmax in fp32; the output has q's dtype.
+    Query t of head h attends to positions [max(0, t - window + 1), t] of KV
+    head h // G. Softmax in fp32; the output has q's dtype.
 
-  Args:
-    q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv: window-branch queries, keys, values.
-    window: w >= 1 (w >= T gives full causal attention).
-    scale: softmax scale, default Dk**-0.5.
-    interpret: run the kernels in the Pallas interpreter (CPU tests).
-    block_sizes: optional ``WindowBlockSizes``.
-  """
-  validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
-  if window < 1:
-    raise ValueError(f"window={window} must be >= 1")
-  bsz = WindowBlockSizes() if block_sizes is None else block_sizes
-  for name in ("block_rows", "block_keys", "block_keys_dkv",
-               "block_rows_dkv"):
-    _check_pow2(name, getattr(bsz, name))
-  dk = q_BxTxHxDk.shape[-1]
-  scale = float(dk ** -0.5 if scale is None else scale)
-  # A window longer than the sequence is full causal attention; clamping
-  # keeps the static loop bounds small.
-  window = int(min(window, q_BxTxHxDk.shape[1]))
-  return _window(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, window, scale,
-                 bool(interpret), bsz)
+    Args:
+      q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv: window-branch queries, keys, values.
+      window: w >= 1 (w >= T gives full causal attention).
+      scale: softmax scale, default Dk**-0.5.
+      interpret: run the kernels in the Pallas interpreter (CPU tests).
+      block_sizes: optional ``WindowBlockSizes``.
+    """
+    validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
+    if window < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    bsz = WindowBlockSizes() if block_sizes is None else block_sizes
+    for name in ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv"):
+        _check_pow2(name, getattr(bsz, name))
+    dk = q_BxTxHxDk.shape[-1]
+    scale = float(dk**-0.5 if scale is None else scale)
+    # A window longer than the sequence is full causal attention; clamping
+    # keeps the static loop bounds small.
+    window = int(min(window, q_BxTxHxDk.shape[1]))
+    return _window(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, window, scale, bool(interpret), bsz)

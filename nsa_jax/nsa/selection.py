@@ -58,7 +58,9 @@ def select_blocks(scores_BxTxKxNb: jax.Array, lp: int, n: int, t_T: jax.Array | 
     j_Nb = jnp.arange(Nb, dtype=jnp.int32)
     cand_TxNb = j_Nb[None, :] <= cur_T[:, None]
     forced_TxNb = (j_Nb[None, :] == 0) | (j_Nb[None, :] == cur_T[:, None]) | (j_Nb[None, :] == cur_T[:, None] - 1)
-    ranked = jnp.where(forced_TxNb[None, :, None, :], _FORCED, jnp.where(cand_TxNb[None, :, None, :], scores, _EXCLUDED))
+    ranked = jnp.where(
+        forced_TxNb[None, :, None, :], _FORCED, jnp.where(cand_TxNb[None, :, None, :], scores, _EXCLUDED)
+    )
     if Nb < n:
         ranked = jnp.pad(ranked, [(0, 0)] * 3 + [(0, n - Nb)], constant_values=_EXCLUDED)
     # lax.top_k returns equal values lower index first: ties go to the lower block.
