@@ -1,0 +1,121 @@
+"""Training throughput and model-FLOPs utilisation, against this machine's matmul peak.
+
+For each config: tokens/s of the real jitted train step (nsa_jax.train.step),
+the model FLOPs per token (6 x matmul parameters, plus the attention FLOPs NSA
+actually does: QK and PV over the keys each branch reads, from nsa_jax.info),
+and MFU = achieved FLOP/s / peak, where the peak is a large matmul in the
+compute dtype timed in the same run:
+
+    python benchmarks/bench_train.py --configs cpu_tiny --steps 10
+    python benchmarks/bench_train.py --configs cpu_tiny,a100_pcie --set train.seq_len=256 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nsa_jax.config import load_config
+from nsa_jax.info import keys_per_query, parameter_counts
+from nsa_jax.train import step as S
+
+
+def matmul_peak(dtype: str, n: int, iters: int = 5) -> float:
+    """FLOP/s of an n x n x n matmul (median of `iters`)."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / float(np.median(times))
+
+
+def flops_per_token(cfg) -> dict[str, float]:
+    """Training FLOPs per token: 3 x forward (forward + backward)."""
+    m = cfg.model
+    counts = parameter_counts(m)
+    # Embedding lookups are not matmuls; every other weight is used once per token.
+    matmul_params = counts["total"] - counts["embed"] - counts.get("norms", 0) - counts.get("final_norm", 0)
+    keys = keys_per_query(m, cfg.train.seq_len)
+    attn_keys = keys["nsa_total"]
+    # QK^T (2*Dk) and PV (2*Dv) per key, per query head, per layer, forward.
+    attn_fwd = m.n_layers * m.n_heads * attn_keys * 2 * (m.head_dim + m.v_head_dim)
+    return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attn_fwd, "keys_per_query": attn_keys}
+
+
+def bench(name: str, overrides: list[str], steps: int) -> dict:
+    cfg = load_config(name, overrides)
+    mesh = S.make_mesh(cfg)
+    state = S.create_state(cfg, mesh)
+    train_step = S.make_train_step(cfg, mesh)
+    rng = np.random.default_rng(0)
+    A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
+    tokens = S.put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)
+    t = time.perf_counter()
+    state, metrics = train_step(state, tokens)
+    jax.block_until_ready(metrics["loss"])
+    first_s = time.perf_counter() - t
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, metrics = train_step(state, tokens)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times))
+    toks = A * B * T / step_s
+    f = flops_per_token(cfg)
+    return {
+        "config": name,
+        "dtype": cfg.model.dtype,
+        "params": parameter_counts(cfg.model)["total"],
+        "tokens_per_step": A * B * T,
+        "compile_and_first_step_s": first_s,
+        "step_s": step_s,
+        "tokens_per_s": toks,
+        "flops_per_token": f["matmul"] + f["attention"],
+        "attention_share": f["attention"] / (f["matmul"] + f["attention"]),
+        "achieved_flops": toks * (f["matmul"] + f["attention"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="cpu_tiny")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after the first")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    dev = jax.devices()[0]
+    print(f"backend {jax.default_backend()} | {len(jax.devices())} x {dev.device_kind}")
+    rows = [bench(name, args.overrides, args.steps) for name in args.configs.split(",")]
+    peaks = {dt: matmul_peak(dt, args.peak_n) for dt in sorted({r["dtype"] for r in rows})}
+    print(f"matmul peak ({args.peak_n}^3): " + ", ".join(f"{dt} {p / 1e9:.1f} GFLOP/s" for dt, p in peaks.items()))
+    print(
+        f"{'config':<12} {'params':>11} {'tok/step':>9} {'step s':>8} {'tok/s':>10} {'GFLOP/tok':>10} "
+        f"{'attn %':>7} {'GFLOP/s':>9} {'MFU':>7}"
+    )
+    for r in rows:
+        r["peak_flops"] = peaks[r["dtype"]]
+        r["mfu"] = r["achieved_flops"] / r["peak_flops"]
+        print(
+            f"{r['config']:<12} {r['params']:>11,} {r['tokens_per_step']:>9} {r['step_s']:>8.3f} "
+            f"{r['tokens_per_s']:>10,.0f} {r['flops_per_token'] / 1e9:>10.4f} {100 * r['attention_share']:>6.1f}% "
+            f"{r['achieved_flops'] / 1e9:>9.1f} {100 * r['mfu']:>6.1f}%"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"peaks": peaks, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
