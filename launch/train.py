@@ -11,6 +11,14 @@ Environment variables (the torch runbooks' names):
   NSA_DDP_BUCKET_MB -> parallel.bucket_mb (-> --xla_gpu_all_reduce_combine_threshold_bytes)
   NSA_TB_DISABLE, NSA_DISABLE_CSV_LOGS, NSA_DISABLE_AUX_STATS = 1|0
       -> logging.tensorboard, logging.csv, logging.aux_stats off|on
+  NSA_PG_TIMEOUT_MIN -> ops.stall_seconds (minutes; the in-process stall watchdog)
+Multi-process (one process per host): --coordinator/--num-processes/--process-id, or
+JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM (nsa_jax/ops/distributed.py);
+python -m launch.spawn --nproc N -- python -m launch.train ... starts N local processes.
+An out_dir holding checkpoints is resumed from its newest complete one (training.csv and
+the heartbeats continue; nsa_jax/checkpoint.py); one holding only an earlier run's artifacts
+is refused unless --overwrite. Checkpoints are deleted only with --overwrite-checkpoints.
+SIGTERM finishes the step in flight, saves a checkpoint and exits with status 0.
 Bad input prints one `error: ...` line and exits with status 2.
 """
 
@@ -22,7 +30,9 @@ import pathlib
 import shutil
 import sys
 
-from nsa_jax.config import ConfigError, load_config
+from nsa_jax import checkpoint as ckpt
+from nsa_jax.config import Config, ConfigError, load_config
+from nsa_jax.ops import distributed as dist
 
 BUCKET_FLAG = "--xla_gpu_all_reduce_combine_threshold_bytes"
 # Files a run writes into its out_dir (besides heartbeat_rank<r>.jsonl and tb/).
@@ -35,6 +45,8 @@ _NUMERIC_ENV = {
     "NSA_SEQ_LEN": ("train.seq_len", int),
     "NSA_BATCH_SIZE": ("train.global_batch", int),
     "NSA_DDP_BUCKET_MB": ("parallel.bucket_mb", float),
+    # The torch process-group timeout: here a step that does not end in time ends the process.
+    "NSA_PG_TIMEOUT_MIN": ("ops.stall_seconds", lambda raw: float(raw) * 60),
 }
 _DISABLE_ENV = {
     "NSA_TB_DISABLE": "logging.tensorboard",
@@ -63,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted config override, e.g. --set model.n_layers=2 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace the artifacts of an earlier run in the out dir")
+    p.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="also delete the out dir's checkpoints and start over (implies --overwrite); "
+                        "without it a run resumes from them")
+    dist.add_arguments(p)
     return p
 
 
@@ -123,14 +139,35 @@ def xla_flags_with_bucket(flags: str, bucket_mb: float) -> str:
     return f"{flags} {BUCKET_FLAG}={int(bucket_mb * 2**20)}".strip()
 
 
-def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
-    """Refuses to mix a new run into an earlier run's artifacts unless `overwrite`."""
+def prepare_out_dir(out_dir: str, overwrite: bool, *, overwrite_checkpoints: bool = False,
+                    cfg: Config | None = None) -> None:
+    """Refuses to mix a new run into an earlier run's artifacts unless `overwrite`.
+
+    With checkpoints in out_dir the run resumes (checked against `cfg` here, before XLA
+    starts); `overwrite` alone is refused then, `overwrite_checkpoints` deletes them.
+    """
     out = pathlib.Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.out_dir {out} exists and is not a directory")
     if not out.is_dir():
         return
+    steps = ckpt.complete_steps(ckpt.checkpoint_dir(out))
+    if steps and not overwrite_checkpoints:
+        if overwrite:
+            raise ConfigError(
+                f"{out} holds checkpoints (steps {', '.join(map(str, steps[-3:]))}) that --overwrite does not "
+                f"delete; drop --overwrite to resume from step {steps[-1]}, pass --overwrite-checkpoints to delete "
+                "them and start over, or choose another directory with --out-dir"
+            )
+        if cfg is not None:
+            _check_resumable(out, steps, cfg)
+        return  # resume: the Trainer restores the newest complete checkpoint and appends
+    if overwrite_checkpoints:
+        for d in (ckpt.checkpoint_dir(out), out / ckpt.CORRUPT_DIR):
+            shutil.rmtree(d, ignore_errors=True)
+        overwrite = True
     found = [n for n in RUN_FILES if (out / n).exists()] + sorted(q.name for q in out.glob("heartbeat_rank*.jsonl"))
+    found += sorted(q.name for q in out.glob("stackdump_*.txt"))
     if not found:
         return
     if not overwrite:
@@ -138,10 +175,28 @@ def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
             f"{out} already holds a run ({', '.join(found[:3])}); choose another directory with "
             "--out-dir or --set train.out_dir=..., or pass --overwrite to replace it"
         )
+    # Tolerant: in a multi-process run every process clears the same shared directory.
     for name in found:
-        (out / name).unlink()
+        (out / name).unlink(missing_ok=True)
     if (out / "tb").is_dir():
-        shutil.rmtree(out / "tb")
+        shutil.rmtree(out / "tb", ignore_errors=True)
+
+
+def _check_resumable(out: pathlib.Path, steps: list[int], cfg: Config) -> None:
+    """ConfigError when the newest readable checkpoint's config must not be resumed with `cfg`."""
+    for step in reversed(steps):
+        try:
+            saved = ckpt.saved_config(ckpt.checkpoint_dir(out) / str(step))
+        except (OSError, ValueError):
+            continue  # unreadable: the Trainer falls back to an older step or stops
+        blocking, _ = ckpt.resume_conflicts(saved, cfg)
+        if blocking:
+            raise ConfigError(
+                f"{out} holds checkpoints of a different run (step {step}: {'; '.join(blocking[:3])}); resume with "
+                "the settings they were saved with, choose another directory with --out-dir, or pass "
+                "--overwrite-checkpoints to delete them and start over"
+            )
+        return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,12 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env_sets, applied = env_overrides(os.environ)
         cfg = load_config(args.config, env_sets + flag_overrides(args))
-        prepare_out_dir(cfg.train.out_dir, args.overwrite)
+        spec = dist.resolve(args.coordinator, args.num_processes, args.process_id)
+        prepare_out_dir(cfg.train.out_dir, args.overwrite, overwrite_checkpoints=args.overwrite_checkpoints, cfg=cfg)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Before the first jax import: XLA reads its flags once, when the backend starts.
     os.environ["XLA_FLAGS"] = xla_flags_with_bucket(os.environ.get("XLA_FLAGS", ""), cfg.parallel.bucket_mb)
+    if spec is not None:
+        # Before any device is touched: the backend is created with the cross-process topology.
+        print(f"dist: {spec.describe()}; waiting up to {cfg.ops.init_timeout_s}s for all processes", flush=True)
+        try:
+            dist.initialize(spec, init_timeout_s=cfg.ops.init_timeout_s, peer_timeout_s=cfg.ops.peer_timeout_s)
+        except Exception as e:  # noqa: BLE001 - jax raises several kinds; one line says it
+            print(f"error: jax.distributed did not start ({spec.describe()}): {e}".splitlines()[0], file=sys.stderr)
+            return 1
 
     from nsa_jax.train.loop import Trainer
 

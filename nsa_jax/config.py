@@ -140,19 +140,39 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoint cadence."""
+    """Orbax checkpoints under <out_dir>/checkpoints (nsa_jax/checkpoint.py)."""
 
-    save_every: int = 5000
-    max_to_keep: int = 3
+    save_every: int = 5000  # optimizer steps between saves; the last step is always saved
+    max_to_keep: int = 3  # newest checkpoints kept; older ones are deleted after a save commits
+    # false: no new checkpoints (existing ones are still resumed from, never trained over).
     enabled: bool = True
+    # Write files in a background thread: the loop waits only for the copy off the device.
+    async_save: bool = True
+    # false: resume weights, optimizer state and step but restart the data stream from its
+    # beginning; for a resume whose data layout (dataset, batch, seq_len, process count)
+    # changed on purpose, which otherwise stops with an error.
+    restore_data: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class OpsConfig:
-    """Run health: watchdogs and halts."""
+    """Run health: watchdogs and halts (nsa_jax/ops)."""
 
-    stall_seconds: float = 0.0  # 0 disables the in-process stall watchdog
+    # In-process stall watchdog: no step ends for this long -> stack dump, a
+    # `watchdog_dump` heartbeat and exit status 75, so a scheduler restarts the job
+    # instead of it hanging on a stuck peer. 0 disables it. Must exceed the slowest
+    # step, the first evaluation's compile and a checkpoint save included.
+    stall_seconds: float = 0.0
+    # A non-finite loss or gradient: halt (.anomaly_type + .HALT, exit status 1), or
+    # skip the update and count it.
     nan_policy: Literal["halt", "skip"] = "halt"
+    # With nan_policy=skip: halt anyway once this many updates were skipped (0 = never).
+    max_skips: int = 0
+    # jax.distributed, multi-process runs only: how long processes wait for each other
+    # at start-up, and how long a peer may miss heartbeats before it counts as dead and
+    # the others are stopped.
+    init_timeout_s: int = 300
+    peer_timeout_s: int = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +316,13 @@ def validate(cfg: Config) -> Config:
     need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
     need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
     need(cfg.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep must be positive, got {cfg.checkpoint.max_to_keep}")
+    o = cfg.ops
+    need(o.stall_seconds >= 0, f"ops.stall_seconds must be >= 0 (0 disables the watchdog), got {o.stall_seconds}")
+    need(o.max_skips >= 0, f"ops.max_skips must be >= 0 (0 = never halt on skips), got {o.max_skips}")
+    need(
+        o.init_timeout_s > 0 and o.peer_timeout_s > 0,
+        f"ops.init_timeout_s and ops.peer_timeout_s must be positive, got {o.init_timeout_s}, {o.peer_timeout_s}",
+    )
     return cfg
 
 

@@ -28,8 +28,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from nsa_jax import checkpoint as ckpt
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
+from nsa_jax.ops.health import Health, agree_any, write_halt
 from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import BRANCHES, RunArtifacts
 from nsa_jax.train.state import TrainState, init_state
@@ -105,9 +107,23 @@ class Trainer:
         self.train_step = S.make_train_step(cfg, self.mesh)
         # Opening the stream validates the data settings before any artifact is written.
         self.data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
+        # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/checkpoint.py).
+        self.ckpt = ckpt.Checkpointer(cfg, self.out, self.mesh, warn=self.say)
+        self._val_state = None
+        restored = self.ckpt.restore_latest() if state is None and data_state is None else None
+        if restored is not None:
+            state, data_state, self._val_state = restored.state, restored.train_data, restored.val_data
         if data_state is not None:
             self.data.set_state(data_state)
+        # training.csv is rewritten: keep the rows up to the checkpoint, later ones are re-run.
+        kept_rows = ckpt.csv_rows_upto(self.out / "training.csv", restored.step) if restored else []
         self.art = RunArtifacts(cfg, self.out, self.mesh, applied_env)
+        for row in kept_rows:
+            self.art.row(row)
+        if restored is not None:
+            how = "" if restored.train_data is not None else " (data stream restarted: checkpoint.restore_data=false)"
+            self.say(f"resume: step {restored.step} from {restored.path}{how}")
+            self.art.event("resume", restored.step, str(restored.path))
         self.say(
             f"boot: {jax.process_count()} process(es), {n_dev} {jax.default_backend()} device(s) on the data axis, "
             f"per-device batch {cfg.train.global_batch // n_dev} x accumulate {cfg.train.accumulate}, "
@@ -163,6 +179,8 @@ class Trainer:
         if self.eval_step is None:
             self.eval_step = S.make_eval_step(cfg, self.mesh)
             self._val = make_dataset(cfg, "val", process_index=jax.process_index(), process_count=jax.process_count())
+            if self._val_state is not None:
+                self._val.set_state(self._val_state)
         total = None
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(S.AXIS))
         for _ in range(cfg.train.eval_batches):
@@ -180,16 +198,12 @@ class Trainer:
             return (self.out / ".HALT").exists()
         if step % self.cfg.train.log_every:
             return False
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.int32((self.out / ".HALT").exists()))
-        return bool(np.any(flags))
+        return agree_any((self.out / ".HALT").exists())
 
     def _anomaly(self, step: int, kind: str, msg: str) -> None:
         self.art.event("anomaly", step, msg, anomaly_type=kind)
         if self.lead:
-            (self.out / ".anomaly_type").write_text(kind + "\n")
-            (self.out / ".HALT").write_text(f"step {step}: {msg}\n")
+            write_halt(self.out, kind, f"step {step}: {msg}")
 
     # -- run ------------------------------------------------------------------
 
@@ -228,19 +242,32 @@ class Trainer:
         """Trains to train.steps; returns a summary (first/last loss, tokens/s, wall time)."""
         cfg = self.cfg
         t_start = time.perf_counter()
-        batch = self._next_batch()
-        step_fn = self.compile(batch)
+        # SIGUSR1 dumps from here on; the stall clock starts with the first step.
+        self.health = Health(self.out, rank=jax.process_index(), stall_seconds=cfg.ops.stall_seconds,
+                             event=self.art.event).start()
+        with self.health.paused():
+            batch = self._next_batch()
+            step_fn = self.compile(batch)
         start = int(self.state.step)
-        self.summary = {"first_loss": None, "last_loss": None, "steps_done": start, "halted": None}
+        self.summary = {"first_loss": None, "last_loss": None, "steps_done": start, "halted": None,
+                        "skipped_steps": 0}
         self._t_loop = self._last_done = time.perf_counter()
         self._interval = {"t": self._t_loop, "steps": 0}
         pending: _Pending | None = None
+        # SIGTERM (preemption): finish the step in flight, save, return normally.
+        self._preempt = ckpt.PreemptionGuard(self.mesh)
+        self._preempt.install()
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 if self._halt_requested(step):
                     self.summary["halted"] = "halt_file"
                     self.say(f"halt: {self.out / '.HALT'} found before step {step}")
                     self.art.event("halt", step - 1, ".HALT file found")
+                    break
+                if self._preempt.stop_requested():
+                    self.summary["halted"] = "sigterm"
+                    self.say(f"preempted: SIGTERM received; stopping after step {step - 1} and saving a checkpoint")
+                    self.art.event("halt", step - 1, "SIGTERM received")
                     break
                 if batch is None:
                     batch = self._next_batch()
@@ -254,9 +281,21 @@ class Trainer:
                     pending = None
                     break
                 pending = _Pending(step, metrics, t_dispatch, val)
+                if cfg.checkpoint.enabled and step % cfg.checkpoint.save_every == 0:
+                    # Log step t before it is saved, so training.csv never lacks a saved step.
+                    ok, pending = self._record(pending), None
+                    if not ok:
+                        break
+                    self._checkpoint()
             if pending is not None:
                 self._record(pending)
+            if self.summary["halted"] not in ("nan_loss", "nan_grad"):
+                self._checkpoint()
         finally:
+            # The stall clock stops first: the final checkpoint commit below is no training step.
+            self.health.close()
+            self.ckpt.close()  # waits until the last save is committed (SIGTERM still deferred)
+            self._preempt.uninstall()
             loop_s = time.perf_counter() - self._t_loop
             done = self.summary["steps_done"] - start
             self.summary.update(wall_s=time.perf_counter() - t_start, loop_s=loop_s,
@@ -273,6 +312,18 @@ class Trainer:
             if done > 0 else "done: no steps run"
         )
         return s
+
+    def _checkpoint(self) -> None:
+        """Saves the current state, every step of which has been recorded, with the data position after it."""
+        if not self.cfg.checkpoint.enabled:
+            return
+        step = self.summary["steps_done"]
+        if int(jax.device_get(self.state.step)) != step:  # a step was dispatched but never recorded
+            return
+        val = self._val.get_state() if self._val is not None else self._val_state
+        info = self.ckpt.save(step, self.state, self.data.get_state(), val)
+        if info is not None:
+            self.art.event("checkpoint", step, info["path"], blocking_s=info["blocking_s"])
 
     def _record(self, p: _Pending) -> bool:
         """Reads a finished step's metrics (blocking) and logs them; False stops the run."""
@@ -293,6 +344,7 @@ class Trainer:
         }
         self.art.row(row)
         self.art.event("step_end", p.step, "", loss=loss, lr=lr, step_time_s=step_time)
+        self.health.step_ended(p.step)
         scalars = {f"train/{k}": row[k] for k in ("loss", "lr", "grad_norm", "toks_per_s", "step_time_s")}
         if val is not None:
             scalars["eval/loss"] = val
@@ -318,13 +370,17 @@ class Trainer:
         if row["skipped"]:
             kind = "nan_loss" if not math.isfinite(loss) else "nan_grad"
             msg = f"non-finite {'loss' if kind == 'nan_loss' else 'gradient'} at step {p.step}; update skipped"
-            if cfg.ops.nan_policy == "halt":
+            self.summary["skipped_steps"] += 1
+            skips = self.summary["skipped_steps"]
+            if cfg.ops.max_skips and skips >= cfg.ops.max_skips:
+                msg += f"; {skips} updates skipped, ops.max_skips={cfg.ops.max_skips} reached"
+            if cfg.ops.nan_policy == "halt" or (cfg.ops.max_skips and skips >= cfg.ops.max_skips):
                 self._anomaly(p.step, kind, msg)
                 self.say(f"halt: {msg}; wrote {self.out / '.HALT'}")
                 self.summary["halted"] = kind
                 return False
-            self.art.event("anomaly", p.step, msg, anomaly_type=kind)
-            self.say(f"warning: {msg} (ops.nan_policy=skip)")
+            self.art.event("anomaly", p.step, msg, anomaly_type=kind, skipped_steps=skips)
+            self.say(f"warning: {msg} (ops.nan_policy=skip; {skips} skipped so far)")
         return True
 
 

@@ -1,0 +1,397 @@
+"""Checkpoints: exact resume after SIGTERM and SIGKILL, half-written and corrupt saves,
+restore onto another device count, the resume policy of launch.train, load_for_inference.
+
+The subprocess runs share a persistent compilation cache, so only the first one pays
+for compiling the train step. One chain of runs on a small text corpus (epochs of about
+three optimizer steps, accumulate 2) is compared with an uninterrupted run:
+
+  straight run to N=8                                   -> reference rows and params
+  run A: no periodic saves; SIGTERM while step 4 is in flight -> exit 0, checkpoint 4
+  run B: resumes at 4, SIGKILL inside the commit of 6   -> step 6 left uncommitted
+  run C: resumes at 4 (never from the half-written 6)   -> rows and params equal the reference
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from launch.train import prepare_out_dir  # noqa: E402
+from nsa_jax import checkpoint as C  # noqa: E402
+from nsa_jax.config import ConfigError, load_config  # noqa: E402
+
+N = 8
+SETS = [
+    "model.vocab_size=320", "model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+    "model.d_ff=128",
+    "train.seq_len=64", "train.global_batch=4", "train.accumulate=2", "train.log_every=1", "train.eval_every=1000",
+    "checkpoint.save_every=2", "checkpoint.max_to_keep=3",
+    "data.dataset=text", "data.val_fraction=0.0", "logging.tensorboard=false",
+]
+# Columns that must match bit for bit (timings differ run to run).
+EXACT = ("step", "loss", "lr", "grad_norm", "tokens", "skipped", "gate_cmp", "gate_slc", "gate_win",
+         "gate_entropy", "sel_far_frac")
+
+# Runs launch.train after arranging a deterministic interruption (CKPT_TEST_MODE):
+#   sigterm:        the process sends itself SIGTERM once step CKPT_TEST_AT is logged
+#   kill_in_commit: SIGKILL when orbax is about to commit step CKPT_TEST_AT, i.e. every
+#                   file of it is written but the directory still has its temporary name
+DRIVER = r"""
+import asyncio, os, signal, sys
+mode, at = os.environ.get("CKPT_TEST_MODE", ""), int(os.environ.get("CKPT_TEST_AT", "0"))
+if mode == "sigterm":
+    from nsa_jax.train import loop
+    record = loop.Trainer._record
+    def _record(self, p):
+        ok = record(self, p)
+        if p.step == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ok
+    loop.Trainer._record = _record
+elif mode == "kill_in_commit":
+    from orbax.checkpoint._src.path import atomicity
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+    async def _finalize(self):
+        if self.get().name.startswith(f"{at}."):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await finalize(self)
+    atomicity.AtomicRenameTemporaryPath.finalize = _finalize
+from launch.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _env(cache: pathlib.Path, devices: int, extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "CKPT_TEST_"))}
+    env.update(
+        PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    env.update(extra or {})
+    return env
+
+
+def sets(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def rows(out: pathlib.Path) -> list[dict]:
+    with open(out / "training.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def exact(rs: list[dict]) -> list[tuple]:
+    return [tuple(r[c] for c in EXACT if c in r) for r in rs]
+
+
+def tree_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Corpus, compile cache, and a `train(out, steps, mode=, at=)` runner."""
+    base = tmp_path_factory.mktemp("ckpt")
+    corpus = base / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["sparse", "attention", "block", "token", "window", "select", "gate", "query", "key", "value"]
+    for i in range(3):  # ~1.6 KB in all: one epoch is about three optimizer steps of 520 tokens
+        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 90)) + "\n")
+    cache = base / "jax_cache"
+
+    def train(out, steps=N, mode="", at=0, devices=2, extra_sets=(), args=()):
+        cmd = [sys.executable, "-c", DRIVER, "--config", "cpu_tiny", "--steps", str(steps), "--out-dir", str(out),
+               *sets(SETS + [f"data.path={corpus}", *extra_sets]), *args]
+        extra = {"CKPT_TEST_MODE": mode, "CKPT_TEST_AT": str(at)} if mode else {}
+        return subprocess.run(cmd, cwd=ROOT, env=_env(cache, devices, extra), capture_output=True, text=True,
+                              timeout=600)
+
+    return {"base": base, "corpus": corpus, "cache": cache, "train": train}
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+    out = env["base"] / "straight"
+    r = env["train"](out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6, 8]  # max_to_keep=3, the final save included
+    return out
+
+
+def cfg_of(env, **over):
+    extra = [f"{k}={v}" for k, v in over.items()]
+    return load_config("cpu_tiny", SETS + [f"data.path={env['corpus']}", *extra])
+
+
+def test_sigterm_then_kill_in_commit_then_resume_is_exact(env, reference):
+    ref_rows = rows(reference)
+    assert [int(r["step"]) for r in ref_rows] == list(range(1, N + 1))
+    out = env["base"] / "interrupted"
+
+    # SIGTERM arrives while step 4 is in flight: it finishes, is logged and saved, exit 0.
+    # (No periodic saves in this run, so checkpoint 4 can only come from the SIGTERM path.)
+    a = env["train"](out, mode="sigterm", at=3, extra_sets=["checkpoint.save_every=100"])
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert "preempted: SIGTERM received; stopping after step 4" in a.stdout
+    assert C.complete_steps(C.checkpoint_dir(out)) == [4]
+    assert exact(rows(out)) == exact(ref_rows[:4])
+
+    # Resumed at 4, then killed with every file of step 6 written but not committed.
+    b = env["train"](out, mode="kill_in_commit", at=6)
+    assert b.returncode == -signal.SIGKILL, (b.returncode, b.stderr[-3000:])
+    assert "resume: step 4 from" in b.stdout
+    assert C.complete_steps(C.checkpoint_dir(out)) == [4]
+    assert [p.name.split(".")[0] for p in C.uncommitted_dirs(C.checkpoint_dir(out))] == ["6"]
+    # Steps after 4 were logged before the kill (the commit runs in the background, so
+    # the loop may have gone on past 6); the resume must drop them.
+    assert [int(r["step"]) for r in rows(out)][:6] == [1, 2, 3, 4, 5, 6]
+
+    # Resumes from the complete step 4, not the half-written 6, and reproduces the straight run.
+    c = env["train"](out)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert "resume: step 4 from" in c.stdout
+    assert exact(rows(out)) == exact(ref_rows)  # rows 5, 6 of run B replaced, not duplicated
+    assert not C.uncommitted_dirs(C.checkpoint_dir(out))
+    final = [C.restore_params(C.checkpoint_dir(d) / "8") for d in (out, reference)]
+    assert tree_equal(*final)
+    # The optimizer moments and RNG too, not only the weights.
+    full = [_host_state(C.checkpoint_dir(d) / "8") for d in (out, reference)]
+    assert tree_equal(*full)
+    beats = [json.loads(line) for line in (out / "heartbeat_rank0.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in beats if b["event"] == "resume"] == [4, 4]  # appended across the runs
+
+
+def _host_state(step_dir: pathlib.Path):
+    import orbax.checkpoint as ocp
+
+    path = (step_dir / "state").absolute()
+    with ocp.PyTreeCheckpointer() as ck:
+        tree = ck.metadata(path).item_metadata.tree
+        return ck.restore(path, args=ocp.args.PyTreeRestore(
+            restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)))
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_saved_on_two_devices_restores_on_one(env, reference, tmp_path):
+    out = _copy(reference, tmp_path / "run")
+    cfg = cfg_of(env, **{"train.out_dir": str(out)})
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    saved = json.loads((C.checkpoint_dir(out) / "8" / "data" / "metadata").read_text())
+    assert saved["devices"] == 2 and saved["process_count"] == 1
+    ck = C.Checkpointer(cfg, out, mesh)
+    try:
+        r = ck.restore_latest()
+    finally:
+        ck.close()
+    assert r.step == 8 and int(r.state.step) == 8
+    for leaf in jax.tree.leaves(r.state):
+        assert leaf.sharding.device_set == {jax.devices()[0]}
+    host = _host_state(C.checkpoint_dir(out) / "8")
+    assert tree_equal(r.state.params, host["params"]) and tree_equal(r.state.opt_state, host["opt_state"])
+    # The data position is per process, not per device: it carries over unchanged.
+    assert r.train_data == saved["processes"][0]["train"] and r.train_data["kind"] == "text"
+    from nsa_jax.data import make_dataset
+
+    ds = make_dataset(cfg, "train")
+    try:
+        ds.set_state(r.train_data)
+        assert next(ds).shape == (4, 65)
+    finally:
+        ds.close()
+
+
+def _truncate_state(step_dir: pathlib.Path) -> None:
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 64:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def test_corrupt_latest_falls_back_to_previous(env, reference, tmp_path):
+    out = _copy(reference, tmp_path / "run")
+    cdir = C.checkpoint_dir(out)
+    _truncate_state(cdir / "8")
+    (cdir / "6" / "data" / "metadata").write_text('{"format": 1, "process_')  # cut short
+    cfg = cfg_of(env, **{"train.out_dir": str(out)})
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+    warnings = []
+    ck = C.Checkpointer(cfg, out, mesh, warn=warnings.append)
+    try:
+        r = ck.restore_latest()
+    finally:
+        ck.close()
+    assert r.step == 4 and int(r.state.step) == 4
+    assert tree_equal(r.state.params, C.restore_params(C.checkpoint_dir(reference) / "4"))
+    assert sum("does not read back" in w for w in warnings) == 2, warnings
+    # The unreadable steps are moved aside, never deleted, and no longer count as checkpoints.
+    assert C.complete_steps(cdir) == [4]
+    assert sorted(p.name.split("-")[0] for p in (out / C.CORRUPT_DIR).iterdir()) == ["6", "8"]
+
+    # load_for_inference falls back the same way (from a fresh copy).
+    out2 = _copy(reference, tmp_path / "run2")
+    _truncate_state(C.checkpoint_dir(out2) / "8")
+    cfg2, params = C.load_for_inference(out2, warn=warnings.append)
+    assert cfg2.model == cfg.model and tree_equal(params, C.restore_params(C.checkpoint_dir(reference) / "6"))
+
+
+def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
+    out = _copy(reference, tmp_path / "run")
+    for s in C.complete_steps(C.checkpoint_dir(out)):
+        _truncate_state(C.checkpoint_dir(out) / str(s))
+    cfg = cfg_of(env, **{"train.out_dir": str(out)})
+    ck = C.Checkpointer(cfg, out, jax.sharding.Mesh(np.asarray(jax.devices()), ("data",)), warn=lambda m: None)
+    try:
+        with pytest.raises(C.CheckpointError, match="no checkpoint in .* reads back"):
+            ck.restore_latest()
+    finally:
+        ck.close()
+    with pytest.raises(C.CheckpointError, match="reads back"):
+        C.load_for_inference(out, warn=lambda m: None)
+
+
+def test_resume_with_another_model_is_refused(env, reference, tmp_path):
+    out = _copy(reference, tmp_path / "run")
+    cfg = cfg_of(env, **{"train.out_dir": str(out), "model.d_model": 96})
+    ck = C.Checkpointer(cfg, out, jax.sharding.Mesh(np.asarray(jax.devices()), ("data",)))
+    try:
+        with pytest.raises(C.CheckpointError, match="model.d_model 64 -> 96"):
+            ck.restore_latest()
+    finally:
+        ck.close()
+    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6, 8]  # nothing moved aside
+
+
+def test_launcher_policy_protects_checkpoints(env, reference, tmp_path):
+    out = _copy(reference, tmp_path / "run")
+    cfg = cfg_of(env, **{"train.out_dir": str(out)})
+    before = (out / "training.csv").read_text()
+    # Checkpoints present: resume (nothing is touched).
+    prepare_out_dir(str(out), False, cfg=cfg)
+    assert (out / "training.csv").read_text() == before
+    # --overwrite never deletes checkpoints.
+    with pytest.raises(ConfigError, match="--overwrite-checkpoints"):
+        prepare_out_dir(str(out), True, cfg=cfg)
+    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6, 8]
+    # Another model: refused before XLA starts, naming the differing key and the ways out.
+    other = cfg_of(env, **{"train.out_dir": str(out), "model.n_layers": 2})
+    with pytest.raises(ConfigError, match=r"model.n_layers 1 -> 2.*--out-dir.*--overwrite-checkpoints"):
+        prepare_out_dir(str(out), False, cfg=other)
+    # Longer training or another LR is a resume, not a conflict.
+    prepare_out_dir(str(out), False, cfg=cfg_of(env, **{"train.steps": 20, "train.lr": 5e-4}))
+    # Only uncommitted saves: no checkpoint; the artifacts still need --overwrite.
+    shutil.move(str(C.checkpoint_dir(out) / "8"), str(C.checkpoint_dir(out) / "8.orbax-checkpoint-tmp-1"))
+    for s in (4, 6):
+        shutil.rmtree(C.checkpoint_dir(out) / str(s))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_out_dir(str(out), False, cfg=cfg)
+    # --overwrite-checkpoints deletes them, and the artifacts, explicitly.
+    shutil.copytree(C.checkpoint_dir(reference), C.checkpoint_dir(out), dirs_exist_ok=True)
+    prepare_out_dir(str(out), False, overwrite_checkpoints=True, cfg=cfg)
+    assert not C.checkpoint_dir(out).exists() and not (out / "training.csv").exists()
+
+
+def test_sigterm_guard_sets_a_flag_instead_of_exiting():
+    seen = []
+    # A stand-in for the default action, so a broken guard fails the test instead of ending pytest.
+    before = signal.signal(signal.SIGTERM, lambda *_: seen.append("default"))
+    try:
+        guard = C.PreemptionGuard()
+        guard.install()
+        try:
+            assert not guard.stop_requested()
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert guard.stop_requested() and not seen
+        finally:
+            guard.uninstall()
+        os.kill(os.getpid(), signal.SIGTERM)  # the previous handler is back
+        assert seen == ["default"]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+AGREE = r"""
+import os, signal, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(os.environ["COORD"], 2, int(sys.argv[1]))
+import numpy as np
+from nsa_jax.checkpoint import PreemptionGuard
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+guard = PreemptionGuard(mesh)
+guard.install()
+for step in range(1, 50):
+    if guard.stop_requested():
+        print("stopped before", step, flush=True)
+        break
+    if jax.process_index() == 1 and step == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # only process 1 is preempted
+jax.distributed.shutdown()
+"""
+
+
+def test_processes_agree_on_the_stop_step(env):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    e = _env(env["cache"], 1, {"COORD": f"127.0.0.1:{port}"})
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(i)], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (o, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    lines = [(o.strip().splitlines() or ["never stopped"])[-1] for o, _ in outs]
+    # Flag raised after step 3 of process 1, OR-reduced at boundary 4, read by both at boundary 5.
+    assert lines == ["stopped before 5", "stopped before 5"], lines
+
+
+def test_generate_loads_a_checkpoint(env, reference):
+    r = subprocess.run(
+        [sys.executable, "-m", "launch.generate", "--ckpt", str(reference), "--prompt", "hi",
+         "--max-new-tokens", "4", "--temperature", "0"],
+        cwd=ROOT, env=_env(env["cache"], 1), capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("hi") and len(r.stdout.strip()) > 2
+
+
+def test_save_returns_after_the_copy_off_the_device(tmp_path):
+    """The loop donates the state to the next step right after save() returns: the
+    background write must not see the donated (overwritten) buffers."""
+    from nsa_jax.train import step as S
+
+    cfg = load_config("cpu_tiny", SETS[:6] + [f"train.out_dir={tmp_path}"])
+    mesh = S.make_mesh(cfg)
+    bump = jax.jit(lambda s: s.replace(step=s.step + 1, params=jax.tree.map(lambda p: p * 2.0 + 1.0, s.params)),
+                   donate_argnums=0, out_shardings=S.replicated(mesh))
+    state = bump(S.create_state(cfg, mesh))
+    expect = jax.device_get(state.params)
+    ck = C.Checkpointer(cfg, tmp_path, mesh)
+    try:
+        info = ck.save(1, state, {"position": 0}, None)
+        for _ in range(3):
+            state = bump(state)
+        jax.block_until_ready(state)
+    finally:
+        ck.close()
+    assert info["blocking_s"] > 0 and C.complete_steps(C.checkpoint_dir(tmp_path)) == [1]
+    assert tree_equal(C.restore_params(C.checkpoint_dir(tmp_path) / "1"), expect)
