@@ -372,9 +372,10 @@ class Trainer:
             msg = f"non-finite {'loss' if kind == 'nan_loss' else 'gradient'} at step {p.step}; update skipped"
             self.summary["skipped_steps"] += 1
             skips = self.summary["skipped_steps"]
-            if cfg.ops.max_skips and skips >= cfg.ops.max_skips:
+            too_many = 0 < cfg.ops.max_skips <= skips
+            if too_many:
                 msg += f"; {skips} updates skipped, ops.max_skips={cfg.ops.max_skips} reached"
-            if cfg.ops.nan_policy == "halt" or (cfg.ops.max_skips and skips >= cfg.ops.max_skips):
+            if cfg.ops.nan_policy == "halt" or too_many:
                 self._anomaly(p.step, kind, msg)
                 self.say(f"halt: {msg}; wrote {self.out / '.HALT'}")
                 self.summary["halted"] = kind

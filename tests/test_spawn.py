@@ -1,0 +1,113 @@
+"""launch.spawn: a real 2-process training run (gloo on CPU), failure propagation, signal forwarding."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from launch.spawn import child_env, exit_status  # noqa: E402
+
+TINY = ["model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=128",
+        "train.seq_len=64", "train.global_batch=4", "train.log_every=1", "logging.tensorboard=false",
+        "model.nsa.branches=[cmp]"]
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC", "SLURM_"))}
+    # One CPU device per process, as one process per host would have its own GPUs.
+    e.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return e
+
+
+def spawn(*args: str, timeout: float = 400, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.spawn", *args], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def test_two_process_training_run(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out)]
+    r = spawn("--nproc", "2", "--grace", "5", "--", *cmd, *[a for s in TINY for a in ("--set", s)])
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    # Both ranks joined one run, and each line says whose it is.
+    for rank in (0, 1):
+        assert f"[{rank}] dist: process {rank} of 2, coordinator 127.0.0.1:" in r.stdout
+    assert "[0] boot: 2 process(es), 2 cpu device(s) on the data axis" in r.stdout
+    assert "[0] done: 3 steps" in r.stdout and "[1] done" not in r.stdout  # process 0 prints
+    assert "[spawn] exit status 0" in r.stderr
+
+    beats = {rank: [json.loads(x) for x in (out / f"heartbeat_rank{rank}.jsonl").read_text().splitlines()]
+             for rank in (0, 1)}
+    for rank, events in beats.items():
+        assert {e["rank"] for e in events} == {rank}
+        assert [e["step"] for e in events if e["event"] == "step_end"] == [1, 2, 3]
+        boot = next(e for e in events if e["event"] == "boot")
+        assert boot["processes"] == 2 and boot["devices"] == 2
+        assert events[-1]["event"] == "done"
+    # The loss is the global one: both processes log the same numbers.
+    losses = [[e["loss"] for e in beats[r] if e["event"] == "step_end"] for r in (0, 1)]
+    assert losses[0] == losses[1]
+    with open(out / "training.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(x["step"]) for x in rows] == [1, 2, 3]
+    assert all(abs(float(x["loss"]) - v) < 1e-4 and 0 < v < 10 for x, v in zip(rows, losses[0]))
+    env_json = json.loads((out / "env.json").read_text())
+    assert env_json["process_count"] == 2 and env_json["mesh"]["shape"] == {"data": 2}
+
+
+def test_a_bad_flag_fails_the_spawn():
+    r = spawn("--nproc", "2", "--", sys.executable, "-m", "launch.train", "--bogus", timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "[0] error: unrecognized arguments: --bogus" in r.stderr
+
+
+def test_one_failing_child_stops_the_others():
+    code = ("import os, sys, time\n"
+            "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+            "    print('rank 1 fails', flush=True); sys.exit(3)\n"
+            "time.sleep(120)\n")
+    t0 = time.monotonic()
+    r = spawn("--nproc", "3", "--grace", "5", "--", sys.executable, "-c", code, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert time.monotonic() - t0 < 30  # the sleepers were stopped, not waited for
+    assert "[1] rank 1 fails" in r.stdout
+    assert "[spawn] rank 1 exited with status 3; stopping ranks [0, 2]" in r.stderr
+
+
+def test_sigterm_is_forwarded_to_every_child(tmp_path):
+    code = ("import os, signal, sys, time\n"
+            "def bye(sig, frame):\n"
+            "    print('got', sig, flush=True); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-m", "launch.spawn", "--nproc", "2", "--", sys.executable, "-c", code],
+                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready = set()
+    while len(ready) < 2:
+        line = p.stdout.readline()
+        assert line, p.stderr.read()
+        if line.strip().endswith("ready"):
+            ready.add(line.split()[0])
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert {ln for ln in out.splitlines() if "got" in ln} == {"[0] got 15", "[1] got 15"}
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: forwarded to 2 children" in err
+
+
+def test_child_env_and_exit_status():
+    e = child_env({"A": "1"}, 1, 2, "127.0.0.1:5")
+    assert (e["JAX_COORDINATOR_ADDRESS"], e["JAX_NUM_PROCESSES"], e["JAX_PROCESS_ID"], e["A"]) == (
+        "127.0.0.1:5", "2", "1", "1")
+    assert exit_status(-9) == 137 and exit_status(3) == 3
