@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
     p.add_argument("--dataset", help="data.dataset (synthetic, fineweb_edu, jsonl, text, kv_recall)")
+    p.add_argument("--data-path", help="data.path: a folder of parquet / jsonl / txt files")
+    p.add_argument("--tokenizer", help="data.tokenizer: byte, gpt2, or a tokenizer.json path")
     p.add_argument("--steps", type=int, help="train.steps (optimizer steps)")
     p.add_argument("--out-dir", help="train.out_dir")
     p.add_argument("--loader-timeout", type=float, help="data.loader_timeout in seconds (0 waits forever)")
@@ -117,6 +119,10 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     out = []
     if args.dataset is not None:
         out.append(f"data.dataset={args.dataset}")
+    if args.data_path is not None:
+        out.append(f"data.path={args.data_path}")
+    if args.tokenizer is not None:
+        out.append(f"data.tokenizer={args.tokenizer}")
     if args.steps is not None:
         out.append(f"train.steps={args.steps}")
     if args.out_dir is not None:

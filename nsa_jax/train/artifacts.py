@@ -57,7 +57,6 @@ NOOP_TOGGLES = {
     "NSA_SCALER_GROWTH_FACTOR": "no fp16 path; bf16 needs no loss scaling",
     "NSA_SCALER_BACKOFF_FACTOR": "no fp16 path; bf16 needs no loss scaling",
     "NSA_MEM_DUMP_EVERY": "not implemented yet",
-    "NSA_PG_TIMEOUT_MIN": "not implemented yet; see ops.stall_seconds",
 }
 
 
