@@ -24,6 +24,7 @@ import pathlib
 import sys
 from typing import Sequence
 
+from launch.cli import Parser
 from nsa_jax.report import summary as S
 
 _THRESHOLD_HELP = {
@@ -38,21 +39,25 @@ _THRESHOLD_HELP = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def add_report_args(p: argparse.ArgumentParser) -> None:
     """--last, --tie-pct and one flag per threshold (shared with launch.sweep)."""
     p.add_argument("--last", type=int, default=50, metavar="N", help="judge the last N steps (default 50)")
-    p.add_argument("--tie-pct", type=float, default=1.0, metavar="P",
-                   help="ranking: means within P%% of the better one tie; the lower pstdev wins (default 1)")
+    p.add_argument(
+        "--tie-pct",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="ranking: means within P%% of the better one tie; the lower pstdev wins (default 1)",
+    )
     g = p.add_argument_group("thresholds")
     for f in dataclasses.fields(S.Thresholds):
-        g.add_argument("--" + f.name.replace("_", "-"), type=float, default=f.default, metavar="X",
-                       help=f"{_THRESHOLD_HELP[f.name]} (default {f.default:g})")
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=float,
+            default=f.default,
+            metavar="X",
+            help=f"{_THRESHOLD_HELP[f.name]} (default {f.default:g})",
+        )
 
 
 def thresholds_from_args(args: argparse.Namespace) -> S.Thresholds:
@@ -60,8 +65,9 @@ def thresholds_from_args(args: argparse.Namespace) -> S.Thresholds:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m launch.report", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="python -m launch.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("runs", nargs="+", metavar="OUT", help="run output directories (or their training.csv)")
     p.add_argument("--out", metavar="REPORT_DIR", help="where plots and the markdown page go")
     p.add_argument("--strict", action="store_true", help="exit 1 when any run's verdict is not GO")

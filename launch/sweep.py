@@ -22,12 +22,13 @@ import pathlib
 import subprocess
 import sys
 
-from launch.report import _Parser, add_report_args, comparison_text, thresholds_from_args, write_comparison
+from launch.cli import Parser
+from launch.report import add_report_args, comparison_text, thresholds_from_args, write_comparison
 from nsa_jax.report import summary as S
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m launch.sweep", description=__doc__,
+    p = Parser(prog="python -m launch.sweep", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set-values", required=True, metavar="KEY=V1,V2,...",
                    help="the config key to sweep and its comma-separated values")

@@ -30,6 +30,7 @@ import pathlib
 import shutil
 import sys
 
+from launch.cli import Parser
 from nsa_jax import checkpoint as ckpt
 from nsa_jax.config import Config, ConfigError, load_config
 from nsa_jax.ops import distributed as dist
@@ -55,15 +56,8 @@ _DISABLE_ENV = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m launch.train", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m launch.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
     p.add_argument("--dataset", help="data.dataset (synthetic, fineweb_edu, jsonl, text, kv_recall)")
     p.add_argument("--data-path", help="data.path: a folder of parquet / jsonl / txt files")
@@ -74,12 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-on-fail", action="store_true", help="fall back to synthetic data on a loader timeout")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="model.dtype bfloat16 | float32")
     p.add_argument("--ddp", type=int, choices=(0, 1), help="0: one device only (parallel.num_devices=1); 1: all")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted config override, e.g. --set model.n_layers=2 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted config override, e.g. --set model.n_layers=2 (repeatable)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace the artifacts of an earlier run in the out dir")
-    p.add_argument("--overwrite-checkpoints", action="store_true",
-                   help="also delete the out dir's checkpoints and start over (implies --overwrite); "
-                        "without it a run resumes from them")
+    p.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="also delete the out dir's checkpoints and start over (implies --overwrite); "
+        "without it a run resumes from them",
+    )
     dist.add_arguments(p)
     return p
 
@@ -145,8 +148,9 @@ def xla_flags_with_bucket(flags: str, bucket_mb: float) -> str:
     return f"{flags} {BUCKET_FLAG}={int(bucket_mb * 2**20)}".strip()
 
 
-def prepare_out_dir(out_dir: str, overwrite: bool, *, overwrite_checkpoints: bool = False,
-                    cfg: Config | None = None) -> None:
+def prepare_out_dir(
+    out_dir: str, overwrite: bool, *, overwrite_checkpoints: bool = False, cfg: Config | None = None
+) -> None:
     """Refuses to mix a new run into an earlier run's artifacts unless `overwrite`.
 
     With checkpoints in out_dir the run resumes (checked against `cfg` here, before XLA
