@@ -19,12 +19,16 @@ An out_dir holding checkpoints is resumed from its newest complete one (training
 the heartbeats continue; nsa_jax/checkpoint.py); one holding only an earlier run's artifacts
 is refused unless --overwrite. Checkpoints are deleted only with --overwrite-checkpoints.
 SIGTERM finishes the step in flight, saves a checkpoint and exits with status 0.
+File datasets: the model's vocabulary follows the tokenizer. When model.vocab_size is
+smaller than the tokenizer's vocabulary it is raised to that size rounded up to a
+multiple of 64 (the byte tokenizer's 258 ids -> 320), with a printed note.
 Bad input prints one `error: ...` line and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -59,7 +63,7 @@ _DISABLE_ENV = {
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m launch.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
-    p.add_argument("--dataset", help="data.dataset (synthetic, fineweb_edu, jsonl, text, kv_recall)")
+    p.add_argument("--dataset", help="data.dataset (synthetic, fineweb_edu, jsonl, text, tokenized, kv_recall)")
     p.add_argument("--data-path", help="data.path: a folder of parquet / jsonl / txt files")
     p.add_argument("--tokenizer", help="data.tokenizer: byte, gpt2, or a tokenizer.json path")
     p.add_argument("--steps", type=int, help="train.steps (optimizer steps)")
@@ -209,11 +213,34 @@ def _check_resumable(out: pathlib.Path, steps: list[int], cfg: Config) -> None:
         return
 
 
+def fit_vocab_to_tokenizer(cfg: Config) -> tuple[Config, str | None]:
+    """File datasets: (cfg with a model vocabulary that covers the tokenizer, a note when it changed)."""
+    from nsa_jax.data import FILE_DATASETS, make_tokenizer
+    from nsa_jax.data.tokenizers import fitted_vocab_size
+
+    # `tokenized` folders must be read with the tokenizer of their manifest (checked when
+    # the dataset opens), so data.tokenizer gives the right size for them too.
+    if cfg.data.dataset not in (*FILE_DATASETS, "tokenized"):
+        return cfg, None
+    tok_vocab = make_tokenizer(cfg.data).vocab_size
+    vocab = fitted_vocab_size(cfg.model.vocab_size, tok_vocab)
+    if vocab == cfg.model.vocab_size:
+        return cfg, None
+    note = (
+        f"note: model.vocab_size {cfg.model.vocab_size} -> {vocab} to fit the {cfg.data.tokenizer!r} tokenizer "
+        f"({tok_vocab} ids, rounded up to a multiple of 64)"
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab)), note
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         env_sets, applied = env_overrides(os.environ)
         cfg = load_config(args.config, env_sets + flag_overrides(args))
+        cfg, vocab_note = fit_vocab_to_tokenizer(cfg)
+        if vocab_note:
+            print(vocab_note, flush=True)
         spec = dist.resolve(args.coordinator, args.num_processes, args.process_id)
         prepare_out_dir(cfg.train.out_dir, args.overwrite, overwrite_checkpoints=args.overwrite_checkpoints, cfg=cfg)
     except (ConfigError, ValueError, OSError) as e:

@@ -1,6 +1,8 @@
 """`python -m launch.watchdog --dir OUT [--halt 1] [--interval 30] [thresholds]`: an external run watchdog.
 
 Tails a run's artifacts (nsa_jax/train/artifacts.py) and watches for:
+  crash                a rank's trainer raised: its heartbeat ends with a `crash` event
+                       (the error) instead of `done`
   heartbeat_stall      a rank's newest heartbeat event is older than --stall-seconds
                        (--startup-grace until the rank's first step_end: boot and compile);
                        no heartbeat file at all within --startup-grace counts too
@@ -87,6 +89,7 @@ class RankState:
     stepped: bool = False  # a step_end was seen
     done: bool = False
     dumped_on_stall: bool = False  # the trainer's own stall watchdog fired (and ended the process)
+    crash: str | None = None  # the error of a `crash` event
     bad_lines: int = 0
 
 
@@ -146,8 +149,11 @@ class Watchdog:
                     continue
                 if name == "boot":  # a resumed run appends to the same file: its earlier end no longer holds
                     st.done = st.stepped = st.dumped_on_stall = False
+                    st.crash = None
                 if name == "done":
                     st.done = True
+                if name == "crash":
+                    st.crash = str(ev.get("msg") or "unknown error")
                 if name == "step_end":
                     st.stepped = True
                 if name == "watchdog_dump" and ev.get("reason") == "stall":
@@ -194,6 +200,8 @@ class Watchdog:
                 return Anomaly("heartbeat_stall", f"no heartbeat_rank*.jsonl in {self.out} after {waited:.0f}s")
             return None
         for rank, st in sorted(self.ranks.items()):
+            if st.crash is not None:
+                return Anomaly("crash", f"rank {rank}: the trainer raised after step {st.last_step}: {st.crash}")
             if st.done:
                 continue
             if st.dumped_on_stall:

@@ -54,7 +54,6 @@ Nothing here imports jax or orbax at module level: the launcher inspects an out_
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
@@ -166,22 +165,6 @@ def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], lis
         else:
             other.append(line)
     return blocking, other
-
-
-def csv_rows_upto(path: str | os.PathLike, step: int) -> list[dict[str, str]]:
-    """Rows of an earlier training.csv with step <= `step` (later rows are re-run on resume)."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        return []
-    with open(p, newline="") as f:
-        rows = []
-        for row in csv.DictReader(f):
-            try:
-                if int(row.get("step") or -1) <= step:
-                    rows.append({k: v for k, v in row.items() if k is not None})
-            except ValueError:
-                continue  # a line cut short by a kill
-    return rows
 
 
 def _quarantine(step_dir: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:

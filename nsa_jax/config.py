@@ -101,7 +101,9 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall"] = "synthetic"
+    # tokenized: a folder written by `python -m launch.prepare_data` (its manifest sets the
+    # train/val split, so val_fraction is not used; tokenizer must be the manifest's).
+    dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall", "tokenized"] = "synthetic"
     path: str = ""
     tokenizer: str = "byte"
     val_fraction: float = 0.01
@@ -109,10 +111,12 @@ class DataConfig:
     synthetic_on_fail: bool = False
     prefetch: int = 2
     workers: int = 0
-    # kv_recall: key/value pairs written at the start of each row, and queries of
-    # them at the end of the row (each query's pair lies farther back than model.nsa.w).
+    # kv_recall: key/value pairs written early in each row (at a random offset, or at
+    # the start), and queries of them at the end of the row (each query's pair lies
+    # farther back than model.nsa.w).
     kv_pairs: int = 8
     kv_queries: int = 4
+    kv_placement: Literal["random", "start"] = "random"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -396,10 +396,11 @@ def test_first_batch_with_timeout():
 # kv_recall
 
 
-def test_kv_recall_layout_and_scoring():
+@pytest.mark.parametrize("placement", ["start", "random"])
+def test_kv_recall_layout_and_scoring(placement):
     V, w, P, Q, T = 64, 16, 4, 3, 48
     rng = np.random.default_rng(0)
-    kb = kv_recall.make_kv_batch(rng, 5, T, V, w, P, Q)
+    kb = kv_recall.make_kv_batch(rng, 5, T, V, w, P, Q, placement)
     tokens_BxT1 = kb.tokens_BxT1
     assert tokens_BxT1.shape == (5, T + 1) and tokens_BxT1.dtype == np.int32
     assert tokens_BxT1.min() >= 0 and tokens_BxT1.max() < V
@@ -411,16 +412,23 @@ def test_kv_recall_layout_and_scoring():
             key = tokens_BxT1[b, t]
             pair = kb.pair_key_pos_BxQ[b, q]
             assert t == kb.query_key_pos_BxQ[b, q]
-            assert tokens_BxT1[b, pair] == key and np.sum(tokens_BxT1[b, : 2 * P : 2] == key) == 1
+            assert tokens_BxT1[b, pair] == key and np.sum(tokens_BxT1[b, :-1] == key) == 2  # stored, queried
+            if placement == "start":
+                assert pair < 2 * P
             assert tokens_BxT1[b, t + 1] == tokens_BxT1[b, pair + 1]  # the answer is the stored value
             assert t - (pair + 1) > w  # the whole pair lies outside the sliding window
+        # Distinct queried pairs (Q <= P): no query can copy an earlier query's answer.
+        assert len(set(kb.pair_key_pos_BxQ[b])) == Q
     # At the shortest allowed length the farthest pair is still outside the window; one shorter fails.
     T_min = kv_recall.min_seq_len(w, P, Q)
-    edge = kv_recall.make_kv_batch(rng, 3, T_min, V, w, P, Q)
+    edge = kv_recall.make_kv_batch(rng, 3, T_min, V, w, P, Q, placement)
     assert (edge.query_key_pos_BxQ.min() - (2 * P - 1)) > w
     assert (edge.query_key_pos_BxQ - (edge.pair_key_pos_BxQ + 1)).min() > w
     with pytest.raises(ValueError, match="train.seq_len"):
-        kv_recall.make_kv_batch(rng, 3, T_min - 1, V, w, P, Q)
+        kv_recall.make_kv_batch(rng, 3, T_min - 1, V, w, P, Q, placement)
+    if placement == "random":  # the pairs really move: offsets differ between rows
+        offsets = kv_recall.make_kv_batch(rng, 64, 3 * T, V, w, P, Q, placement).pair_key_pos_BxQ.min(axis=1)
+        assert len(set(offsets.tolist())) > 10
     targets_BxT = tokens_BxT1[:, 1:]
     assert kv_recall.retrieval_accuracy(targets_BxT, tokens_BxT1, V) == 1.0
     wrong = targets_BxT.copy()
@@ -451,3 +459,75 @@ def test_kv_recall_dataset():
     assert not np.array_equal(next(make_dataset(cfg, "val")), a[0])
     with pytest.raises(ValueError, match="train.seq_len"):
         make_dataset(cfg_with("data.dataset=kv_recall", "model.nsa.w=64", "train.seq_len=64"))
+
+
+# ---------------------------------------------------------------------------
+# bad data in the file pipeline (sources.py "Bad data")
+
+
+def test_bad_records_are_skipped_counted_and_logged(tmp_path, caplog):
+    docs = make_docs(10, seed=11)
+    root = tmp_path / "j"
+    root.mkdir()
+    lines = [json.dumps({"text": d}).encode() for d in docs[:5]]
+    lines[1:1] = [b'{"text": "cut off', b'{"text": "caf\xe9"}', json.dumps({"title": "no text"}).encode()]
+    (root / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (root / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[5:]))
+    (root / "c.jsonl").write_bytes(b"")
+    # Strict reading (no on_skip) names the file and the byte of the bad line.
+    chunk = ("jsonl", str(root / "a.jsonl"), 0, (root / "a.jsonl").stat().st_size)
+    with pytest.raises(sources.BadDataError, match=r"a\.jsonl at byte \d+: invalid JSON"):
+        sources.read_chunk(chunk)
+    log = sources.SkipLog()
+    assert sources.read_chunk(chunk, log) == docs[:5]
+    assert log.counts == {"invalid JSON": 1, "not UTF-8": 1, "no 'text' field": 1}
+
+    cfg = file_cfg("jsonl", root, "data.val_fraction=0.0", "data.prefetch=0")
+    with caplog.at_level("WARNING", logger="nsa_jax.data"):
+        ds = make_dataset(cfg)
+        got = epoch_docs(ds, sum(len(BYTE.encode(d)) + 1 for d in docs))
+    assert sorted(got) == sorted(docs)
+    assert ds.skips.counts["empty file"] == 1 and ds.skips.counts["invalid JSON"] >= 1
+    text = caplog.text
+    assert "c.jsonl: empty file" in text and "a.jsonl at byte" in text and "not UTF-8" in text
+
+
+def test_bad_text_and_parquet_files(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = make_docs(4, seed=12)
+    root = write_text_corpus(tmp_path / "txt", docs)
+    (root / "latin1.txt").write_bytes("naïve".encode("latin-1"))
+    (root / "empty.txt").write_bytes(b"")
+    ds = make_dataset(file_cfg("text", root, "data.val_fraction=0.0", "data.prefetch=0"))
+    assert sorted(epoch_docs(ds, sum(len(BYTE.encode(d)) + 1 for d in docs))) == sorted(docs)
+    assert ds.skips.counts["not UTF-8"] >= 1 and ds.skips.counts["empty file"] == 1
+
+    fw = tmp_path / "fw"
+    fw.mkdir()
+    pq.write_table(pa.table({"text": pa.array([docs[0].encode(), b"\xff bad", docs[1].encode()])}), fw / "a.parquet")
+    ds = make_dataset(file_cfg("fineweb_edu", fw, "data.val_fraction=0.0", "data.prefetch=0"))
+    assert sorted(epoch_docs(ds, sum(len(BYTE.encode(d)) + 1 for d in docs[:2]))) == sorted(docs[:2])
+    assert ds.skips.counts == {"not UTF-8": ds.skips.counts["not UTF-8"]}
+    # Whole-file problems stop the stream before the first batch, naming the file.
+    (fw / "b.parquet").write_bytes(b"PAR1 garbage")
+    with pytest.raises(sources.BadDataError, match=r"b\.parquet: corrupt file"):
+        make_dataset(file_cfg("fineweb_edu", fw))
+    (fw / "b.parquet").write_bytes(b"")  # empty: skipped
+    make_dataset(file_cfg("fineweb_edu", fw, "data.prefetch=0"))
+    j = tmp_path / "j"
+    j.mkdir()
+    (j / "a.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
+    with pytest.raises(sources.BadDataError, match=r"a\.jsonl at line 1: no 'text' field \(first record has keys"):
+        make_dataset(file_cfg("jsonl", j))
+    with pytest.raises(ValueError, match=r"no \*\.jsonl/\*\.json files for data.dataset=jsonl \(it holds 6 \.txt"):
+        make_dataset(file_cfg("jsonl", root))
+
+
+def test_all_bad_corpus_raises_instead_of_hanging(tmp_path):
+    root = tmp_path / "j"
+    root.mkdir()
+    (root / "a.jsonl").write_bytes(b"{not json\n{also not\n")
+    ds = make_dataset(file_cfg("jsonl", root, "data.val_fraction=0.0", "data.prefetch=0"))
+    with pytest.raises(ValueError, match="no train documents"):
+        next(ds)

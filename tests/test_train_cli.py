@@ -16,7 +16,13 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from launch.train import BUCKET_FLAG, env_overrides, prepare_out_dir, xla_flags_with_bucket  # noqa: E402
+from launch.train import (  # noqa: E402
+    BUCKET_FLAG,
+    env_overrides,
+    fit_vocab_to_tokenizer,
+    prepare_out_dir,
+    xla_flags_with_bucket,
+)
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
 
 TINY = [
@@ -67,6 +73,14 @@ def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
         assert all(math.isfinite(float(row[col[c]])) for c in ("loss", "lr", "grad_norm", "gate_slc"))
         assert float(row[col["toks_per_s"]]) > 0 and float(row[col["step_time_s"]]) > 0
     assert [bool(r[col["val_loss"]]) for r in body] == [False, True, False]
+    assert re.search(r"^step 2/3 \| .* \| val \d+\.\d{4} ppl \d+\.\d\d$", r.stdout, re.M), r.stdout
+    with open(out / "val.csv") as f:
+        val_rows = list(csv.DictReader(f))
+    assert [int(v["step"]) for v in val_rows] == [2]
+    v = val_rows[0]
+    assert float(v["val_loss"]) == float(body[1][col["val_loss"]])
+    assert math.isclose(float(v["val_ppl"]), math.exp(float(v["val_loss"])), rel_tol=1e-5)
+    assert int(v["tokens"]) == 2 * 4 * 64 and v["retrieval_acc"] == ""
 
     beats = read_heartbeat(out / "heartbeat_rank0.jsonl")
     assert all(HEARTBEAT_FIELDS <= set(b) for b in beats)
@@ -181,3 +195,19 @@ def test_overwrite_clears_an_earlier_run(tmp_path):
     prepare_out_dir(str(tmp_path), overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     prepare_out_dir(str(tmp_path), overwrite=False)  # nothing left to protect
+
+
+def test_model_vocabulary_follows_the_tokenizer():
+    text = load_config("cpu_tiny", ["data.dataset=text", "data.path=unused"])
+    assert text.model.vocab_size == 256
+    fitted, note = fit_vocab_to_tokenizer(text)
+    assert fitted.model.vocab_size == 320  # 256 bytes + EOS + PAD = 258, rounded up to 64
+    assert "model.vocab_size 256 -> 320" in note and "'byte'" in note
+    assert fitted.model.d_model == text.model.d_model and fitted.data == text.data
+    # A vocabulary that already covers the tokenizer is kept; non-file datasets are untouched.
+    big = load_config("cpu_tiny", ["data.dataset=text", "model.vocab_size=512"])
+    assert fit_vocab_to_tokenizer(big) == (big, None)
+    synth = load_config("cpu_tiny", [])
+    assert fit_vocab_to_tokenizer(synth) == (synth, None)
+    prepared = load_config("cpu_tiny", ["data.dataset=tokenized", "data.path=unused"])
+    assert fit_vocab_to_tokenizer(prepared)[0].model.vocab_size == 320

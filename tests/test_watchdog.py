@@ -265,3 +265,42 @@ def test_a_resumed_run_appending_to_its_heartbeat_is_watched_again(tmp_path):
     beat(run, 0, "step_end", 3)
     r = watchdog(run, "--once", "--halt", "1", "--stall-seconds", "30")
     assert r.returncode == 0 and "run ended" not in r.stdout and "ok: rank 0 step 3" in r.stdout, r.stdout
+
+
+def test_a_crash_event_is_an_anomaly(tmp_path):
+    run = fresh_run(tmp_path, [healthy_row(s) for s in range(1, 5)])
+    beat(run, 0, "crash", 4, msg="RuntimeError: device lost")
+    r = watchdog(run, "--halt", "1", "--stall-seconds", "600", *FAST)
+    assert r.returncode == 1, r.stdout + r.stderr
+    kind, why = halt_files(run)
+    assert kind == "crash" and "rank 0: the trainer raised after step 4: RuntimeError: device lost" in why
+
+
+def test_a_trainer_that_raises_writes_crash_not_done(tmp_path):
+    """In process: the data stream fails at the third batch; the heartbeat must end in `crash`."""
+    from nsa_jax.config import load_config
+    from nsa_jax.train.loop import Trainer
+
+    cfg = load_config("cpu_tiny", [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+        "model.v_head_dim=16", "model.d_ff=64", "train.seq_len=64", "train.global_batch=2", "train.steps=5",
+        "logging.tensorboard=false", "checkpoint.enabled=false", f"train.out_dir={tmp_path / 'run'}",
+    ])
+    trainer = Trainer(cfg, print_fn=lambda _: None)
+    calls = {"n": 0}
+    real_next = trainer._next_tokens
+
+    def failing_next():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("shard unreadable")
+        return real_next()
+
+    trainer._next_tokens = failing_next
+    with pytest.raises(OSError, match="shard unreadable"):
+        trainer.run()
+    events = [json.loads(x) for x in (tmp_path / "run" / "heartbeat_rank0.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "crash" and events[-1]["msg"] == "OSError: shard unreadable"
+    assert "done" not in {e["event"] for e in events}
+    r = watchdog(tmp_path / "run", "--halt", "0", "--once")
+    assert r.returncode == 1 and "crash" in r.stdout, r.stdout

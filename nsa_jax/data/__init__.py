@@ -8,7 +8,9 @@ JSON-serialisable `get_state()` / `set_state()`.
 
 Modules: synthetic (Markov + copy stream), kv_recall (long-range recall task),
 tokenizers (byte / tokenizers JSON / tiktoken), sources (parquet, jsonl, txt readers),
-pipeline (grain: sharding, shuffling, tokenising, packing, prefetch).
+pipeline (grain: sharding, shuffling, tokenising, packing, prefetch), shards (the
+pre-tokenized format `python -m launch.prepare_data` writes) and tokenized (batches
+from those shards).
 Heavy dependencies (grain, pyarrow, tokenizers) are imported only when a file
 dataset or a non-byte tokenizer is requested.
 """
@@ -76,7 +78,15 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
         return FileDataset.from_config(
             cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
         )
-    raise ValueError(f"data.dataset is {kind!r}; use one of synthetic, kv_recall, {', '.join(FILE_DATASETS)}")
+    if kind == "tokenized":
+        from nsa_jax.data.tokenized import TokenizedDataset
+
+        return TokenizedDataset.from_config(
+            cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
+        )
+    raise ValueError(
+        f"data.dataset is {kind!r}; use one of synthetic, kv_recall, {', '.join(FILE_DATASETS)}, tokenized"
+    )
 
 
 def first_batch_with_timeout(ds: BatchStream, seconds: float) -> np.ndarray:

@@ -3,14 +3,21 @@
 Owns the row layout, the batch stream and `retrieval_accuracy`. One row of
 T1 = seq_len + 1 tokens:
 
-    [k_1 v_1 k_2 v_2 ... k_P v_P] [filler ...] [Q k_a v_a  Q k_b v_b ...]
-     pairs at positions 0..2P-1      noise      Q queries at the very end
+    [filler] [k_1 v_1 k_2 v_2 ... k_P v_P] [filler ...] [Q k_a v_a  Q k_b v_b ...]
+              pairs at offset o .. o+2P-1     noise      Q queries at the very end
 
 Keys are distinct within a row; each query repeats one of the row's keys after the
 QUERY marker, and the scored target is the value that followed that key in the pairs.
 The filler is long enough that every queried pair lies more than model.nsa.w tokens
 before the query key, so the sliding-window branch alone cannot answer it: the
 compressed/selected branches must retrieve it.
+
+Placement (`data.kv_placement`): `random` draws the offset o per row from every
+position that keeps the pairs out of the window, so the selection branch has to
+find the right block through its compressed scores; `start` puts them at o = 0,
+inside block 0, which NSA always selects. When Q <= P the queried keys are distinct
+within a row, so a query can never be answered by copying an earlier query's answer
+from inside the window.
 
 Vocabulary partition (V = model.vocab_size): keys [0, n), values [n, 2n), filler
 [2n, V - 1), QUERY marker V - 1, with n = (V - 1) // 4. The marker never occurs
@@ -51,10 +58,22 @@ def min_seq_len(window: int, n_pairs: int, n_queries: int) -> int:
     return window + 2 * n_pairs + 3 * n_queries - 2
 
 
+PLACEMENTS = ("random", "start")
+
+
 def make_kv_batch(
-    rng: np.random.Generator, batch: int, seq_len: int, vocab_size: int, window: int, n_pairs: int, n_queries: int
+    rng: np.random.Generator,
+    batch: int,
+    seq_len: int,
+    vocab_size: int,
+    window: int,
+    n_pairs: int,
+    n_queries: int,
+    placement: str = "random",
 ) -> KVBatch:
     """One KVBatch; see the module docstring for the layout."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"data.kv_placement is {placement!r}; use one of {', '.join(PLACEMENTS)}")
     n_keys, filler_lo, query_id = vocab_layout(vocab_size)
     if n_pairs < 1 or n_queries < 1:
         raise ValueError(f"data.kv_pairs and data.kv_queries must be >= 1, got {n_pairs}, {n_queries}")
@@ -74,12 +93,20 @@ def make_kv_batch(
     # Distinct keys per row: the first P of a random permutation of the key range.
     keys_BxP = np.argsort(rng.random((batch, n_keys)), axis=1)[:, :P].astype(np.int32)
     values_BxP = rng.integers(n_keys, 2 * n_keys, size=(batch, P), dtype=np.int32)
-    tokens_BxT1[:, 0 : 2 * P : 2] = keys_BxP
-    tokens_BxT1[:, 1 : 2 * P : 2] = values_BxP
-
-    which_BxQ = rng.integers(0, P, size=(batch, Q))
-    rows_Bx1 = np.arange(batch)[:, None]
     q0 = T1 - 3 * Q
+    # Largest offset that keeps the last pair value more than `window` before the
+    # first query key: (q0 + 1) - (o + 2P - 1) > window.
+    max_offset = q0 + 1 - 2 * P - window
+    offset_B = rng.integers(0, max_offset + 1, size=batch) if placement == "random" else np.zeros(batch, np.int64)
+    rows_Bx1 = np.arange(batch)[:, None]
+    key_pos_BxP = offset_B[:, None] + 2 * np.arange(P)[None, :]
+    tokens_BxT1[rows_Bx1, key_pos_BxP] = keys_BxP
+    tokens_BxT1[rows_Bx1, key_pos_BxP + 1] = values_BxP
+
+    if Q <= P:  # distinct pairs per row: no query repeats (and leaks) an earlier answer
+        which_BxQ = np.argsort(rng.random((batch, P)), axis=1)[:, :Q]
+    else:
+        which_BxQ = rng.integers(0, P, size=(batch, Q))
     marker_pos_Q = q0 + 3 * np.arange(Q)
     tokens_BxT1[:, marker_pos_Q] = query_id
     tokens_BxT1[:, marker_pos_Q + 1] = keys_BxP[rows_Bx1, which_BxQ]
@@ -89,7 +116,7 @@ def make_kv_batch(
     # The value at position p + 2 is target index p + 1, predicted at the query key.
     answer_mask_BxT[:, marker_pos_Q + 1] = True
     query_key_pos_BxQ = np.broadcast_to(marker_pos_Q + 1, (batch, Q)).copy()
-    return KVBatch(tokens_BxT1, answer_mask_BxT, 2 * which_BxQ, query_key_pos_BxQ)
+    return KVBatch(tokens_BxT1, answer_mask_BxT, key_pos_BxP[rows_Bx1, which_BxQ], query_key_pos_BxQ)
 
 
 def answer_mask_from_tokens(tokens_BxT1: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -138,7 +165,9 @@ class KVRecallDataset(BatchStream):
         seq_len: int,
         split: str,
         process_index: int,
+        placement: str = "random",
     ):
+        self.placement = placement
         self.vocab_size, self.window = int(vocab_size), int(window)
         self.n_pairs, self.n_queries = int(n_pairs), int(n_queries)
         self.seed, self.batch, self.seq_len = int(seed), int(batch), int(seq_len)
@@ -158,6 +187,7 @@ class KVRecallDataset(BatchStream):
             cfg.train.seq_len,
             split,
             process_index,
+            cfg.data.kv_placement,
         )
 
     def kv_batch_at(self, position: int) -> KVBatch:
@@ -165,7 +195,9 @@ class KVRecallDataset(BatchStream):
         rng = np.random.default_rng(
             [self.seed % 2**32, split_id(self.split), self.process_index, int(position), 0x4B56]
         )
-        return make_kv_batch(rng, self.batch, self.seq_len, self.vocab_size, self.window, self.n_pairs, self.n_queries)
+        return make_kv_batch(
+            rng, self.batch, self.seq_len, self.vocab_size, self.window, self.n_pairs, self.n_queries, self.placement
+        )
 
     def next_kv_batch(self) -> KVBatch:
         out = self.kv_batch_at(self.position)

@@ -17,6 +17,11 @@ the token stream of the oldest chunk still buffered.
 
 `data.workers` = reader threads (0: chunks are read in the prefetch thread);
 `data.prefetch` = batches buffered ahead (0: built on the caller's thread).
+
+The stages after the chunk list are shared with the pre-tokenized shard dataset
+(nsa_jax/data/tokenized.py) through `packed_batches` and `GrainBatchStream`.
+Bad records (sources.py) are dropped, counted in `FileDataset.skips` and logged to
+the `nsa_jax.data` logger; whole-file problems raise when the stream is built.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import grain
 import numpy as np
 
 from nsa_jax.data import sources
+from nsa_jax.data.shards import encode_docs
 from nsa_jax.data.stream import BatchStream, check_state, split_id
 from nsa_jax.data.tokenizers import make_tokenizer, padded_vocab_size
 
@@ -37,30 +43,24 @@ from nsa_jax.data.tokenizers import make_tokenizer, padded_vocab_size
 class ChunkTokenizer:
     """chunk -> 1-D token stream of its documents of one split, each followed by EOS."""
 
-    def __init__(self, tokenizer: Any, split: str, val_fraction: float):
+    def __init__(self, tokenizer: Any, split: str, val_fraction: float, on_skip: sources.OnSkip | None = None):
         self.tokenizer = tokenizer
         self.split = split
         self.val_fraction = val_fraction
+        self.on_skip = on_skip
         # Token ids fit uint16 for vocabularies up to 65536: halves the buffered memory.
         self.dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
 
     def __call__(self, chunk: sources.Chunk, rng: np.random.Generator) -> np.ndarray:
-        docs = [d for d in sources.read_chunk(chunk) if sources.in_split(d, self.split, self.val_fraction)]
+        docs = sources.read_chunk(chunk, self.on_skip)
+        docs = [d for d in docs if sources.in_split(d, self.split, self.val_fraction)]
         if not docs:
             return np.zeros((0,), dtype=self.dtype)
         # Documents of a chunk are adjacent in the file (often related); shuffle them so
         # that rows mix, with a generator grain derives from (seed, element index).
         docs = [docs[i] for i in rng.permutation(len(docs))]
-        if hasattr(self.tokenizer, "encode_batch_np"):
-            pieces = self.tokenizer.encode_batch_np(docs)
-        else:
-            pieces = [self.tokenizer.encode_np(d) for d in docs]
-        eos = np.array([self.tokenizer.eos_id], dtype=self.dtype)
-        out = []
-        for p in pieces:
-            out.append(p.astype(self.dtype, copy=False))
-            out.append(eos)
-        return np.concatenate(out)
+        tokens, _ = encode_docs(self.tokenizer, docs, self.dtype)
+        return tokens
 
 
 class PackRowsIterDataset(grain.IterDataset):
@@ -135,7 +135,93 @@ class PackRowsIterator(grain.DatasetIterator):
         self._pending_skip = int(state["offset"])
 
 
-class FileDataset(BatchStream):
+def stream_seed(seed: int, split: str) -> int:
+    """The shuffle seed of one split's stream; seeds differ per split so train and val orders are unrelated."""
+    return (int(seed) * 1_000_003 + 7919 * split_id(split)) % 2**32
+
+
+def packed_batches(
+    items: list,
+    read_fn: Any,
+    *,
+    seed: int,
+    batch: int,
+    row_len: int,
+    workers: int,
+    prefetch: int,
+    what: str,
+) -> grain.DatasetIterator:
+    """This process's items -> endless iterator of int32 [batch, row_len] arrays (module docstring).
+
+    `read_fn(item, rng)` returns the 1-D token stream of one item; items are shuffled
+    anew every epoch and `rng` is derived from (seed, element index) by grain.
+    """
+    if workers < 0 or prefetch < 0:
+        raise ValueError(f"data.workers and data.prefetch must be >= 0, got {workers}, {prefetch}")
+    ds = grain.MapDataset.source(items).shuffle(seed=seed).repeat()
+    ds = ds.random_map(read_fn, seed=(seed + 1) % 2**32)
+    read = grain.ReadOptions(num_threads=int(workers), prefetch_buffer_size=max(int(workers), 1))
+    it = ds.to_iter_dataset(read)
+    it = PackRowsIterDataset(it, int(batch), int(row_len), max_empty=2 * len(items) + 1, what=what)
+    if prefetch > 0:
+        it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=int(prefetch))
+    return iter(it)
+
+
+class GrainBatchStream(BatchStream):
+    """A BatchStream over a `packed_batches` iterator, with the state checks shared by grain datasets.
+
+    Subclasses set kind, split, process_index, process_count and `digest` (a fingerprint
+    of the item list), then call `_start(iterator)`.
+    """
+
+    kind = "grain"
+    process_count = 1
+    digest = ""
+    what_changed = "data.path files / chunks"
+
+    def _start(self, it: grain.DatasetIterator) -> None:
+        # The iterator lives in a box so that a finalizer (run at garbage collection or at
+        # interpreter exit, whichever comes first) can close it without keeping `self`
+        # alive: grain's prefetch thread must be stopped while modules still exist.
+        self._box = {"it": it}
+        weakref.finalize(self, _close_box, self._box)
+
+    @property
+    def _iter(self) -> grain.DatasetIterator:
+        it = self._box.get("it")
+        if it is None:
+            raise ValueError("data stream is closed")
+        return it
+
+    def __next__(self) -> np.ndarray:
+        return next(self._iter)
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "split": self.split,
+            "process_index": self.process_index,
+            "process_count": self.process_count,
+            "chunks": self.digest,
+            "iterator": copy.deepcopy(self._iter.get_state()),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        check_state(self, state)
+        if state.get("process_count") != self.process_count or state.get("chunks") != self.digest:
+            raise ValueError(
+                f"data state was saved with a different corpus or process count ({self.what_changed} changed); "
+                "resume with the same data.path and number of processes"
+            )
+        self._iter.set_state(copy.deepcopy(state["iterator"]))
+
+    def close(self) -> None:
+        """Stops the prefetch threads; the stream cannot be read afterwards."""
+        _close_box(self._box)
+
+
+class FileDataset(GrainBatchStream):
     """Batches of packed documents from local files; see the module docstring."""
 
     def __init__(
@@ -162,8 +248,10 @@ class FileDataset(BatchStream):
         if workers < 0 or prefetch < 0:
             raise ValueError(f"data.workers and data.prefetch must be >= 0, got {workers}, {prefetch}")
 
+        # Counts (and logs) dropped files and records; see sources.py "Bad data".
+        self.skips = sources.SkipLog(f"data ({split}, process {process_index})")
         files = sources.list_files(path, dataset)
-        chunks = sources.index_chunks(files, dataset)
+        chunks = sources.index_chunks(files, dataset, on_skip=self.skips)
         if len(chunks) < process_count:
             raise ValueError(
                 f"data.path {path} splits into {len(chunks)} chunks ({dataset}: row groups / file ranges / files) "
@@ -172,28 +260,18 @@ class FileDataset(BatchStream):
         self.n_chunks = len(chunks)
         self.digest = sources.chunks_digest(chunks)
         mine = chunks[process_index::process_count]
-
-        # Seeds differ per split so train and val chunk orders are unrelated.
-        base = (int(seed) * 1_000_003 + 7919 * split_id(split)) % 2**32
-        ds = grain.MapDataset.source(mine).shuffle(seed=base).repeat()
-        ds = ds.random_map(ChunkTokenizer(tokenizer, split, val_fraction), seed=(base + 1) % 2**32)
-        read = grain.ReadOptions(num_threads=int(workers), prefetch_buffer_size=max(int(workers), 1))
-        it = ds.to_iter_dataset(read)
-        it = PackRowsIterDataset(it, self.batch, self.seq_len + 1, max_empty=2 * len(mine) + 1, what=split)
-        if prefetch > 0:
-            it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=int(prefetch))
-        # The iterator lives in a box so that a finalizer (run at garbage collection or at
-        # interpreter exit, whichever comes first) can close it without keeping `self`
-        # alive: grain's prefetch thread must be stopped while modules still exist.
-        self._box = {"it": iter(it)}
-        weakref.finalize(self, _close_box, self._box)
-
-    @property
-    def _iter(self) -> grain.DatasetIterator:
-        it = self._box.get("it")
-        if it is None:
-            raise ValueError("data stream is closed")
-        return it
+        self._start(
+            packed_batches(
+                mine,
+                ChunkTokenizer(tokenizer, split, val_fraction, on_skip=self.skips),
+                seed=stream_seed(seed, split),
+                batch=self.batch,
+                row_len=self.seq_len + 1,
+                workers=workers,
+                prefetch=prefetch,
+                what=split,
+            )
+        )
 
     @classmethod
     def from_config(cls, cfg: Any, batch: int, split: str, process_index: int, process_count: int) -> FileDataset:
@@ -218,32 +296,6 @@ class FileDataset(BatchStream):
             workers=d.workers,
             prefetch=d.prefetch,
         )
-
-    def __next__(self) -> np.ndarray:
-        return next(self._iter)
-
-    def get_state(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "split": self.split,
-            "process_index": self.process_index,
-            "process_count": self.process_count,
-            "chunks": self.digest,
-            "iterator": copy.deepcopy(self._iter.get_state()),
-        }
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        check_state(self, state)
-        if state.get("process_count") != self.process_count or state.get("chunks") != self.digest:
-            raise ValueError(
-                "data state was saved with a different corpus or process count (data.path files / chunks changed); "
-                "resume with the same data.path and number of processes"
-            )
-        self._iter.set_state(copy.deepcopy(state["iterator"]))
-
-    def close(self) -> None:
-        """Stops the prefetch threads; the stream cannot be read afterwards."""
-        _close_box(self._box)
 
 
 def _close_box(box: dict) -> None:

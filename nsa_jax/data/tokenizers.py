@@ -29,6 +29,12 @@ def padded_vocab_size(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
 
 
+def fitted_vocab_size(model_vocab: int, tokenizer_vocab: int) -> int:
+    """The model vocabulary for a tokenizer: `model_vocab` when it already covers every
+    tokenizer id, else the tokenizer's size rounded up to a multiple of 64 (258 -> 320)."""
+    return model_vocab if model_vocab >= tokenizer_vocab else padded_vocab_size(tokenizer_vocab)
+
+
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; EOS = 256, PAD = 257; vocab_size = 258."""
 

@@ -8,14 +8,20 @@ Owns the file formats operators and their scripts read:
                           loader_*, anomaly, halt, done) plus event-specific fields
   env.json                versions, devices, mesh, XLA_FLAGS, NSA_*/NCCL_* variables and
                           what each NSA_* toggle does here, git sha, config, kernels
+  val.csv                 one row per evaluation on the fixed held-out set:
+                          step, tokens, val_loss, val_ppl, retrieval_acc (kv_recall), answers,
+                          elapsed_s (nsa_jax/train/evaluate.py)
   tb/                     tensorboardX event files
-Process 0 writes the CSV, env.json and tb/; every process writes its own heartbeat.
+On resume both CSVs keep their rows up to the restored step (rewritten atomically,
+then appended to); later rows are re-run.
+Process 0 writes the CSVs, env.json and tb/; every process writes its own heartbeat.
 Each kind is switched by `logging.*` (the launcher maps NSA_TB_DISABLE,
 NSA_DISABLE_CSV_LOGS and NSA_DISABLE_AUX_STATS onto those keys).
 """
 
 from __future__ import annotations
 
+import csv
 import datetime
 import json
 import math
@@ -36,6 +42,7 @@ CSV_HEAD = ("step", "loss", "lr", "toks_per_s", "grad_norm", "step_time_s")
 CSV_TAIL = ("tokens", "elapsed_s", "skipped", "val_loss")
 # Layer means of the NSA statistics; per-layer values go to TensorBoard.
 CSV_AUX = ("gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_frac")
+VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl", "retrieval_acc", "answers", "elapsed_s")
 
 
 # Torch-runbook variables that are accepted and do nothing here, and why.
@@ -196,18 +203,45 @@ class Heartbeat:
 
 
 class CsvLog:
-    """training.csv: a header row, then one row per optimizer step."""
+    """A header row, then one row per step (training.csv) or per evaluation (val.csv).
 
-    def __init__(self, path: pathlib.Path, columns: tuple[str, ...]):
+    `keep_upto`: resume at that step. The rows of an earlier file with step <= keep_upto
+    are kept (a temporary file replaces the old one atomically, so a kill at any moment
+    leaves either the old rows or the kept ones) and new rows are appended. Without it
+    the file starts empty.
+    """
+
+    def __init__(self, path: pathlib.Path, columns: tuple[str, ...], keep_upto: int | None = None):
         self.columns = columns
-        self.f = open(path, "w", buffering=1)
-        self.f.write(",".join(columns) + "\n")
+        kept = kept_rows(path, keep_upto) if keep_upto is not None else []
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            f.write(",".join(columns) + "\n")
+            for row in kept:
+                f.write(",".join(row.get(c) or "" for c in columns) + "\n")
+        os.replace(tmp, path)
+        self.f = open(path, "a", buffering=1)
 
     def write(self, row: dict[str, Any]) -> None:
         self.f.write(",".join(_fmt(row.get(c)) for c in self.columns) + "\n")
 
     def close(self) -> None:
         self.f.close()
+
+
+def kept_rows(path: pathlib.Path, step: int) -> list[dict[str, str]]:
+    """Rows of an earlier CSV with step <= `step`; lines cut short by a kill are dropped."""
+    if not path.is_file():
+        return []
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                if int(row.get("step") or -1) <= step:
+                    rows.append({k: v for k, v in row.items() if k is not None})
+            except ValueError:
+                continue
+    return rows
 
 
 class TbLog:
@@ -245,7 +279,14 @@ def _json_default(v: Any):
 class RunArtifacts:
     """The writers of one process, each present only when enabled for it."""
 
-    def __init__(self, cfg: Config, out_dir: str | os.PathLike, mesh, applied_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        out_dir: str | os.PathLike,
+        mesh,
+        applied_env: dict[str, str] | None = None,
+        resume_step: int | None = None,
+    ):
         self.cfg, self.out = cfg, pathlib.Path(out_dir)
         self.rank = jax.process_index()
         lead = self.rank == 0
@@ -256,7 +297,8 @@ class RunArtifacts:
         if self.env is not None:
             self.write_env()
         self.hb = Heartbeat(self.out / f"heartbeat_rank{self.rank}.jsonl", self.rank) if log.heartbeat else None
-        self.csv = CsvLog(self.out / "training.csv", csv_columns(cfg)) if log.csv and lead else None
+        self.csv = CsvLog(self.out / "training.csv", csv_columns(cfg), resume_step) if log.csv and lead else None
+        self.val_csv = CsvLog(self.out / "val.csv", VAL_COLUMNS, resume_step) if log.csv and lead else None
         self.tb = TbLog(self.out / "tb") if log.tensorboard and lead else None
 
     def write_env(self, **sections: Any) -> None:
@@ -276,11 +318,15 @@ class RunArtifacts:
         if self.csv is not None:
             self.csv.write(row)
 
+    def val_row(self, row: dict[str, Any]) -> None:
+        if self.val_csv is not None:
+            self.val_csv.write(row)
+
     def scalars(self, step: int, values: dict[str, Any]) -> None:
         if self.tb is not None:
             self.tb.scalars(step, values)
 
     def close(self) -> None:
-        for w in (self.hb, self.csv, self.tb):
+        for w in (self.hb, self.csv, self.val_csv, self.tb):
             if w is not None:
                 w.close()

@@ -34,6 +34,7 @@ from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.ops.health import Health, agree_any, write_halt
 from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import BRANCHES, RunArtifacts
+from nsa_jax.train.evaluate import Evaluator, format_eval
 from nsa_jax.train.state import TrainState, init_state
 
 
@@ -80,7 +81,7 @@ class _Pending:
     step: int
     metrics: dict[str, jax.Array]
     dispatched: float
-    val_loss: jax.Array | None
+    val: dict[str, jax.Array] | None  # Evaluator.dispatch sums, when this step evaluated
 
 
 class Trainer:
@@ -109,17 +110,14 @@ class Trainer:
         self.data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
         # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/checkpoint.py).
         self.ckpt = ckpt.Checkpointer(cfg, self.out, self.mesh, warn=self.say)
-        self._val_state = None
         restored = self.ckpt.restore_latest() if state is None and data_state is None else None
         if restored is not None:
-            state, data_state, self._val_state = restored.state, restored.train_data, restored.val_data
+            state, data_state = restored.state, restored.train_data
         if data_state is not None:
             self.data.set_state(data_state)
-        # training.csv is rewritten: keep the rows up to the checkpoint, later ones are re-run.
-        kept_rows = ckpt.csv_rows_upto(self.out / "training.csv", restored.step) if restored else []
-        self.art = RunArtifacts(cfg, self.out, self.mesh, applied_env)
-        for row in kept_rows:
-            self.art.row(row)
+        # The CSVs keep their rows up to the checkpoint; later steps are re-run and appended.
+        self.art = RunArtifacts(cfg, self.out, self.mesh, applied_env,
+                                resume_step=restored.step if restored else None)
         if restored is not None:
             how = "" if restored.train_data is not None else " (data stream restarted: checkpoint.restore_data=false)"
             self.say(f"resume: step {restored.step} from {restored.path}{how}")
@@ -132,9 +130,8 @@ class Trainer:
         self.art.event("boot", 0, "boot", devices=n_dev, processes=jax.process_count(),
                        tokens_per_step=self.tokens_per_step)
         self._first = self._first_batch()
-        self._val = None
+        self.evaluator: Evaluator | None = None  # built at the first evaluation
         self.state = state
-        self.eval_step = None
 
     # -- output ---------------------------------------------------------------
 
@@ -173,22 +170,11 @@ class Trainer:
         rows = [self._next_tokens() for _ in range(self.cfg.train.accumulate)]
         return S.put_batch(np.stack(rows), self.mesh)
 
-    def _eval(self, params) -> jax.Array:
-        """Mean validation loss over eval_batches (dispatched, not waited for)."""
-        cfg = self.cfg
-        if self.eval_step is None:
-            self.eval_step = S.make_eval_step(cfg, self.mesh)
-            self._val = make_dataset(cfg, "val", process_index=jax.process_index(), process_count=jax.process_count())
-            if self._val_state is not None:
-                self._val.set_state(self._val_state)
-        total = None
-        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(S.AXIS))
-        for _ in range(cfg.train.eval_batches):
-            local = next(self._val)
-            shape = (local.shape[0] * jax.process_count(), local.shape[1])
-            loss = self.eval_step(params, jax.make_array_from_process_local_data(sharding, local, shape))
-            total = loss if total is None else total + loss
-        return total / cfg.train.eval_batches
+    def _eval(self, params) -> dict[str, jax.Array]:
+        """Metrics of the fixed held-out set (dispatched, not waited for)."""
+        if self.evaluator is None:
+            self.evaluator = Evaluator(self.cfg, self.mesh)
+        return self.evaluator.dispatch(params)
 
     # -- halting --------------------------------------------------------------
 
@@ -257,6 +243,7 @@ class Trainer:
         # SIGTERM (preemption): finish the step in flight, save, return normally.
         self._preempt = ckpt.PreemptionGuard(self.mesh)
         self._preempt.install()
+        error: BaseException | None = None
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 if self._halt_requested(step):
@@ -291,6 +278,9 @@ class Trainer:
                 self._record(pending)
             if self.summary["halted"] not in ("nan_loss", "nan_grad"):
                 self._checkpoint()
+        except BaseException as e:
+            error = e
+            raise
         finally:
             # The stall clock stops first: the final checkpoint commit below is no training step.
             self.health.close()
@@ -300,11 +290,13 @@ class Trainer:
             done = self.summary["steps_done"] - start
             self.summary.update(wall_s=time.perf_counter() - t_start, loop_s=loop_s,
                                 toks_per_s=done * self.tokens_per_step / max(loop_s, 1e-9))
-            self.art.event("done", self.summary["steps_done"], "done", **self.summary)
+            if error is None:
+                self.art.event("done", self.summary["steps_done"], "done", **self.summary)
+            else:  # watchdogs must tell a crash from a finished run
+                msg = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+                self.art.event("crash", self.summary["steps_done"], msg, **self.summary)
             self.art.close()
             self.data.close()
-            if self._val is not None:
-                self._val.close()
         s = self.summary
         self.say(
             f"done: {done} steps in {fmt_duration(loop_s)} (+{fmt_duration(s['wall_s'] - loop_s)} boot/compile) | "
@@ -320,8 +312,8 @@ class Trainer:
         step = self.summary["steps_done"]
         if int(jax.device_get(self.state.step)) != step:  # a step was dispatched but never recorded
             return
-        val = self._val.get_state() if self._val is not None else self._val_state
-        info = self.ckpt.save(step, self.state, self.data.get_state(), val)
+        # The held-out rows are fixed (evaluate.py): no validation stream position to save.
+        info = self.ckpt.save(step, self.state, self.data.get_state(), None)
         if info is not None:
             self.art.event("checkpoint", step, info["path"], blocking_s=info["blocking_s"])
 
@@ -329,7 +321,7 @@ class Trainer:
         """Reads a finished step's metrics (blocking) and logs them; False stops the run."""
         cfg = self.cfg
         m = jax.device_get(p.metrics)
-        val = None if p.val_loss is None else float(jax.device_get(p.val_loss))
+        val = None if p.val is None else Evaluator.finish(p.val)
         now = time.perf_counter()
         # The step ran from when the device finished the previous one (or from its dispatch).
         step_time = now - max(self._last_done, p.dispatched)
@@ -340,14 +332,17 @@ class Trainer:
             "step": p.step, "loss": loss, "lr": lr, "toks_per_s": self.tokens_per_step / max(step_time, 1e-9),
             "grad_norm": float(m["grad_norm"]), "step_time_s": step_time,
             "tokens": p.step * self.tokens_per_step, "elapsed_s": now - self._t_loop,
-            "skipped": int(m["skipped"]), "val_loss": val, **aux,
+            "skipped": int(m["skipped"]), "val_loss": val and val["val_loss"], **aux,
         }
         self.art.row(row)
         self.art.event("step_end", p.step, "", loss=loss, lr=lr, step_time_s=step_time)
         self.health.step_ended(p.step)
         scalars = {f"train/{k}": row[k] for k in ("loss", "lr", "grad_norm", "toks_per_s", "step_time_s")}
         if val is not None:
-            scalars["eval/loss"] = val
+            self.art.val_row({"step": p.step, "tokens": row["tokens"], "elapsed_s": row["elapsed_s"], **val})
+            self.art.event("eval", p.step, format_eval(val).strip(" |"), **val)
+            scalars.update({"eval/loss": val["val_loss"], "eval/ppl": val["val_ppl"],
+                            "eval/retrieval_acc": val["retrieval_acc"]})
         if self.summary["first_loss"] is None:
             self.summary["first_loss"] = loss
         self.summary.update(last_loss=loss, steps_done=p.step)
@@ -359,12 +354,14 @@ class Trainer:
             eta = (cfg.train.steps - p.step) * span / self._interval["steps"]
             line = progress_line(p.step, cfg.train.steps, loss, lr, rate, eta)
             if val is not None:
-                line += f" | val {val:.4f}"
+                line += format_eval(val)
             self.say(line)
             self.art.event("progress", p.step, line, loss=loss, lr=lr, toks_per_s=rate)
             scalars.update({"train/toks_per_s_interval": rate, **{f"aux/{k}": v for k, v in aux.items()},
                             **_aux_per_layer(m)})
             self._interval = {"t": now, "steps": 0}
+        elif val is not None:
+            self.say(f"eval: step {p.step}{format_eval(val)}")
         self.art.scalars(p.step, scalars)
 
         if row["skipped"]:

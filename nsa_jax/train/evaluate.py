@@ -1,0 +1,114 @@
+"""Held-out evaluation: a fixed validation set and its metrics.
+
+Owns which rows are evaluated and what is measured on them:
+  - the rows: the first `train.eval_batches` batches of this process's `val` split,
+    read once and kept on the host. Every evaluation scores the same rows, so the
+    curve in val.csv moves only because the model does (also across a resume);
+  - the metrics: mean next-token loss, perplexity exp(loss), and for `kv_recall`
+    the retrieval accuracy (argmax at the answer positions, marked by the QUERY
+    token as in nsa_jax/data/kv_recall.py).
+
+The jitted function is plain jit over a batch sharded on the `data` axis: it takes
+the parameters in whatever sharding the training strategy keeps them, and XLA
+inserts what the layout needs. `dispatch` returns device arrays without waiting,
+so an evaluation overlaps the next train step; `finish` reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nsa_jax.config import Config
+from nsa_jax.data import make_dataset
+from nsa_jax.model import NSALM, cross_entropy
+
+AXIS = "data"
+
+
+def make_eval_fn(cfg: Config):
+    """(params, tokens_BxT1) -> {'loss_sum', 'tokens', 'correct', 'scored'}: sums over the batch.
+
+    `correct`/`scored` count kv_recall answer positions (zero for other datasets).
+    Sums, not means, so batches of any split add up exactly.
+    """
+    model = NSALM(cfg.model)
+    query_id = cfg.model.vocab_size - 1 if cfg.data.dataset == "kv_recall" else None
+
+    def eval_fn(params, tokens_BxT1):
+        inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+        logits_BxTxV = model.apply({"params": params}, inputs_BxT)
+        n_tokens = targets_BxT.size
+        out = {
+            "loss_sum": cross_entropy(logits_BxTxV, targets_BxT) * n_tokens,
+            "tokens": jnp.asarray(n_tokens, jnp.float32),
+        }
+        if query_id is None:
+            out["correct"] = out["scored"] = jnp.zeros((), jnp.float32)
+            return out
+        # Target t is an answer iff the input before it (token t - 1) is the QUERY marker.
+        answer_BxT = jnp.zeros(targets_BxT.shape, bool).at[:, 1:].set(tokens_BxT1[:, :-2] == query_id)
+        hit_BxT = (logits_BxTxV.argmax(-1) == targets_BxT) & answer_BxT
+        out["correct"] = hit_BxT.sum().astype(jnp.float32)
+        out["scored"] = answer_BxT.sum().astype(jnp.float32)
+        return out
+
+    return eval_fn
+
+
+class Evaluator:
+    """The fixed held-out rows of one run and the jitted metric function over them."""
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg = cfg
+        self.sharding = NamedSharding(mesh, P(AXIS))
+        self.fn = jax.jit(make_eval_fn(cfg), out_shardings=NamedSharding(mesh, P()))
+        val = make_dataset(cfg, "val", process_index=jax.process_index(), process_count=jax.process_count())
+        try:
+            rows = [next(val) for _ in range(cfg.train.eval_batches)]
+        except StopIteration:
+            raise ValueError(
+                f"the validation split has fewer than train.eval_batches={cfg.train.eval_batches} batches; "
+                "lower train.eval_batches or raise data.val_fraction"
+            ) from None
+        finally:
+            val.close()
+        self.batches = [self._place(r) for r in rows]
+
+    def _place(self, local_bxT1: np.ndarray) -> jax.Array:
+        shape = (local_bxT1.shape[0] * jax.process_count(), local_bxT1.shape[1])
+        return jax.make_array_from_process_local_data(self.sharding, local_bxT1, shape)
+
+    def dispatch(self, params) -> dict[str, jax.Array]:
+        """Sums over the held-out set, as device arrays (not waited for)."""
+        total = None
+        for batch in self.batches:
+            out = self.fn(params, batch)
+            total = out if total is None else jax.tree.map(jnp.add, total, out)
+        return total
+
+    @staticmethod
+    def finish(pending: dict[str, jax.Array]) -> dict[str, float | None]:
+        """Blocks on `dispatch`'s arrays -> val_loss, val_ppl, retrieval_acc (None unless kv_recall), answers."""
+        sums = {k: float(v) for k, v in jax.device_get(pending).items()}
+        loss = sums["loss_sum"] / sums["tokens"]
+        return {
+            "val_loss": loss,
+            "val_ppl": math.exp(loss) if loss < 700 else math.inf,
+            "retrieval_acc": sums["correct"] / sums["scored"] if sums["scored"] else None,
+            "answers": int(sums["scored"]) if sums["scored"] else None,
+        }
+
+
+def format_eval(m: dict[str, Any]) -> str:
+    """' | val 3.2100 ppl 24.78 | recall 0.812' for the progress line."""
+    line = f" | val {m['val_loss']:.4f} ppl {m['val_ppl']:.2f}"
+    if m.get("retrieval_acc") is not None:
+        line += f" | recall {m['retrieval_acc']:.3f}"
+    return line
