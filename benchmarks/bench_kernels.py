@@ -22,17 +22,16 @@ sizes that fit in a short time (T <= 4096 by default).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json  # noqa: E402
 
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas  # noqa: E402
 from nsa_jax.kernels.window_pallas import window_attention_pallas  # noqa: E402
@@ -45,10 +44,6 @@ except ImportError:  # the reference path is optional for this script
 PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512)
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
-
-
-def on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def random_block_indices(key, batch, seq, kv_heads, slots, block_size):
@@ -77,19 +72,6 @@ def random_block_indices(key, batch, seq, kv_heads, slots, block_size):
     out = jax.lax.map(one_chunk, (starts, keys))  # [chunks, B, C, K, n]
     out = jnp.moveaxis(out, 0, 1).reshape(batch, n_chunks * chunk, kv_heads, slots)
     return out[:, :seq]
-
-
-def time_fn(fn, args, warmup, iters):
-    """Median wall time (ms) of the jitted ``fn(*args)``."""
-    jitted = jax.jit(fn)
-    for _ in range(warmup):
-        jax.block_until_ready(jitted(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(jitted(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def with_backward(fn):
@@ -123,8 +105,8 @@ def run_one(name, fn, args, ct, mode, opts):
             return time_fn(fn, args, opts.warmup, opts.iters), None
         return time_fn(with_backward(fn), args + (ct,), opts.warmup, opts.iters), None
     except Exception as e:  # out of memory, unsupported size, ...
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        print(f"  {name} failed: {msg}", file=sys.stderr)
+        msg = short_error(e)
+        log(f"  {name} failed: {msg}")
         return None, msg
 
 
@@ -147,8 +129,7 @@ def main(argv=None):
     opts = parser.parse_args(argv)
 
     gpu = on_gpu()
-    device = jax.devices()[0]
-    print(f"backend: {jax.default_backend()}  device: {device.device_kind}  jax {jax.__version__}")
+    env = print_header(__doc__.splitlines()[0])
     if not gpu:
         print(
             "No GPU found: the Pallas kernels would only run in the "
@@ -195,7 +176,7 @@ def main(argv=None):
                         # Same computation for both branches: time it once.
                         row["dense_ms"], err = dense_cache[(seq, mode)]
                     else:
-                        print(f"T={seq} {branch} {mode} {name} ...", file=sys.stderr, flush=True)
+                        log(f"T={seq} {branch} {mode} {name} ...")
                         row[f"{name}_ms"], err = run_one(name, fn, (q, k, v), ct, mode, opts)
                         if name == "dense":
                             dense_cache[(seq, mode)] = (row["dense_ms"], err)
@@ -205,9 +186,6 @@ def main(argv=None):
                     a, b = row.get("pallas_ms"), row.get(f"{other}_ms")
                     row[f"speedup_vs_{other}"] = (b / a) if a and b else None
                 rows.append(row)
-
-    def fmt(x, spec="{:9.2f}"):
-        return spec.format(x) if x is not None else f"{'-':>9}"
 
     header = (
         f"{'T':>6} {'branch':<9} {'mode':<7} {'pallas ms':>9} "
@@ -227,19 +205,8 @@ def main(argv=None):
     notes = sorted({(k[:-5], r[k]) for r in rows for k in r if k.endswith("_note")})
     for name, note in notes:
         print(f"  {name}: {note}")
-    if opts.json:
-        meta = dict(
-            backend=jax.default_backend(),
-            device=device.device_kind,
-            jax=jax.__version__,
-            python=platform.python_version(),
-            dtype=opts.dtype,
-            batch=opts.batch,
-            config=PROD,
-            pallas_skipped=not gpu,
-        )
-        Path(opts.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-        print(f"wrote {opts.json}")
+    meta = dict(env, dtype=opts.dtype, batch=opts.batch, config=PROD, pallas_skipped=not gpu)
+    write_json(opts.json, meta, rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""Shared command-line conventions: bad input is one `error: ...` line and exit status 2."""
+"""Shared command-line conventions: bad input is one `error: ...` line and exit status 2.
+
+`Parser` is argparse with that one line instead of the usage block. By default a bad
+flag ends the process, as argparse does. With `in_process=True` it raises `UsageError`
+instead, so a `main(argv)` that is also called from Python (tests, other tools) can
+report bad flags through the same `except UsageError` as its own input checks and
+return 2 rather than raise `SystemExit`.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,19 @@ import argparse
 import sys
 
 
+class UsageError(Exception):
+    """Bad command-line input: reported as one `error:` line, exit status 2."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line error instead of the usage block."""
 
+    def __init__(self, *args, in_process: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.in_process = in_process
+
     def error(self, message: str):
+        if self.in_process:
+            raise UsageError(message)
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)

@@ -29,21 +29,18 @@ import json
 import pathlib
 import sys
 
+from launch.cli import Parser, UsageError
+
 PARAMS_FILE = "params.msgpack"
 CONFIG_FILE = "config.yaml"
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported as one `error:` line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of argparse's usage block
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m launch.generate", description="Sample text with NSA prefill and cached decode.")
+    p = Parser(
+        prog="python -m launch.generate",
+        description="Sample text with NSA prefill and cached decode.",
+        in_process=True,
+    )
     p.add_argument("--ckpt", help="checkpoint path (see module docstring for the formats)")
     p.add_argument("--random-init", action="store_true", help="random params of --config instead of a checkpoint")
     p.add_argument("--config", default=None, help="config name in configs/ or a YAML path")

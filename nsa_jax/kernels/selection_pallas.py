@@ -3,7 +3,8 @@
 This module owns the fused GPU path of the selection branch:
 ``selection_attention_pallas`` (forward + backward under ``jax.custom_vjp``)
 and the small helpers the window kernels reuse (layout padding, compiler
-parameters, masking constants).
+parameters, argument checks). The softmax math on a loaded tile is shared
+with the window kernels through ``pallas_common``.
 
 Contract (see docs "Selection branch"): query ``t`` of head ``h`` attends to
 every position ``p <= t`` inside the blocks ``idx[b, t, h // G, :]`` (block
@@ -61,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -69,11 +69,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-# Scores live in the log2 domain (exp2 is the cheap instruction).
-LOG2E = math.log2(math.e)
-# Finite "minus infinity": masked logits and the running max start here, so
-# an all-masked row never produces inf - inf.
-MASK_VALUE = -1e30
+from nsa_jax.kernels.pallas_common import (
+    LOG2E,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    softmax_grad_tile,
+)
+
 # Smallest M/N/K the Triton matmul accepts.
 MIN_DOT_DIM = 16
 
@@ -141,6 +144,22 @@ def _group_rows(t, kv, num_heads: int, group: int, group_padded: int):
     return t * num_heads + kv * group + g_Gp
 
 
+def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks):
+    """Slot ``s`` of query ``t``'s selection: K [bs, Dk], V [bs, Dv] and the mask of the keys t sees [1, bs].
+
+    An unused slot (-1) or an out-of-range id loads an in-bounds block and sees
+    none of it, so the kernels need no branch.
+    """
+    blk = idx_ref[s]
+    live = (blk >= 0) & (blk < num_blocks)
+    start = jnp.clip(blk, 0, num_blocks - 1) * block_size
+    k_SxDk = k_ref[pl.ds(start, block_size), :]
+    v_SxDv = v_ref[pl.ds(start, block_size), :]
+    pos_S = start + lax.iota(jnp.int32, block_size)
+    vis_1xS = ((pos_S <= t) & live)[None, :]
+    return k_SxDk, v_SxDv, vis_1xS
+
+
 def _sel_fwd_kernel(
     idx_ref,
     q_ref,
@@ -166,34 +185,13 @@ def _sel_fwd_kernel(
     dv = v_ref.shape[-1]
 
     def body(s, carry):
-        acc_GxDv, m_G, l_G = carry
-        blk = idx_ref[s]
-        live = (blk >= 0) & (blk < num_blocks)
-        start = jnp.clip(blk, 0, num_blocks - 1) * block_size
-        k_SxDk = k_ref[pl.ds(start, block_size), :]
-        v_SxDv = v_ref[pl.ds(start, block_size), :]
-        s_GxS = plgpu_triton.dot(q_GxDk, k_SxDk, trans_b=True) * scale_log2
-        pos_S = start + lax.iota(jnp.int32, block_size)
-        vis_1xS = ((pos_S <= t) & live)[None, :]
-        s_GxS = jnp.where(vis_1xS, s_GxS, MASK_VALUE)
-        m_new_G = jnp.maximum(m_G, jnp.max(s_GxS, axis=1))
-        alpha_G = jnp.exp2(m_G - m_new_G)
-        # The explicit where keeps fully masked rows at exactly zero weight.
-        p_GxS = jnp.where(vis_1xS, jnp.exp2(s_GxS - m_new_G[:, None]), 0.0)
-        l_G = l_G * alpha_G + jnp.sum(p_GxS, axis=1)
-        acc_GxDv = acc_GxDv * alpha_G[:, None] + plgpu_triton.dot(p_GxS.astype(v_SxDv.dtype), v_SxDv)
-        return acc_GxDv, m_new_G, l_G
+        k_SxDk, v_SxDv, vis_1xS = _slot_tile(s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks)
+        return online_softmax_step(carry, q_GxDk, k_SxDk, v_SxDv, vis_1xS, scale_log2)
 
-    init = (
-        jnp.zeros((group_padded, dv), jnp.float32),
-        jnp.full((group_padded,), MASK_VALUE, jnp.float32),
-        jnp.zeros((group_padded,), jnp.float32),
-    )
-    acc_GxDv, m_G, l_G = lax.fori_loop(0, num_slots, body, init)
-    seen_G = l_G > 0.0
-    l_safe_G = jnp.where(seen_G, l_G, 1.0)
-    o_ref[...] = (acc_GxDv / l_safe_G[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen_G, m_G + jnp.log2(l_safe_G), 0.0)
+    carry = lax.fori_loop(0, num_slots, body, online_softmax_init(group_padded, dv))
+    o_GxDv, lse_G = online_softmax_finish(carry)
+    o_ref[...] = o_GxDv.astype(o_ref.dtype)
+    lse_ref[...] = lse_G
 
 
 def _sel_dq_kernel(
@@ -226,17 +224,8 @@ def _sel_dq_kernel(
     delta_G = delta_ref[...]
 
     def body(s, dq_GxDk):
-        blk = idx_ref[s]
-        live = (blk >= 0) & (blk < num_blocks)
-        start = jnp.clip(blk, 0, num_blocks - 1) * block_size
-        k_SxDk = k_ref[pl.ds(start, block_size), :]
-        v_SxDv = v_ref[pl.ds(start, block_size), :]
-        s_GxS = plgpu_triton.dot(q_GxDk, k_SxDk, trans_b=True) * scale_log2
-        pos_S = start + lax.iota(jnp.int32, block_size)
-        vis_1xS = ((pos_S <= t) & live)[None, :]
-        p_GxS = jnp.where(vis_1xS, jnp.exp2(s_GxS - lse_G[:, None]), 0.0)
-        dp_GxS = plgpu_triton.dot(do_GxDv, v_SxDv, trans_b=True)
-        ds_GxS = p_GxS * (dp_GxS - delta_G[:, None])
+        k_SxDk, v_SxDv, vis_1xS = _slot_tile(s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks)
+        _, ds_GxS = softmax_grad_tile(q_GxDk, k_SxDk, v_SxDv, do_GxDv, lse_G, delta_G, vis_1xS, scale_log2)
         return dq_GxDk + plgpu_triton.dot(ds_GxS.astype(k_SxDk.dtype), k_SxDk)
 
     dq_GxDk = lax.fori_loop(0, num_slots, body, jnp.zeros((group_padded, q_ref.shape[-1]), jnp.float32))
@@ -300,12 +289,9 @@ def _sel_dkv_kernel(
         stat_R = t_R * group_padded + g_R
         lse_R = lse_ref[stat_R]
         delta_R = delta_ref[stat_R]
-        s_RxS = plgpu_triton.dot(q_RxDk, k_SxDk, trans_b=True) * scale_log2
         vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
-        p_RxS = jnp.where(vis_RxS, jnp.exp2(s_RxS - lse_R[:, None]), 0.0)
+        p_RxS, ds_RxS = softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
         dv_SxDv = dv_SxDv + plgpu_triton.dot(p_RxS.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
-        dp_RxS = plgpu_triton.dot(do_RxDv, v_SxDv, trans_b=True)
-        ds_RxS = p_RxS * (dp_RxS - delta_R[:, None])
         dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
         return dk_SxDk, dv_SxDv
 

@@ -40,9 +40,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from nsa_jax.kernels.selection_pallas import (
+from nsa_jax.kernels.pallas_common import (
     LOG2E,
-    MASK_VALUE,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    softmax_grad_tile,
+)
+from nsa_jax.kernels.selection_pallas import (
     _check_pow2,
     compiler_params,
     pad_axis,
@@ -120,33 +125,19 @@ def _win_fwd_kernel(
     q_RxDk = q_ref[row_R, :]
 
     def body(kt, carry):
-        acc_RxDv, m_R, l_R = carry
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
         vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), window=window, seq=seq)
-        s_RxC = jnp.where(vis_RxC, s_RxC, MASK_VALUE)
-        m_new_R = jnp.maximum(m_R, jnp.max(s_RxC, axis=1))
-        alpha_R = jnp.exp2(m_R - m_new_R)
-        p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - m_new_R[:, None]), 0.0)
-        l_R = l_R * alpha_R + jnp.sum(p_RxC, axis=1)
-        acc_RxDv = acc_RxDv * alpha_R[:, None] + plgpu_triton.dot(p_RxC.astype(v_CxDv.dtype), v_CxDv)
-        return acc_RxDv, m_new_R, l_R
+        return online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2)
 
     lo, hi = _key_tile_range(
         f0, block_rows, seq=seq, group=group, window=window, block_keys=block_keys, num_tiles=num_key_tiles
     )
-    init = (
-        jnp.zeros((block_rows, v_ref.shape[-1]), jnp.float32),
-        jnp.full((block_rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((block_rows,), jnp.float32),
-    )
-    acc_RxDv, m_R, l_R = lax.fori_loop(lo, hi, body, init)
-    seen_R = l_R > 0.0
-    l_safe_R = jnp.where(seen_R, l_R, 1.0)
-    o_ref[...] = (acc_RxDv / l_safe_R[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen_R, m_R + jnp.log2(l_safe_R), 0.0)
+    carry = lax.fori_loop(lo, hi, body, online_softmax_init(block_rows, v_ref.shape[-1]))
+    o_RxDv, lse_R = online_softmax_finish(carry)
+    o_ref[...] = o_RxDv.astype(o_ref.dtype)
+    lse_ref[...] = lse_R
 
 
 def _win_dq_kernel(
@@ -183,11 +174,8 @@ def _win_dq_kernel(
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
         vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), window=window, seq=seq)
-        p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - lse_R[:, None]), 0.0)
-        dp_RxC = plgpu_triton.dot(do_RxDv, v_CxDv, trans_b=True)
-        ds_RxC = p_RxC * (dp_RxC - delta_R[:, None])
+        _, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
 
     lo, hi = _key_tile_range(
@@ -233,12 +221,9 @@ def _win_dkv_kernel(
         do_RxDv = do_ref[row_R, :]
         lse_R = lse_ref[pl.ds(f0, block_rows)]
         delta_R = delta_ref[pl.ds(f0, block_rows)]
-        s_RxC = plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
         vis_RxC = _visible(t_R, valid_R, pos_C, window=window, seq=seq)
-        p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - lse_R[:, None]), 0.0)
+        p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
-        dp_RxC = plgpu_triton.dot(do_RxDv, v_CxDv, trans_b=True)
-        ds_RxC = p_RxC * (dp_RxC - delta_R[:, None])
         dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
         return dk_CxDk, dv_CxDv
 

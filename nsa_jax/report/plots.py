@@ -9,9 +9,11 @@ the reason) so a report can say what is absent instead of drawing empty axes.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
-from typing import Sequence
+from typing import Callable, Sequence
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -31,49 +33,98 @@ def _figure(rows: int = 1) -> tuple[Figure, list]:
     return fig, list(axes)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Series:
+    """One step-row column drawn against step, alone on its axes (one run) or one line per run."""
+
+    name: str  # figure name: the PNG stem and the report section
+    column: str  # step-row column
+    ylabel: str
+    title: str  # after "<run label>: "; "{src}" becomes the step-row file name
+    missing: str  # why a run's figure is not drawn when the run has no values
+    scale: float = 1.0  # unit of the axis, e.g. 1e3 for seconds -> ms
+    label: str | None = None  # legend entry of the run's line; no legend when None
+    overlay: Callable[[Axes, Run, Summary | None], None] | None = None  # more marks on the same axes
+
+
+def _val_loss(ax: Axes, run: Run, summary: Summary | None) -> None:
+    if run.val:
+        ax.plot([s for s, _ in run.val], [v for _, v in run.val], "o-", label="val loss", ms=4)
+
+
+def _throughput_window(ax: Axes, run: Run, summary: Summary | None) -> None:
+    f = summary.figures if summary else {}
+    if f.get("toks_mean") is not None:
+        ax.axhline(
+            f["toks_mean"],
+            color="C1",
+            ls="--",
+            lw=1,
+            label=f"mean of last {f['toks_n']}: {f['toks_mean']:,.1f} (pstdev {f['toks_pstdev']:,.1f})",
+        )
+        ax.axvspan(f["window_first_step"], f["window_last_step"], color="C1", alpha=0.08)
+
+
+_SERIES = (
+    _Series(
+        name="loss",
+        column="loss",
+        ylabel="loss",
+        title="loss ({src})",
+        missing="no loss values",
+        label="train loss",
+        overlay=_val_loss,
+    ),
+    _Series(
+        name="throughput",
+        column="toks_per_s",
+        ylabel="tokens/s",
+        title="throughput",
+        missing="no toks_per_s values",
+        label="tokens/s",
+        overlay=_throughput_window,
+    ),
+    _Series(
+        name="step_time",
+        column="step_time_s",
+        ylabel="step time (ms)",
+        title="step time",
+        missing="no step_time_s values",
+        scale=1e3,
+    ),
+    _Series(
+        name="selection",
+        column="sel_far_frac",
+        ylabel="share of selected blocks",
+        title="selected blocks beyond the sliding window",
+        missing="no sel_far_frac column (aux stats off)",
+    ),
+)
+# The figures of one run, in the order of the report's sections.
+_RUN_FIGURES = ("loss", "throughput", "step_time", "memory", "gates", "selection")
+# The series that `comparison_figures` overlays across runs.
+_COMPARED_SERIES = ("loss", "throughput", "step_time")
+
+
 def run_figures(run: Run, summary: Summary | None = None) -> tuple[dict[str, Figure], dict[str, str]]:
     figs: dict[str, Figure] = {}
     skipped: dict[str, str] = {}
     src = run.series_path.name if run.series_path else "no step rows"
 
-    steps, loss = run.series("loss")
-    if steps:
+    for spec in _SERIES:
+        steps, values = run.series(spec.column)
+        if not steps:
+            skipped[spec.name] = spec.missing
+            continue
         fig, (ax,) = _figure()
-        ax.plot(steps, loss, label="train loss", lw=1)
-        if run.val:
-            ax.plot([s for s, _ in run.val], [v for _, v in run.val], "o-", label="val loss", ms=4)
-        ax.set_ylabel("loss")
-        ax.set_title(f"{run.label}: loss ({src})")
-        ax.legend(loc="best")
-        figs["loss"] = fig
-    else:
-        skipped["loss"] = "no loss values"
-
-    steps, toks = run.series("toks_per_s")
-    if steps:
-        fig, (ax,) = _figure()
-        ax.plot(steps, toks, lw=1, label="tokens/s")
-        f = summary.figures if summary else {}
-        if f.get("toks_mean") is not None:
-            ax.axhline(f["toks_mean"], color="C1", ls="--", lw=1,
-                       label=f"mean of last {f['toks_n']}: {f['toks_mean']:,.1f} (pstdev {f['toks_pstdev']:,.1f})")
-            ax.axvspan(f["window_first_step"], f["window_last_step"], color="C1", alpha=0.08)
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{run.label}: throughput")
-        ax.legend(loc="best")
-        figs["throughput"] = fig
-    else:
-        skipped["throughput"] = "no toks_per_s values"
-
-    steps, st = run.series("step_time_s")
-    if steps:
-        fig, (ax,) = _figure()
-        ax.plot(steps, [v * 1e3 for v in st], lw=1)
-        ax.set_ylabel("step time (ms)")
-        ax.set_title(f"{run.label}: step time")
-        figs["step_time"] = fig
-    else:
-        skipped["step_time"] = "no step_time_s values"
+        ax.plot(steps, [v * spec.scale for v in values], lw=1, label=spec.label)
+        if spec.overlay is not None:
+            spec.overlay(ax, run, summary)
+        ax.set_ylabel(spec.ylabel)
+        ax.set_title(f"{run.label}: {spec.title.format(src=src)}")
+        if spec.label is not None:
+            ax.legend(loc="best")
+        figs[spec.name] = fig
 
     mem = memory_series(run)
     if mem:
@@ -102,36 +153,30 @@ def run_figures(run: Run, summary: Summary | None = None) -> tuple[dict[str, Fig
     else:
         skipped["gates"] = "no gate columns (aux stats off)"
 
-    steps, far = run.series("sel_far_frac")
-    if steps:
-        fig, (ax,) = _figure()
-        ax.plot(steps, far, lw=1)
-        ax.set_ylabel("share of selected blocks")
-        ax.set_title(f"{run.label}: selected blocks beyond the sliding window")
-        figs["selection"] = fig
-    else:
-        skipped["selection"] = "no sel_far_frac column (aux stats off)"
-    return figs, skipped
+    return _in_report_order(figs), _in_report_order(skipped)
+
+
+def _in_report_order(by_figure: dict) -> dict:
+    # The series loop draws `selection` before memory and gates; the report keeps it last.
+    return {name: by_figure[name] for name in _RUN_FIGURES if name in by_figure}
 
 
 def comparison_figures(runs: Sequence[Run]) -> tuple[dict[str, Figure], dict[str, str]]:
     """One line per run that has the series."""
     figs: dict[str, Figure] = {}
     skipped: dict[str, str] = {}
-    specs = (("loss", "loss", "loss", 1.0), ("throughput", "toks_per_s", "tokens/s", 1.0),
-             ("step_time", "step_time_s", "step time (ms)", 1e3))
-    for name, col, ylabel, scale in specs:
-        have = [(r, r.series(col)) for r in runs if r.has_column(col)]
+    for spec in (s for s in _SERIES if s.name in _COMPARED_SERIES):
+        have = [(r, r.series(spec.column)) for r in runs if r.has_column(spec.column)]
         if not have:
-            skipped[name] = f"no run has {col}"
+            skipped[spec.name] = f"no run has {spec.column}"
             continue
         fig, (ax,) = _figure()
         for r, (s, v) in have:
-            ax.plot(s, [x * scale for x in v], lw=1, label=r.label)
-        ax.set_ylabel(ylabel)
-        ax.set_title(name.replace("_", " "))
+            ax.plot(s, [x * spec.scale for x in v], lw=1, label=r.label)
+        ax.set_ylabel(spec.ylabel)
+        ax.set_title(spec.name.replace("_", " "))
         ax.legend(loc="best", fontsize="small")
-        figs[name] = fig
+        figs[spec.name] = fig
     have = [(r, memory_series(r).get(0)) for r in runs]
     have = [(r, pts) for r, pts in have if pts]
     if have:
