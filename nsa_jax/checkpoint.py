@@ -36,8 +36,9 @@ for bit (on CPU). Data epochs need nothing special, the stream's own state carri
 the epoch.
 
 Restore onto another mesh: arrays are restored with the new mesh's shardings
-(params and optimizer state are replicated), so a run saved on 2 devices resumes on
-1 or 8. The data position is per process; with the same process count it carries
+(those of parallel.strategy, nsa_jax/train/strategies.py: replicated, or sharded
+over `data` for zero1/fsdp), so a run saved on 2 devices resumes on 1 or 8, and
+under another strategy. The data position is per process; with the same process count it carries
 over unchanged; with a different one it cannot (each process reads its own shard
 of the stream) and the restore stops with an error, unless
 `checkpoint.restore_data=false` restarts the data stream on purpose.
@@ -215,8 +216,9 @@ def _item_handlers() -> dict[str, Any]:
     holds them, without orbax's replica-parallel split.
 
     The split slices every replicated array across its devices with small jitted ops,
-    and compiling those made the first save of a run block the loop for seconds. With
-    the data-parallel layout (everything replicated) one writer per array is enough.
+    and compiling those made the first save of a run block the loop for seconds. One
+    writer per array is enough for replicated arrays, and each shard of a sharded one
+    (zero1, fsdp) is written by the device that holds it.
     """
     import jax
     import numpy as np
@@ -277,17 +279,15 @@ class Checkpointer:
     # -- restore --------------------------------------------------------------
 
     def abstract_state(self):
-        """Shapes of a fresh TrainState, placed replicated on this run's mesh (the restore target)."""
-        import functools
-
+        """Shapes of a fresh TrainState, placed as parallel.strategy places it on this run's mesh
+        (the restore target: orbax reads each array straight into those shardings)."""
         import jax
 
-        from nsa_jax.train.state import init_state
-        from nsa_jax.train.step import replicated
+        from nsa_jax.train import strategies
 
-        rep = replicated(self.mesh)
-        shapes = jax.eval_shape(functools.partial(init_state, self.cfg))
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), shapes)
+        shapes = strategies.state_shapes(self.cfg)
+        placed = strategies.state_shardings(self.cfg, self.mesh, shapes)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, placed)
 
     def restore_latest(self) -> Restored | None:
         """The newest checkpoint that reads back, or None when there is none.

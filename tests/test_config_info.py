@@ -18,7 +18,7 @@ def test_shipped_configs_load():
     assert (nsa.l, nsa.d, nsa.lp, nsa.n, nsa.w, nsa.cmp_phi) == (32, 16, 64, 16, 512, "mlp")
     t = prod.train
     assert (t.seq_len, t.global_batch, t.accumulate, t.lr, t.warmup, t.steps) == (2048, 2, 2, 2e-4, 2000, 50000)
-    assert load_config("cpu_tiny").model.n_layers > 0
+    assert load_config("cpu_tiny").model.n_layers > 0 and load_config("cpu_small").model.d_model == 384
 
 
 def test_overrides_and_paths(tmp_path):

@@ -28,17 +28,18 @@ TINY = [
 ]
 
 
-def reference_metrics(cfg, params, batches):
-    """(mean loss, correct, scored) computed batch by batch on the host."""
+def reference_metrics(cfg, params, batches, masks=None):
+    """(mean loss over `masks` (default: every target), correct, scored), batch by batch on the host."""
     apply = jax.jit(NSALM(cfg.model).apply)
     nll_sum = tokens = correct = scored = 0
-    for tokens_BxT1 in batches:
+    for i, tokens_BxT1 in enumerate(batches):
         logits = np.asarray(apply({"params": params}, tokens_BxT1[:, :-1]), np.float64)
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         targets = tokens_BxT1[:, 1:]
-        nll_sum += -np.take_along_axis(logp, targets[..., None], -1).sum()
-        tokens += targets.size
+        mask = np.ones(targets.shape, bool) if masks is None else masks[i]
+        nll_sum += -np.take_along_axis(logp, targets[..., None], -1)[..., 0][mask].sum()
+        tokens += mask.sum()
         if cfg.data.dataset == "kv_recall":
             c, s = kv_recall.retrieval_counts(logits, tokens_BxT1, cfg.model.vocab_size)
             correct, scored = correct + c, scored + s
@@ -75,7 +76,8 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
     params = init_state(cfg).params
     kbs = [make_dataset(cfg, "val").kv_batch_at(i) for i in range(3)]
     batches = [kb.tokens_BxT1 for kb in kbs]
-    loss, correct, scored = reference_metrics(cfg, params, batches)
+    # data.kv_loss_mask (default): val_loss, like the training loss, counts the answers only.
+    loss, correct, scored = reference_metrics(cfg, params, batches, [kb.answer_mask_BxT for kb in kbs])
     assert scored == 3 * 4 * 3  # batches x rows x queries
     m = Evaluator.finish(Evaluator(cfg, mesh).dispatch(params))
     assert m["answers"] == scored and m["retrieval_acc"] == correct / scored
@@ -99,3 +101,20 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
     monkeypatch.setattr("nsa_jax.train.evaluate.NSALM", AlwaysGuess)
     m = Evaluator.finish(Evaluator(cfg, mesh).dispatch(params))
     assert m["answers"] == scored and m["retrieval_acc"] == want / scored
+
+
+def test_kv_recall_training_loss_counts_the_answers_only():
+    cfg = load_config(None, TINY + ["model.vocab_size=32", "data.dataset=kv_recall", "data.kv_pairs=3",
+                                    "data.kv_queries=3", "train.seq_len=40", "logging.aux_stats=false"])
+    params = init_state(cfg).params
+    kb = make_dataset(cfg, "train").kv_batch_at(0)
+    answers, _, _ = reference_metrics(cfg, params, [kb.tokens_BxT1], [kb.answer_mask_BxT])
+    every, _, _ = reference_metrics(cfg, params, [kb.tokens_BxT1])
+    assert abs(answers - every) > 1e-3  # the two losses differ, so the check below can tell them apart
+    loss, _ = jax.jit(lambda p, t: S.loss_and_stats(p, t, cfg=cfg))(params, kb.tokens_BxT1)
+    assert abs(float(loss) - answers) < 1e-5 * answers
+    off = load_config(None, TINY + ["model.vocab_size=32", "data.dataset=kv_recall", "data.kv_pairs=3",
+                                    "data.kv_queries=3", "train.seq_len=40", "logging.aux_stats=false",
+                                    "data.kv_loss_mask=false"])
+    loss_all, _ = jax.jit(lambda p, t: S.loss_and_stats(p, t, cfg=off))(params, kb.tokens_BxT1)
+    assert abs(float(loss_all) - every) < 1e-5 * every

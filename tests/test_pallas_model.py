@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-
 from helpers import tiny_model_cfg
+
 from nsa_jax.model import NSALM, cross_entropy
 
 
@@ -19,7 +18,10 @@ def _losses(cfg, params, tokens, steps=3):
 
     @jax.jit
     def step(p, s):
-        loss, g = jax.value_and_grad(lambda pp: cross_entropy(NSALM(cfg).apply({"params": pp}, tokens[:, :-1]), tokens[:, 1:]))(p)
+        def loss_fn(pp):
+            return cross_entropy(NSALM(cfg).apply({"params": pp}, tokens[:, :-1]), tokens[:, 1:])
+
+        loss, g = jax.value_and_grad(loss_fn)(p)
         upd, s = opt.update(g, s, p)
         return optax.apply_updates(p, upd), s, loss
 

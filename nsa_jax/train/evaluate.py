@@ -4,9 +4,10 @@ Owns which rows are evaluated and what is measured on them:
   - the rows: the first `train.eval_batches` batches of this process's `val` split,
     read once and kept on the host. Every evaluation scores the same rows, so the
     curve in val.csv moves only because the model does (also across a resume);
-  - the metrics: mean next-token loss, perplexity exp(loss), and for `kv_recall`
-    the retrieval accuracy (argmax at the answer positions, marked by the QUERY
-    token as in nsa_jax/data/kv_recall.py).
+  - the metrics: mean next-token loss over the positions the training loss counts
+    (step.loss_mask), perplexity exp(loss), and for `kv_recall` the retrieval
+    accuracy (argmax at the answer positions, marked by the QUERY token as in
+    nsa_jax/data/kv_recall.py).
 
 The jitted function is plain jit over a batch sharded on the `data` axis: it takes
 the parameters in whatever sharding the training strategy keeps them, and XLA
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
 from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.train.step import kv_answer_mask, loss_mask
 
 AXIS = "data"
 
@@ -39,21 +41,19 @@ def make_eval_fn(cfg: Config):
     Sums, not means, so batches of any split add up exactly.
     """
     model = NSALM(cfg.model)
-    query_id = cfg.model.vocab_size - 1 if cfg.data.dataset == "kv_recall" else None
+    kv = cfg.data.dataset == "kv_recall"
 
     def eval_fn(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
         logits_BxTxV = model.apply({"params": params}, inputs_BxT)
-        n_tokens = targets_BxT.size
-        out = {
-            "loss_sum": cross_entropy(logits_BxTxV, targets_BxT) * n_tokens,
-            "tokens": jnp.asarray(n_tokens, jnp.float32),
-        }
-        if query_id is None:
+        # The positions the training loss counts (all, or kv_recall's answers).
+        mask_BxT = loss_mask(tokens_BxT1, cfg)
+        n_tokens = jnp.asarray(targets_BxT.size if mask_BxT is None else mask_BxT.sum(), jnp.float32)
+        out = {"loss_sum": cross_entropy(logits_BxTxV, targets_BxT, mask_BxT) * n_tokens, "tokens": n_tokens}
+        if not kv:
             out["correct"] = out["scored"] = jnp.zeros((), jnp.float32)
             return out
-        # Target t is an answer iff the input before it (token t - 1) is the QUERY marker.
-        answer_BxT = jnp.zeros(targets_BxT.shape, bool).at[:, 1:].set(tokens_BxT1[:, :-2] == query_id)
+        answer_BxT = kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
         hit_BxT = (logits_BxTxV.argmax(-1) == targets_BxT) & answer_BxT
         out["correct"] = hit_BxT.sum().astype(jnp.float32)
         out["scored"] = answer_BxT.sum().astype(jnp.float32)

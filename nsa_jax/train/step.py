@@ -1,19 +1,19 @@
 """The pure, jitted train and eval steps, data-parallel over a 1-D `data` mesh.
 
-Layout: params and optimizer state replicated (P()); a batch tokens_AxBxT1 of A
-micro-batches, each of B = train.global_batch sequences of T + 1 tokens, sharded
-over `data` on its B axis, so each device holds A x (B / devices) rows.
+A batch tokens_AxBxT1 holds A micro-batches, each of B = train.global_batch
+sequences of T + 1 tokens, sharded over `data` on its B axis, so each device holds
+A x (B / devices) rows.
 
-One optimizer step, per device, inside `jax.shard_map`:
-  scan over the A micro-batches: loss, grads and aux statistics of each, summed locally
-  -> one psum over `data` of the summed gradient, cast to parallel.grad_reduce_dtype
-     for the collective and back to fp32 after (the bf16 "compression" of the runbooks)
-  -> outside the shard_map: global grad norm, clip + Adam + masked decay, LR of state.step.
+One optimizer step:
+  per device, over its A micro-batches: loss, grads and aux statistics, summed locally
+  -> one reduction over `data` of the summed gradient in parallel.grad_reduce_dtype
+     (the bf16 "compression" of the runbooks), back to fp32 after
+  -> global grad norm, clip + Adam + masked decay, LR of state.step, where the
+     reduced gradient lives.
 
-`check_vma=False` on purpose: with the default check, jax transposes the implicit
-broadcast of a replicated parameter into a psum, so gradients taken inside the
-shard_map would already be summed over devices and the explicit reduce would count
-them twice. Here every gradient stays local until the one explicit psum.
+How the state is placed and the gradient reduced is `parallel.strategy`
+(nsa_jax/train/strategies.py: dp, pmap, gspmd, zero1, fsdp); this module builds
+the loss and the update, and places state and batch with the strategy's shardings.
 
 Nothing here does I/O; the loop (loop.py) owns files, clocks and printing.
 """
@@ -34,10 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.train import strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.state import TrainState, init_state
 
-AXIS = "data"
+AXIS = strategies.AXIS
 AUX_KEYS = ("gate_mean", "gate_entropy", "sel_far_frac")
 
 
@@ -87,9 +88,14 @@ def put_batch(tokens_AxbxT1: np.ndarray, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_process_local_data(batch_sharding(mesh), tokens_AxbxT1, global_shape)
 
 
+def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
+    """Where each TrainState leaf lives under parallel.strategy (a TrainState of NamedShardings)."""
+    return strategies.state_shardings(cfg, mesh)
+
+
 def create_state(cfg: Config, mesh: Mesh) -> TrainState:
-    """A fresh TrainState, initialised directly into replicated device buffers."""
-    return jax.jit(functools.partial(init_state, cfg), out_shardings=replicated(mesh))()
+    """A fresh TrainState, initialised directly into the strategy's device buffers."""
+    return jax.jit(functools.partial(init_state, cfg), out_shardings=state_shardings(cfg, mesh))()
 
 
 # ---------------------------------------------------------------------------
@@ -110,8 +116,27 @@ def layer_stats(aux: dict, cfg: Config) -> dict[str, jax.Array]:
     return {k: jnp.stack([s[0][k] for s in per_layer]) for k in AUX_KEYS}
 
 
+def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
+    """bool [B, T] of the targets the loss counts, or None for all of them.
+
+    kv_recall with data.kv_loss_mask: only the answers (target t where input t - 1 is
+    the QUERY marker, id vocab_size - 1; nsa_jax/data/kv_recall.py). The rest of
+    such a row is uniform noise that no model can predict, whose gradient only
+    drowns the few positions that teach retrieval.
+    """
+    if cfg.data.dataset != "kv_recall" or not cfg.data.kv_loss_mask:
+        return None
+    return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
+
+
+def kv_answer_mask(tokens_BxT1: jax.Array, vocab_size: int) -> jax.Array:
+    """bool [B, T]: kv_recall answer targets, those whose input t - 1 is the QUERY marker (vocab_size - 1)."""
+    B, T = tokens_BxT1.shape[0], tokens_BxT1.shape[1] - 1
+    return jnp.zeros((B, T), bool).at[:, 1:].set(tokens_BxT1[:, :-2] == vocab_size - 1)
+
+
 def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.Array, dict]:
-    """Mean next-token loss of one micro-batch, and its aux statistics when enabled."""
+    """Mean next-token loss of one micro-batch (over loss_mask), and its aux statistics when enabled."""
     model = NSALM(cfg.model)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     if cfg.logging.aux_stats:
@@ -119,11 +144,7 @@ def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.
         stats = layer_stats(variables.get("aux", {}), cfg)
     else:
         logits_BxTxV, stats = model.apply({"params": params}, inputs_BxT), {}
-    return cross_entropy(logits_BxTxV, targets_BxT), stats
-
-
-def _tree_add(a, b):
-    return jax.tree.map(jnp.add, a, b)
+    return cross_entropy(logits_BxTxV, targets_BxT, loss_mask(tokens_BxT1, cfg)), stats
 
 
 # ---------------------------------------------------------------------------
@@ -131,75 +152,83 @@ def _tree_add(a, b):
 
 
 def make_grad_fn(cfg: Config, mesh: Mesh) -> Callable:
-    """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats), all replicated."""
-    n_devices = mesh.shape[AXIS]
-    per_device_batch(cfg, n_devices)
-    reduce_dtype = jnp.dtype(cfg.parallel.grad_reduce_dtype)
-    value_and_grad = jax.value_and_grad(functools.partial(loss_and_stats, cfg=cfg), has_aux=True)
+    """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy.
 
-    def local(params, tokens_AxbxT1):
-        A = tokens_AxbxT1.shape[0]
-        (_, stats_shape), _ = jax.eval_shape(value_and_grad, params, tokens_AxbxT1[0])
-        zeros = (
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-            jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_shape),
-        )
-
-        def micro(carry, tokens_bxT1):
-            (loss, stats), grads = value_and_grad(params, tokens_bxT1)
-            return _tree_add(carry, (grads, loss, stats)), None
-
-        # Local sums only: no collective inside the accumulation loop.
-        (grads, loss, stats), _ = lax.scan(micro, zeros, tokens_AxbxT1)
-        n = A * n_devices  # every micro-batch on every device has the same size
-        grads = jax.tree.map(
-            lambda g: lax.psum((g / n).astype(reduce_dtype), AXIS).astype(jnp.float32), grads
-        )
-        loss = lax.psum(loss, AXIS) / n
-        stats = jax.tree.map(lambda s: lax.psum(s, AXIS) / n, stats)
-        return grads, loss, stats
-
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(P(), P(), P()), check_vma=False
-    )
-
-
-def make_train_step(cfg: Config, mesh: Mesh) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """The jitted step (state, tokens_AxBxT1) -> (state, metrics); the state is donated.
-
-    metrics: loss, grad_norm (before clipping), lr (used by this update), skipped
-    (1 when loss or gradient was not finite and the update was dropped), and with
-    logging.aux_stats gate_mean [L, 3], gate_entropy [L], sel_far_frac [L].
+    Grads are replicated, or sharded for zero1/fsdp; traced inside the step's jit.
+    pmap has no separate gradient function (its whole step runs per device).
     """
-    if cfg.parallel.strategy != "dp":
-        raise ValueError(f"parallel.strategy '{cfg.parallel.strategy}' is not available yet; use dp")
-    grad_fn = make_grad_fn(cfg, mesh)
+    strategy = strategies.check_strategy(cfg)
+    per_device_batch(cfg, mesh.shape[AXIS])
+    loss_fn = functools.partial(loss_and_stats, cfg=cfg)
+    if strategy == "dp":
+        return strategies.make_dp_grad_fn(cfg, mesh, loss_fn)
+    if strategy == "pmap":
+        raise ValueError("parallel.strategy=pmap runs the whole step per device; use make_train_step")
+    grads_placed = strategies.grad_shardings(cfg, mesh, strategies.state_shapes(cfg).params)
+    return strategies.make_partitioned_grad_fn(cfg, mesh, loss_fn, grads_placed)
+
+
+def make_update(cfg: Config) -> Callable:
+    """(state, grads, loss, stats[, params]) -> (new state, metrics): clip, Adam, decay, LR, skip.
+
+    `params`: the state's params placed like `grads` (zero1: this device's slice, so
+    the update is computed on the shard); default state.params.
+    """
     tx = make_optimizer(cfg.train)
 
-    def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-        grads, loss, stats = grad_fn(state.params, tokens_AxBxT1)
+    def update(state: TrainState, grads, loss, stats, params=None) -> tuple[TrainState, dict[str, Any]]:
+        params = state.params if params is None else params
         grad_norm = optax.tree.norm(grads)
         lr = learning_rate(state.step, cfg.train)
-        direction, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = apply_lr(state.params, direction, lr)
+        direction, opt_state = tx.update(grads, state.opt_state, params)
+        new_params = apply_lr(params, direction, lr)
         # A non-finite step leaves weights and moments as they were; the loop decides
         # whether to halt (ops.nan_policy), the step only refuses to poison the state.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = TrainState(
             step=state.step + 1,
-            params=keep(params, state.params),
+            params=keep(new_params, state.params),
             opt_state=keep(opt_state, state.opt_state),
             rng=jax.random.split(state.rng)[0],
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": (~finite).astype(jnp.int32), **stats}
         return new_state, metrics
 
+    return update
+
+
+def make_train_step(cfg: Config, mesh: Mesh) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """The jitted step (state, tokens_AxBxT1) -> (state, metrics); the state is donated.
+
+    State in and out is placed by `state_shardings` (parallel.strategy). metrics:
+    loss, grad_norm (before clipping), lr (used by this update), skipped (1 when loss
+    or gradient was not finite and the update was dropped), and with
+    logging.aux_stats gate_mean [L, 3], gate_entropy [L], sel_far_frac [L].
+    """
+    strategy = strategies.check_strategy(cfg)
+    per_device_batch(cfg, mesh.shape[AXIS])
+    update = make_update(cfg)
+    shapes = strategies.state_shapes(cfg)
+    placed = strategies.state_shardings(cfg, mesh, shapes)
+
+    if strategy == "pmap":
+        train_step = strategies.make_pmap_step(cfg, mesh, functools.partial(loss_and_stats, cfg=cfg), update)
+    else:
+        grad_fn = make_grad_fn(cfg, mesh)
+        grads_placed = strategies.grad_shardings(cfg, mesh, shapes.params)
+
+        def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+            grads, loss, stats = grad_fn(state.params, tokens_AxBxT1)
+            # zero1: the replicated params sliced to the gradient's shard (no communication);
+            # a no-op for the other strategies, whose params already live like their grads.
+            params = lax.with_sharding_constraint(state.params, grads_placed)
+            return update(state, grads, loss, stats, params)
+
     return jax.jit(
         train_step,
-        in_shardings=(replicated(mesh), batch_sharding(mesh)),
-        out_shardings=(replicated(mesh), replicated(mesh)),
+        in_shardings=(placed, batch_sharding(mesh)),
+        out_shardings=(placed, replicated(mesh)),
         donate_argnums=0,
     )
 
@@ -214,8 +243,10 @@ def make_eval_step(cfg: Config, mesh: Mesh) -> Callable[[Any, jax.Array], jax.Ar
         loss, _ = loss_and_stats(params, tokens_bxT1, cfg=no_aux)
         return lax.psum(loss, AXIS) / n_devices
 
+    # Params enter with the strategy's placement (fsdp: sharded) and are gathered for the shard_map.
+    params_placed = state_shardings(cfg, mesh).params
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False)
-    return jax.jit(fn, in_shardings=(replicated(mesh), NamedSharding(mesh, P(AXIS))), out_shardings=replicated(mesh))
+    return jax.jit(fn, in_shardings=(params_placed, NamedSharding(mesh, P(AXIS))), out_shardings=replicated(mesh))
 
 
 def _without_aux(cfg: Config) -> Config:

@@ -1,0 +1,246 @@
+"""Data-parallel strategies: where each part of the train state lives, and how gradients are reduced.
+
+Owns, for every `parallel.strategy`, the shardings of the TrainState on the 1-D
+`data` mesh (`state_shardings`), where the reduced gradient lives (`grad_shardings`),
+and the function from a batch to the mean gradient (`make_grad_fn`; for `pmap` the
+whole per-device step, `make_pmap_step`). The loss, the optimizer update and the
+public step API (make_train_step, create_state, ...) stay in step.py.
+
+Every strategy computes the same update: the mean over the global batch (A
+micro-batches of B sequences) of the next-token-loss gradient, accumulated locally
+over the A micro-batches, reduced across devices once per optimizer step in
+parallel.grad_reduce_dtype (bf16 halves the bytes of that reduction), then the same
+optax update with global-norm clipping.
+
+  strategy  params      reduced grads  Adam moments  how
+  dp        replicated  replicated     replicated    shard_map, explicit psum (default)
+  pmap      replicated  replicated     replicated    jax.pmap, lax.pmean over `data`, whole step per device
+  gspmd     replicated  replicated     replicated    jit + shardings; XLA inserts the all-reduce
+  zero1     replicated  sharded        sharded       jit; reduce to the shard, update the shard, gather params
+  fsdp      sharded     sharded        sharded       jit; params gathered for forward/backward
+
+"Sharded": the leaf rule of `data_spec`, `data` on the largest axis whose size the
+device count divides; leaves with no such axis (scalars, odd sizes) stay replicated.
+
+How gspmd, zero1 and fsdp reduce. The batch [A, B, T+1] is viewed as
+[A, D, B/D, T+1] with D (the device count) sharded on `data`, and the accumulated
+gradient is vmapped over D: each device computes its row of a [D, ...] gradient
+sharded on `data`, summed over its A micro-batches with no collective. The sum over
+D, cast to grad_reduce_dtype, is then the only cross-device op on gradients, and XLA
+lowers it to an all-reduce (result replicated: gspmd) or an all-reduce + slice or a
+reduce-scatter (result sharded: zero1, fsdp). This is how grad_reduce_dtype is
+honoured without shard_map: written as a plain value_and_grad of the global-batch
+loss, XLA places the all-reduce inside the backward pass, in the fp32 dtype of the
+weight-gradient matmuls, and (with accumulation) inside the micro-batch loop, where
+no cast written afterwards can move it.
+
+fsdp here shards the persistent state (params, moments: what lives between steps)
+and all-gathers the parameters once per step for the forward and backward, so while
+a step runs each device holds one full parameter copy and one full-size local
+gradient, as dp does (ZeRO-3's per-layer gather and gradient freeing would need the
+gather inside the model's layer scan; not done here).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nsa_jax.config import Config
+from nsa_jax.train.state import TrainState, init_state
+
+AXIS = "data"
+STRATEGIES = ("dp", "pmap", "gspmd", "zero1", "fsdp")
+
+# (params, tokens_BxT1) -> (mean loss, stats) of one micro-batch
+LossFn = Callable[[Any, jax.Array], tuple[jax.Array, dict]]
+
+
+def check_strategy(cfg: Config) -> str:
+    s = cfg.parallel.strategy
+    if s not in STRATEGIES:
+        raise ValueError(f"parallel.strategy is {s!r}; set it to one of {', '.join(STRATEGIES)}")
+    return s
+
+
+# ---------------------------------------------------------------------------
+# placement
+
+
+def data_spec(shape: tuple[int, ...], n_shards: int) -> P:
+    """`data` on the largest axis of `shape` that n_shards divides (the first of equals); P() if none."""
+    if n_shards <= 1:
+        return P()
+    axes = [i for i, size in enumerate(shape) if size % n_shards == 0]
+    if not axes:
+        return P()
+    best = max(axes, key=lambda i: (shape[i], -i))
+    return P(*[AXIS if i == best else None for i in range(len(shape))])
+
+
+def sharded_over_data(tree: Any, mesh: Mesh) -> Any:
+    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs) by the `data_spec` rule."""
+    n = mesh.shape[AXIS]
+    return jax.tree.map(lambda x: NamedSharding(mesh, data_spec(tuple(x.shape), n)), tree)
+
+
+def replicated_tree(tree: Any, mesh: Mesh) -> Any:
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda _: rep, tree)
+
+
+def state_shapes(cfg: Config) -> TrainState:
+    """ShapeDtypeStructs of a fresh TrainState (traced, nothing allocated)."""
+    return jax.eval_shape(functools.partial(init_state, cfg))
+
+
+def state_shardings(cfg: Config, mesh: Mesh, shapes: TrainState | None = None) -> TrainState:
+    """A TrainState of NamedShardings: where each leaf of the state lives under the strategy."""
+    strategy = check_strategy(cfg)
+    shapes = state_shapes(cfg) if shapes is None else shapes
+    rep = NamedSharding(mesh, P())
+    shard_params = strategy == "fsdp"
+    shard_opt = strategy in ("zero1", "fsdp")
+    return TrainState(
+        step=rep,
+        params=(sharded_over_data if shard_params else replicated_tree)(shapes.params, mesh),
+        opt_state=(sharded_over_data if shard_opt else replicated_tree)(shapes.opt_state, mesh),
+        rng=rep,
+    )
+
+
+def grad_shardings(cfg: Config, mesh: Mesh, params_shapes: Any) -> Any:
+    """Where the reduced mean gradient (and the update computed from it) lives: sharded for zero1/fsdp."""
+    if check_strategy(cfg) in ("zero1", "fsdp"):
+        return sharded_over_data(params_shapes, mesh)
+    return replicated_tree(params_shapes, mesh)
+
+
+# ---------------------------------------------------------------------------
+# gradients
+
+
+def local_sums(value_and_grad: Callable, params, tokens_AxbxT1: jax.Array):
+    """Sums over the A micro-batches of (grads fp32, loss, stats) on this device's rows; no collective."""
+    (_, stats_shape), _ = jax.eval_shape(value_and_grad, params, tokens_AxbxT1[0])
+    zeros = (
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        jnp.zeros((), jnp.float32),
+        jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_shape),
+    )
+
+    def micro(carry, tokens_bxT1):
+        (loss, stats), grads = value_and_grad(params, tokens_bxT1)
+        return jax.tree.map(jnp.add, carry, (grads, loss, stats)), None
+
+    sums, _ = lax.scan(micro, zeros, tokens_AxbxT1)
+    return sums
+
+
+def make_dp_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable:
+    """dp: shard_map, local accumulation, one explicit psum of the summed grads in grad_reduce_dtype.
+
+    `check_vma=False` on purpose: with the default check, jax transposes the implicit
+    broadcast of a replicated parameter into a psum, so gradients taken inside the
+    shard_map would already be summed over devices and the explicit reduce would count
+    them twice. Here every gradient stays local until the one explicit psum.
+    """
+    n_devices = mesh.shape[AXIS]
+    reduce_dtype = jnp.dtype(cfg.parallel.grad_reduce_dtype)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def local(params, tokens_AxbxT1):
+        grads, loss, stats = local_sums(value_and_grad, params, tokens_AxbxT1)
+        n = tokens_AxbxT1.shape[0] * n_devices  # every micro-batch on every device has the same size
+        grads = jax.tree.map(lambda g: lax.psum((g / n).astype(reduce_dtype), AXIS).astype(jnp.float32), grads)
+        loss = lax.psum(loss, AXIS) / n
+        stats = jax.tree.map(lambda s: lax.psum(s, AXIS) / n, stats)
+        return grads, loss, stats
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(P(), P(), P()), check_vma=False)
+
+
+def _sum_rows(rows_DxS: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Sum over axis 0 computed in `dtype` (jnp.sum would upcast bf16 to fp32 and reduce in fp32)."""
+    return lax.reduce(rows_DxS.astype(dtype), np.zeros((), dtype), lax.add, (0,))
+
+
+def make_partitioned_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn, grads_sharding: Any) -> Callable:
+    """gspmd / zero1 / fsdp: (params, tokens_AxBxT1) -> (mean grads placed as `grads_sharding`, loss, stats).
+
+    Traced under the step's jit; see the module docstring for why the device axis is
+    made explicit (a vmap over D sharded on `data`).
+    """
+    n_devices = mesh.shape[AXIS]
+    reduce_dtype = jnp.dtype(cfg.parallel.grad_reduce_dtype)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    per_group = jax.vmap(functools.partial(local_sums, value_and_grad), in_axes=(None, 1), spmd_axis_name=AXIS)
+    rows_sharding = NamedSharding(mesh, P(AXIS))
+    full = NamedSharding(mesh, P())
+
+    def grad_fn(params, tokens_AxBxT1):
+        A, B, T1 = tokens_AxBxT1.shape
+        # Forward and backward run on whole parameters: fsdp all-gathers its shards here,
+        # once per step (a no-op for replicated params). Left to propagation instead, XLA
+        # resharded activations and weights inside the backward (all-to-alls, repeated
+        # all-gathers per micro-batch).
+        params = lax.with_sharding_constraint(params, jax.tree.map(lambda _: full, params))
+        tokens_AxDxbxT1 = lax.with_sharding_constraint(
+            tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1), NamedSharding(mesh, P(None, AXIS))
+        )
+        grads_DxS, loss_D, stats_D = per_group(params, tokens_AxDxbxT1)
+        n = A * n_devices
+
+        def reduce(g_DxS, sharding):
+            g_DxS = lax.with_sharding_constraint(g_DxS / n, rows_sharding)
+            return lax.with_sharding_constraint(_sum_rows(g_DxS, reduce_dtype), sharding).astype(jnp.float32)
+
+        grads = jax.tree.map(reduce, grads_DxS, grads_sharding)
+        loss = jnp.sum(loss_D) / n
+        stats = jax.tree.map(lambda s: jnp.sum(s, axis=0) / n, stats_D)
+        return grads, loss, stats
+
+    return grad_fn
+
+
+def make_pmap_step(cfg: Config, mesh: Mesh, loss_fn: LossFn, update_fn: Callable) -> Callable:
+    """pmap: (state, tokens_AxBxT1) -> (state, metrics), the whole step written per device.
+
+    The classic form: each device runs value_and_grad on its rows, `lax.pmean`s the
+    gradient (cast to grad_reduce_dtype) over the named axis, and applies the same
+    optimizer update as every other device. In jax 0.10 `jax.pmap` is itself a jit of
+    a shard_map, so it composes with the caller's jit: the state goes in and out as
+    the replicated global arrays the Trainer and the checkpoints use
+    (in_axes=None / out_axes=None: no stacking, no copies), and the only boundary
+    conversion is a free reshape of the batch to [A, D, B/D, T+1], mapped on D.
+    """
+    n_devices = mesh.shape[AXIS]
+    reduce_dtype = jnp.dtype(cfg.parallel.grad_reduce_dtype)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def per_device(state: TrainState, tokens_AxbxT1: jax.Array):
+        grads, loss, stats = local_sums(value_and_grad, state.params, tokens_AxbxT1)
+        A = tokens_AxbxT1.shape[0]
+        grads = jax.tree.map(lambda g: lax.pmean((g / A).astype(reduce_dtype), AXIS).astype(jnp.float32), grads)
+        loss = lax.pmean(loss / A, AXIS)
+        stats = jax.tree.map(lambda s: lax.pmean(s / A, AXIS), stats)
+        return update_fn(state, grads, loss, stats)
+
+    # axis_size and devices given explicitly: traced inside a jit, pmap cannot infer
+    # them from the (global) argument shapes in a multi-process run.
+    pmapped = jax.pmap(
+        per_device, AXIS, in_axes=(None, 1), out_axes=None, devices=list(mesh.devices.flat), axis_size=n_devices
+    )
+
+    def step(state: TrainState, tokens_AxBxT1: jax.Array):
+        A, B, T1 = tokens_AxBxT1.shape
+        return pmapped(state, tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1))
+
+    return step

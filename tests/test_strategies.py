@@ -1,0 +1,249 @@
+"""Data-parallel strategies (nsa_jax/train/strategies.py): same math, different placement.
+
+Every `parallel.strategy` runs a few optimizer steps (accumulate 2) on 2 devices and
+is compared with an independent single-device reference written here: a plain
+`jax.value_and_grad` of the whole batch's loss and optax's own clip + AdamW with a
+cosine schedule. zero1 and fsdp must really shard what they claim to, and a
+checkpoint of a sharded state must restore onto another strategy and device count.
+
+One strategy per case keeps compilation (most of the time here) down: dp and gspmd
+reduce in bf16 (looser tolerance, and the rounding must be visible), the others in
+fp32 (dp in fp32 against one device is tests/test_train.py's job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import rel_err, tiny_model_cfg
+from jax.sharding import PartitionSpec as P
+
+from nsa_jax import checkpoint as C
+from nsa_jax.config import load_config
+from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.train import optimizer as O
+from nsa_jax.train import step as S
+from nsa_jax.train import strategies
+
+T, B, A, STEPS = 32, 4, 2, 3
+CASES = [("dp", "bfloat16"), ("pmap", "float32"), ("gspmd", "bfloat16"), ("zero1", "float32"), ("fsdp", "float32")]
+TRAIN = [
+    f"train.seq_len={T}",
+    f"train.global_batch={B}",
+    f"train.accumulate={A}",
+    f"train.steps={STEPS}",
+    "train.warmup=0",
+    "train.lr=1e-2",
+    "train.min_lr=1e-3",
+    "train.weight_decay=0.1",
+    "train.grad_clip=0.5",
+]
+
+
+def cfg_for(strategy: str, reduce_dtype: str = "float32"):
+    cfg = load_config(None, TRAIN + [f"parallel.strategy={strategy}", f"parallel.grad_reduce_dtype={reduce_dtype}"])
+    return dataclasses.replace(cfg, model=tiny_model_cfg(T_hint=T, branches=("win",)))
+
+
+def mesh_of(n: int):
+    return jax.sharding.Mesh(np.asarray(jax.devices()[:n]), (S.AXIS,))
+
+
+@pytest.fixture(scope="module")
+def host_state():
+    """Initial state in numpy from a seeded generator (no init compilation)."""
+    cfg = cfg_for("dp")
+    shapes = strategies.state_shapes(cfg)
+    rng = np.random.default_rng(3)
+
+    def fill(path, leaf):
+        name = path[-1].key
+        if name == "scale":
+            return np.ones(leaf.shape, np.float32)
+        if name == "bias":
+            return np.zeros(leaf.shape, np.float32)
+        return (0.2 * rng.standard_normal(leaf.shape)).astype(np.float32)
+
+    params = jax.tree_util.tree_map_with_path(fill, shapes.params)
+    opt_state = jax.device_get(O.make_optimizer(cfg.train).init(params))
+    return shapes.replace(step=np.int32(0), params=params, opt_state=opt_state, rng=np.zeros((2,), np.uint32))
+
+
+@pytest.fixture(scope="module")
+def batches():
+    rng = np.random.default_rng(0)
+    V = cfg_for("dp").model.vocab_size
+    return [rng.integers(0, V, size=(A, B, T + 1)).astype(np.int32) for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(host_state, batches):
+    """Single device: value_and_grad of the mean loss over all A x B rows + optax clip/AdamW."""
+    cfg = cfg_for("dp")
+    t = cfg.train
+    model = NSALM(cfg.model)
+
+    def loss(params, tokens_NxT1):
+        return cross_entropy(model.apply({"params": params}, tokens_NxT1[:, :-1]), tokens_NxT1[:, 1:])
+
+    decay = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", host_state.params)
+    schedule = optax.cosine_decay_schedule(t.lr, t.steps - 1, alpha=t.min_lr / t.lr)  # warmup 0
+    tx = optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, t.b1, t.b2, t.eps, weight_decay=t.weight_decay, mask=decay),
+    )
+
+    @jax.jit
+    def step(params, opt_state, tokens_NxT1):
+        value, grads = jax.value_and_grad(loss)(params, tokens_NxT1)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, optax.tree.norm(grads)
+
+    params, opt_state = host_state.params, tx.init(host_state.params)
+    losses, norms = [], []
+    with jax.default_device(jax.devices()[0]):
+        for tokens_AxBxT1 in batches:
+            params, opt_state, value, norm = step(params, opt_state, tokens_AxBxT1.reshape(A * B, T + 1))
+            losses.append(float(value))
+            norms.append(float(norm))
+    return {"params": jax.device_get(params), "losses": losses, "grad_norms": norms}
+
+
+_RUNS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def run(host_state, batches):
+    """run(strategy, dtype) -> (cfg, mesh, final state on the devices, metrics); each case compiled once."""
+
+    def get(strategy: str, reduce_dtype: str):
+        key = (strategy, reduce_dtype)
+        if key not in _RUNS:
+            cfg, mesh = cfg_for(strategy, reduce_dtype), mesh_of(2)
+            step = S.make_train_step(cfg, mesh)
+            state = jax.device_put(host_state, S.state_shardings(cfg, mesh))
+            metrics = []
+            for tokens in batches:
+                state, m = step(state, S.put_batch(tokens, mesh))
+                metrics.append(jax.device_get(m))
+            _RUNS[key] = (cfg, mesh, state, metrics)
+        return _RUNS[key]
+
+    return get
+
+
+def worst_rel_err(a, b) -> float:
+    return max(rel_err(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ---------------------------------------------------------------------------
+# same math
+
+
+@pytest.mark.parametrize("strategy,reduce_dtype", CASES, ids=[f"{s}-{d}" for s, d in CASES])
+def test_two_devices_match_single_device_reference(run, reference, strategy, reduce_dtype):
+    assert len(jax.devices()) >= 2, "conftest sets --xla_force_host_platform_device_count=2"
+    _, _, state, metrics = run(strategy, reduce_dtype)
+    losses = [float(m["loss"]) for m in metrics]
+    norms = [float(m["grad_norm"]) for m in metrics]
+    params = jax.device_get(state.params)
+    err = worst_rel_err(params, reference["params"])
+    if reduce_dtype == "float32":
+        np.testing.assert_allclose(losses, reference["losses"], rtol=1e-5)
+        np.testing.assert_allclose(norms, reference["grad_norms"], rtol=1e-4)
+        assert err < 1e-5, err
+    else:
+        # The first loss comes before any update: exact up to fp32 summation order.
+        np.testing.assert_allclose(losses[0], reference["losses"][0], rtol=1e-5)
+        np.testing.assert_allclose(losses, reference["losses"], rtol=1e-3)
+        np.testing.assert_allclose(norms, reference["grad_norms"], rtol=1e-2)
+        # Close, and visibly not an fp32 reduction: the gradient really was rounded to bf16.
+        assert 1e-6 < err < 1e-2, err
+    assert int(state.step) == STEPS
+
+
+# ---------------------------------------------------------------------------
+# placement
+
+
+@pytest.mark.parametrize(
+    "shape,n,spec",
+    [
+        ((6, 4), 2, P("data", None)),
+        ((4, 8), 2, P(None, "data")),
+        ((2, 2), 2, P("data", None)),
+        ((3, 5), 2, P()),
+        ((), 2, P()),
+        ((8, 8), 1, P()),
+        ((3, 6, 9), 3, P(None, None, "data")),
+    ],
+)
+def test_data_spec_shards_the_largest_divisible_axis(shape, n, spec):
+    assert strategies.data_spec(shape, n) == spec
+
+
+def _sharded_fraction(tree) -> float:
+    """Bytes on the first device / bytes of the whole arrays."""
+    leaves = jax.tree.leaves(tree)
+    device0 = jax.devices()[0]
+    local = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device0)
+    return local / sum(x.nbytes for x in leaves)
+
+
+@pytest.mark.parametrize(
+    "strategy,params_sharded,opt_sharded", [("zero1", False, True), ("fsdp", True, True), ("dp", False, False)]
+)
+def test_state_is_placed_as_the_strategy_says(run, strategy, params_sharded, opt_sharded):
+    dtype = dict(CASES)[strategy]
+    _, mesh, state, _ = run(strategy, dtype)
+    for tree, sharded in ((state.params, params_sharded), (state.opt_state, opt_sharded)):
+        for leaf in jax.tree.leaves(tree):
+            spec = strategies.data_spec(leaf.shape, 2) if sharded else P()
+            assert leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), leaf.ndim), leaf.shape
+            want = list(leaf.shape)
+            if spec != P():
+                want[list(spec).index(S.AXIS)] //= 2
+            assert all(s.data.shape == tuple(want) for s in leaf.addressable_shards)
+        # Nearly every byte lives in leaves with an even axis: half of it per device.
+        frac = _sharded_fraction(tree)
+        assert (frac < 0.52) if sharded else frac == 1.0, frac
+    assert state.step.sharding.is_fully_replicated
+
+
+def test_unknown_strategy_is_one_clear_line():
+    cfg = cfg_for("dp")
+    bad = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy="zero3"))
+    with pytest.raises(ValueError, match=r"^parallel.strategy is 'zero3'; set it to one of dp, pmap, gspmd"):
+        S.make_train_step(bad, mesh_of(2))
+
+
+# ---------------------------------------------------------------------------
+# checkpoints of a sharded state
+
+
+def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, tmp_path):
+    cfg, mesh, state, _ = run("zero1", "float32")
+    expect = jax.device_get(state)
+    ck = C.Checkpointer(cfg, tmp_path, mesh)
+    try:
+        assert ck.save(STEPS, state, {"position": 0}, None) is not None
+    finally:
+        ck.close()
+
+    # zero1 on 2 devices -> fsdp on 2 devices (params become sharded) and -> one device.
+    for target_cfg, target_mesh in ((cfg_for("fsdp"), mesh), (cfg, mesh_of(1))):
+        ck = C.Checkpointer(target_cfg, tmp_path, target_mesh, warn=lambda _: None)
+        try:
+            restored = ck.restore_latest()
+        finally:
+            ck.close()
+        assert restored.step == STEPS and restored.train_data == {"position": 0}
+        placed = S.state_shardings(target_cfg, target_mesh)
+        for leaf, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(placed)):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+        for got, want in zip(jax.tree.leaves(jax.device_get(restored.state)), jax.tree.leaves(expect)):
+            np.testing.assert_array_equal(got, want)
