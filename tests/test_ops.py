@@ -199,7 +199,8 @@ HANGS = textwrap.dedent("""
         out = self.out
         def step(state, batch):
             done = int(state.step)
-            if done == 2:   # before step 3: wait for the test's SIGUSR1 dump
+            if done == 2:   # before step 3: tell the test, then wait for its SIGUSR1 dump
+                (out / "waiting").touch()
                 while not list(out.glob("stackdump_*.txt")):
                     time.sleep(0.05)
             if done == 4:   # before step 5: hang as on a lost collective
@@ -227,10 +228,12 @@ def test_trainer_sigusr1_dump_then_stall_exit(tmp_path):
         hb = run / "heartbeat_rank0.jsonl"
         deadline = time.time() + 240
         while time.time() < deadline and p.poll() is None:
-            if hb.exists() and any(e["event"] == "step_end" for e in heartbeat(hb)):
+            # The marker, not the first step_end: only then is the main thread surely in the wait loop.
+            if (run / "waiting").exists():
                 break
             time.sleep(0.1)
         assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)  # from touch() into the loop
         p.send_signal(signal.SIGUSR1)
         out, err = p.communicate(timeout=120)
     finally:
