@@ -91,10 +91,11 @@ def main() -> None:
             ["data.dataset=kv_recall", f"train.steps={args.steps}", f"model.nsa.branches={branches}", *args.overrides],
         )
         rows.append(train_and_score(cfg, args.eval_batches, args.eval_every, branches))
-    n_keys = vocab_layout(cfg.model.vocab_size)[0]
+    n_keys = vocab_layout(cfg.model.vocab_size, cfg.data.kv_format)[0]
     print(
         f"kv_recall on {args.config}: {args.steps} steps, seq_len {cfg.train.seq_len}, w {cfg.model.nsa.w}, "
         f"{cfg.data.kv_pairs} pairs, {cfg.data.kv_queries} queries, placement {cfg.data.kv_placement}, "
+        f"format {cfg.data.kv_format}, "
         f"{rows[0]['answers']} held-out answers; chance {1 / n_keys:.3f}"
     )
     print(f"{'branches':<12} {'accuracy':>9} {'final loss':>11} {'train s':>8}")

@@ -80,6 +80,7 @@ NUMERICS_ONLY = ("model.dtype", "model.remat", "model.nsa.attention_impl", "mode
 # rows per optimizer step, and the seed of synthetic streams and shuffles.
 DATA_POSITION_KEYS = (
     "data.dataset", "data.path", "data.tokenizer", "data.val_fraction", "data.kv_pairs", "data.kv_queries",
+    "data.kv_placement", "data.kv_format",
     "train.seq_len", "train.global_batch", "train.accumulate", "train.seed",
 )
 # Zero vs non-zero adds or removes a link of the optax chain, i.e. changes the
@@ -150,12 +151,15 @@ def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], lis
     parallel layout, ...) are allowed and only reported.
     """
     old, now = _flatten(saved), _flatten(to_dict(cfg))
+    defaults = _flatten(to_dict(Config()))
     missing = object()
     blocking, other = [], []
     for key in sorted(set(old) | set(now)):
         a, b = old.get(key, missing), now.get(key, missing)
         if a == b or key in NOT_REPORTED:
             continue
+        if a is missing and key in defaults and b == defaults[key]:
+            continue  # a setting added after the checkpoint was written, at its default
         line = f"{key} {'<absent>' if a is missing else repr(a)} -> {'<absent>' if b is missing else repr(b)}"
         if key.startswith("model.") and key not in NUMERICS_ONLY:
             blocking.append(line)

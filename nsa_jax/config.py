@@ -117,6 +117,9 @@ class DataConfig:
     kv_pairs: int = 8
     kv_queries: int = 4
     kv_placement: Literal["random", "start"] = "random"
+    # kv_recall: a pair as two tokens `k v` (split) or one token standing for (k, v)
+    # (fused: one attention hop retrieves it); nsa_jax/data/kv_recall.py.
+    kv_format: Literal["split", "fused"] = "split"
     # kv_recall: train (and report val_loss) on the answer positions only; the rest of
     # a row is noise. false: every position, like a language-model corpus.
     kv_loss_mask: bool = True

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from nsa_jax.config import load_config
+from nsa_jax.train import optimizer as O
 
 
 def tiny_model_cfg(T_hint: int = 64, G: int = 2, K: int = 1, **nsa):
@@ -29,3 +31,24 @@ def tiny_model_cfg(T_hint: int = 64, G: int = 2, K: int = 1, **nsa):
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def host_train_state(cfg, shapes, seed: int, scale: float):
+    """A TrainState in numpy with the layout of `shapes`, filled from a seeded generator.
+
+    Stands in for the model's init (one compilation less); norm scales are 1, biases 0,
+    every other weight scale * N(0, 1). The optimizer state is the real optax init.
+    """
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        name = path[-1].key
+        if name == "scale":
+            return np.ones(leaf.shape, np.float32)
+        if name == "bias":
+            return np.zeros(leaf.shape, np.float32)
+        return (scale * rng.standard_normal(leaf.shape)).astype(np.float32)
+
+    params = jax.tree_util.tree_map_with_path(fill, shapes.params)
+    opt_state = jax.device_get(O.make_optimizer(cfg.train).init(params))
+    return shapes.replace(step=np.int32(0), params=params, opt_state=opt_state, rng=np.zeros((2,), np.uint32))

@@ -439,6 +439,41 @@ def test_kv_recall_layout_and_scoring(placement):
     assert kv_recall.retrieval_counts(logits_BxTxV, tokens_BxT1, V) == (1, 5 * Q)
 
 
+@pytest.mark.parametrize("placement", ["start", "random"])
+def test_kv_recall_fused_pairs(placement):
+    """kv_format=fused: each pair is one token 2n + k*n + (v - n), decoded here by hand."""
+    # n = the most keys with n*n + 2n pair/key/value ids, 8 filler ids and the marker in V.
+    assert kv_recall.vocab_layout(256, "fused") == (14, 224, 255)  # 196 + 28 + 8 + 1 = 233 <= 256 < 264
+    assert kv_recall.vocab_layout(64, "fused") == (6, 48, 63)  # 36 + 12 + 9 = 57 <= 64 < 72
+    with pytest.raises(ValueError, match="data.kv_format"):
+        kv_recall.vocab_layout(64, "pairs")
+    V, w, P, Q, T, n = 64, 16, 5, 4, 48, 6
+    rng = np.random.default_rng(1)
+    kb = kv_recall.make_kv_batch(rng, 6, T, V, w, P, Q, placement, "fused")
+    tokens_BxT1 = kb.tokens_BxT1
+    np.testing.assert_array_equal(kb.answer_mask_BxT, kv_recall.answer_mask_from_tokens(tokens_BxT1, V))
+    for b in range(6):
+        row = tokens_BxT1[b]
+        pair_pos = np.flatnonzero((row >= 2 * n) & (row < 2 * n + n * n))
+        assert len(pair_pos) == P and np.all(np.diff(pair_pos) == 1)  # P adjacent one-token pairs
+        if placement == "start":
+            assert pair_pos[0] == 0
+        stored = {int(row[p] - 2 * n) // n: n + int(row[p] - 2 * n) % n for p in pair_pos}
+        assert len(stored) == P  # distinct keys
+        answers = np.flatnonzero(kb.answer_mask_BxT[b])
+        assert len(answers) == Q
+        for q, t in enumerate(answers):
+            key, value = int(row[t]), int(row[t + 1])
+            assert row[t - 1] == V - 1 and key < n and n <= value < 2 * n
+            assert stored[key] == value  # the answer is the value stored with the queried key
+            assert kb.pair_key_pos_BxQ[b, q] in pair_pos and t - pair_pos[-1] > w
+    T_min = kv_recall.min_seq_len(w, P, Q, "fused")
+    assert T_min == kv_recall.min_seq_len(w, P, Q) - P  # one token a pair instead of two
+    kv_recall.make_kv_batch(rng, 2, T_min, V, w, P, Q, placement, "fused")
+    with pytest.raises(ValueError, match="train.seq_len"):
+        kv_recall.make_kv_batch(rng, 2, T_min - 1, V, w, P, Q, placement, "fused")
+
+
 def test_kv_recall_dataset():
     cfg = cfg_with(
         "data.dataset=kv_recall",

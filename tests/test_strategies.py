@@ -19,13 +19,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import rel_err, tiny_model_cfg
+from helpers import host_train_state, rel_err, tiny_model_cfg
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax import checkpoint as C
 from nsa_jax.config import load_config
 from nsa_jax.model import NSALM, cross_entropy
-from nsa_jax.train import optimizer as O
 from nsa_jax.train import step as S
 from nsa_jax.train import strategies
 
@@ -58,19 +57,7 @@ def host_state():
     """Initial state in numpy from a seeded generator (no init compilation)."""
     cfg = cfg_for("dp")
     shapes = strategies.state_shapes(cfg)
-    rng = np.random.default_rng(3)
-
-    def fill(path, leaf):
-        name = path[-1].key
-        if name == "scale":
-            return np.ones(leaf.shape, np.float32)
-        if name == "bias":
-            return np.zeros(leaf.shape, np.float32)
-        return (0.2 * rng.standard_normal(leaf.shape)).astype(np.float32)
-
-    params = jax.tree_util.tree_map_with_path(fill, shapes.params)
-    opt_state = jax.device_get(O.make_optimizer(cfg.train).init(params))
-    return shapes.replace(step=np.int32(0), params=params, opt_state=opt_state, rng=np.zeros((2,), np.uint32))
+    return host_train_state(cfg, shapes, seed=3, scale=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import rel_err
+from helpers import host_train_state, rel_err
 
 from nsa_jax.config import load_config
 from nsa_jax.model import NSALM, cross_entropy
@@ -62,19 +62,7 @@ def host_state():
     """
     cfg = tiny_cfg()
     shapes = jax.eval_shape(lambda: init_state(cfg))
-    rng = np.random.default_rng(1)
-
-    def fill(path, leaf):
-        name = path[-1].key
-        if name == "scale":
-            return np.ones(leaf.shape, np.float32)
-        if name == "bias":
-            return np.zeros(leaf.shape, np.float32)
-        return (0.1 * rng.standard_normal(leaf.shape)).astype(np.float32)
-
-    params = jax.tree_util.tree_map_with_path(fill, shapes.params)
-    opt_state = jax.device_get(O.make_optimizer(cfg.train).init(params))
-    return shapes.replace(step=np.int32(0), params=params, opt_state=opt_state, rng=np.zeros((2,), np.uint32))
+    return host_train_state(cfg, shapes, seed=1, scale=0.1)
 
 
 @pytest.fixture(scope="module")

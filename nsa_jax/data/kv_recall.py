@@ -19,10 +19,19 @@ inside block 0, which NSA always selects. When Q <= P the queried keys are disti
 within a row, so a query can never be answered by copying an earlier query's answer
 from inside the window.
 
-Vocabulary partition (V = model.vocab_size): keys [0, n), values [n, 2n), filler
-[2n, V - 1), QUERY marker V - 1, with n = (V - 1) // 4. The marker never occurs
-elsewhere, so the answer positions are recoverable from the tokens alone
-(`answer_mask_from_tokens`), and `next(ds)` can stay a plain int32 array.
+Pair format (`data.kv_format`): `split` writes a pair as two tokens `k v`, so a
+model needs two hops (a previous-token step, then the match), the induction circuit
+that small models learn slowly; `fused` writes it as one token that stands for
+(k, v), and the query stays `Q k v`: one attention hop from the query key to the
+pair token retrieves the answer, yet no single summary of a block of pairs does.
+
+Vocabulary partition (V = model.vocab_size), keys [0, n), values [n, 2n), then
+  split: filler [2n, V - 1), n = (V - 1) // 4;
+  fused: pair tokens [2n, 2n + n*n) (id 2n + k*n + (v - n)), filler up to V - 1, n
+         the largest with at least MIN_FILLER filler ids;
+and the QUERY marker V - 1. The marker never occurs elsewhere, so the answer
+positions are recoverable from the tokens alone (`answer_mask_from_tokens`), and
+`next(ds)` can stay a plain int32 array.
 """
 
 from __future__ import annotations
@@ -43,19 +52,35 @@ class KVBatch(NamedTuple):
     query_key_pos_BxQ: np.ndarray  # int [B, Q]: position of the key after the QUERY marker
 
 
-def vocab_layout(vocab_size: int) -> tuple[int, int, int]:
+FORMATS = ("split", "fused")
+MIN_FILLER = 8
+
+
+def vocab_layout(vocab_size: int, fmt: str = "split") -> tuple[int, int, int]:
     """(n_keys, first filler id, QUERY id) for a vocabulary of `vocab_size`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"data.kv_format is {fmt!r}; use one of {', '.join(FORMATS)}")
     if vocab_size < MIN_VOCAB:
         raise ValueError(f"model.vocab_size must be >= {MIN_VOCAB} for kv_recall, got {vocab_size}")
-    n = (vocab_size - 1) // 4
-    return n, 2 * n, vocab_size - 1
+    if fmt == "split":
+        n = (vocab_size - 1) // 4
+        return n, 2 * n, vocab_size - 1
+    n = 1
+    while (n + 1) ** 2 + 2 * (n + 1) + MIN_FILLER + 1 <= vocab_size:
+        n += 1
+    return n, n * n + 2 * n, vocab_size - 1
 
 
-def min_seq_len(window: int, n_pairs: int, n_queries: int) -> int:
+def pair_len(fmt: str) -> int:
+    """Tokens one key/value pair takes in a row."""
+    return 2 if fmt == "split" else 1
+
+
+def min_seq_len(window: int, n_pairs: int, n_queries: int, fmt: str = "split") -> int:
     """Shortest train.seq_len for which every queried pair lies farther back than `window`."""
-    # Query key j sits at T1 - 3Q + 3j + 1; the last pair value at 2P - 1. Require
-    # (T1 - 3Q + 1) - (2P - 1) > window, with T1 = seq_len + 1.
-    return window + 2 * n_pairs + 3 * n_queries - 2
+    # Query key j sits at T1 - 3Q + 3j + 1; the last pair ends at L*P - 1 (L tokens a
+    # pair). Require (T1 - 3Q + 1) - (L*P - 1) > window, with T1 = seq_len + 1.
+    return window + pair_len(fmt) * n_pairs + 3 * n_queries - 2
 
 
 PLACEMENTS = ("random", "start")
@@ -70,38 +95,42 @@ def make_kv_batch(
     n_pairs: int,
     n_queries: int,
     placement: str = "random",
+    fmt: str = "split",
 ) -> KVBatch:
     """One KVBatch; see the module docstring for the layout."""
     if placement not in PLACEMENTS:
         raise ValueError(f"data.kv_placement is {placement!r}; use one of {', '.join(PLACEMENTS)}")
-    n_keys, filler_lo, query_id = vocab_layout(vocab_size)
+    n_keys, filler_lo, query_id = vocab_layout(vocab_size, fmt)
     if n_pairs < 1 or n_queries < 1:
         raise ValueError(f"data.kv_pairs and data.kv_queries must be >= 1, got {n_pairs}, {n_queries}")
     if n_pairs > n_keys:
         raise ValueError(
             f"data.kv_pairs ({n_pairs}) exceeds the {n_keys} distinct keys of vocab {vocab_size}; lower data.kv_pairs"
         )
-    need = min_seq_len(window, n_pairs, n_queries)
+    need = min_seq_len(window, n_pairs, n_queries, fmt)
     if seq_len < need:
         raise ValueError(
             f"train.seq_len ({seq_len}) is too short for kv_recall with model.nsa.w={window}, "
             f"data.kv_pairs={n_pairs}, data.kv_queries={n_queries}; set train.seq_len >= {need}"
         )
-    P, Q, T1 = n_pairs, n_queries, seq_len + 1
+    P, Q, T1, L = n_pairs, n_queries, seq_len + 1, pair_len(fmt)
     tokens_BxT1 = rng.integers(filler_lo, query_id, size=(batch, T1), dtype=np.int32)
 
     # Distinct keys per row: the first P of a random permutation of the key range.
     keys_BxP = np.argsort(rng.random((batch, n_keys)), axis=1)[:, :P].astype(np.int32)
     values_BxP = rng.integers(n_keys, 2 * n_keys, size=(batch, P), dtype=np.int32)
     q0 = T1 - 3 * Q
-    # Largest offset that keeps the last pair value more than `window` before the
-    # first query key: (q0 + 1) - (o + 2P - 1) > window.
-    max_offset = q0 + 1 - 2 * P - window
+    # Largest offset that keeps the end of the pairs more than `window` before the
+    # first query key: (q0 + 1) - (o + L*P - 1) > window.
+    max_offset = q0 + 1 - L * P - window
     offset_B = rng.integers(0, max_offset + 1, size=batch) if placement == "random" else np.zeros(batch, np.int64)
     rows_Bx1 = np.arange(batch)[:, None]
-    key_pos_BxP = offset_B[:, None] + 2 * np.arange(P)[None, :]
-    tokens_BxT1[rows_Bx1, key_pos_BxP] = keys_BxP
-    tokens_BxT1[rows_Bx1, key_pos_BxP + 1] = values_BxP
+    key_pos_BxP = offset_B[:, None] + L * np.arange(P)[None, :]
+    if fmt == "split":
+        tokens_BxT1[rows_Bx1, key_pos_BxP] = keys_BxP
+        tokens_BxT1[rows_Bx1, key_pos_BxP + 1] = values_BxP
+    else:  # one token per pair: 2n + k*n + (v - n)
+        tokens_BxT1[rows_Bx1, key_pos_BxP] = 2 * n_keys + keys_BxP * n_keys + (values_BxP - n_keys)
 
     if Q <= P:  # distinct pairs per row: no query repeats (and leaks) an earlier answer
         which_BxQ = np.argsort(rng.random((batch, P)), axis=1)[:, :Q]
@@ -166,8 +195,9 @@ class KVRecallDataset(BatchStream):
         split: str,
         process_index: int,
         placement: str = "random",
+        fmt: str = "split",
     ):
-        self.placement = placement
+        self.placement, self.fmt = placement, fmt
         self.vocab_size, self.window = int(vocab_size), int(window)
         self.n_pairs, self.n_queries = int(n_pairs), int(n_queries)
         self.seed, self.batch, self.seq_len = int(seed), int(batch), int(seq_len)
@@ -188,6 +218,7 @@ class KVRecallDataset(BatchStream):
             split,
             process_index,
             cfg.data.kv_placement,
+            cfg.data.kv_format,
         )
 
     def kv_batch_at(self, position: int) -> KVBatch:
@@ -196,7 +227,15 @@ class KVRecallDataset(BatchStream):
             [self.seed % 2**32, split_id(self.split), self.process_index, int(position), 0x4B56]
         )
         return make_kv_batch(
-            rng, self.batch, self.seq_len, self.vocab_size, self.window, self.n_pairs, self.n_queries, self.placement
+            rng,
+            self.batch,
+            self.seq_len,
+            self.vocab_size,
+            self.window,
+            self.n_pairs,
+            self.n_queries,
+            self.placement,
+            self.fmt,
         )
 
     def next_kv_batch(self) -> KVBatch:

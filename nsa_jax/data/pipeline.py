@@ -187,6 +187,21 @@ class GrainBatchStream(BatchStream):
         self._box = {"it": it}
         weakref.finalize(self, _close_box, self._box)
 
+    def _start_packed(self, chunks: list, reader: Any, seed: int, workers: int, prefetch: int) -> None:
+        """Starts the packed stream of this process's `chunks` (read by `reader`) for self.split."""
+        self._start(
+            packed_batches(
+                chunks,
+                reader,
+                seed=stream_seed(seed, self.split),
+                batch=self.batch,
+                row_len=self.seq_len + 1,
+                workers=workers,
+                prefetch=prefetch,
+                what=self.split,
+            )
+        )
+
     @property
     def _iter(self) -> grain.DatasetIterator:
         it = self._box.get("it")
@@ -260,18 +275,8 @@ class FileDataset(GrainBatchStream):
         self.n_chunks = len(chunks)
         self.digest = sources.chunks_digest(chunks)
         mine = chunks[process_index::process_count]
-        self._start(
-            packed_batches(
-                mine,
-                ChunkTokenizer(tokenizer, split, val_fraction, on_skip=self.skips),
-                seed=stream_seed(seed, split),
-                batch=self.batch,
-                row_len=self.seq_len + 1,
-                workers=workers,
-                prefetch=prefetch,
-                what=split,
-            )
-        )
+        reader = ChunkTokenizer(tokenizer, split, val_fraction, on_skip=self.skips)
+        self._start_packed(mine, reader, seed, workers, prefetch)
 
     @classmethod
     def from_config(cls, cfg: Any, batch: int, split: str, process_index: int, process_count: int) -> FileDataset:

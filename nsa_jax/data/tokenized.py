@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from nsa_jax.data import shards as fmt
-from nsa_jax.data.pipeline import GrainBatchStream, packed_batches, stream_seed
+from nsa_jax.data.pipeline import GrainBatchStream
 from nsa_jax.data.tokenizers import padded_vocab_size
 
 CHUNK_TOKENS = 1 << 16  # tokens per shuffled/sharded chunk (whole documents; a long document is one chunk)
@@ -145,18 +145,7 @@ class TokenizedDataset(GrainBatchStream):
         mine = chunks[process_index::process_count]
         # Tokens of this process's chunks: the length of one epoch of its packed stream.
         self.epoch_tokens = int(sum(chunk_sizes[process_index::process_count]))
-        self._start(
-            packed_batches(
-                mine,
-                ShardChunkReader(self.root, shards),
-                seed=stream_seed(seed, split),
-                batch=self.batch,
-                row_len=self.seq_len + 1,
-                workers=workers,
-                prefetch=prefetch,
-                what=split,
-            )
-        )
+        self._start_packed(mine, ShardChunkReader(self.root, shards), seed, workers, prefetch)
 
     @classmethod
     def from_config(cls, cfg: Any, batch: int, split: str, process_index: int, process_count: int) -> TokenizedDataset:

@@ -11,6 +11,7 @@ or a path to a tokenizer.json file.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 from typing import Any, Sequence
@@ -133,9 +134,17 @@ class TiktokenTokenizer:
 
 
 def make_tokenizer(data_cfg: Any) -> ByteTokenizer | HFTokenizer | TiktokenTokenizer:
-    """The tokenizer named by `data_cfg.tokenizer` (a DataConfig or the string itself)."""
+    """The tokenizer named by `data_cfg.tokenizer` (a DataConfig or the string itself).
+
+    Loaded once per process and spec: the launcher (to size the vocabulary) and the
+    train and val streams all ask for it. Encoding is stateless, so sharing is safe.
+    """
     spec = data_cfg if isinstance(data_cfg, str) else data_cfg.tokenizer
-    spec = spec.strip()
+    return _load_tokenizer(spec.strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | TiktokenTokenizer:
     if spec == "byte":
         return ByteTokenizer()
     if spec == "gpt2" or spec.startswith("tiktoken:"):

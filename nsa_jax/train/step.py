@@ -1,4 +1,4 @@
-"""The pure, jitted train and eval steps, data-parallel over a 1-D `data` mesh.
+"""The pure, jitted train step, data-parallel over a 1-D `data` mesh (evaluation: evaluate.py).
 
 A batch tokens_AxBxT1 holds A micro-batches, each of B = train.global_batch
 sequences of T + 1 tokens, sharded over `data` on its B axis, so each device holds
@@ -20,7 +20,6 @@ Nothing here does I/O; the loop (loop.py) owns files, clocks and printing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -231,23 +230,3 @@ def make_train_step(cfg: Config, mesh: Mesh) -> Callable[[TrainState, jax.Array]
         out_shardings=(placed, replicated(mesh)),
         donate_argnums=0,
     )
-
-
-def make_eval_step(cfg: Config, mesh: Mesh) -> Callable[[Any, jax.Array], jax.Array]:
-    """Jitted (params, tokens_BxT1 sharded on B) -> mean loss (replicated scalar)."""
-    n_devices = mesh.shape[AXIS]
-    per_device_batch(cfg, n_devices)
-    no_aux = _without_aux(cfg)
-
-    def local(params, tokens_bxT1):
-        loss, _ = loss_and_stats(params, tokens_bxT1, cfg=no_aux)
-        return lax.psum(loss, AXIS) / n_devices
-
-    # Params enter with the strategy's placement (fsdp: sharded) and are gathered for the shard_map.
-    params_placed = state_shardings(cfg, mesh).params
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False)
-    return jax.jit(fn, in_shardings=(params_placed, NamedSharding(mesh, P(AXIS))), out_shardings=replicated(mesh))
-
-
-def _without_aux(cfg: Config) -> Config:
-    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, aux_stats=False))

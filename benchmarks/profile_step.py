@@ -1,0 +1,256 @@
+"""Where the time goes: a jax.profiler trace of a train step or of one NSA layer, summed per op.
+
+Traces `--steps` calls of a compiled program with jax.profiler (the trace stays
+under --trace-dir for TensorBoard's profile plugin or Perfetto), reads back the
+Perfetto JSON it writes, and adds up the time of every XLA instruction (fusion,
+dot, gather, ...) that ran. Each instruction is named with the JAX operation that
+emitted it (the HLO `op_name` metadata, Flax module path included), and the
+instructions are also summed per part of the model (selection, compression,
+window, gates, MLP, embedding/head, optimizer):
+
+    python benchmarks/profile_step.py --config cpu_tiny --steps 3
+    python benchmarks/profile_step.py --layer --config a100_pcie --seq-len 32768 --steps 1
+    python benchmarks/profile_step.py --layer --backward --seq-len 8192 --top 15 --json prof.json
+
+On the CPU backend the instructions of one step run one after another on the
+calling thread or fan out over the intra-op pool; "op ms" is their summed
+duration per step, so it can exceed the step's wall time when work runs in
+parallel. The share column is of the summed op time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from common import print_header, write_json  # noqa: E402
+
+from nsa_jax.config import load_config  # noqa: E402
+
+# `%name = type opcode(...), ..., metadata={op_name="..." ...}` in compiled HLO text.
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s+.*?\s([\w\-]+)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+# Instructions that only contain others: their time is their children's.
+CONTAINERS = ("while", "conditional", "call")
+# What an instruction does, from the opcodes inside it (first match wins).
+KINDS = (
+    ("matmul", ("dot", "convolution", "custom-call")),
+    ("gather/scatter", ("gather", "scatter")),
+    ("transpose/copy", ("transpose", "copy")),
+    ("reduce", ("reduce", "reduce-window")),
+    ("update slice", ("dynamic-update-slice",)),
+)
+
+# Parts of the model, matched against the op_name path (first match wins).
+PARTS = (
+    ("optimizer", ("optax", "adam", "clip", "/update", "global_norm")),
+    ("selection", ("selection", "slc", "select")),
+    ("compression", ("compress", "cmp")),
+    ("window", ("window", "win")),
+    ("gates", ("gate",)),
+    ("qkv/out proj", ("q_proj", "k_proj", "v_proj", "o_proj", "wq", "wk", "wv", "wo", "proj")),
+    ("mlp", ("mlp", "ffn", "w1", "w2", "w3")),
+    ("norms", ("norm",)),
+    ("embed/head/loss", ("embed", "lm_head", "head", "log_softmax", "cross_entropy", "logits")),
+)
+
+
+def instruction_sources(hlo_text: str) -> dict[str, dict[str, str]]:
+    """HLO instruction name -> {op_name, source 'file:line', opcode, kind} from the compiled module."""
+    opcodes: dict[str, set[str]] = collections.defaultdict(set)  # computation -> opcodes in it
+    instrs = {}
+    computation = ""
+    for line in hlo_text.splitlines():
+        c = _COMPUTATION.match(line)
+        if c:
+            computation = c.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, opcode, rest = m.groups()
+        opcodes[computation].add(opcode)
+        op = _OP_NAME.search(rest)
+        src = _SOURCE.search(rest)
+        calls = _CALLS.search(rest)
+        instrs[name] = {
+            "op_name": op.group(1) if op else "",
+            "source": f"{pathlib.Path(src.group(1)).name}:{src.group(2)}" if src else "",
+            "opcode": opcode,
+            "calls": calls.group(1) if calls and opcode == "fusion" else "",
+        }
+    for info in instrs.values():
+        inside = opcodes.get(info.pop("calls"), set()) | {info["opcode"]}
+        if info["opcode"] == "fusion" and "ynn" in "".join(inside):
+            inside.add("dot")
+        info["kind"] = next((k for k, ops in KINDS if inside & set(ops)), "elementwise")
+    return instrs
+
+
+def part_of(op_name: str) -> str:
+    path = op_name.lower()
+    for part, needles in PARTS:
+        if any(n in path for n in needles):
+            return part
+    return "other"
+
+
+def trace_events(trace_dir: pathlib.Path) -> list[dict]:
+    files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise SystemExit(f"error: no perfetto_trace.json.gz under {trace_dir}; the profiler wrote nothing")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -> dict:
+    """Traces `steps` calls of run_once (which blocks); returns per-instruction totals per step."""
+    sources = instruction_sources(compiled_text)
+    t0 = time.perf_counter()
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(steps):
+            run_once()
+    wall_s = (time.perf_counter() - t0) / steps
+    per_instr = collections.Counter()
+    calls = collections.Counter()
+    for e in trace_events(trace_dir):
+        name = e.get("name")
+        if e.get("ph") == "X" and name in sources and sources[name]["opcode"] not in CONTAINERS:
+            per_instr[e["name"]] += float(e.get("dur", 0.0)) / 1e3  # us -> ms
+            calls[e["name"]] += 1
+    if not per_instr:
+        raise SystemExit("error: the trace has no XLA instruction events; this jax/XLA build does not emit them")
+    total = sum(per_instr.values())
+    rows = []
+    for name, ms in per_instr.most_common():
+        info = sources[name]
+        rows.append({"instruction": name, "ms_per_step": ms / steps, "share": ms / total,
+                     "calls_per_step": calls[name] / steps, "op_name": info["op_name"], "source": info["source"],
+                     "kind": info["kind"], "part": part_of(info["op_name"])})
+    per_step = total / steps
+
+    def summed(key):
+        acc = collections.Counter()
+        for r in rows:
+            acc[r[key]] += r["ms_per_step"]
+        return [{key: k, "ms_per_step": ms, "share": ms / per_step} for k, ms in acc.most_common()]
+
+    return {"wall_ms_per_step": 1e3 * wall_s, "op_ms_per_step": per_step, "rows": rows,
+            "parts": summed("part"), "kinds": summed("kind")}
+
+
+def short_op(op_name: str, width: int = 90) -> str:
+    # Drop the jit(...)/ wrappers that every op shares; keep the informative tail.
+    parts = [p for p in op_name.split("/") if not p.startswith("jit(")]
+    text = "/".join(parts)
+    return text if len(text) <= width else "..." + text[-(width - 3):]
+
+
+def train_step_program(cfg):
+    from nsa_jax.train import step as S
+
+    mesh = S.make_mesh(cfg)
+    state = S.create_state(cfg, mesh)
+    train_step = S.make_train_step(cfg, mesh)
+    A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
+    rng = np.random.default_rng(0)
+    tokens = S.put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)
+    compiled = train_step.lower(state, tokens).compile()
+    box = {"state": state}
+
+    def run_once():
+        box["state"], metrics = compiled(box["state"], tokens)
+        jax.block_until_ready(metrics["loss"])
+
+    return compiled, run_once, f"train step: {A}x{B} rows of {T} tokens"
+
+
+def layer_program(cfg, seq_len: int, backward: bool):
+    import jax.numpy as jnp
+
+    from nsa_jax.nsa.layer import NSAAttention
+
+    m = cfg.model
+    module = NSAAttention(m)
+    dtype = jnp.dtype(m.dtype)
+    x_BxTxD = (0.5 * jax.random.normal(jax.random.key(0), (1, seq_len, m.d_model))).astype(dtype)
+    params = module.init(jax.random.key(1), x_BxTxD[:, :256])["params"]
+
+    def forward(p, x):
+        return module.apply({"params": p}, x)
+
+    if backward:
+        def fn(p, x):
+            out, vjp = jax.vjp(forward, p, x)
+            return vjp(jnp.ones_like(out))
+    else:
+        fn = forward
+    compiled = jax.jit(fn).lower(params, x_BxTxD).compile()
+
+    def run_once():
+        jax.block_until_ready(compiled(params, x_BxTxD))
+
+    what = "forward+backward" if backward else "forward"
+    return compiled, run_once, f"one NSA layer, {what}, T={seq_len}"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="cpu_tiny")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--layer", action="store_true", help="profile one NSA attention layer instead of a train step")
+    ap.add_argument("--seq-len", type=int, default=None, help="--layer: sequence length (default train.seq_len)")
+    ap.add_argument("--backward", action="store_true", help="--layer: forward+backward")
+    ap.add_argument("--steps", type=int, default=3, help="traced calls (after one untimed call)")
+    ap.add_argument("--top", type=int, default=12, help="instructions to list")
+    ap.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temporary folder)")
+    ap.add_argument("--json", default=None)
+    opts = ap.parse_args(argv)
+    if opts.steps < 1:
+        ap.error("--steps must be >= 1")
+
+    env = print_header("profile: time per XLA instruction from a jax.profiler trace")
+    cfg = load_config(opts.config, opts.set)
+    if opts.layer:
+        compiled, run_once, what = layer_program(cfg, opts.seq_len or cfg.train.seq_len, opts.backward)
+    else:
+        compiled, run_once, what = train_step_program(cfg)
+    run_once()  # warm: first-call allocations stay out of the trace
+    trace_dir = pathlib.Path(opts.trace_dir or tempfile.mkdtemp(prefix="nsa_profile_"))
+    res = profile(run_once, compiled.as_text(), opts.steps, trace_dir)
+
+    print(f"{opts.config}, {what}, attention_impl {cfg.model.nsa.attention_impl}, {opts.steps} traced calls")
+    print(f"wall {res['wall_ms_per_step']:.1f} ms per call (traced); summed op time {res['op_ms_per_step']:.1f} ms")
+    for key in ("part", "kind"):
+        print(f"\n{'by ' + key:<16} {'op ms':>9} {'share':>6}")
+        for p in res[key + "s"]:
+            print(f"{p[key]:<16} {p['ms_per_step']:>9.1f} {100 * p['share']:>5.1f}%")
+    print(f"\n{'op ms':>9} {'share':>6} {'calls':>6}  {'instruction':<24} {'kind':<14} {'part':<12} source / JAX op")
+    for r in res["rows"][: opts.top]:
+        print(f"{r['ms_per_step']:>9.1f} {100 * r['share']:>5.1f}% {r['calls_per_step']:>6.0f}  "
+              f"{r['instruction'][:24]:<24} {r['kind']:<14} {r['part']:<12} {r['source']}  "
+              f"{short_op(r['op_name'], 70)}")
+    print(f"\ntrace: {trace_dir}")
+    meta = dict(env, config=opts.config, overrides=opts.set, what=what, steps=opts.steps, trace_dir=str(trace_dir),
+                wall_ms_per_step=res["wall_ms_per_step"], op_ms_per_step=res["op_ms_per_step"], parts=res["parts"],
+                kinds=res["kinds"])
+    write_json(opts.json, meta, res["rows"])
+
+
+if __name__ == "__main__":
+    main()
