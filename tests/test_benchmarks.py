@@ -131,3 +131,48 @@ def test_bench_strategies_cli_writes_json(tmp_path):
     assert dp["collectives"]["partitioned"]["all-reduce"]["dtypes"] == ["bf16", "f32"]  # grads, loss
     assert zero1["collectives"]["compiled"]["all-gather"]["count"] > 0  # updated params gathered
     assert dp["losses"][0] == pytest.approx(zero1["losses"][0], rel=1e-5)
+
+
+def test_profile_instruction_sources_name_ops_and_kinds():
+    """The HLO parser maps compiled instructions to their JAX op and kind (matmul, transpose/copy, ...)."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(BENCH))
+    import profile_step as P
+
+    def f(a_NxK, b_KxM):
+        with jax.named_scope("my_matmul"):
+            c = a_NxK @ b_KxM
+        with jax.named_scope("my_flip"):
+            return jnp.tanh(c).T.copy() + 1.0
+
+    a = jnp.ones((64, 32))
+    b = jnp.ones((32, 48))
+    text = jax.jit(f).lower(a, b).compile().as_text()
+    src = P.instruction_sources(text)
+    by_scope = {}
+    for info in src.values():
+        for scope in ("my_matmul", "my_flip"):
+            if scope in info["op_name"]:
+                by_scope.setdefault(scope, set()).add(info["kind"])
+    assert "matmul" in by_scope["my_matmul"], by_scope
+    assert by_scope["my_flip"] <= {"transpose/copy", "elementwise", "matmul"}, by_scope
+    assert P.part_of("jit(step)/layers/attn/nsa_slc/while/body/dot_general") == "selection"
+    assert P.part_of("jit(step)/layers/mlp/w1/dot_general") == "mlp"
+    assert P.part_of("jit(step)/something/else") == "other"
+
+
+def test_profile_step_cli_writes_json(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = run_cli(
+        "profile_step.py", "--layer", "--backward", "--config", "cpu_tiny", "--seq-len", "128", "--steps", "1",
+        "--trace-dir", str(tmp_path / "trace"), "--json", str(out),
+    )
+    assert "by part" in proc.stdout and "by kind" in proc.stdout
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert rows and all(r["ms_per_step"] >= 0 for r in rows)
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6
+    assert {p["part"] for p in data["meta"]["parts"]} & {"selection", "compression", "window"}
+    assert any((tmp_path / "trace").rglob("*.xplane.pb"))
