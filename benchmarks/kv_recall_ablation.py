@@ -8,6 +8,12 @@ every --eval-every steps and at the end:
 
     python benchmarks/kv_recall_ablation.py --steps 600
     python benchmarks/kv_recall_ablation.py --variants cmp,slc,win:cmp,win --json out.json
+    python benchmarks/kv_recall_ablation.py --variants "cmp,slc,win:win;model.nsa.w=512" --data-window 64
+
+A variant is a branch set, optionally followed by `;key=value` overrides of its own
+(the second example adds a full-attention control: one window branch wider than the
+row). --data-window fixes the window the rows are laid out for (default: each
+variant's model.nsa.w), so every variant sees the same rows.
 
 The chance level is 1 / (number of keys). The full NSA model should clearly beat
 the model without the selection branch. The validation rows are the same for every
@@ -39,12 +45,14 @@ def score(apply, params, val_batches: list[np.ndarray], vocab_size: int) -> floa
     return hits / max(total, 1)
 
 
-def train_and_score(cfg, eval_batches: int, eval_every: int, label: str) -> dict:
+def train_and_score(cfg, eval_batches: int, eval_every: int, label: str, data_cfg=None) -> dict:
+    """Trains `cfg`'s model on the rows of `data_cfg` (default cfg) and scores it every eval_every steps."""
+    data_cfg = cfg if data_cfg is None else data_cfg
     mesh = S.make_mesh(cfg)
     state = S.create_state(cfg, mesh)
     train_step = S.make_train_step(cfg, mesh)
-    ds = make_dataset(cfg, "train")
-    val = make_dataset(cfg, "val")
+    ds = make_dataset(data_cfg, "train")
+    val = make_dataset(data_cfg, "val")
     val_batches = [next(val) for _ in range(eval_batches)]
     apply = jax.jit(lambda p, t: NSALM(cfg.model).apply({"params": p}, t).argmax(-1))
 
@@ -77,7 +85,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="cpu_tiny")
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--variants", default="cmp,slc,win:cmp,win", help="branch sets separated by ':'")
+    ap.add_argument("--variants", default="cmp,slc,win:cmp,win",
+                    help="branch sets separated by ':', each optionally with ';key=value' overrides")
+    ap.add_argument("--data-window", type=int, default=None,
+                    help="lay the rows out for this window (default: each variant's model.nsa.w)")
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
@@ -85,22 +96,27 @@ def main() -> None:
     args = ap.parse_args()
 
     rows = []
-    for branches in args.variants.split(":"):
-        cfg = load_config(
-            args.config,
-            ["data.dataset=kv_recall", f"train.steps={args.steps}", f"model.nsa.branches={branches}", *args.overrides],
-        )
-        rows.append(train_and_score(cfg, args.eval_batches, args.eval_every, branches))
+    base = ["data.dataset=kv_recall", f"train.steps={args.steps}", *args.overrides]
+    for variant in args.variants.split(":"):
+        branches, *extra = variant.split(";")
+        cfg = load_config(args.config, [*base, f"model.nsa.branches={branches}", *extra])
+        data_cfg = None
+        if args.data_window is not None:
+            data_cfg = load_config(args.config, [*base, f"model.nsa.w={args.data_window}"])
+        label = variant.replace(";", " ")
+        rows.append({**train_and_score(cfg, args.eval_batches, args.eval_every, label, data_cfg), "variant": label})
     n_keys = vocab_layout(cfg.model.vocab_size, cfg.data.kv_format)[0]
     print(
-        f"kv_recall on {args.config}: {args.steps} steps, seq_len {cfg.train.seq_len}, w {cfg.model.nsa.w}, "
+        f"kv_recall on {args.config}: {args.steps} steps, seq_len {cfg.train.seq_len}, "
+        f"rows laid out for w {args.data_window or cfg.model.nsa.w}, "
         f"{cfg.data.kv_pairs} pairs, {cfg.data.kv_queries} queries, placement {cfg.data.kv_placement}, "
         f"format {cfg.data.kv_format}, "
         f"{rows[0]['answers']} held-out answers; chance {1 / n_keys:.3f}"
     )
-    print(f"{'branches':<12} {'accuracy':>9} {'final loss':>11} {'train s':>8}")
+    width = max(12, *(len(r["variant"]) for r in rows))
+    print(f"{'variant':<{width}} {'accuracy':>9} {'final loss':>11} {'train s':>8}")
     for r in rows:
-        print(f"{r['branches']:<12} {r['accuracy']:>9.3f} {r['loss_last']:>11.3f} {r['train_s']:>8.0f}")
+        print(f"{r['variant']:<{width}} {r['accuracy']:>9.3f} {r['loss_last']:>11.3f} {r['train_s']:>8.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

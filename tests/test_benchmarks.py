@@ -176,3 +176,17 @@ def test_profile_step_cli_writes_json(tmp_path):
     assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6
     assert {p["part"] for p in data["meta"]["parts"]} & {"selection", "compression", "window"}
     assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+def test_kv_recall_ablation_cli_variant_overrides(tmp_path):
+    """A variant's own overrides apply to its model only; --data-window keeps the rows the same."""
+    out = tmp_path / "kv.json"
+    run_cli(
+        "kv_recall_ablation.py", "--steps", "1", "--eval-every", "1", "--eval-batches", "1",
+        "--variants", "win;model.nsa.w=512", "--data-window", "64", "--set", "model.n_layers=1",
+        "--set", "data.kv_format=fused", "--json", str(out),
+    )
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["variant"] == "win model.nsa.w=512" and row["branches"] == "win"
+    assert row["answers"] == 8 * 4 and 0.0 <= row["accuracy"] <= 1.0
