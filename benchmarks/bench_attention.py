@@ -168,7 +168,7 @@ class DenseAttention(nn.Module):
     """x[B, T, D] -> dense causal GQA attention [B, T, D]; NSA's Q/K/V/O shapes and RoPE."""
 
     cfg: ModelConfig
-    impl: str = "xla"  # xla | chunked
+    impl: str = "xla"  # xla | chunked | cudnn (GPU: cuDNN's fused flash attention)
     chunk: int = 512
 
     @nn.compact
@@ -189,6 +189,8 @@ class DenseAttention(nn.Module):
         v = proj("v", K, Dv)
         if self.impl == "xla":
             o = xla_causal_attention(q, k, v)
+        elif self.impl == "cudnn":
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         else:
             o = chunked_causal_attention(q, k, v, self.chunk)
         o = o.astype(dtype).reshape(B, T, H * Dv)
@@ -307,7 +309,8 @@ def run(opts) -> tuple[dict, list[dict]]:
     print(
         f"dtype {dtype}, batch {opts.batch}, warmup {opts.warmup}, median of {opts.iters} calls "
         f"(fewer once a program's timed calls pass {opts.max_seconds:g} s); "
-        f"dense = faster of xla (jax.nn.dot_product_attention) and chunked (C={opts.dense_chunk})"
+        f"dense = fastest of xla (jax.nn.dot_product_attention), chunked (C={opts.dense_chunk})"
+        + (" and cudnn (fused flash attention)" if gpu else "")
     )
     if not gpu:
         print("CPU run: absolute times are host-bound and noisy; compare columns within a row.")
@@ -324,6 +327,11 @@ def run(opts) -> tuple[dict, list[dict]]:
     }
     params = {name: random_params(layers[name], x0, cfg.init_std) for name in ("nsa", "dense_xla")}
     params["dense_chunked"] = params["dense_xla"]  # same parameter tree
+    dense_variants = ["xla", "chunked"]
+    if gpu:  # on a GPU the strongest dense baseline is cuDNN's fused attention
+        layers["dense_cudnn"] = DenseAttention(cfg, impl="cudnn")
+        params["dense_cudnn"] = params["dense_xla"]
+        dense_variants.append("cudnn")
 
     rows = []
     for T in seq_lens:
@@ -342,7 +350,7 @@ def run(opts) -> tuple[dict, list[dict]]:
                 row[f"{name}_mem"] = res["mem"]
                 if res["note"]:
                     row[f"{name}_note"] = res["note"]
-            timed = {v: row[f"dense_{v}_ms"] for v in ("xla", "chunked") if row[f"dense_{v}_ms"] is not None}
+            timed = {v: row[f"dense_{v}_ms"] for v in dense_variants if row[f"dense_{v}_ms"] is not None}
             best = min(timed, key=timed.get) if timed else None
             row["dense_best"] = best
             row["dense_ms"] = timed[best] if best else None
@@ -383,8 +391,11 @@ def run(opts) -> tuple[dict, list[dict]]:
 
 def print_table(rows: list[dict], show_cpu: bool) -> None:
     cpu_head = f" {'cpu d/n':>8}" if show_cpu else ""
+    cudnn = any("dense_cudnn_ms" in r for r in rows)
+    cudnn_head = f" {'cudnn ms':>9}" if cudnn else ""
     header = (
-        f"{'T':>6} {'mode':<7} {'nsa ms':>9} {'xla ms':>9} {'chunk ms':>9} {'dense':>7} {'dense/nsa':>9}{cpu_head} "
+        f"{'T':>6} {'mode':<7} {'nsa ms':>9} {'xla ms':>9} {'chunk ms':>9}{cudnn_head} {'dense':>7} {'dense/nsa':>9}"
+        f"{cpu_head} "
         f"{'nsa MiB':>9} {'xla MiB':>9} {'chunk MiB':>9} {'mem d/n':>8}"
     )
     print()
@@ -393,14 +404,15 @@ def print_table(rows: list[dict], show_cpu: bool) -> None:
     for r in rows:
         mem = lambda name: (r[f"{name}_mem"] or {}).get("total")  # noqa: E731
         cpu = f" {fmt(r['cpu_time_ratio_dense_vs_nsa'], '{:7.2f}x', 8)}" if show_cpu else ""
+        cudnn_cell = f" {fmt(r.get('dense_cudnn_ms'))}" if cudnn else ""
         print(
             f"{r['seq']:>6} {r['mode']:<7} {fmt(r['nsa_ms'])} {fmt(r['dense_xla_ms'])} "
-            f"{fmt(r['dense_chunked_ms'])} {r['dense_best'] or '-':>7} "
+            f"{fmt(r['dense_chunked_ms'])}{cudnn_cell} {r['dense_best'] or '-':>7} "
             f"{fmt(r['speedup_nsa_vs_dense'], '{:8.2f}x')}{cpu} {fmt_mib(mem('nsa'))} {fmt_mib(mem('dense_xla'))} "
             f"{fmt_mib(mem('dense_chunked'))} {fmt(r['mem_ratio_dense_vs_nsa'], '{:7.2f}x', 8)}"
         )
     print(
-        "ms = median wall time; dense = the faster dense variant (xla | chunked); dense/nsa > 1: NSA is faster"
+        "ms = median wall time; dense = the fastest dense variant (xla | chunked | cudnn); dense/nsa > 1: NSA is faster"
         + ("; cpu d/n = the same ratio in process CPU time (less sensitive to other jobs)" if show_cpu else "")
         + ".\nMiB = compiled memory (argument + output + temp - alias), not a measured peak; "
         "mem d/n = dense (winner) / NSA."
@@ -416,16 +428,16 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
         return
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"fwd": "-", "fwd+bwd": "--"}
-    colors = {"nsa": "C0", "dense_xla": "C1", "dense_chunked": "C2"}
+    colors = {"nsa": "C0", "dense_xla": "C1", "dense_chunked": "C2", "dense_cudnn": "C3"}
     for mode, ls in styles.items():
         sub = [r for r in rows if r["mode"] == mode]
         if not sub:
             continue
         for name, color in colors.items():
-            pts = [(r["seq"], r[f"{name}_ms"]) for r in sub if r[f"{name}_ms"] is not None]
+            pts = [(r["seq"], r[f"{name}_ms"]) for r in sub if r.get(f"{name}_ms") is not None]
             if pts:
                 ax_t.plot(*zip(*pts), ls, marker="o", color=color, label=f"{name} {mode}")
-            pts = [(r["seq"], r[f"{name}_mem"]["total"] / MiB) for r in sub if r[f"{name}_mem"]]
+            pts = [(r["seq"], r[f"{name}_mem"]["total"] / MiB) for r in sub if r.get(f"{name}_mem")]
             if pts:
                 ax_m.plot(*zip(*pts), ls, marker="o", color=color, label=f"{name} {mode}")
     for ax, ylabel in ((ax_t, "median time (ms)"), (ax_m, "compiled memory (MiB)")):

@@ -1,6 +1,7 @@
 """Tests of the Pallas selection / window kernels.
 
-The kernels run in the Pallas interpreter on CPU and are checked, forward and
+The kernels run compiled through Triton on a GPU and in the Pallas interpreter
+elsewhere (``INTERPRET``), and are checked, forward and
 backward (dq, dk, dv through ``jax.vjp`` with a random cotangent), against an
 independent float64 numpy reference that walks every query token and builds
 its visible key set straight from the block indices or the window, with the
@@ -29,6 +30,9 @@ from nsa_jax.kernels.window_pallas import (
 )
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
+# Compiled kernels on a GPU (JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_pallas.py),
+# the interpreter on CPU.
+INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 
 
 # ---------------------------------------------------------------------------
@@ -189,7 +193,7 @@ def test_selection_matches_reference(b, t, g, kvh, d, bs, n, dtype, bsz):
     rng = np.random.default_rng(t * 131 + g)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
     idx = make_block_indices(rng, b, t, kvh, n, bs)
-    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=True, block_sizes=bsz)
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET, block_sizes=bsz)
     results = run_with_grads(fn, q, k, v, do)
     reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), d**-0.5)
     check_all(results, reference, dtype)
@@ -203,7 +207,7 @@ def test_selection_unused_slots_anywhere_and_custom_scale():
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
     idx = make_block_indices(rng, b, t, kvh, n, bs, shuffle_unused=True)
     assert (idx[:, :16] == -1).sum() > 0 and (idx[:, :, :, 0] == -1).any()
-    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, 0.3, interpret=True)
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, 0.3, interpret=INTERPRET)
     results = run_with_grads(fn, q, k, v, do)
     reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), 0.3)
     check_all(results, reference, jnp.float32)
@@ -216,7 +220,7 @@ def test_selection_fully_masked_rows_are_zero():
     idx = make_block_indices(rng, b, t, kvh, n, bs)
     idx[0, 5] = -1  # no slot used
     idx[0, 3] = [1, -1, -1]  # only a future block: masked by p <= t
-    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=True)
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET)
     o, dq, dk, dv = run_with_grads(fn, q, k, v, do)
     for x in (o, dq, dk, dv):
         assert np.all(np.isfinite(x))
@@ -234,7 +238,7 @@ def test_selection_uneven_head_dims():
     rng = np.random.default_rng(9)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
     idx = make_block_indices(rng, b, t, kvh, n, bs)
-    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=True)
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET)
     results = run_with_grads(fn, q, k, v, do)
     assert results[0].shape == (b, t, g * kvh, dv)
     reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), dk**-0.5)
@@ -279,7 +283,7 @@ WINDOW_CASES = [
 def test_window_matches_reference(b, t, g, kvh, d, w, dtype, bsz):
     rng = np.random.default_rng(t * 17 + w)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
-    fn = lambda q, k, v: window_attention_pallas(q, k, v, w, interpret=True, block_sizes=bsz)
+    fn = lambda q, k, v: window_attention_pallas(q, k, v, w, interpret=INTERPRET, block_sizes=bsz)
     results = run_with_grads(fn, q, k, v, do)
     reference = reference_attention(*as_f32(q, k, v, do), window_visible(w), d**-0.5)
     check_all(results, reference, dtype)
@@ -290,7 +294,7 @@ def test_window_uneven_head_dims():
     rng = np.random.default_rng(10)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
     fn = lambda q, k, v: window_attention_pallas(
-        q, k, v, w, interpret=True, block_sizes=WindowBlockSizes(16, 16, 16, 16)
+        q, k, v, w, interpret=INTERPRET, block_sizes=WindowBlockSizes(16, 16, 16, 16)
     )
     results = run_with_grads(fn, q, k, v, do)
     reference = reference_attention(*as_f32(q, k, v, do), window_visible(w), dk**-0.5)
@@ -316,7 +320,7 @@ def test_selection_matches_xla_path():
     rng = np.random.default_rng(5)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
     idx = jnp.asarray(make_block_indices(rng, b, t, kvh, n, bs))
-    got = run_with_grads(lambda q, k, v: selection_attention_pallas(q, k, v, idx, bs, interpret=True), q, k, v, do)
+    got = run_with_grads(lambda q, k, v: selection_attention_pallas(q, k, v, idx, bs, interpret=INTERPRET), q, k, v, do)
     want = run_with_grads(lambda q, k, v: xla.selection_attention_xla(q, k, v, idx, bs), q, k, v, do)
     check_all(got, want, jnp.float32)
 
@@ -326,7 +330,7 @@ def test_window_matches_xla_path():
     b, t, g, kvh, d, w = 1, 60, 6, 2, 32, 19
     rng = np.random.default_rng(6)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-    got = run_with_grads(lambda q, k, v: window_attention_pallas(q, k, v, w, interpret=True), q, k, v, do)
+    got = run_with_grads(lambda q, k, v: window_attention_pallas(q, k, v, w, interpret=INTERPRET), q, k, v, do)
     want = run_with_grads(lambda q, k, v: xla.window_attention_xla(q, k, v, w), q, k, v, do)
     check_all(got, want, jnp.float32)
 
@@ -387,10 +391,10 @@ def test_rejects_bad_arguments():
     k = jnp.zeros((1, 32, 2, 32))
     idx = jnp.zeros((1, 32, 2, 3), jnp.int32)
     with pytest.raises(ValueError):
-        selection_attention_pallas(q, k, k, idx, 24, interpret=True)
+        selection_attention_pallas(q, k, k, idx, 24, interpret=INTERPRET)
     with pytest.raises(ValueError):
-        selection_attention_pallas(q, k, k, idx[:, :, :1], 16, interpret=True)
+        selection_attention_pallas(q, k, k, idx[:, :, :1], 16, interpret=INTERPRET)
     with pytest.raises(ValueError):
-        window_attention_pallas(q, k, k, 0, interpret=True)
+        window_attention_pallas(q, k, k, 0, interpret=INTERPRET)
     with pytest.raises(ValueError):
-        window_attention_pallas(q, jnp.zeros((1, 32, 3, 32)), jnp.zeros((1, 32, 3, 32)), 4, interpret=True)
+        window_attention_pallas(q, jnp.zeros((1, 32, 3, 32)), jnp.zeros((1, 32, 3, 32)), 4, interpret=INTERPRET)

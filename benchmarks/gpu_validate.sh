@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# GPU validation: on a host with a CUDA GPU, from the repository root.
+#
+#   bash benchmarks/gpu_validate.sh OUT_DIR [PART ...]
+#
+# PARTS (default: env tests kernels):
+#   env        versions, devices, nvidia-smi
+#   tests      the Pallas kernel tests compiled through Triton (not interpreted)
+#              against the float64 per-token reference, and Pallas-vs-XLA training steps
+#   kernels    benchmarks/bench_kernels.py: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
+#   attention  benchmarks/bench_attention.py: the NSA layer vs dense attention over T
+#   train      benchmarks/bench_train.py: a100_pcie tokens/s and MFU against the measured bf16 peak
+#   smoke      python -m launch.train --config a100_pcie for a few steps, then resumed from its
+#              checkpoint (artifacts in OUT_DIR/run)
+#   profile    benchmarks/profile_step.py: where one NSA layer's fwd+bwd time goes (T=PROFILE_SEQ_LEN)
+#   kv         benchmarks/kv_recall_ablation.py: NSA vs NSA without selection (KV_ARGS adds flags)
+#
+# Each part has its own time limit (seconds, PART_TIMEOUT_<part>), writes OUT_DIR/<part>.log
+# (and .json where the benchmark has one) and a line to OUT_DIR/summary.txt; a failing
+# part does not stop the others. PYTHON picks the interpreter (default python3).
+set -uo pipefail
+
+out=${1:?usage: bash benchmarks/gpu_validate.sh OUT_DIR [PART ...]}
+shift
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(env tests kernels)
+mkdir -p "$out"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+# Leave memory to the benchmarks' own probes of what is free.
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+
+run_part() {
+    local name=$1 limit=$2
+    shift 2
+    local var="PART_TIMEOUT_$name"
+    limit=${!var:-$limit}
+    local t0=$SECONDS
+    echo "== $name (limit ${limit}s): $*"
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    local line="$name rc=$rc $((SECONDS - t0))s"
+    echo "$line" | tee -a "$out/summary.txt"
+    tail -n "${TAIL_LINES:-25}" "$out/$name.log"
+}
+
+for part in "${parts[@]}"; do
+    case $part in
+    env)
+        run_part env 120 bash -c "nvidia-smi; $PY -c 'import sys, jax, jaxlib, flax, optax, numpy; \
+print(sys.version); print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"flax\", flax.__version__, \
+\"optax\", optax.__version__, \"numpy\", numpy.__version__); print(jax.devices())'; \
+$PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboard|triton|numpy|pytest)'"
+        ;;
+    tests)
+        run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kernels_pallas.py \
+            tests/test_pallas_model.py
+        ;;
+    kernels)
+        run_part kernels 420 "$PY" benchmarks/bench_kernels.py --backward \
+            --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
+        ;;
+    attention)
+        run_part attention 540 "$PY" benchmarks/bench_attention.py --backward \
+            --seq-lens "${ATTN_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/attention.json"
+        ;;
+    train)
+        run_part train 420 "$PY" benchmarks/bench_train.py --configs a100_pcie --steps 5 \
+            --peak-n 8192 --json "$out/train.json"
+        ;;
+    smoke)
+        # A fresh run that saves at step 10 and 20, then the same command with more steps:
+        # it must resume from the step-20 orbax checkpoint.
+        n=${SMOKE_STEPS:-20}
+        train="$PY -m launch.train --config a100_pcie --out-dir $out/run --set train.log_every=5 \
+            --set checkpoint.save_every=10"
+        run_part smoke 420 env NSA_TB_DISABLE=1 bash -c "$train --steps $n --overwrite-checkpoints && \
+            $train --steps $((n + 10)) && tail -n 4 $out/run/training.csv"
+        ;;
+    profile)
+        run_part profile 300 "$PY" benchmarks/profile_step.py --layer --backward --config a100_pcie \
+            --set model.dtype=bfloat16 --seq-len "${PROFILE_SEQ_LEN:-32768}" --steps 2 --top 20 \
+            --json "$out/profile.json"
+        ;;
+    kv)
+        # shellcheck disable=SC2086
+        run_part kv 540 "$PY" benchmarks/kv_recall_ablation.py --json "$out/kv.json" ${KV_ARGS:-}
+        ;;
+    *)
+        echo "unknown part: $part (env tests kernels attention train smoke profile kv)" >&2
+        exit 2
+        ;;
+    esac
+done
