@@ -375,8 +375,17 @@ def run(opts) -> tuple[dict, list[dict]]:
         dense_chunk=opts.dense_chunk,
         kernels=impl,
         model=dict(
-            d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-            v_head_dim=cfg.v_head_dim, l=a.l, d=a.d, lp=a.lp, n=a.n, w=a.w, branches=list(a.branches),
+            d_model=cfg.d_model,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
+            v_head_dim=cfg.v_head_dim,
+            l=a.l,
+            d=a.d,
+            lp=a.lp,
+            n=a.n,
+            w=a.w,
+            branches=list(a.branches),
             query_chunk=a.query_chunk,
         ),
         chunked_check_max_abs_err=check_err,
@@ -458,21 +467,42 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", default=None, help="comma-separated T (2k, 64k accepted); default: "
-                        f"{','.join(map(str, CPU_SEQ_LENS))} on CPU, {','.join(map(str, GPU_SEQ_LENS))} on GPU")
-    parser.add_argument("--backward", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time forward+backward (default: on GPU only)")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                        help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument(
+        "--seq-lens",
+        default=None,
+        help="comma-separated T (2k, 64k accepted); default: "
+        f"{','.join(map(str, CPU_SEQ_LENS))} on CPU, {','.join(map(str, GPU_SEQ_LENS))} on GPU",
+    )
+    parser.add_argument(
+        "--backward",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time forward+backward (default: on GPU only)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="compute dtype (default: bfloat16 on GPU, float32 on CPU)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--max-seconds", type=float, default=20.0,
-                        help="stop timing a program once its timed calls add up to this (at least one call)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=20.0,
+        help="stop timing a program once its timed calls add up to this (at least one call)",
+    )
     parser.add_argument("--dense-chunk", type=int, default=512, help="query/key chunk of the chunked dense baseline")
     parser.add_argument("--config", default="a100_pcie", help="config name or YAML path for the layer shape")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. --set model.nsa.w=256 (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set model.nsa.w=256 (repeatable)",
+    )
     parser.add_argument("--json", default=None, help="write {meta, rows} to this JSON file")
     parser.add_argument("--plot", default=None, help="write a time / memory plot to this PNG (needs matplotlib)")
     opts = parser.parse_args(argv)

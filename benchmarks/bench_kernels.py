@@ -1,7 +1,8 @@
 """Benchmark the selection / window attention kernels.
 
 Compares, at the production head configuration (H=12 query heads, K=2 KV
-heads, head dim 64, lp=64, n=16, w=512):
+heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with its
+selection-block scores):
 
 * ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas),
 * ``xla``: the plain-XLA chunked path (nsa_jax.kernels.xla),
@@ -22,6 +23,7 @@ sizes that fit in a short time (T <= 4096 by default).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -35,13 +37,14 @@ from common import fmt, log, on_gpu, print_header, short_error, time_fn, write_j
 
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas  # noqa: E402
 from nsa_jax.kernels.window_pallas import window_attention_pallas  # noqa: E402
+from nsa_jax.nsa.compression import compressed_attention  # noqa: E402
 
 try:
     from nsa_jax.kernels import xla as xla_kernels  # noqa: E402
 except ImportError:  # the reference path is optional for this script
     xla_kernels = None
 
-PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512)
+PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512, cmp_l=32, cmp_d=16)
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
 
@@ -75,39 +78,62 @@ def random_block_indices(key, batch, seq, kv_heads, slots, block_size):
 
 
 def with_backward(fn):
-    """fn(q, k, v, idx) -> forward+backward of sum(o * ct) w.r.t. q, k, v."""
+    """fn(q, k, v, idx) -> (o, aux); forward+backward of sum(o * ct) w.r.t. q, k, v (aux kept)."""
 
     def run(q, k, v, idx, ct):
-        o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v)
-        return o, vjp(ct)
+        o, vjp, aux = jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v, has_aux=True)
+        return o, aux, vjp(ct)
 
     return run
 
 
 def candidates(branch, interpret=False):
-    """name -> fn(q, k, v, idx). The block indices are an argument, not a closed-over
-    constant: as a constant XLA would fold the selection backward's reverse-index sort
-    into the program at compile time and the timings would leave that work out."""
+    """name -> fn(q, k, v, idx) -> (o, aux).
+
+    The block indices are an argument, not a closed-over constant: as a constant XLA
+    would fold the selection backward's reverse-index sort into the program at compile
+    time and the timings would leave that work out. The compressed branch gets the
+    compressed keys and values (T/d of them) and returns the selection-block scores as
+    aux, so their cost is timed too.
+    """
     p = PROD
     impls = {}
+    no_aux = lambda fn: lambda *a: (fn(*a), None)  # noqa: E731
     if branch == "selection":
-        impls["pallas"] = lambda q, k, v, idx: selection_attention_pallas(
-            q, k, v, idx, p["block_size"], interpret=interpret
+        impls["pallas"] = no_aux(
+            lambda q, k, v, idx: selection_attention_pallas(q, k, v, idx, p["block_size"], interpret=interpret)
         )
         if xla_kernels is not None:
-            impls["xla"] = lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, p["block_size"])
+            impls["xla"] = no_aux(
+                lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, p["block_size"])
+            )
+    elif branch == "compressed":
+        for impl in ("pallas", "xla"):
+            impls[impl] = functools.partial(compressed_branch, impl=impl)
     else:
-        impls["pallas"] = lambda q, k, v, idx: window_attention_pallas(q, k, v, p["window"], interpret=interpret)
+        impls["pallas"] = no_aux(
+            lambda q, k, v, idx: window_attention_pallas(q, k, v, p["window"], interpret=interpret)
+        )
         if xla_kernels is not None:
-            impls["xla"] = lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, p["window"])
+            impls["xla"] = no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, p["window"]))
     impls["dense"] = dense_attention("cudnn" if on_gpu() else "xla")
     return impls
+
+
+def compressed_branch(q, kc, vc, idx, *, impl):
+    """(o_cmp, block scores) of the compressed branch through `impl`."""
+    del idx
+    p = PROD
+    return compressed_attention(q, kc, vc, l=p["cmp_l"], d=p["cmp_d"], lp=p["block_size"], impl=impl)
 
 
 def dense_attention(implementation):
     """Full causal attention: cuDNN's fused (flash) kernel on a GPU, the fastest dense
     baseline there and O(T) in memory; XLA's, which holds H x T x T scores, elsewhere."""
-    return lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return lambda q, k, v, idx: (
+        jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation),
+        None,
+    )
 
 
 def run_one(name, fn, args, ct, mode, opts):
@@ -130,7 +156,7 @@ def main(argv=None):
         help="comma-separated T values (default: 2k..64k on GPU, 2048,4096 on CPU)",
     )
     parser.add_argument("--backward", action="store_true", help="also time forward+backward")
-    parser.add_argument("--branches", default="selection,window")
+    parser.add_argument("--branches", default="selection,window,compressed")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--warmup", type=int, default=2)
@@ -177,6 +203,8 @@ def main(argv=None):
         v = jax.random.normal(kv, shape_kv, dtype)
         ct = jax.random.normal(kc, shape_q, dtype)
         idx = random_block_indices(ki, opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"])
+        tc = (seq - p["cmp_l"]) // p["cmp_d"] + 1
+        cmp_args = (q, k[:, :tc], v[:, :tc], idx)
         for branch in branches:
             impls = candidates(branch)
             for mode in modes:
@@ -195,11 +223,13 @@ def main(argv=None):
                         row["dense_ms"], err = dense_cache[(seq, mode)]
                     else:
                         log(f"T={seq} {branch} {mode} {name} ...")
-                        row[f"{name}_ms"], err = run_one(name, fn, (q, k, v, idx), ct, mode, opts)
+                        # Dense attention reads all T keys; the compressed branch its T/d tokens.
+                        args = (q, k, v, idx) if name == "dense" or branch != "compressed" else cmp_args
+                        row[f"{name}_ms"], err = run_one(name, fn, args, ct, mode, opts)
                         if name == "dense" and err and gpu:
                             log("  cuDNN attention failed; timing XLA's dense attention instead")
                             fn = dense_attention("xla")
-                            row["dense_ms"], err = run_one(name, fn, (q, k, v, idx), ct, mode, opts)
+                            row["dense_ms"], err = run_one(name, fn, args, ct, mode, opts)
                             err = err or "cuDNN failed, XLA dense timed"
                         if name == "dense":
                             dense_cache[(seq, mode)] = (row["dense_ms"], err)
@@ -211,7 +241,7 @@ def main(argv=None):
                 rows.append(row)
 
     header = (
-        f"{'T':>6} {'branch':<9} {'mode':<7} {'pallas ms':>9} "
+        f"{'T':>6} {'branch':<10} {'mode':<7} {'pallas ms':>9} "
         f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9}"
     )
     print()
@@ -219,7 +249,7 @@ def main(argv=None):
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['seq']:>6} {r['branch']:<9} {r['mode']:<7} "
+            f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} "
             f"{fmt(r.get('pallas_ms'))} {fmt(r.get('xla_ms'))} "
             f"{fmt(r.get('dense_ms'))} "
             f"{fmt(r.get('speedup_vs_xla'), '{:8.2f}x')} "

@@ -6,7 +6,8 @@
 # PARTS (default: env tests kernels):
 #   env        versions, devices, nvidia-smi
 #   tests      the Pallas kernel tests compiled through Triton (not interpreted)
-#              against the float64 per-token reference, and Pallas-vs-XLA training steps
+#              against the float64 per-token reference, the NSA layer (Pallas kernels)
+#              against the naive reference, and Pallas-vs-XLA training steps
 #   kernels    benchmarks/bench_kernels.py: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
 #   attention  benchmarks/bench_attention.py: the NSA layer vs dense attention over T
 #   train      benchmarks/bench_train.py: a100_pcie tokens/s and MFU against the measured bf16 peak
@@ -55,7 +56,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         ;;
     tests)
         run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kernels_pallas.py \
-            tests/test_pallas_model.py
+            tests/test_pallas_model.py tests/test_nsa_layer.py -k "not lowers"
         ;;
     kernels)
         run_part kernels 420 "$PY" benchmarks/bench_kernels.py --backward \

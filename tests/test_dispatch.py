@@ -16,7 +16,7 @@ def test_resolve_impl(impl, backend, expected):
 
 
 def test_describe_impl_names_every_branch():
-    assert describe_impl("auto", "gpu") == {"cmp": "xla-chunked", "slc": "pallas-triton", "win": "pallas-triton"}
+    assert describe_impl("auto", "gpu") == {"cmp": "pallas-triton", "slc": "pallas-triton", "win": "pallas-triton"}
     assert describe_impl("auto", "cpu") == {"cmp": "xla-chunked", "slc": "xla-chunked", "win": "xla-chunked"}
     assert describe_impl("pallas", "cpu")["slc"] == "pallas-interpret"
 

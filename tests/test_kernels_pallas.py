@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, compressed_attention_pallas
 from nsa_jax.kernels.selection_pallas import (
     SelectionBlockSizes,
     reverse_index,
@@ -302,6 +303,92 @@ def test_window_uneven_head_dims():
 
 
 # ---------------------------------------------------------------------------
+# Compressed branch
+# ---------------------------------------------------------------------------
+
+
+def compressed_visible(l, d, num_compressed):
+    """Compressed token i is visible to query t once its last raw token is: i*d + l - 1 <= t."""
+
+    def visible(b, t, kv):
+        del b, kv
+        return np.array([i for i in range(num_compressed) if i * d + l - 1 <= t], np.int64)
+
+    return visible
+
+
+def reference_group_probs(q, kc, visible, scale):
+    """float64 [B, K, T, Tc]: each head's softmax over its visible tokens, summed over the group."""
+    q, kc = np.asarray(q, np.float64), np.asarray(kc, np.float64)
+    b_, t_, h, _ = q.shape
+    tc, kvh = kc.shape[1], kc.shape[2]
+    g = h // kvh
+    out = np.zeros((b_, kvh, t_, tc))
+    for b in range(b_):
+        for t in range(t_):
+            for kv in range(kvh):
+                pos = visible(b, t, kv)
+                if pos.size == 0:
+                    continue
+                s = q[b, t, kv * g : (kv + 1) * g] @ kc[b, pos, kv].T * scale
+                p = np.exp(s - s.max(axis=1, keepdims=True))
+                out[b, kv, t, pos] = (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
+    return out
+
+
+# (batch, T, G, KV heads, head dim, l, d, dtype, block sizes)
+COMPRESSED_CASES = [
+    pytest.param(2, 77, 6, 2, 32, 8, 4, jnp.float32, None, id="G6-d32-T77-l8-d4-f32"),
+    pytest.param(
+        1,
+        130,
+        1,
+        2,
+        64,
+        32,
+        16,
+        jnp.float32,
+        CompressedBlockSizes(WindowBlockSizes(16, 16, 16, 16), block_pos=16, block_keys=16),
+        id="G1-d64-T130-l32-d16-f32-small-tiles",
+    ),
+    pytest.param(1, 96, 16, 1, 16, 16, 16, jnp.float32, None, id="G16-d16-T96-l16-d16-f32"),
+    pytest.param(1, 150, 6, 2, 64, 16, 8, jnp.bfloat16, None, id="G6-d64-T150-l16-d8-bf16"),
+]
+
+
+@pytest.mark.parametrize("b,t,g,kvh,d,l,stride,dtype,bsz", COMPRESSED_CASES)
+def test_compressed_matches_reference(b, t, g, kvh, d, l, stride, dtype, bsz):
+    rng = np.random.default_rng(t * 7 + g)
+    tc = (t - l) // stride + 1
+    q = jnp.asarray(rng.standard_normal((b, t, g * kvh, d)), jnp.float32).astype(dtype)
+    kc = jnp.asarray(rng.standard_normal((b, tc, kvh, d)), jnp.float32).astype(dtype)
+    vc = jnp.asarray(rng.standard_normal((b, tc, kvh, d)), jnp.float32).astype(dtype)
+    do = jnp.asarray(rng.standard_normal((b, t, g * kvh, d)), jnp.float32).astype(dtype)
+
+    def fn(q, kc, vc):
+        return compressed_attention_pallas(q, kc, vc, l=l, d=stride, interpret=INTERPRET, block_sizes=bsz)[0]
+
+    results = run_with_grads(fn, q, kc, vc, do)
+    visible = compressed_visible(l, stride, tc)
+    reference = reference_attention(*as_f32(q, kc, vc, do), visible, d**-0.5)
+    check_all(results, reference, dtype)
+    # Queries before the first complete block see nothing: output exactly 0.
+    assert np.all(results[0][:, : l - 1] == 0)
+
+    probs = jax.jit(
+        lambda q, kc, vc: compressed_attention_pallas(q, kc, vc, l=l, d=stride, interpret=INTERPRET, block_sizes=bsz)[1]
+    )(q, kc, vc)
+    want = reference_group_probs(*as_f32(q, kc), visible, d**-0.5)
+    assert probs.shape == want.shape and probs.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(probs), want, atol=1e-5 if dtype == jnp.float32 else 2e-2)
+    # Every query that sees a token has group probabilities summing to G.
+    sums = np.asarray(probs).sum(-1)
+    seen = np.array([visible(0, ti, 0).size > 0 for ti in range(t)])
+    np.testing.assert_allclose(sums[:, :, seen], g, rtol=1e-4 if dtype == jnp.float32 else 2e-2)
+    assert np.all(sums[:, :, ~seen] == 0)
+
+
+# ---------------------------------------------------------------------------
 # Agreement with the plain-XLA path (when the project provides it)
 # ---------------------------------------------------------------------------
 
@@ -384,6 +471,23 @@ def test_window_lowers_to_triton_for_cuda():
     grad = jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     _assert_triton_without_txt(_export_text(fwd, *_prod_args(False)), 1)
     _assert_triton_without_txt(_export_text(grad, *_prod_args(False)), 3)
+
+
+def test_compressed_lowers_to_triton_for_cuda():
+    p = PROD
+    l, d = 32, 16
+    tc = (p["t"] - l) // d + 1
+    sds = jax.ShapeDtypeStruct
+    args = [
+        sds((p["b"], p["t"], p["h"], p["d"]), jnp.bfloat16),
+        sds((p["b"], tc, p["kvh"], p["d"]), jnp.bfloat16),
+        sds((p["b"], tc, p["kvh"], p["d"]), jnp.bfloat16),
+    ]
+    both = lambda q, kc, vc: compressed_attention_pallas(q, kc, vc, l=l, d=d)
+    grad = jax.grad(lambda q, kc, vc: both(q, kc, vc)[0].astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    # forward: attention + group probabilities; gradient: forward + dq + dk/dv.
+    _assert_triton_without_txt(_export_text(both, *args), 2)
+    _assert_triton_without_txt(_export_text(grad, *args), 3)
 
 
 def test_rejects_bad_arguments():

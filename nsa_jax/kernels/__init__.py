@@ -1,8 +1,9 @@
-"""Attention kernels for the selection and window branches, and their dispatch.
+"""Attention kernels for the NSA branches, and their dispatch.
 
-`attention_impl`: `xla` (the reference and CPU path, kernels/xla.py), `pallas`
-(Triton-backend Pallas kernels; interpreted when the backend is not a GPU), or
-`auto` (pallas on GPU, xla elsewhere).
+`attention_impl`: `xla` (the reference and CPU path: kernels/xla.py for selection
+and window, nsa/compression.py for the compressed branch), `pallas`
+(Triton-backend Pallas kernels for all three branches; interpreted when the backend
+is not a GPU), or `auto` (pallas on GPU, xla elsewhere).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ def describe_impl(impl: str, backend: str | None = None) -> dict[str, str]:
         kind = "pallas-triton" if backend in ("gpu", "cuda") else "pallas-interpret"
     else:
         kind = "xla-chunked"
-    return {"cmp": "xla-chunked", "slc": kind, "win": kind}
+    return {"cmp": kind, "slc": kind, "win": kind}
 
 
-def _interpret() -> bool:
+def interpret_pallas() -> bool:
+    """Pallas kernels run compiled on a GPU and in the interpreter elsewhere."""
     return jax.default_backend() not in ("gpu", "cuda")
 
 
@@ -42,7 +44,7 @@ def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", que
     if resolve_impl(impl) == "pallas":
         from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 
-        return selection_attention_pallas(q, k, v, idx, block_size, scale, interpret=_interpret())
+        return selection_attention_pallas(q, k, v, idx, block_size, scale, interpret=interpret_pallas())
     return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk)
 
 
@@ -51,5 +53,5 @@ def window_attention(q, k, v, window, scale=None, *, impl="xla", query_chunk=512
     if resolve_impl(impl) == "pallas":
         from nsa_jax.kernels.window_pallas import window_attention_pallas
 
-        return window_attention_pallas(q, k, v, window, scale, interpret=_interpret())
+        return window_attention_pallas(q, k, v, window, scale, interpret=interpret_pallas())
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk)

@@ -27,6 +27,16 @@ for the whole group, whatever G is, and G = 6 needs no padding to 16. The
 rows are gathered straight from ``q[B, T*H, D]`` (row ``t*H + kv*G + g``),
 so q and dO are never transposed in memory; rows past ``T*G`` repeat the
 last valid row on load and are masked out of every reduction.
+
+Key layouts
+-----------
+The kernels see keys through a ``KeyLayout``: key ``i`` stands at position
+``i * stride + offset``, and query ``t`` sees it iff that position lies in
+``(t - window, t]``. The sliding window is ``stride=1, offset=0``; the
+compressed branch (``compressed_pallas``) reuses the same kernels with
+``stride=d, offset=l-1`` (a compressed token is visible once its last raw
+token is) and a window longer than the sequence. Loop bounds follow from the
+layout, so every program only visits the key (or query) tiles it can see.
 """
 
 from __future__ import annotations
@@ -77,6 +87,17 @@ class WindowBlockSizes:
     num_stages: int = 2
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyLayout:
+    """Where the keys stand: key ``i`` at position ``i * stride + offset``, ``num_keys`` of them;
+    query ``t`` sees positions in ``(t - window, t]``."""
+
+    num_keys: int
+    window: int
+    stride: int = 1
+    offset: int = 0
+
+
 def _gather_rows(f_R, kv, *, seq, num_heads, group):
     """Positions, validity and ``q[T*H]`` rows of flattened rows ``f``."""
     valid_R = f_R < seq * group
@@ -86,18 +107,36 @@ def _gather_rows(f_R, kv, *, seq, num_heads, group):
     return t_R, valid_R, row_R
 
 
-def _visible(t_R, valid_R, pos_C, *, window, seq):
-    pos_1xC = pos_C[None, :]
+def _visible(t_R, valid_R, i_C, lay: KeyLayout):
+    """[R, C] mask: row t sees key i (``vis(t, i)`` of the layout, keys past num_keys never)."""
+    pos_1xC = (i_C * lay.stride + lay.offset)[None, :]
     t_Rx1 = t_R[:, None]
-    return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - window) & (pos_1xC < seq)
+    live_1xC = (i_C < lay.num_keys)[None, :]
+    return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - lay.window) & live_1xC
 
 
-def _key_tile_range(f0, rows, *, seq, group, window, block_keys, num_tiles):
-    """Key tiles [lo, hi) that rows [f0, f0 + rows) can see."""
+def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_tiles):
+    """Key tiles [lo, hi) that rows [f0, f0 + rows) can see (lo >= hi: none)."""
     t_first = lax.div(f0, group)
     t_last = jnp.minimum(lax.div(f0 + rows - 1, group), seq - 1)
-    lo = lax.div(jnp.maximum(t_first - window + 1, 0), block_keys)
-    hi = jnp.minimum(lax.div(t_last, block_keys) + 1, num_tiles)
+    # First key at or after position t_first - window + 1; one past the last at or before t_last.
+    # Numerators are clamped at 0 first: lax.div truncates toward zero.
+    i_lo = lax.div(jnp.maximum(t_first - lay.window + 1 - lay.offset, 0) + lay.stride - 1, lay.stride)
+    i_hi = jnp.minimum(lax.div(jnp.maximum(t_last - lay.offset + lay.stride, 0), lay.stride), lay.num_keys)
+    lo = lax.div(i_lo, block_keys)
+    hi = jnp.minimum(lax.div(i_hi + block_keys - 1, block_keys), num_tiles)
+    return lo, hi
+
+
+def _row_tile_range(start, *, seq, group, lay: KeyLayout, block_keys, block_rows):
+    """Row tiles [lo, hi) holding a query that sees a key of the tile [start, start + block_keys)."""
+    last = jnp.minimum(start + block_keys, lay.num_keys) - 1
+    pos_first = start * lay.stride + lay.offset
+    pos_last = last * lay.stride + lay.offset
+    # Queries t in [pos_first, pos_last + window - 1] (clipped to the sequence).
+    t_end = jnp.minimum(pos_last + lay.window, seq)
+    lo = lax.div(jnp.minimum(pos_first, seq) * group, block_rows)
+    hi = lax.div(t_end * group + block_rows - 1, block_rows)
     return lo, hi
 
 
@@ -111,7 +150,7 @@ def _win_fwd_kernel(
     seq,
     num_heads,
     group,
-    window,
+    lay,
     block_rows,
     block_keys,
     num_key_tiles,
@@ -128,11 +167,11 @@ def _win_fwd_kernel(
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), window=window, seq=seq)
+        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
         return online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2)
 
     lo, hi = _key_tile_range(
-        f0, block_rows, seq=seq, group=group, window=window, block_keys=block_keys, num_tiles=num_key_tiles
+        f0, block_rows, seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles
     )
     carry = lax.fori_loop(lo, hi, body, online_softmax_init(block_rows, v_ref.shape[-1]))
     o_RxDv, lse_R = online_softmax_finish(carry)
@@ -152,7 +191,7 @@ def _win_dq_kernel(
     seq,
     num_heads,
     group,
-    window,
+    lay,
     block_rows,
     block_keys,
     num_key_tiles,
@@ -174,12 +213,12 @@ def _win_dq_kernel(
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), window=window, seq=seq)
+        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
         _, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
 
     lo, hi = _key_tile_range(
-        f0, block_rows, seq=seq, group=group, window=window, block_keys=block_keys, num_tiles=num_key_tiles
+        f0, block_rows, seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles
     )
     dq_RxDk = lax.fori_loop(lo, hi, body, jnp.zeros((block_rows, q_ref.shape[-1]), jnp.float32))
     dq_ref[...] = (dq_RxDk * scale).astype(dq_ref.dtype)
@@ -198,7 +237,7 @@ def _win_dkv_kernel(
     seq,
     num_heads,
     group,
-    window,
+    lay,
     block_keys,
     block_rows,
     scale,
@@ -211,7 +250,7 @@ def _win_dkv_kernel(
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     k_CxDk = k_ref[pl.ds(start, block_keys), :]
     v_CxDv = v_ref[pl.ds(start, block_keys), :]
-    pos_C = start + lax.iota(jnp.int32, block_keys)
+    i_C = start + lax.iota(jnp.int32, block_keys)
 
     def body(rt, carry):
         dk_CxDk, dv_CxDv = carry
@@ -221,17 +260,13 @@ def _win_dkv_kernel(
         do_RxDv = do_ref[row_R, :]
         lse_R = lse_ref[pl.ds(f0, block_rows)]
         delta_R = delta_ref[pl.ds(f0, block_rows)]
-        vis_RxC = _visible(t_R, valid_R, pos_C, window=window, seq=seq)
+        vis_RxC = _visible(t_R, valid_R, i_C, lay)
         p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
         dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
         return dk_CxDk, dv_CxDv
 
-    # Queries that see a key in [start, start + C): t in
-    # [start, start + C - 1 + w - 1], i.e. rows [start*G, (start+C-1+w)*G).
-    t_end = jnp.minimum(start + block_keys - 1 + window, seq)
-    lo = lax.div(start * group, block_rows)
-    hi = lax.div(t_end * group + block_rows - 1, block_rows)
+    lo, hi = _row_tile_range(start, seq=seq, group=group, lay=lay, block_keys=block_keys, block_rows=block_rows)
     init = (
         jnp.zeros((block_keys, k_ref.shape[-1]), jnp.float32),
         jnp.zeros((block_keys, v_ref.shape[-1]), jnp.float32),
@@ -251,7 +286,7 @@ class _WinDims:
     dk: int
     dv: int
     rows_padded: int  # T*G rounded up to every row tile
-    keys_padded: int  # T rounded up to every key tile
+    keys_padded: int  # Tk rounded up to every key tile
 
 
 def _win_dims(q, k, v, bsz: WindowBlockSizes) -> _WinDims:
@@ -269,7 +304,7 @@ def _win_dims(q, k, v, bsz: WindowBlockSizes) -> _WinDims:
         padded_dim(q.shape[-1]),
         padded_dim(v.shape[-1]),
         pl.cdiv(t * g, row_tile) * row_tile,
-        pl.cdiv(t, key_tile) * key_tile,
+        pl.cdiv(k.shape[1], key_tile) * key_tile,
     )
 
 
@@ -302,7 +337,8 @@ def _in_specs(d: _WinDims):
     return q_spec, k_spec, v_spec, do_spec
 
 
-def _window_forward(q, k, v, window, scale, interpret, bsz):
+def _banded_forward(q, k, v, lay: KeyLayout, scale, interpret, bsz, name):
+    """(o [B, T, H, Dv], lse [B, K, Rp] base 2 in the flattened-row layout)."""
     d = _win_dims(q, k, v, bsz)
     q_f, k_p, v_p = _prep(q, k, v, d)
     q_spec, k_spec, v_spec, _ = _in_specs(d)
@@ -312,7 +348,7 @@ def _window_forward(q, k, v, window, scale, interpret, bsz):
         seq=d.seq,
         num_heads=d.heads,
         group=d.group,
-        window=window,
+        lay=lay,
         block_rows=r,
         block_keys=bsz.block_keys,
         num_key_tiles=d.keys_padded // bsz.block_keys,
@@ -332,12 +368,12 @@ def _window_forward(q, k, v, window, scale, interpret, bsz):
         ],
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
-        name="nsa_window_fwd",
+        name=f"{name}_fwd",
     )(q_f, k_p, v_p)
     return _ungroup_rows(o_rows, d, v.shape[-1]), lse
 
 
-def _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz):
+def _banded_backward(q, k, v, o, lse, do, lay: KeyLayout, scale, interpret, bsz, name):
     d = _win_dims(q, k, v, bsz)
     q_f, k_p, v_p = _prep(q, k, v, d)
     do_f = pad_axis(do, 3, d.dv).reshape(d.batch, d.seq * d.heads, d.dv)
@@ -345,7 +381,7 @@ def _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz):
     delta = _group_rows_stat(delta, d)
     q_spec, k_spec, v_spec, do_spec = _in_specs(d)
     params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
-    common = dict(seq=d.seq, num_heads=d.heads, group=d.group, window=window, scale=scale, scale_log2=scale * LOG2E)
+    common = dict(seq=d.seq, num_heads=d.heads, group=d.group, lay=lay, scale=scale, scale_log2=scale * LOG2E)
 
     r = bsz.block_rows
     stat_spec = pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i))
@@ -363,7 +399,7 @@ def _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz):
         out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dk), q.dtype),
         compiler_params=params,
         interpret=interpret,
-        name="nsa_window_dq",
+        name=f"{name}_dq",
     )(q_f, k_p, v_p, do_f, lse, delta)
     dq = _ungroup_rows(dq_rows, d, q.shape[-1])
 
@@ -383,30 +419,43 @@ def _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz):
         ],
         compiler_params=params,
         interpret=interpret,
-        name="nsa_window_dkv",
+        name=f"{name}_dkv",
     )(q_f, k_p, v_p, do_f, lse, delta)
-    dk = dk_p[:, : d.seq, :, : k.shape[-1]]
-    dv = dv_p[:, : d.seq, :, : v.shape[-1]]
+    n_keys = k.shape[1]
+    dk = dk_p[:, :n_keys, :, : k.shape[-1]]
+    dv = dv_p[:, :n_keys, :, : v.shape[-1]]
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _window(q, k, v, window, scale, interpret, bsz):
-    o, _ = _window_forward(q, k, v, window, scale, interpret, bsz)
-    return o
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def banded_attention(q, k, v, lay, scale, interpret, bsz, name):
+    """(o [B, T, H, Dv], lse [B, K, Rp]) of attention over keys placed by ``lay``.
+
+    Differentiable in q, k, v through o; lse (base 2, flattened-row layout: row
+    ``t*G + g``, 0 for a row that sees no key) is a statistic for callers that
+    recompute probabilities, and its cotangent is ignored: use it under
+    stop_gradient only.
+    """
+    return _banded_forward(q, k, v, lay, scale, interpret, bsz, name)
 
 
-def _window_vjp_fwd(q, k, v, window, scale, interpret, bsz):
-    o, lse = _window_forward(q, k, v, window, scale, interpret, bsz)
-    return o, (q, k, v, o, lse)
+def _banded_vjp_fwd(q, k, v, lay, scale, interpret, bsz, name):
+    o, lse = _banded_forward(q, k, v, lay, scale, interpret, bsz, name)
+    return (o, lse), (q, k, v, o, lse)
 
 
-def _window_vjp_bwd(window, scale, interpret, bsz, res, do):
+def _banded_vjp_bwd(lay, scale, interpret, bsz, name, res, cts):
     q, k, v, o, lse = res
-    return _window_backward(q, k, v, o, lse, do, window, scale, interpret, bsz)
+    do, _ = cts  # lse is a statistic: see banded_attention
+    return _banded_backward(q, k, v, o, lse, do, lay, scale, interpret, bsz, name)
 
 
-_window.defvjp(_window_vjp_fwd, _window_vjp_bwd)
+banded_attention.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
+
+
+def check_block_sizes(bsz: WindowBlockSizes) -> None:
+    for name in ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv"):
+        _check_pow2(name, getattr(bsz, name))
 
 
 def window_attention_pallas(
@@ -435,11 +484,12 @@ def window_attention_pallas(
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
     bsz = WindowBlockSizes() if block_sizes is None else block_sizes
-    for name in ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv"):
-        _check_pow2(name, getattr(bsz, name))
+    check_block_sizes(bsz)
     dk = q_BxTxHxDk.shape[-1]
     scale = float(dk**-0.5 if scale is None else scale)
     # A window longer than the sequence is full causal attention; clamping
     # keeps the static loop bounds small.
-    window = int(min(window, q_BxTxHxDk.shape[1]))
-    return _window(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, window, scale, bool(interpret), bsz)
+    T = q_BxTxHxDk.shape[1]
+    lay = KeyLayout(num_keys=T, window=int(min(window, T)))
+    o, _ = banded_attention(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, lay, scale, bool(interpret), bsz, "nsa_window")
+    return o

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from nsa_jax.kernels import interpret_pallas, resolve_impl
 from nsa_jax.kernels.xla import map_query_chunks, masked_softmax
 from nsa_jax.nsa.selection import block_scores_from_cmp, num_compressed
 
@@ -64,6 +65,7 @@ def compressed_attention(
     lp: int,
     scale: float | None = None,
     query_chunk: int = 512,
+    impl: str = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention over compressed tokens, and the selection-block scores.
 
@@ -71,6 +73,8 @@ def compressed_attention(
     gets 0. Returns o_cmp [B, T, H, Dv] and group block scores [B, T, K, Nb]
     (probabilities summed over the G heads of each group, then over the
     compressed tokens overlapping each selection block; no gradient).
+    `impl` (kernels.resolve_impl): `xla` scores query chunks of `query_chunk`
+    here; `pallas` runs the fused kernels of kernels/compressed_pallas.py.
     """
     B, T, H, Dk = q_BxTxHxDk.shape
     Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
@@ -81,6 +85,14 @@ def compressed_attention(
             jnp.zeros((B, T, H, Dv), q_BxTxHxDk.dtype),
             jnp.zeros((B, T, K, n_blocks), jnp.float32),
         )
+    if resolve_impl(impl) == "pallas":
+        from nsa_jax.kernels.compressed_pallas import compressed_attention_pallas
+
+        o, p_BxKxTxTc = compressed_attention_pallas(
+            q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l=l, d=d, scale=scale, interpret=interpret_pallas()
+        )
+        scores_BxKxTxNb = block_scores_from_cmp(p_BxKxTxTc, n_blocks, l, d, lp)
+        return o, jax.lax.stop_gradient(jnp.moveaxis(scores_BxKxTxNb, 1, 2))
     end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
 
     def body(start, q_BxCxHxDk):

@@ -76,7 +76,9 @@ class NSAAttention(nn.Module):
         with jax.named_scope("nsa_cmp"):
             kc = compressor("cmp_k")(k_cmp)
             vc = compressor("cmp_v")(v_cmp)
-            o_cmp, scores = compressed_attention(q, kc, vc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
+            o_cmp, scores = compressed_attention(
+                q, kc, vc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk, impl=a.attention_impl
+            )
         outputs = {"cmp": o_cmp}
         idx = None
         if "slc" in a.branches:
