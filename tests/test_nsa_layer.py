@@ -54,6 +54,29 @@ def test_pallas_layer_matches_reference_forward_and_indices(G, K, T):
     assert rel_err(out, ref) < 1e-5
 
 
+def _live_primitives(cfg, T, used):
+    """Primitives of the layer's jaxpr that survive dead-code elimination for outputs `used`."""
+    from jax._src.interpreters import partial_eval as pe
+
+    x, params = _setup(cfg, T)
+    jaxpr = jax.make_jaxpr(lambda p, xx: NSAAttention(cfg).apply({"params": p}, xx))(params, x).jaxpr
+    live, _ = pe.dce_jaxpr(jaxpr, [used] * len(jaxpr.outvars))
+    return [str(e.primitive) for e in live.eqns]
+
+
+def test_pallas_layer_is_dead_code_when_unused():
+    # jax never drops a bare pallas_call as dead code. flax's nn.scan traces its body and
+    # requires that nothing in it survives elimination when only parameters are needed, and
+    # a model without the selection branch must not launch the group-probability kernel.
+    cfg = tiny_model_cfg(G=2, K=1, l=16, d=8, lp=16, n=3, w=16)
+    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, attention_impl="pallas"))
+    assert _live_primitives(cfg, 48, used=False) == []
+    no_slc = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, branches=("cmp", "win")))
+    live = _live_primitives(no_slc, 48, used=True)
+    # Compressed and window attention are one custom_vjp call each, with no bare kernel beside them.
+    assert live.count("custom_vjp_call") == 2 and "pallas_call" not in live
+
+
 @pytest.mark.parametrize("G,K,T", [(1, 2, 40), (6, 1, 45)])
 def test_layer_matches_reference_gradients(G, K, T):
     cfg = tiny_model_cfg(G=G, K=K)

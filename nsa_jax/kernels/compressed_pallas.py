@@ -85,8 +85,29 @@ def _cmp_probs_kernel(
     lax.fori_loop(0, num_key_tiles, body, 0)
 
 
+# A bare pallas_call is never removed as dead code (jax keeps every kernel launch), but a
+# custom_vjp call whose outputs are unused is. The probabilities go through one so that
+# a model without the selection branch, or a trace that only needs the parameters
+# (flax's scan checks its loop invariants that way), does not launch the kernel.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _group_probs(q, kc, lse, lay: KeyLayout, scale, interpret, bsz: CompressedBlockSizes, rows_padded: int):
     """[B, K, T, Tc] fp32: softmax probabilities of the compressed branch summed over each group's heads."""
+    return _group_probs_kernel(q, kc, lse, lay, scale, interpret, bsz, rows_padded)
+
+
+def _group_probs_fwd(q, kc, lse, lay, scale, interpret, bsz, rows_padded):
+    return _group_probs_kernel(q, kc, lse, lay, scale, interpret, bsz, rows_padded), (q, kc, lse)
+
+
+def _group_probs_bwd(lay, scale, interpret, bsz, rows_padded, res, ct):
+    del lay, scale, interpret, bsz, rows_padded, ct
+    return tuple(jnp.zeros_like(x) for x in res)  # selection scores carry no gradient
+
+
+_group_probs.defvjp(_group_probs_fwd, _group_probs_bwd)
+
+
+def _group_probs_kernel(q, kc, lse, lay: KeyLayout, scale, interpret, bsz: CompressedBlockSizes, rows_padded: int):
     b, t, h, _ = q.shape
     tc, kvh = kc.shape[1], kc.shape[2]
     group = h // kvh
