@@ -300,7 +300,7 @@ def run(opts) -> tuple[dict, list[dict]]:
     seq_lens = parse_ints(opts.seq_lens) if opts.seq_lens else list(GPU_SEQ_LENS if gpu else CPU_SEQ_LENS)
     backward = opts.backward if opts.backward is not None else gpu
     modes = ["fwd"] + (["fwd+bwd"] if backward else [])
-    impl = describe_impl(a.attention_impl)
+    impl = describe_impl(a.attention_impl, block_size=a.lp)
     print(
         f"config {opts.config}: D={cfg.d_model} H={cfg.n_heads} K={cfg.n_kv_heads} Dk={cfg.head_dim} "
         f"Dv={cfg.v_head_dim} | NSA l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} branches={','.join(a.branches)} "

@@ -167,7 +167,7 @@ def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None) -> dict[s
         "local_device_count": jax.local_device_count(),
         "mesh": {"axis_names": list(mesh.axis_names), "shape": dict(mesh.shape),
                  "devices": [str(d) for d in mesh.devices.flat]},
-        "attention_impl": describe_impl(cfg.model.nsa.attention_impl),
+        "attention_impl": describe_impl(cfg.model.nsa.attention_impl, block_size=cfg.model.nsa.lp),
         "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
         "nsa_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NSA_")},
         "nccl_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_")},
