@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from nsa_jax.kernels.pallas_common import LOG2E, scores_log2
-from nsa_jax.kernels.selection_pallas import _check_pow2, compiler_params, pad_axis, padded_dim
+from nsa_jax.kernels.selection_pallas import _check_pow2, compiler_params, pad_axis, padded_dim, validate_qkv
 from nsa_jax.kernels.window_pallas import KeyLayout, WindowBlockSizes, _visible, banded_attention, check_block_sizes
 
 
@@ -172,15 +172,8 @@ def compressed_attention_pallas(
       in q, kc, vc) and p_BxKxTxTc, the fp32 probabilities summed over the G
       heads of each group (no gradient), from which selection scores blocks.
     """
-    if q_BxTxHxDk.ndim != 4 or kc_BxTcxKxDk.ndim != 4 or vc_BxTcxKxDv.ndim != 4:
-        raise ValueError("q, kc, vc must be [B, T, heads, D]")
-    b, t, h, dk = q_BxTxHxDk.shape
-    if kc_BxTcxKxDk.shape[0] != b or vc_BxTcxKxDv.shape[:3] != kc_BxTcxKxDk.shape[:3]:
-        raise ValueError(f"shape mismatch: q{q_BxTxHxDk.shape} kc{kc_BxTcxKxDk.shape} vc{vc_BxTcxKxDv.shape}")
-    if kc_BxTcxKxDk.shape[-1] != dk:
-        raise ValueError("q and kc must share the head dim")
-    if h % kc_BxTcxKxDk.shape[2]:
-        raise ValueError(f"query heads {h} not a multiple of KV heads {kc_BxTcxKxDk.shape[2]}")
+    validate_qkv(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, same_length=False)
+    t, dk = q_BxTxHxDk.shape[1], q_BxTxHxDk.shape[3]
     if l < 1 or d < 1:
         raise ValueError(f"l={l} and d={d} must be >= 1")
     bsz = CompressedBlockSizes() if block_sizes is None else block_sizes

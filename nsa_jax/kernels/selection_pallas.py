@@ -604,11 +604,12 @@ def _selection_vjp_bwd(block_size, scale, interpret, bsz, res, do):
 _selection.defvjp(_selection_vjp_fwd, _selection_vjp_bwd)
 
 
-def validate_qkv(q, k, v):
+def validate_qkv(q, k, v, *, same_length: bool = True):
+    """Shape checks shared by the kernels; `same_length=False` lets k/v have their own length (compressed tokens)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, T, heads, D]")
     b, t, h, dk = q.shape
-    if k.shape[:2] != (b, t) or v.shape[:3] != k.shape[:3]:
+    if k.shape[:2] != (b, t if same_length else k.shape[1]) or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
     if k.shape[-1] != dk:
         raise ValueError("q and k must share the head dim")
