@@ -135,10 +135,19 @@ def main(argv=None) -> None:
     parser.add_argument("--scan", default="true,false", help="model.scan_layers values to compare")
     parser.add_argument("--n-layers", default=None, help="model.n_layers values (default: the config's)")
     parser.add_argument("--devices", type=int, default=1, help="devices on the data mesh (project step only)")
-    parser.add_argument("--step", default="auto", choices=("auto", "project", "minimal"),
-                        help="project = nsa_jax.train.step.make_train_step; auto falls back to minimal")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. --set train.global_batch=1 (repeatable)")
+    parser.add_argument(
+        "--step",
+        default="auto",
+        choices=("auto", "project", "minimal"),
+        help="project = nsa_jax.train.step.make_train_step; auto falls back to minimal",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set train.global_batch=1 (repeatable)",
+    )
     parser.add_argument("--json", default=None, help="write {meta, rows} to this JSON file")
     opts = parser.parse_args(argv)
 

@@ -85,10 +85,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="cpu_tiny")
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--variants", default="cmp,slc,win:cmp,win",
-                    help="branch sets separated by ':', each optionally with ';key=value' overrides")
-    ap.add_argument("--data-window", type=int, default=None,
-                    help="lay the rows out for this window (default: each variant's model.nsa.w)")
+    ap.add_argument(
+        "--variants",
+        default="cmp,slc,win:cmp,win",
+        help="branch sets separated by ':', each optionally with ';key=value' overrides",
+    )
+    ap.add_argument(
+        "--data-window",
+        type=int,
+        default=None,
+        help="lay the rows out for this window (default: each variant's model.nsa.w)",
+    )
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
@@ -120,8 +127,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"config": args.config, "overrides": args.overrides, "steps": args.steps, "chance": 1 / n_keys,
-                 "rows": rows},
+                {
+                    "config": args.config,
+                    "overrides": args.overrides,
+                    "steps": args.steps,
+                    "chance": 1 / n_keys,
+                    "rows": rows,
+                },
                 f,
                 indent=2,
             )

@@ -139,9 +139,18 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
     rows = []
     for name, ms in per_instr.most_common():
         info = sources[name]
-        rows.append({"instruction": name, "ms_per_step": ms / steps, "share": ms / total,
-                     "calls_per_step": calls[name] / steps, "op_name": info["op_name"], "source": info["source"],
-                     "kind": info["kind"], "part": part_of(info["op_name"])})
+        rows.append(
+            {
+                "instruction": name,
+                "ms_per_step": ms / steps,
+                "share": ms / total,
+                "calls_per_step": calls[name] / steps,
+                "op_name": info["op_name"],
+                "source": info["source"],
+                "kind": info["kind"],
+                "part": part_of(info["op_name"]),
+            }
+        )
     per_step = total / steps
 
     def summed(key):
@@ -150,15 +159,20 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
             acc[r[key]] += r["ms_per_step"]
         return [{key: k, "ms_per_step": ms, "share": ms / per_step} for k, ms in acc.most_common()]
 
-    return {"wall_ms_per_step": 1e3 * wall_s, "op_ms_per_step": per_step, "rows": rows,
-            "parts": summed("part"), "kinds": summed("kind")}
+    return {
+        "wall_ms_per_step": 1e3 * wall_s,
+        "op_ms_per_step": per_step,
+        "rows": rows,
+        "parts": summed("part"),
+        "kinds": summed("kind"),
+    }
 
 
 def short_op(op_name: str, width: int = 90) -> str:
     # Drop the jit(...)/ wrappers that every op shares; keep the informative tail.
     parts = [p for p in op_name.split("/") if not p.startswith("jit(")]
     text = "/".join(parts)
-    return text if len(text) <= width else "..." + text[-(width - 3):]
+    return text if len(text) <= width else "..." + text[-(width - 3) :]
 
 
 def train_step_program(cfg):
@@ -195,6 +209,7 @@ def layer_program(cfg, seq_len: int, backward: bool):
         return module.apply({"params": p}, x)
 
     if backward:
+
         def fn(p, x):
             out, vjp = jax.vjp(forward, p, x)
             return vjp(jnp.ones_like(out))
@@ -242,13 +257,24 @@ def main(argv=None) -> None:
             print(f"{p[key]:<16} {p['ms_per_step']:>9.1f} {100 * p['share']:>5.1f}%")
     print(f"\n{'op ms':>9} {'share':>6} {'calls':>6}  {'instruction':<24} {'kind':<14} {'part':<12} source / JAX op")
     for r in res["rows"][: opts.top]:
-        print(f"{r['ms_per_step']:>9.1f} {100 * r['share']:>5.1f}% {r['calls_per_step']:>6.0f}  "
-              f"{r['instruction'][:24]:<24} {r['kind']:<14} {r['part']:<12} {r['source']}  "
-              f"{short_op(r['op_name'], 70)}")
+        print(
+            f"{r['ms_per_step']:>9.1f} {100 * r['share']:>5.1f}% {r['calls_per_step']:>6.0f}  "
+            f"{r['instruction'][:24]:<24} {r['kind']:<14} {r['part']:<12} {r['source']}  "
+            f"{short_op(r['op_name'], 70)}"
+        )
     print(f"\ntrace: {trace_dir}")
-    meta = dict(env, config=opts.config, overrides=opts.set, what=what, steps=opts.steps, trace_dir=str(trace_dir),
-                wall_ms_per_step=res["wall_ms_per_step"], op_ms_per_step=res["op_ms_per_step"], parts=res["parts"],
-                kinds=res["kinds"])
+    meta = dict(
+        env,
+        config=opts.config,
+        overrides=opts.set,
+        what=what,
+        steps=opts.steps,
+        trace_dir=str(trace_dir),
+        wall_ms_per_step=res["wall_ms_per_step"],
+        op_ms_per_step=res["op_ms_per_step"],
+        parts=res["parts"],
+        kinds=res["kinds"],
+    )
     write_json(opts.json, meta, res["rows"])
 
 

@@ -39,8 +39,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def child_env(base: dict[str, str], rank: int, nproc: int, coordinator: str) -> dict[str, str]:
     env = dict(base)
-    env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(nproc), JAX_PROCESS_ID=str(rank),
-               PYTHONUNBUFFERED="1")
+    env.update(
+        JAX_COORDINATOR_ADDRESS=coordinator,
+        JAX_NUM_PROCESSES=str(nproc),
+        JAX_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -85,8 +89,11 @@ class Spawner:
     def start(self) -> None:
         for rank in range(self.nproc):
             env = child_env(dict(os.environ), rank, self.nproc, self.coordinator)
-            self.procs.append(subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                               preexec_fn=_child_setup))
+            self.procs.append(
+                subprocess.Popen(
+                    self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_child_setup
+                )
+            )
         # Reader threads only after every fork: preexec_fn is unsafe once threads run.
         for rank, p in enumerate(self.procs):
             for pipe, stream in ((p.stdout, self.out), (p.stderr, self.err)):
@@ -126,9 +133,10 @@ class Spawner:
                 if code != 0 and first_failure is None and self._signalled is None:
                     first_failure = (rank, exit_status(code))
                     running = [r for r, c in enumerate(codes) if c is None]
-                    self.say(f"rank {rank} exited with status {exit_status(code)}"
-                             + (f"; stopping ranks {running} (SIGTERM, SIGKILL after {self.grace:g}s)"
-                                if running else ""))
+                    self.say(
+                        f"rank {rank} exited with status {exit_status(code)}"
+                        + (f"; stopping ranks {running} (SIGTERM, SIGKILL after {self.grace:g}s)" if running else "")
+                    )
                     self.signal_all(signal.SIGTERM)
                     self._kill_at = time.monotonic() + self.grace
             if all(c is not None for c in codes):
@@ -148,13 +156,18 @@ class Spawner:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.spawn", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launch.spawn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, required=True, help="number of processes")
     p.add_argument("--host", default="127.0.0.1", help="coordinator host (default: loopback)")
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    p.add_argument("--grace", type=float, default=30.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping children (default 30)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds between SIGTERM and SIGKILL when stopping children (default 30)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     return p
 
@@ -163,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        print("error: no command; usage: python -m launch.spawn --nproc N -- python -m launch.train ...",
-              file=sys.stderr)
+        print(
+            "error: no command; usage: python -m launch.spawn --nproc N -- python -m launch.train ...", file=sys.stderr
+        )
         return 2
     if args.nproc < 1:
         print(f"error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)

@@ -28,12 +28,14 @@ from nsa_jax.report import summary as S
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m launch.sweep", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--set-values", required=True, metavar="KEY=V1,V2,...",
-                   help="the config key to sweep and its comma-separated values")
-    p.add_argument("--out-root", metavar="DIR",
-                   help="parent of the variants' out dirs (default artifacts/sweep/KEY)")
+    p = Parser(prog="python -m launch.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--set-values",
+        required=True,
+        metavar="KEY=V1,V2,...",
+        help="the config key to sweep and its comma-separated values",
+    )
+    p.add_argument("--out-root", metavar="DIR", help="parent of the variants' out dirs (default artifacts/sweep/KEY)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     add_report_args(p)
     return p
@@ -72,8 +74,10 @@ def variant_command(train_args: list[str], key: str, value: str, out: pathlib.Pa
 def run_variant(cmd: list[str], name: str, log: pathlib.Path) -> tuple[int, str]:
     """Runs one variant, echoing its output with a `[name]` prefix; (exit status, last error line)."""
     last_error, last_line = "", ""
-    with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                               bufsize=1) as proc:
+    with (
+        open(log, "w") as f,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc,
+    ):
         try:
             for line in proc.stdout:
                 f.write(line)
@@ -94,7 +98,7 @@ def run_variant(cmd: list[str], name: str, log: pathlib.Path) -> tuple[int, str]
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1 :]
     return argv, []
 
 

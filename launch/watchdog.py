@@ -125,7 +125,7 @@ class Watchdog:
     def _read_heartbeats(self, now: float) -> None:
         for path in sorted(self.out.glob("heartbeat_rank*.jsonl")):
             try:
-                rank = int(path.stem[len("heartbeat_rank"):])
+                rank = int(path.stem[len("heartbeat_rank") :])
             except ValueError:
                 continue
             st = self.ranks.get(rank)
@@ -205,14 +205,18 @@ class Watchdog:
             if st.done:
                 continue
             if st.dumped_on_stall:
-                return Anomaly("heartbeat_stall", f"rank {rank}: the trainer's stall watchdog fired after step "
-                                                  f"{st.last_step} (stackdump_*_rank{rank}.txt) and ended the process")
+                return Anomaly(
+                    "heartbeat_stall",
+                    f"rank {rank}: the trainer's stall watchdog fired after step "
+                    f"{st.last_step} (stackdump_*_rank{rank}.txt) and ended the process",
+                )
             limit = a.stall_seconds if st.stepped else max(a.stall_seconds, a.startup_grace)
             age = now - (st.last_ts if st.last_ts is not None else st.first_seen)
             if age > limit:
                 what = f"last event {st.last_event!r} at step {st.last_step}" if st.last_ts else "no event yet"
-                return Anomaly("heartbeat_stall",
-                               f"rank {rank}: no heartbeat for {age:.0f}s (limit {limit:g}s); {what}")
+                return Anomaly(
+                    "heartbeat_stall", f"rank {rank}: no heartbeat for {age:.0f}s (limit {limit:g}s); {what}"
+                )
         return None
 
     def _recent(self, column: str) -> list[float] | None:
@@ -230,16 +234,19 @@ class Watchdog:
         toks = self._recent("toks_per_s")
         if toks is not None:
             if all(v < a.toks_floor for v in toks):
-                return Anomaly("throughput_flatline",
-                               f"toks_per_s under {a.toks_floor:g} for the last {a.patience} rows: {toks}")
-            ref = [row.get("toks_per_s") for row in list(self.rows)[:-a.patience]]
+                return Anomaly(
+                    "throughput_flatline", f"toks_per_s under {a.toks_floor:g} for the last {a.patience} rows: {toks}"
+                )
+            ref = [row.get("toks_per_s") for row in list(self.rows)[: -a.patience]]
             ref = [v for v in ref if v is not None and math.isfinite(v)]
             if len(ref) >= max(a.patience, 10):
                 base, now_med = statistics.median(ref), statistics.median(toks)
                 if base > 0 and now_med < a.flatline_fraction * base:
-                    return Anomaly("throughput_flatline",
-                                   f"toks_per_s median {now_med:.4g} over the last {a.patience} rows is under "
-                                   f"{a.flatline_fraction:g} x the median {base:.4g} of the {len(ref)} rows before")
+                    return Anomaly(
+                        "throughput_flatline",
+                        f"toks_per_s median {now_med:.4g} over the last {a.patience} rows is under "
+                        f"{a.flatline_fraction:g} x the median {base:.4g} of the {len(ref)} rows before",
+                    )
         ent = self._recent("gate_entropy")
         if ent is not None and all(v < a.gate_entropy_min for v in ent):
             return Anomaly("gate_collapse", f"gate_entropy under {a.gate_entropy_min:g} for {a.patience} rows: {ent}")
@@ -247,8 +254,7 @@ class Watchdog:
         if all(g is not None for g in gates):
             peaks = [max(vals) for vals in zip(*gates)]
             if all(v > a.gate_max for v in peaks):
-                return Anomaly("gate_collapse",
-                               f"largest gate mean over {a.gate_max:g} for {a.patience} rows: {peaks}")
+                return Anomaly("gate_collapse", f"largest gate mean over {a.gate_max:g} for {a.patience} rows: {peaks}")
         gn = self._recent("grad_norm")
         if gn is not None and all(v <= a.grad_norm_floor for v in gn):
             return Anomaly("zero_grad_norm", f"grad_norm <= {a.grad_norm_floor:g} for {a.patience} rows: {gn}")
@@ -276,31 +282,58 @@ class Watchdog:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.watchdog", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launch.watchdog", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dir", required=True, help="the run's out_dir")
-    p.add_argument("--halt", type=int, choices=(0, 1), default=0,
-                   help="1: write .anomaly_type and .HALT on the first anomaly and exit 1; 0: report only")
+    p.add_argument(
+        "--halt",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="1: write .anomaly_type and .HALT on the first anomaly and exit 1; 0: report only",
+    )
     p.add_argument("--interval", type=float, default=30.0, help="seconds between polls (default 30)")
     p.add_argument("--once", action="store_true", help="poll once and exit (0 ended or healthy, 1 anomaly)")
-    p.add_argument("--fresh", action="store_true",
-                   help="ignore heartbeat events written before the watchdog started (start it just before a "
-                        "run that resumes in the same directory, whose files still hold the earlier run's end)")
-    p.add_argument("--stall-seconds", type=float, default=600.0,
-                   help="heartbeat age that counts as a stall once the rank has finished a step (default 600)")
-    p.add_argument("--startup-grace", type=float, default=1800.0,
-                   help="the same limit before a rank's first step_end, for boot and compile (default 1800)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="ignore heartbeat events written before the watchdog started (start it just before a "
+        "run that resumes in the same directory, whose files still hold the earlier run's end)",
+    )
+    p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=600.0,
+        help="heartbeat age that counts as a stall once the rank has finished a step (default 600)",
+    )
+    p.add_argument(
+        "--startup-grace",
+        type=float,
+        default=1800.0,
+        help="the same limit before a rank's first step_end, for boot and compile (default 1800)",
+    )
     p.add_argument("--patience", type=int, default=3, help="CSV rows a condition must hold for (default 3)")
     p.add_argument("--toks-floor", type=float, default=1.0, help="toks_per_s under this is a flatline (default 1)")
     p.add_argument("--flatline-window", type=int, default=50, help="reference rows for the median (default 50)")
-    p.add_argument("--flatline-fraction", type=float, default=0.1,
-                   help="recent median under this fraction of the reference median is a flatline (default 0.1)")
-    p.add_argument("--gate-entropy-min", type=float, default=0.2,
-                   help="gate_entropy (nats; ln 3 = 1.0986 is uniform) under this is a collapse (default 0.2)")
-    p.add_argument("--gate-max", type=float, default=0.99,
-                   help="a gate_cmp/slc/win mean over this is a collapse (default 0.99)")
-    p.add_argument("--grad-norm-floor", type=float, default=0.0,
-                   help="grad_norm at or under this counts as zero (default 0)")
+    p.add_argument(
+        "--flatline-fraction",
+        type=float,
+        default=0.1,
+        help="recent median under this fraction of the reference median is a flatline (default 0.1)",
+    )
+    p.add_argument(
+        "--gate-entropy-min",
+        type=float,
+        default=0.2,
+        help="gate_entropy (nats; ln 3 = 1.0986 is uniform) under this is a collapse (default 0.2)",
+    )
+    p.add_argument(
+        "--gate-max", type=float, default=0.99, help="a gate_cmp/slc/win mean over this is a collapse (default 0.99)"
+    )
+    p.add_argument(
+        "--grad-norm-floor", type=float, default=0.0, help="grad_norm at or under this counts as zero (default 0)"
+    )
     return p
 
 

@@ -79,9 +79,18 @@ NUMERICS_ONLY = ("model.dtype", "model.remat", "model.nsa.attention_impl", "mode
 # Keys that give the saved data position its meaning: the stream, its row shape, the
 # rows per optimizer step, and the seed of synthetic streams and shuffles.
 DATA_POSITION_KEYS = (
-    "data.dataset", "data.path", "data.tokenizer", "data.val_fraction", "data.kv_pairs", "data.kv_queries",
-    "data.kv_placement", "data.kv_format",
-    "train.seq_len", "train.global_batch", "train.accumulate", "train.seed",
+    "data.dataset",
+    "data.path",
+    "data.tokenizer",
+    "data.val_fraction",
+    "data.kv_pairs",
+    "data.kv_queries",
+    "data.kv_placement",
+    "data.kv_format",
+    "train.seq_len",
+    "train.global_batch",
+    "train.accumulate",
+    "train.seed",
 )
 # Zero vs non-zero adds or removes a link of the optax chain, i.e. changes the
 # optimizer state's structure.
@@ -325,10 +334,15 @@ class Checkpointer:
                     "resume with the settings it was saved with, or start this run in another out_dir"
                 )
             try:
-                out = mngr.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-                    data=ocp.args.JsonRestore()))
+                out = mngr.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.PyTreeRestore(
+                            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                        ),
+                        data=ocp.args.JsonRestore(),
+                    ),
+                )
                 state = out.state
                 if int(jax.device_get(state.step)) != step:
                     raise ValueError(f"state.step is {int(jax.device_get(state.step))}, expected {step}")
@@ -337,12 +351,15 @@ class Checkpointer:
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
                 failed.append((step, _one_line(e)))
-                self._warn(f"warning: checkpoint {step_dir} does not read back ({failed[-1][1]}); "
-                           "trying the previous one")
+                self._warn(
+                    f"warning: checkpoint {step_dir} does not read back ({failed[-1][1]}); trying the previous one"
+                )
                 continue
             if other:
-                self._warn(f"resume: settings changed since step {step}: {'; '.join(other[:8])}"
-                           + (f" (+{len(other) - 8} more)" if len(other) > 8 else ""))
+                self._warn(
+                    f"resume: settings changed since step {step}: {'; '.join(other[:8])}"
+                    + (f" (+{len(other) - 8} more)" if len(other) > 8 else "")
+                )
             restored = Restored(step, state, train_data, val_data, step_dir)
             break
         if restored is None:
@@ -396,13 +413,21 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         processes = _allgather_json({"train": train_data, "val": val_data})
-        data = {"format": DATA_FORMAT, "process_count": jax.process_count(), "devices": self.mesh.size,
-                "processes": processes}
-        self._manager().save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state),
-            data=ocp.args.JsonSave(data),
-            config=ocp.args.JsonSave(self.cfg.to_dict()),
-        ), force=True)
+        data = {
+            "format": DATA_FORMAT,
+            "process_count": jax.process_count(),
+            "devices": self.mesh.size,
+            "processes": processes,
+        }
+        self._manager().save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state),
+                data=ocp.args.JsonSave(data),
+                config=ocp.args.JsonSave(self.cfg.to_dict()),
+            ),
+            force=True,
+        )
         self.last_step = step
         return {"blocking_s": time.perf_counter() - t0, "path": str(self.dir / str(step))}
 
@@ -421,8 +446,10 @@ class Checkpointer:
             mngr.wait_until_finished()
             mngr.close()
         except Exception as e:  # noqa: BLE001 - orbax re-raises the background writer's error here
-            self._warn(f"warning: checkpoint save did not complete ({_one_line(e)}); "
-                       f"the newest complete checkpoint is the one before step {self.last_step}")
+            self._warn(
+                f"warning: checkpoint save did not complete ({_one_line(e)}); "
+                f"the newest complete checkpoint is the one before step {self.last_step}"
+            )
 
 
 def _one_line(e: BaseException) -> str:
@@ -516,7 +543,8 @@ def step_dirs(path: str | os.PathLike) -> list[pathlib.Path]:
         if steps:
             return [root / str(s) for s in reversed(steps)]
     raise CheckpointError(
-        f"no checkpoint at {p}: expected an out_dir, its {CHECKPOINT_DIR}/ directory, or a step directory")
+        f"no checkpoint at {p}: expected an out_dir, its {CHECKPOINT_DIR}/ directory, or a step directory"
+    )
 
 
 def restore_params(step_dir: str | os.PathLike) -> Any:
@@ -529,11 +557,14 @@ def restore_params(step_dir: str | os.PathLike) -> Any:
     with ocp.PyTreeCheckpointer() as ckptr:
         tree = ckptr.metadata(path).item_metadata.tree
         want = {"params": tree["params"]}
-        out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-            item=want,
-            restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), want),
-            partial_restore=True,
-        ))
+        out = ckptr.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=want,
+                restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), want),
+                partial_restore=True,
+            ),
+        )
     return out["params"]
 
 

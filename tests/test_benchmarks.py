@@ -36,8 +36,18 @@ def run_cli(script: str, *args: str, timeout: float = 300) -> subprocess.Complet
 def test_bench_attention_cli_writes_json(tmp_path):
     out = tmp_path / "attention.json"
     proc = run_cli(
-        "bench_attention.py", "--config", "cpu_tiny", "--seq-lens", "64", "--no-backward",
-        "--iters", "1", "--warmup", "0", "--json", str(out),
+        "bench_attention.py",
+        "--config",
+        "cpu_tiny",
+        "--seq-lens",
+        "64",
+        "--no-backward",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
     )
     assert "backend: cpu" in proc.stdout
     data = json.loads(out.read_text())
@@ -64,8 +74,21 @@ def test_bench_attention_cli_writes_json(tmp_path):
 def test_bench_compile_cli_writes_json(tmp_path):
     out = tmp_path / "compile.json"
     proc = run_cli(
-        "bench_compile.py", "--config", "cpu_tiny", "--seq-len", "32", "--n-layers", "1",
-        "--remat", "none", "--scan", "true", "--set", "train.global_batch=1", "--json", str(out),
+        "bench_compile.py",
+        "--config",
+        "cpu_tiny",
+        "--seq-len",
+        "32",
+        "--n-layers",
+        "1",
+        "--remat",
+        "none",
+        "--scan",
+        "true",
+        "--set",
+        "train.global_batch=1",
+        "--json",
+        str(out),
     )
     assert "backend: cpu" in proc.stdout
     data = json.loads(out.read_text())
@@ -166,8 +189,19 @@ def test_profile_instruction_sources_name_ops_and_kinds():
 def test_profile_step_cli_writes_json(tmp_path):
     out = tmp_path / "profile.json"
     proc = run_cli(
-        "profile_step.py", "--layer", "--backward", "--config", "cpu_tiny", "--seq-len", "128", "--steps", "1",
-        "--trace-dir", str(tmp_path / "trace"), "--json", str(out),
+        "profile_step.py",
+        "--layer",
+        "--backward",
+        "--config",
+        "cpu_tiny",
+        "--seq-len",
+        "128",
+        "--steps",
+        "1",
+        "--trace-dir",
+        str(tmp_path / "trace"),
+        "--json",
+        str(out),
     )
     assert "by part" in proc.stdout and "by kind" in proc.stdout
     data = json.loads(out.read_text())
@@ -182,9 +216,23 @@ def test_kv_recall_ablation_cli_variant_overrides(tmp_path):
     """A variant's own overrides apply to its model only; --data-window keeps the rows the same."""
     out = tmp_path / "kv.json"
     run_cli(
-        "kv_recall_ablation.py", "--steps", "1", "--eval-every", "1", "--eval-batches", "1",
-        "--variants", "win;model.nsa.w=512", "--data-window", "64", "--set", "model.n_layers=1",
-        "--set", "data.kv_format=fused", "--json", str(out),
+        "kv_recall_ablation.py",
+        "--steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--variants",
+        "win;model.nsa.w=512",
+        "--data-window",
+        "64",
+        "--set",
+        "model.n_layers=1",
+        "--set",
+        "data.kv_format=fused",
+        "--json",
+        str(out),
     )
     data = json.loads(out.read_text())
     (row,) = data["rows"]

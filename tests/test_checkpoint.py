@@ -35,15 +35,37 @@ from nsa_jax.config import ConfigError, load_config  # noqa: E402
 
 N = 8
 SETS = [
-    "model.vocab_size=320", "model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+    "model.vocab_size=320",
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
     "model.d_ff=128",
-    "train.seq_len=64", "train.global_batch=4", "train.accumulate=2", "train.log_every=1", "train.eval_every=1000",
-    "checkpoint.save_every=2", "checkpoint.max_to_keep=3",
-    "data.dataset=text", "data.val_fraction=0.0", "logging.tensorboard=false",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.accumulate=2",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "checkpoint.save_every=2",
+    "checkpoint.max_to_keep=3",
+    "data.dataset=text",
+    "data.val_fraction=0.0",
+    "logging.tensorboard=false",
 ]
 # Columns that must match bit for bit (timings differ run to run).
-EXACT = ("step", "loss", "lr", "grad_norm", "tokens", "skipped", "gate_cmp", "gate_slc", "gate_win",
-         "gate_entropy", "sel_far_frac")
+EXACT = (
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens",
+    "skipped",
+    "gate_cmp",
+    "gate_slc",
+    "gate_win",
+    "gate_entropy",
+    "sel_far_frac",
+)
 
 # Runs launch.train after arranging a deterministic interruption (CKPT_TEST_MODE):
 #   sigterm:        the process sends itself SIGTERM once step CKPT_TEST_AT is logged
@@ -77,8 +99,11 @@ sys.exit(main(sys.argv[1:]))
 def _env(cache: pathlib.Path, devices: int, extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "CKPT_TEST_"))}
     env.update(
-        PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        PYTHONPATH=str(ROOT),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     env.update(extra or {})
     return env
@@ -115,11 +140,23 @@ def env(tmp_path_factory):
     cache = base / "jax_cache"
 
     def train(out, steps=N, mode="", at=0, devices=2, extra_sets=(), args=()):
-        cmd = [sys.executable, "-c", DRIVER, "--config", "cpu_tiny", "--steps", str(steps), "--out-dir", str(out),
-               *sets(SETS + [f"data.path={corpus}", *extra_sets]), *args]
+        cmd = [
+            sys.executable,
+            "-c",
+            DRIVER,
+            "--config",
+            "cpu_tiny",
+            "--steps",
+            str(steps),
+            "--out-dir",
+            str(out),
+            *sets(SETS + [f"data.path={corpus}", *extra_sets]),
+            *args,
+        ]
         extra = {"CKPT_TEST_MODE": mode, "CKPT_TEST_AT": str(at)} if mode else {}
-        return subprocess.run(cmd, cwd=ROOT, env=_env(cache, devices, extra), capture_output=True, text=True,
-                              timeout=600)
+        return subprocess.run(
+            cmd, cwd=ROOT, env=_env(cache, devices, extra), capture_output=True, text=True, timeout=600
+        )
 
     return {"base": base, "corpus": corpus, "cache": cache, "train": train}
 
@@ -182,8 +219,12 @@ def _host_state(step_dir: pathlib.Path):
     path = (step_dir / "state").absolute()
     with ocp.PyTreeCheckpointer() as ck:
         tree = ck.metadata(path).item_metadata.tree
-        return ck.restore(path, args=ocp.args.PyTreeRestore(
-            restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)))
+        return ck.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            ),
+        )
 
 
 def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
@@ -354,8 +395,17 @@ def test_processes_agree_on_the_stop_step(env):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     e = _env(env["cache"], 1, {"COORD": f"127.0.0.1:{port}"})
-    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(i)], cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", AGREE, str(i)],
+            cwd=ROOT,
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (o, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -366,9 +416,24 @@ def test_processes_agree_on_the_stop_step(env):
 
 def test_generate_loads_a_checkpoint(env, reference):
     r = subprocess.run(
-        [sys.executable, "-m", "launch.generate", "--ckpt", str(reference), "--prompt", "hi",
-         "--max-new-tokens", "4", "--temperature", "0"],
-        cwd=ROOT, env=_env(env["cache"], 1), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "launch.generate",
+            "--ckpt",
+            str(reference),
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ],
+        cwd=ROOT,
+        env=_env(env["cache"], 1),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("hi") and len(r.stdout.strip()) > 2
@@ -381,8 +446,11 @@ def test_save_returns_after_the_copy_off_the_device(tmp_path):
 
     cfg = load_config("cpu_tiny", SETS[:6] + [f"train.out_dir={tmp_path}"])
     mesh = S.make_mesh(cfg)
-    bump = jax.jit(lambda s: s.replace(step=s.step + 1, params=jax.tree.map(lambda p: p * 2.0 + 1.0, s.params)),
-                   donate_argnums=0, out_shardings=S.replicated(mesh))
+    bump = jax.jit(
+        lambda s: s.replace(step=s.step + 1, params=jax.tree.map(lambda p: p * 2.0 + 1.0, s.params)),
+        donate_argnums=0,
+        out_shardings=S.replicated(mesh),
+    )
     state = bump(S.create_state(cfg, mesh))
     expect = jax.device_get(state.params)
     ck = C.Checkpointer(cfg, tmp_path, mesh)

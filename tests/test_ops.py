@@ -21,8 +21,17 @@ from nsa_jax.config import ConfigError, load_config  # noqa: E402
 from nsa_jax.ops import distributed as D  # noqa: E402
 from nsa_jax.ops import health as H  # noqa: E402
 
-TINY = ["model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=128",
-        "train.seq_len=64", "train.global_batch=4", "logging.tensorboard=false", "model.nsa.branches=[cmp]"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=128",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "logging.tensorboard=false",
+    "model.nsa.branches=[cmp]",
+]
 
 
 def sets(items):
@@ -56,43 +65,80 @@ def test_flags_override_env_field_by_field():
     assert D.resolve("h:9", 2, 0, environ=env) == D.DistSpec("h:9", 2, 0, "flags")
 
 
-@pytest.mark.parametrize("kwargs,env,match", [
-    ({"num_processes": 2, "process_id": 0}, {}, "needs --coordinator"),
-    ({"coordinator": "h:1", "num_processes": 2}, {}, "needs --process-id"),
-    ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, {}, r"must lie in 0\.\.1"),
-    ({"coordinator": "nohost", "num_processes": 2, "process_id": 0}, {}, "HOST:PORT"),
-    ({}, {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' must be an integer"),
-    ({}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"},
-     "ntasks-per-node=1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,env,match",
+    [
+        ({"num_processes": 2, "process_id": 0}, {}, "needs --coordinator"),
+        ({"coordinator": "h:1", "num_processes": 2}, {}, "needs --process-id"),
+        ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, {}, r"must lie in 0\.\.1"),
+        ({"coordinator": "nohost", "num_processes": 2, "process_id": 0}, {}, "HOST:PORT"),
+        ({}, {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' must be an integer"),
+        (
+            {},
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"},
+            "ntasks-per-node=1",
+        ),
+    ],
+)
 def test_bad_settings_name_the_fix(kwargs, env, match):
     with pytest.raises(D.DistributedConfigError, match=match):
         D.resolve(**kwargs, environ=env)
 
 
 def test_slurm_one_task_per_node():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_ID": "1000",
-           "SLURM_STEP_NODELIST": "gpu[007-008]", "SLURM_LOCALID": "0"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_JOB_ID": "1000",
+        "SLURM_STEP_NODELIST": "gpu[007-008]",
+        "SLURM_LOCALID": "0",
+    }
     spec = D.resolve(environ=env)
     assert spec == D.DistSpec(f"gpu007:{49152 + 1000 % 16384}", 2, 1, "slurm")
     assert D.resolve(environ={**env, "JAX_COORDINATOR_PORT": "4321"}).coordinator == "gpu007:4321"
     # The launcher's variables win over SLURM's.
-    assert D.resolve(environ={**env, "JAX_COORDINATOR_ADDRESS": "a:1", "JAX_NUM_PROCESSES": "2",
-                              "JAX_PROCESS_ID": "0"}).source == "env"
+    assert (
+        D.resolve(
+            environ={**env, "JAX_COORDINATOR_ADDRESS": "a:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
+        ).source
+        == "env"
+    )
 
 
-@pytest.mark.parametrize("nodes,first", [
-    ("node1", "node1"), ("node1,node2", "node1"), ("gpu[003-004,9],cpu1", "gpu003"),
-    ("rack1-[12,15]", "rack1-12"), ("n[5]x", "n5x"),
-])
+@pytest.mark.parametrize(
+    "nodes,first",
+    [
+        ("node1", "node1"),
+        ("node1,node2", "node1"),
+        ("gpu[003-004,9],cpu1", "gpu003"),
+        ("rack1-[12,15]", "rack1-12"),
+        ("n[5]x", "n5x"),
+    ],
+)
 def test_first_host_of_a_slurm_node_list(nodes, first):
     assert D.first_host(nodes) == first
 
 
 def test_launch_train_reports_incomplete_settings_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--num-processes", "2",
-                        "--out-dir", str(tmp_path / "x")], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            "--config",
+            "cpu_tiny",
+            "--num-processes",
+            "2",
+            "--out-dir",
+            str(tmp_path / "x"),
+        ],
+        cwd=ROOT,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: a multi-process run needs --coordinator, --process-id")
 
@@ -130,8 +176,13 @@ STUCK = textwrap.dedent("""
 def test_dumps_while_the_main_thread_is_stuck_in_c_then_exits_on_stall(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path), "3"], env=cpu_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "3"],
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout.readline().strip() == "stuck"
     time.sleep(0.3)
     p.send_signal(signal.SIGUSR1)
@@ -152,7 +203,9 @@ def test_dumps_while_the_main_thread_is_stuck_in_c_then_exits_on_stall(tmp_path)
     assert second.startswith("stack dump: stall") and "--- thread nsa-stall-watchdog" in second
     events = heartbeat(tmp_path / "events.jsonl")
     assert [(e["event"], e["reason"], e["step"]) for e in events] == [
-        ("watchdog_dump", "sigusr1", 7), ("watchdog_dump", "stall", 7)]
+        ("watchdog_dump", "sigusr1", 7),
+        ("watchdog_dump", "stall", 7),
+    ]
 
 
 def test_pause_holds_the_stall_clock_and_close_restores_signals(tmp_path):
@@ -221,9 +274,24 @@ def test_trainer_sigusr1_dump_then_stall_exit(tmp_path):
     """
     script, run = tmp_path / "hangs.py", tmp_path / "run"
     script.write_text(HANGS)
-    p = subprocess.Popen([sys.executable, str(script), "--config", "cpu_tiny", "--steps", "8", "--out-dir", str(run),
-                          *sets(TINY + ["ops.stall_seconds=4", "train.log_every=1"])],
-                         cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            "--config",
+            "cpu_tiny",
+            "--steps",
+            "8",
+            "--out-dir",
+            str(run),
+            *sets(TINY + ["ops.stall_seconds=4", "train.log_every=1"]),
+        ],
+        cwd=ROOT,
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         hb = run / "heartbeat_rank0.jsonl"
         deadline = time.time() + 240
@@ -254,10 +322,25 @@ def test_trainer_sigusr1_dump_then_stall_exit(tmp_path):
 
 def test_trainer_counts_skipped_updates_then_halts_at_max_skips(tmp_path):
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "5",
-                        "--out-dir", str(run),
-                        *sets(TINY + ["model.init_std=.nan", "ops.nan_policy=skip", "ops.max_skips=2"])],
-                       cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            "--config",
+            "cpu_tiny",
+            "--steps",
+            "5",
+            "--out-dir",
+            str(run),
+            *sets(TINY + ["model.init_std=.nan", "ops.nan_policy=skip", "ops.max_skips=2"]),
+        ],
+        cwd=ROOT,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     assert "warning: non-finite loss at step 1; update skipped (ops.nan_policy=skip; 1 skipped so far)" in r.stdout
     assert (run / ".anomaly_type").read_text() == "nan_loss\n"
@@ -287,16 +370,26 @@ def test_production_script_parses_and_dry_runs_every_phase(tmp_path):
     trains = [c for c in cmds if "-m launch.train --config a100_pcie" in c]
     assert len(trains) == 4
     for c in cmds:
-        for var in ("NCCL_ALGO=Ring", "NCCL_PROTO=Simple", "NCCL_IB_DISABLE=1", "NSA_DDP_BUCKET_MB=25",
-                    "NSA_DDP_COMPRESS=bf16"):
+        for var in (
+            "NCCL_ALGO=Ring",
+            "NCCL_PROTO=Simple",
+            "NCCL_IB_DISABLE=1",
+            "NSA_DDP_BUCKET_MB=25",
+            "NSA_DDP_COMPRESS=bf16",
+        ):
             assert var in c, c
     assert "--dataset synthetic --steps 1" in trains[0] and "/phase0" in trains[0]
     assert "--dataset fineweb_edu --loader-timeout 120" in trains[1] and "--steps 300" in trains[1]
     assert "--steps 1000" in trains[2] and "--steps" not in trains[3]
     assert any("-m launch.watchdog --dir " + str(tmp_path / "out") + " --halt 1" in c for c in cmds)
     assert not (tmp_path / "out").exists()  # a dry run touches nothing
-    one = subprocess.run(["bash", str(SCRIPT)], env={**env, "PHASE": "2", "NCCL_ALGO": "Tree"},
-                         capture_output=True, text=True, timeout=60)
+    one = subprocess.run(
+        ["bash", str(SCRIPT)],
+        env={**env, "PHASE": "2", "NCCL_ALGO": "Tree"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = [ln for ln in one.stderr.splitlines() if ln.startswith("+ ")]
     assert len(lines) == 1 and "--steps 1000" in lines[0] and "NCCL_ALGO=Tree" in lines[0]
     bad = subprocess.run(["bash", str(SCRIPT)], env={**env, "PHASE": "7"}, capture_output=True, text=True)

@@ -29,11 +29,30 @@ from nsa_jax.report import summary as S  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = [
-    "--config", "cpu_tiny", "--steps", "6",
-    "--set", "model.d_model=64", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
-    "--set", "model.n_kv_heads=1", "--set", "model.d_ff=128", "--set", "train.seq_len=64",
-    "--set", "train.global_batch=4", "--set", "train.log_every=1",
-    "--set", "train.eval_every=3", "--set", "train.eval_batches=1",
+    "--config",
+    "cpu_tiny",
+    "--steps",
+    "6",
+    "--set",
+    "model.d_model=64",
+    "--set",
+    "model.n_layers=1",
+    "--set",
+    "model.n_heads=2",
+    "--set",
+    "model.n_kv_heads=1",
+    "--set",
+    "model.d_ff=128",
+    "--set",
+    "train.seq_len=64",
+    "--set",
+    "train.global_batch=4",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=3",
+    "--set",
+    "train.eval_batches=1",
 ]
 LAST = 4
 
@@ -42,8 +61,13 @@ def _env(cache_dir: pathlib.Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NSA_")}
     # One CPU device; the persistent compilation cache lets the second variant (and
     # later test sessions) skip XLA compilation of the identical step.
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="",
-               JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="",
+        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
     return env
 
 
@@ -54,8 +78,19 @@ def sweep(request, tmp_path_factory):
     except AttributeError:  # cache provider disabled
         cache = tmp_path_factory.mktemp("compile_cache")
     root = tmp_path_factory.mktemp("sweep")
-    cmd = [sys.executable, "-m", "launch.sweep", "--set-values", "train.seed=1,bad,2", "--out-root", str(root),
-           "--last", str(LAST), "--", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.sweep",
+        "--set-values",
+        "train.seed=1,bad,2",
+        "--out-root",
+        str(root),
+        "--last",
+        str(LAST),
+        "--",
+        *TINY,
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=600)
     return root, r
 
@@ -93,9 +128,22 @@ def assert_png_drawn(path: pathlib.Path) -> None:
 # hand-written artifacts
 
 
-def write_run(d: pathlib.Path, n: int = 40, *, toks=None, step_time=None, loss=None, gates=True, mem=None,
-              csv_rows: bool = True, heartbeats: bool = True, env: bool = True, done: bool = True,
-              extra_events=(), header: bool = True) -> pathlib.Path:
+def write_run(
+    d: pathlib.Path,
+    n: int = 40,
+    *,
+    toks=None,
+    step_time=None,
+    loss=None,
+    gates=True,
+    mem=None,
+    csv_rows: bool = True,
+    heartbeats: bool = True,
+    env: bool = True,
+    done: bool = True,
+    extra_events=(),
+    header: bool = True,
+) -> pathlib.Path:
     """A run of n steps in the trainer's formats; series default to a healthy run."""
     d.mkdir(parents=True, exist_ok=True)
     steps = list(range(1, n + 1))
@@ -107,20 +155,34 @@ def write_run(d: pathlib.Path, n: int = 40, *, toks=None, step_time=None, loss=N
     if csv_rows:
         lines = [",".join(cols)] if header else []
         for i, s in enumerate(steps):
-            row = {"step": s, "loss": loss[i], "lr": 1e-3, "toks_per_s": toks[i], "grad_norm": 1.0,
-                   "step_time_s": step_time[i], "tokens": s * 512, "elapsed_s": s * 0.5,
-                   "skipped": int(not math.isfinite(loss[i])), "val_loss": "",
-                   "gate_cmp": 0.4, "gate_slc": 0.5, "gate_win": 0.6, "gate_entropy": 1.08, "sel_far_frac": 0.3}
+            row = {
+                "step": s,
+                "loss": loss[i],
+                "lr": 1e-3,
+                "toks_per_s": toks[i],
+                "grad_norm": 1.0,
+                "step_time_s": step_time[i],
+                "tokens": s * 512,
+                "elapsed_s": s * 0.5,
+                "skipped": int(not math.isfinite(loss[i])),
+                "val_loss": "",
+                "gate_cmp": 0.4,
+                "gate_slc": 0.5,
+                "gate_win": 0.6,
+                "gate_entropy": 1.08,
+                "sel_far_frac": 0.3,
+            }
             lines.append(",".join(str(row[c]) for c in cols))
         (d / "training.csv").write_text("\n".join(lines) + "\n")
     if heartbeats:
         t = 1000.0
         evs = [{"event": "boot", "step": 0, "tokens_per_step": 512}, {"event": "compile", "step": 0}]
         for i, s in enumerate(steps):
-            evs += [{"event": "step_start", "step": s},
-                    {"event": "step_end", "step": s, "loss": loss[i], "step_time_s": step_time[i],
-                     "_mem": mem[i]},
-                    {"event": "progress", "step": s}]
+            evs += [
+                {"event": "step_start", "step": s},
+                {"event": "step_end", "step": s, "loss": loss[i], "step_time_s": step_time[i], "_mem": mem[i]},
+                {"event": "progress", "step": s},
+            ]
         evs += list(extra_events)
         if done:
             evs.append({"event": "done", "step": n, "steps_done": n, "halted": None})
@@ -128,8 +190,20 @@ def write_run(d: pathlib.Path, n: int = 40, *, toks=None, step_time=None, loss=N
             for e in evs:
                 t += 0.5
                 m = e.pop("_mem", 2 * S.GIB)
-                f.write(json.dumps({"ts": t, "iso": "x", "pid": 1, "rank": 0, "msg": "",
-                                    "memory": {"source": "device", "bytes_in_use": m}, **e}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "ts": t,
+                            "iso": "x",
+                            "pid": 1,
+                            "rank": 0,
+                            "msg": "",
+                            "memory": {"source": "device", "bytes_in_use": m},
+                            **e,
+                        }
+                    )
+                    + "\n"
+                )
     if env:
         (d / "env.json").write_text(json.dumps({"process_count": 1, "config": {"train": {"steps": n}}}))
     return d
@@ -193,7 +267,15 @@ def test_report_cli_prints_criteria_and_writes_plots(run_dir, tmp_path, capsys):
     assert f"last {LAST} of 6 steps, steps 3-6, from {run_dir / 'training.csv'}" in text
     crit = [line for line in text.splitlines() if line.startswith("  ")]
     assert [line[9:].split("  ")[0].strip() for line in crit] == [
-        "completion", "throughput", "loss", "step time", "memory", "gates", "anomalies", "heartbeats"]
+        "completion",
+        "throughput",
+        "loss",
+        "step time",
+        "memory",
+        "gates",
+        "anomalies",
+        "heartbeats",
+    ]
     assert all(line.split()[0] in ("GO", "NO-GO", "N/A") for line in crit)
     assert "--max-step-cv" in text and text.splitlines()[-2].startswith("verdict: ")
     page = (out / "report.md").read_text()
@@ -265,8 +347,14 @@ def test_empty_dir_and_missing_path(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "missing: env.json; training.csv; heartbeat_rank*.jsonl" in out
     assert "N/A    throughput" in out and (empty / "report" / "report.md").is_file()
-    r = subprocess.run([sys.executable, "-m", "launch.report", str(tmp_path / "nope")], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "launch.report", str(tmp_path / "nope")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [f"error: no such run directory: {tmp_path / 'nope'}"]
 
@@ -294,8 +382,10 @@ def test_header_less_csv_is_read_in_the_documented_order(tmp_path):
 def test_halts_anomalies_and_non_finite_loss_are_no_go(tmp_path):
     loss = [5.0 - 0.05 * s for s in range(1, 41)]
     loss[30] = math.nan
-    extra = [{"event": "anomaly", "step": 31, "anomaly_type": "nan_loss", "msg": "non-finite loss"},
-             {"event": "watchdog_dump", "step": 31, "msg": "stack dump"}]
+    extra = [
+        {"event": "anomaly", "step": 31, "anomaly_type": "nan_loss", "msg": "non-finite loss"},
+        {"event": "watchdog_dump", "step": 31, "msg": "stack dump"},
+    ]
     d = write_run(tmp_path / "bad", loss=loss, extra_events=extra, done=False)
     (d / ".HALT").write_text("step 31: non-finite loss\n")
     (d / ".anomaly_type").write_text("nan_loss\n")
@@ -304,8 +394,14 @@ def test_halts_anomalies_and_non_finite_loss_are_no_go(tmp_path):
     st = status(s)
     assert st["loss"] == st["anomalies"] == st["completion"] == "NO-GO" and s.verdict == "NO-GO"
     detail = next(c.detail for c in s.criteria if c.name == "anomalies")
-    for piece in (".HALT present", ".anomaly_type nan_loss", "anomaly nan_loss at step 31", "watchdog_dump",
-                  "1 skipped update", "1 stack dump(s): stackdump_20250101T000000_rank0.txt"):
+    for piece in (
+        ".HALT present",
+        ".anomaly_type nan_loss",
+        "anomaly nan_loss at step 31",
+        "watchdog_dump",
+        "1 skipped update",
+        "1 stack dump(s): stackdump_20250101T000000_rank0.txt",
+    ):
         assert piece in detail
 
 
@@ -359,7 +455,7 @@ def test_ranking_prefers_higher_mean_and_breaks_ties_on_spread(tmp_path, capsys)
     def order(*flags):
         assert R.main([str(a), str(b), str(c), "--last", "20", *flags]) == 0
         text = capsys.readouterr().out
-        table = text[text.index("rank  run"):].splitlines()[2:5]
+        table = text[text.index("rank  run") :].splitlines()[2:5]
         return [line.split()[1] for line in table], text
 
     ranked, text = order()
@@ -382,10 +478,12 @@ def test_sweep_runs_variants_and_ends_with_the_ranked_table(sweep):
     assert not (root / "train.seed=bad").exists()
     # The failing middle variant did not stop the third one.
     assert out.index("== [2/3] train.seed=bad: failed (exit 2)") < out.index("== [3/3] train.seed=2:")
-    table = out[out.index("rank  run"):].splitlines()
+    table = out[out.index("rank  run") :].splitlines()
     body = [line.split() for line in table[2:5]]
-    means = {n: col(read_csv_dicts(root / n / "training.csv")[-LAST:], "toks_per_s").mean()
-             for n in ("train.seed=1", "train.seed=2")}
+    means = {
+        n: col(read_csv_dicts(root / n / "training.csv")[-LAST:], "toks_per_s").mean()
+        for n in ("train.seed=1", "train.seed=2")
+    }
     expect = sorted(means, key=lambda n: -means[n])
     if abs(means[expect[0]] - means[expect[1]]) <= 0.01 * means[expect[0]]:
         pytest.skip("means tie within 1%; order then depends on the spread")
@@ -401,15 +499,31 @@ def test_sweep_runs_variants_and_ends_with_the_ranked_table(sweep):
 
 
 def test_sweep_argument_errors_are_one_line(tmp_path, capsys):
-    for argv in (["--set-values", "train.seed", "--", "--config", "cpu_tiny"],
-                 ["--set-values", "train.seed=1,1"],
-                 ["--set-values", "train.seed=1,2", "--", "--out-dir", str(tmp_path)],
-                 ["--set-values", "train.seed=1,2", "--", "--set", "train.out_dir=x"]):
+    for argv in (
+        ["--set-values", "train.seed", "--", "--config", "cpu_tiny"],
+        ["--set-values", "train.seed=1,1"],
+        ["--set-values", "train.seed=1,2", "--", "--out-dir", str(tmp_path)],
+        ["--set-values", "train.seed=1,2", "--", "--set", "train.out_dir=x"],
+    ):
         assert SW.main(argv) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
-    assert SW.main(["--set-values", "parallel.bucket_mb=25,50", "--out-root", str(tmp_path), "--dry-run",
-                    "--", "--config", "cpu_tiny"]) == 0
+    assert (
+        SW.main(
+            [
+                "--set-values",
+                "parallel.bucket_mb=25,50",
+                "--out-root",
+                str(tmp_path),
+                "--dry-run",
+                "--",
+                "--config",
+                "cpu_tiny",
+            ]
+        )
+        == 0
+    )
     cmds = capsys.readouterr().out.splitlines()
     assert len(cmds) == 2 and cmds[1].endswith(
-        f"-m launch.train --config cpu_tiny --set parallel.bucket_mb=50 --out-dir {tmp_path / 'parallel.bucket_mb=50'}")
+        f"-m launch.train --config cpu_tiny --set parallel.bucket_mb=50 --out-dir {tmp_path / 'parallel.bucket_mb=50'}"
+    )

@@ -17,22 +17,39 @@ sys.path.insert(0, str(ROOT))
 
 from launch.spawn import child_env, exit_status  # noqa: E402
 
-TINY = ["model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=128",
-        "train.seq_len=64", "train.global_batch=4", "train.log_every=1", "logging.tensorboard=false",
-        "model.nsa.branches=[cmp]"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=128",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.log_every=1",
+    "logging.tensorboard=false",
+    "model.nsa.branches=[cmp]",
+]
 
 
 def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC", "SLURM_"))}
+    e = {
+        k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC", "SLURM_"))
+    }
     # One CPU device per process, as one process per host would have its own GPUs.
     e.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     return e
 
 
 def spawn(*args: str, timeout: float = 400, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.spawn", *args], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.spawn", *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 def test_two_process_training_run(tmp_path):
@@ -47,8 +64,9 @@ def test_two_process_training_run(tmp_path):
     assert "[0] done: 3 steps" in r.stdout and "[1] done" not in r.stdout  # process 0 prints
     assert "[spawn] exit status 0" in r.stderr
 
-    beats = {rank: [json.loads(x) for x in (out / f"heartbeat_rank{rank}.jsonl").read_text().splitlines()]
-             for rank in (0, 1)}
+    beats = {
+        rank: [json.loads(x) for x in (out / f"heartbeat_rank{rank}.jsonl").read_text().splitlines()] for rank in (0, 1)
+    }
     for rank, events in beats.items():
         assert {e["rank"] for e in events} == {rank}
         assert [e["step"] for e in events if e["event"] == "step_end"] == [1, 2, 3]
@@ -75,10 +93,12 @@ def test_a_bad_flag_fails_the_spawn():
 
 
 def test_one_failing_child_stops_the_others():
-    code = ("import os, sys, time\n"
-            "if os.environ['JAX_PROCESS_ID'] == '1':\n"
-            "    print('rank 1 fails', flush=True); sys.exit(3)\n"
-            "time.sleep(120)\n")
+    code = (
+        "import os, sys, time\n"
+        "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+        "    print('rank 1 fails', flush=True); sys.exit(3)\n"
+        "time.sleep(120)\n"
+    )
     t0 = time.monotonic()
     r = spawn("--nproc", "3", "--grace", "5", "--", sys.executable, "-c", code, timeout=60)
     assert r.returncode == 3, r.stderr
@@ -88,14 +108,22 @@ def test_one_failing_child_stops_the_others():
 
 
 def test_sigterm_is_forwarded_to_every_child(tmp_path):
-    code = ("import os, signal, sys, time\n"
-            "def bye(sig, frame):\n"
-            "    print('got', sig, flush=True); sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, bye)\n"
-            "print('ready', flush=True)\n"
-            "time.sleep(60)\n")
-    p = subprocess.Popen([sys.executable, "-m", "launch.spawn", "--nproc", "2", "--", sys.executable, "-c", code],
-                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = (
+        "import os, signal, sys, time\n"
+        "def bye(sig, frame):\n"
+        "    print('got', sig, flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "launch.spawn", "--nproc", "2", "--", sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ready = set()
     while len(ready) < 2:
         line = p.stdout.readline()
@@ -112,5 +140,9 @@ def test_sigterm_is_forwarded_to_every_child(tmp_path):
 def test_child_env_and_exit_status():
     e = child_env({"A": "1"}, 1, 2, "127.0.0.1:5")
     assert (e["JAX_COORDINATOR_ADDRESS"], e["JAX_NUM_PROCESSES"], e["JAX_PROCESS_ID"], e["A"]) == (
-        "127.0.0.1:5", "2", "1", "1")
+        "127.0.0.1:5",
+        "2",
+        "1",
+        "1",
+    )
     assert exit_status(-9) == 137 and exit_status(3) == 3

@@ -26,12 +26,32 @@ from nsa_jax.train.state import init_state
 
 V, T, B, STEPS = 64, 32, 4, 5
 TINY = [
-    f"model.vocab_size={V}", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-    "model.head_dim=16", "model.v_head_dim=16", "model.d_ff=64", "model.nsa.l=8", "model.nsa.d=4",
-    "model.nsa.lp=16", "model.nsa.n=3", "model.nsa.w=16", "model.nsa.cmp_mlp_hidden=16", "model.nsa.gate_hidden=8",
-    "model.nsa.attention_impl=xla", "model.dtype=float32",
-    f"train.seq_len={T}", f"train.global_batch={B}", "train.accumulate=1", f"train.steps={STEPS}",
-    "train.warmup=2", "train.lr=1e-2", "train.min_lr=1e-3", "train.weight_decay=0.1", "train.grad_clip=1.0",
+    f"model.vocab_size={V}",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=16",
+    "model.v_head_dim=16",
+    "model.d_ff=64",
+    "model.nsa.l=8",
+    "model.nsa.d=4",
+    "model.nsa.lp=16",
+    "model.nsa.n=3",
+    "model.nsa.w=16",
+    "model.nsa.cmp_mlp_hidden=16",
+    "model.nsa.gate_hidden=8",
+    "model.nsa.attention_impl=xla",
+    "model.dtype=float32",
+    f"train.seq_len={T}",
+    f"train.global_batch={B}",
+    "train.accumulate=1",
+    f"train.steps={STEPS}",
+    "train.warmup=2",
+    "train.lr=1e-2",
+    "train.min_lr=1e-3",
+    "train.weight_decay=0.1",
+    "train.grad_clip=1.0",
     "parallel.grad_reduce_dtype=float32",
 ]
 
@@ -122,13 +142,17 @@ def test_reference_adamw_on_whole_batch(host_state, batches):
 
     grad = jax.jit(jax.grad(loss))
     schedule = optax.join_schedules(
-        [optax.linear_schedule(t.lr / t.warmup, t.lr, t.warmup - 1),
-         optax.cosine_decay_schedule(t.lr, t.steps - t.warmup, alpha=t.min_lr / t.lr)],
+        [
+            optax.linear_schedule(t.lr / t.warmup, t.lr, t.warmup - 1),
+            optax.cosine_decay_schedule(t.lr, t.steps - t.warmup, alpha=t.min_lr / t.lr),
+        ],
         [t.warmup - 1],
     )
     decay = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", host_state.params)
-    tx = optax.chain(optax.clip_by_global_norm(t.grad_clip),
-                     optax.adamw(schedule, t.b1, t.b2, t.eps, weight_decay=t.weight_decay, mask=decay))
+    tx = optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, t.b1, t.b2, t.eps, weight_decay=t.weight_decay, mask=decay),
+    )
     params = host_state.params
     opt_state = tx.init(params)
     for tokens in batches[:2]:
@@ -140,8 +164,7 @@ def test_reference_adamw_on_whole_batch(host_state, batches):
 
 def test_accumulation_equals_one_big_batch(host_state, batches):
     big, _ = run_steps(2, host_state, batches[:1])
-    acc, _ = run_steps(2, host_state, batches[:1], f"train.global_batch={B // 2}", "train.accumulate=2",
-                       accumulate=2)
+    acc, _ = run_steps(2, host_state, batches[:1], f"train.global_batch={B // 2}", "train.accumulate=2", accumulate=2)
     assert_params_close(acc.params, big.params, 1e-5)
 
 
@@ -178,8 +201,9 @@ def test_non_finite_step_is_skipped(host_state, batches):
     state, (m,) = run_steps(2, host_state, [bad])
     assert int(m["skipped"]) == 1 and not np.isfinite(m["loss"])
     assert int(state.step) == 1
-    for new, old in zip(jax.tree.leaves((state.params, state.opt_state)),
-                        jax.tree.leaves((host_state.params, host_state.opt_state))):
+    for new, old in zip(
+        jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((host_state.params, host_state.opt_state))
+    ):
         np.testing.assert_array_equal(new, old)
     _, (ok,) = run_steps(2, host_state, batches[:1])
     assert int(ok["skipped"]) == 0

@@ -26,9 +26,17 @@ from launch.train import (  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
 
 TINY = [
-    "model.n_layers=1", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
-    "model.v_head_dim=16", "model.d_ff=128", "model.nsa.cmp_mlp_hidden=32", "model.nsa.gate_hidden=16",
-    "train.seq_len=64", "train.global_batch=4",
+    "model.n_layers=1",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.head_dim=16",
+    "model.v_head_dim=16",
+    "model.d_ff=128",
+    "model.nsa.cmp_mlp_hidden=32",
+    "model.nsa.gate_hidden=16",
+    "train.seq_len=64",
+    "train.global_batch=4",
 ]
 HEARTBEAT_FIELDS = {"ts", "iso", "pid", "rank", "step", "msg", "memory", "event"}
 
@@ -40,8 +48,12 @@ def launch(args: list[str], env: dict[str, str] | None = None, devices: int = 2,
     )
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "launch.train", *args], cwd=ROOT, env=full_env,
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "launch.train", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -56,8 +68,10 @@ def read_heartbeat(path: pathlib.Path) -> list[dict]:
 def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
     out = tmp_path / "run"
     extra = ["train.log_every=2", "train.eval_every=2", "train.eval_batches=1"]
-    r = launch(["--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out), *sets(TINY + extra)],
-               env={"NSA_PREFILL_BATCHED": "1", "NSA_DDP_COMPRESS": "off", "NCCL_ALGO": "Ring"})
+    r = launch(
+        ["--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out), *sets(TINY + extra)],
+        env={"NSA_PREFILL_BATCHED": "1", "NSA_DDP_COMPRESS": "off", "NCCL_ALGO": "Ring"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"^compile: [\d.]+s \| per device: arguments ", r.stdout, re.M), r.stdout
     assert re.search(r"^step 2/3 \| loss \d+\.\d{4} \| lr \d\.\d\de-\d\d \| [\d,]+ tok/s \| ETA \S+", r.stdout, re.M)
@@ -122,8 +136,7 @@ def test_env_toggles_switch_artifacts_off(tmp_path):
     out = tmp_path / "quiet"
     # Only the compressed branch: the artifacts are the point here, and it compiles fastest.
     args = ["--config", "cpu_tiny", "--steps", "1", "--out-dir", str(out), *sets(TINY + ["model.nsa.branches=[cmp]"])]
-    r = launch(args,
-               env={"NSA_DISABLE_CSV_LOGS": "1", "NSA_TB_DISABLE": "1", "NSA_DISABLE_AUX_STATS": "1"}, devices=1)
+    r = launch(args, env={"NSA_DISABLE_CSV_LOGS": "1", "NSA_TB_DISABLE": "1", "NSA_DISABLE_AUX_STATS": "1"}, devices=1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not (out / "training.csv").exists() and not (out / "tb").exists()
     assert [b["step"] for b in read_heartbeat(out / "heartbeat_rank0.jsonl") if b["event"] == "step_end"] == [1]
@@ -156,17 +169,30 @@ def test_bad_input_gives_one_error_line_and_status_2(tmp_path, args, env):
 
 def test_launcher_does_not_import_jax_before_setting_flags():
     code = "import sys, launch.train; print('jax' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.stdout.strip() == "False", r.stderr
 
 
 def test_env_overrides_map_runbook_variables():
-    sets_, applied = env_overrides({
-        "NSA_ACCUM": "2", "NSA_LR": "3e-4", "NSA_SEQ_LEN": "1024", "NSA_BATCH_SIZE": "4",
-        "NSA_DDP_COMPRESS": "bf16", "NSA_DDP_BUCKET_MB": "100", "NSA_TB_DISABLE": "0",
-        "NSA_DISABLE_CSV_LOGS": "1", "NSA_PREFILL_BATCHED": "1",
-    })
+    sets_, applied = env_overrides(
+        {
+            "NSA_ACCUM": "2",
+            "NSA_LR": "3e-4",
+            "NSA_SEQ_LEN": "1024",
+            "NSA_BATCH_SIZE": "4",
+            "NSA_DDP_COMPRESS": "bf16",
+            "NSA_DDP_BUCKET_MB": "100",
+            "NSA_TB_DISABLE": "0",
+            "NSA_DISABLE_CSV_LOGS": "1",
+            "NSA_PREFILL_BATCHED": "1",
+        }
+    )
     cfg = load_config("a100_pcie", sets_)
     assert (cfg.train.accumulate, cfg.train.lr, cfg.train.seq_len, cfg.train.global_batch) == (2, 3e-4, 1024, 4)
     assert cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.parallel.bucket_mb == 100.0

@@ -22,13 +22,28 @@ FAST = ["--interval", "0.1"]
 
 
 def watchdog(run: pathlib.Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.watchdog", "--dir", str(run), *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.watchdog", "--dir", str(run), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def beat(run: pathlib.Path, rank: int, event: str, step: int, ts: float | None = None, newline: bool = True, **kw):
-    rec = {"ts": time.time() if ts is None else ts, "iso": "", "pid": 1, "rank": rank, "step": step,
-           "event": event, "msg": "", "memory": {"source": "process_rss", "bytes_in_use": 1}, **kw}
+    rec = {
+        "ts": time.time() if ts is None else ts,
+        "iso": "",
+        "pid": 1,
+        "rank": rank,
+        "step": step,
+        "event": event,
+        "msg": "",
+        "memory": {"source": "process_rss", "bytes_in_use": 1},
+        **kw,
+    }
     with open(run / f"heartbeat_rank{rank}.jsonl", "a") as f:
         f.write(json.dumps(rec) + ("\n" if newline else ""))
 
@@ -43,9 +58,23 @@ def csv_rows(run: pathlib.Path, rows: list[dict], header: list[str] | None = HEA
 
 
 def healthy_row(step: int, **over) -> dict:
-    row = {"step": step, "loss": 3.0, "lr": 1e-3, "toks_per_s": 1000.0 + step, "grad_norm": 0.8, "step_time_s": 0.1,
-           "tokens": step * 256, "elapsed_s": step * 0.1, "skipped": 0, "val_loss": None, "gate_cmp": 0.5,
-           "gate_slc": 0.45, "gate_win": 0.55, "gate_entropy": 1.09, "sel_far_frac": 0.2}
+    row = {
+        "step": step,
+        "loss": 3.0,
+        "lr": 1e-3,
+        "toks_per_s": 1000.0 + step,
+        "grad_norm": 0.8,
+        "step_time_s": 0.1,
+        "tokens": step * 256,
+        "elapsed_s": step * 0.1,
+        "skipped": 0,
+        "val_loss": None,
+        "gate_cmp": 0.5,
+        "gate_slc": 0.45,
+        "gate_win": 0.55,
+        "gate_entropy": 1.09,
+        "sel_far_frac": 0.2,
+    }
     row.update(over)
     return row
 
@@ -104,10 +133,13 @@ def test_trainer_stall_dump_is_a_stall_at_once(tmp_path):
     assert "stall watchdog fired after step 4" in halt_files(run)[1]
 
 
-@pytest.mark.parametrize("tail,expect", [
-    ([0.0, 0.0, 0.0], "toks_per_s under 1"),
-    ([50.0, 40.0, 45.0], "under 0.1 x the median"),
-])
+@pytest.mark.parametrize(
+    "tail,expect",
+    [
+        ([0.0, 0.0, 0.0], "toks_per_s under 1"),
+        ([50.0, 40.0, 45.0], "under 0.1 x the median"),
+    ],
+)
 def test_throughput_flatline_halts(tmp_path, tail, expect):
     rows = [healthy_row(s) for s in range(1, 31)]
     rows += [healthy_row(31 + i, toks_per_s=v) for i, v in enumerate(tail)]
@@ -126,10 +158,13 @@ def test_throughput_dip_shorter_than_patience_is_ignored(tmp_path):
     assert not (run / ".HALT").exists()
 
 
-@pytest.mark.parametrize("over,expect", [
-    ({"gate_entropy": 0.05}, "gate_entropy under 0.2"),
-    ({"gate_slc": 0.999}, "largest gate mean over 0.99"),
-])
+@pytest.mark.parametrize(
+    "over,expect",
+    [
+        ({"gate_entropy": 0.05}, "gate_entropy under 0.2"),
+        ({"gate_slc": 0.999}, "largest gate mean over 0.99"),
+    ],
+)
 def test_gate_collapse_halts(tmp_path, over, expect):
     rows = [healthy_row(s) for s in range(1, 10)] + [healthy_row(s, **over) for s in range(10, 13)]
     run = fresh_run(tmp_path, rows)
@@ -157,8 +192,11 @@ def test_csv_is_read_by_column_name(tmp_path):
     assert watchdog(run, "--halt", "1", *FAST).returncode == 1 and halt_files(run)[0] == "zero_grad_norm"
     # ...and the torch trainer's header-less file has toks_per_s in column 3.
     legacy = fresh_run(tmp_path / "legacy", [])
-    csv_rows(legacy, [healthy_row(s) for s in range(1, 20)] + [healthy_row(20 + i, toks_per_s=0) for i in range(3)],
-             header=None)
+    csv_rows(
+        legacy,
+        [healthy_row(s) for s in range(1, 20)] + [healthy_row(20 + i, toks_per_s=0) for i in range(3)],
+        header=None,
+    )
     assert watchdog(legacy, "--halt", "1", *FAST).returncode == 1
     assert halt_files(legacy)[0] == "throughput_flatline"
 
@@ -178,7 +216,7 @@ def test_line_tail_partial_lines_truncation_and_rotation(tmp_path):
     path.write_text('{"a": 1}\n{"b"')
     assert tail.read() == (['{"a": 1}'], False)
     with open(path, "a") as f:
-        f.write(': 2}\n')
+        f.write(": 2}\n")
     assert tail.read() == (['{"b": 2}'], False)
     path.write_text('{"c": 3}\n')  # truncated and rewritten, shorter
     assert tail.read() == (['{"c": 3}'], True)
@@ -191,9 +229,14 @@ def test_line_tail_partial_lines_truncation_and_rotation(tmp_path):
 
 def test_healthy_run_that_grows_and_ends_exits_0(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "launch.watchdog", "--dir", str(run), "--halt", "1",
-                             "--stall-seconds", "20", *FAST], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.watchdog", "--dir", str(run), "--halt", "1", "--stall-seconds", "20", *FAST],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         time.sleep(0.5)  # the directory does not exist yet
         run.mkdir()
@@ -224,14 +267,58 @@ def test_real_training_run(tmp_path):
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NSA_")}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    dog = subprocess.Popen([sys.executable, "-m", "launch.watchdog", "--dir", str(run), "--halt", "1",
-                            "--stall-seconds", "120", "--patience", "2", "--interval", "0.2"],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tiny = ["model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=128",
-            "train.seq_len=64", "train.global_batch=4", "train.log_every=2", "logging.tensorboard=false"]
-    train = subprocess.run([sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "6",
-                            "--out-dir", str(run), *[a for s in tiny for a in ("--set", s)]],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    dog = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.watchdog",
+            "--dir",
+            str(run),
+            "--halt",
+            "1",
+            "--stall-seconds",
+            "120",
+            "--patience",
+            "2",
+            "--interval",
+            "0.2",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    tiny = [
+        "model.d_model=64",
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.d_ff=128",
+        "train.seq_len=64",
+        "train.global_batch=4",
+        "train.log_every=2",
+        "logging.tensorboard=false",
+    ]
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            "--config",
+            "cpu_tiny",
+            "--steps",
+            "6",
+            "--out-dir",
+            str(run),
+            *[a for s in tiny for a in ("--set", s)],
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     try:
         out, _ = dog.communicate(timeout=30)
     finally:
@@ -281,11 +368,24 @@ def test_a_trainer_that_raises_writes_crash_not_done(tmp_path):
     from nsa_jax.config import load_config
     from nsa_jax.train.loop import Trainer
 
-    cfg = load_config("cpu_tiny", [
-        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
-        "model.v_head_dim=16", "model.d_ff=64", "train.seq_len=64", "train.global_batch=2", "train.steps=5",
-        "logging.tensorboard=false", "checkpoint.enabled=false", f"train.out_dir={tmp_path / 'run'}",
-    ])
+    cfg = load_config(
+        "cpu_tiny",
+        [
+            "model.d_model=32",
+            "model.n_layers=1",
+            "model.n_heads=2",
+            "model.n_kv_heads=1",
+            "model.head_dim=16",
+            "model.v_head_dim=16",
+            "model.d_ff=64",
+            "train.seq_len=64",
+            "train.global_batch=2",
+            "train.steps=5",
+            "logging.tensorboard=false",
+            "checkpoint.enabled=false",
+            f"train.out_dir={tmp_path / 'run'}",
+        ],
+    )
     trainer = Trainer(cfg, print_fn=lambda _: None)
     calls = {"n": 0}
     real_next = trainer._next_tokens

@@ -49,15 +49,17 @@ class DistSpec:
     source: str  # flags, env, flags+env or slurm
 
     def describe(self) -> str:
-        return (f"process {self.process_id} of {self.num_processes}, coordinator {self.coordinator} "
-                f"(from {self.source})")
+        return f"process {self.process_id} of {self.num_processes}, coordinator {self.coordinator} (from {self.source})"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The three launch flags; defaults None so the environment can fill them."""
     g = parser.add_argument_group("multi-process (one process per host)")
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help=f"process 0's address for jax.distributed (else ${ENV_COORDINATOR}, else SLURM)")
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help=f"process 0's address for jax.distributed (else ${ENV_COORDINATOR}, else SLURM)",
+    )
     g.add_argument("--num-processes", type=int, metavar="N", help=f"processes in the run (else ${ENV_NUM_PROCESSES})")
     g.add_argument("--process-id", type=int, metavar="I", help=f"this process, 0..N-1 (else ${ENV_PROCESS_ID})")
 
@@ -112,8 +114,12 @@ def _from_slurm(environ: Mapping[str, str]) -> DistSpec | None:
     if port is None:
         # Same on every task of the job, and different for jobs sharing a first node.
         port = 49152 + (_int_env(environ, "SLURM_JOB_ID") or 0) % 16384
-    return DistSpec(_check_address(f"{first_host(nodelist)}:{port}", "the SLURM coordinator"),
-                    ntasks, _int_env(environ, "SLURM_PROCID"), "slurm")
+    return DistSpec(
+        _check_address(f"{first_host(nodelist)}:{port}", "the SLURM coordinator"),
+        ntasks,
+        _int_env(environ, "SLURM_PROCID"),
+        "slurm",
+    )
 
 
 def resolve(
@@ -138,11 +144,15 @@ def resolve(
         raise DistributedConfigError(f"the number of processes must be >= 1, got {n}")
     if n == 1 and merged["process_id"] in (None, 0):
         return None
-    missing = [name for name, key, var in (
-        ("--coordinator", "coordinator", ENV_COORDINATOR),
-        ("--num-processes", "num_processes", ENV_NUM_PROCESSES),
-        ("--process-id", "process_id", ENV_PROCESS_ID),
-    ) if merged[key] is None]
+    missing = [
+        name
+        for name, key, var in (
+            ("--coordinator", "coordinator", ENV_COORDINATOR),
+            ("--num-processes", "num_processes", ENV_NUM_PROCESSES),
+            ("--process-id", "process_id", ENV_PROCESS_ID),
+        )
+        if merged[key] is None
+    ]
     if missing:
         raise DistributedConfigError(
             f"a multi-process run needs {', '.join(missing)} (or ${ENV_COORDINATOR}, ${ENV_NUM_PROCESSES}, "

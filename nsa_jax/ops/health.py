@@ -83,9 +83,11 @@ def write_stack_dump(
     while path.exists():
         n += 1
         path = out / f"{stem}-{n}.txt"
-    header = (f"stack dump: {reason}\n"
-              f"time: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='milliseconds')}  "
-              f"pid: {os.getpid()}  rank: {rank}  last finished step: {step}")
+    header = (
+        f"stack dump: {reason}\n"
+        f"time: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='milliseconds')}  "
+        f"pid: {os.getpid()}  rank: {rank}  last finished step: {step}"
+    )
     text = format_stacks(header)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -251,8 +253,9 @@ class Health:
                         pass
                 if len(others) < len(data):
                     path = self.dump("SIGUSR1 (training continues)")
-                    self._emit("watchdog_dump", self.step, f"SIGUSR1: stacks in {path.name}",
-                               reason="sigusr1", path=str(path))
+                    self._emit(
+                        "watchdog_dump", self.step, f"SIGUSR1: stacks in {path.name}", reason="sigusr1", path=str(path)
+                    )
                     print(f"health: SIGUSR1: wrote {path}", file=sys.stderr, flush=True)
         finally:
             os.close(r)
@@ -270,9 +273,20 @@ class Health:
     def _fire(self, idle: float) -> None:
         reason = f"stall: no training step ended for {idle:.0f}s (ops.stall_seconds={self.stall_seconds:g})"
         path = self.dump(reason)
-        self._emit("watchdog_dump", self.step, f"{reason}; stacks in {path.name}", reason="stall",
-                   path=str(path), idle_s=idle, stall_seconds=self.stall_seconds)
-        print(f"watchdog: {reason} after step {self.step}; stacks of every thread in {path}; "
-              f"exiting with status {STALL_EXIT_CODE} so the job can be restarted", file=sys.stderr, flush=True)
+        self._emit(
+            "watchdog_dump",
+            self.step,
+            f"{reason}; stacks in {path.name}",
+            reason="stall",
+            path=str(path),
+            idle_s=idle,
+            stall_seconds=self.stall_seconds,
+        )
+        print(
+            f"watchdog: {reason} after step {self.step}; stacks of every thread in {path}; "
+            f"exiting with status {STALL_EXIT_CODE} so the job can be restarted",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         self._exit(STALL_EXIT_CODE)

@@ -23,6 +23,19 @@ from nsa_jax.report.summary import (
 )
 
 __all__ = [
-    "GO", "NA", "NO_GO", "Criterion", "Entry", "Run", "RunPathError", "Summary", "Thresholds",
-    "format_summary", "format_table", "load_run", "rank_entries", "resolve_run_dir", "summarize",
+    "GO",
+    "NA",
+    "NO_GO",
+    "Criterion",
+    "Entry",
+    "Run",
+    "RunPathError",
+    "Summary",
+    "Thresholds",
+    "format_summary",
+    "format_table",
+    "load_run",
+    "rank_entries",
+    "resolve_run_dir",
+    "summarize",
 ]

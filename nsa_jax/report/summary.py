@@ -40,9 +40,21 @@ from typing import Any, Iterable, Sequence
 # The training.csv column order of nsa_jax.train.artifacts (CSV_HEAD + CSV_TAIL + CSV_AUX),
 # repeated here so reading a report does not import jax; a test keeps the two equal.
 CSV_COLUMNS = (
-    "step", "loss", "lr", "toks_per_s", "grad_norm", "step_time_s",
-    "tokens", "elapsed_s", "skipped", "val_loss",
-    "gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_frac",
+    "step",
+    "loss",
+    "lr",
+    "toks_per_s",
+    "grad_norm",
+    "step_time_s",
+    "tokens",
+    "elapsed_s",
+    "skipped",
+    "val_loss",
+    "gate_cmp",
+    "gate_slc",
+    "gate_win",
+    "gate_entropy",
+    "sel_far_frac",
 )
 GATE_COLUMNS = ("gate_cmp", "gate_slc", "gate_win")
 ANOMALY_EVENTS = ("anomaly", "halt", "watchdog_dump", "loader_timeout")
@@ -218,8 +230,15 @@ def _rows_from_heartbeats(events: list[dict[str, Any]]) -> list[dict[str, float 
         seen.add(e.get("step"))
         st = _float(e.get("step_time_s"))
         toks = tokens / max(st, 1e-9) if (tokens and st is not None) else None
-        rows.append({"step": float(e["step"]), "loss": _float(e.get("loss")), "lr": _float(e.get("lr")),
-                     "step_time_s": st, "toks_per_s": toks})
+        rows.append(
+            {
+                "step": float(e["step"]),
+                "loss": _float(e.get("loss")),
+                "lr": _float(e.get("lr")),
+                "step_time_s": st,
+                "toks_per_s": toks,
+            }
+        )
     return rows
 
 
@@ -263,8 +282,9 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
             run.heartbeats[int(m.group(1))] = read_jsonl(f, run.problems)
     expected = run.env.get("process_count") if run.env else None
     if not run.heartbeats:
-        run.missing.append("heartbeat_rank*.jsonl (off: logging.heartbeat=false)" if disabled("heartbeat")
-                           else "heartbeat_rank*.jsonl")
+        run.missing.append(
+            "heartbeat_rank*.jsonl (off: logging.heartbeat=false)" if disabled("heartbeat") else "heartbeat_rank*.jsonl"
+        )
     elif isinstance(expected, int):
         run.missing.extend(f"heartbeat_rank{r}.jsonl" for r in range(expected) if r not in run.heartbeats)
 
@@ -339,7 +359,7 @@ def _finite(values: Iterable[float | None]) -> list[float]:
 def _halves(values: list[float]) -> tuple[list[float], list[float]]:
     """First and last half of equal length (the middle value of an odd count is in neither)."""
     h = len(values) // 2
-    return values[:h], values[len(values) - h:]
+    return values[:h], values[len(values) - h :]
 
 
 def _age(ts: float | None) -> str:
@@ -358,8 +378,12 @@ def _state(run: Run) -> tuple[str, dict[str, Any]]:
     ends = [e.get("step") for e in hb0 if e.get("event") == "step_end" and isinstance(e.get("step"), int)]
     last_step = max([s for s in (last_row, max(ends, default=None)) if s is not None], default=None)
     of = f" of {target}" if target else ""
-    info = {"target_steps": target, "last_step": last_step, "finished": done is not None,
-            "halted": done.get("halted") if done else None}
+    info = {
+        "target_steps": target,
+        "last_step": last_step,
+        "finished": done is not None,
+        "halted": done.get("halted") if done else None,
+    }
     if done is not None:
         steps_done = done.get("steps_done", last_step)
         info["last_step"] = steps_done
@@ -429,8 +453,11 @@ def _throughput(rows: list[dict], th: Thresholds, fig: dict, window: str) -> Cri
     ok = mean > 0 and mean >= th.min_toks_per_s
     floor = f"floor {th.min_toks_per_s:g} (--min-toks-per-s)"
     rel = f" ({sd / mean:.1%})" if mean else ""
-    return Criterion("throughput", GO if ok else NO_GO,
-                     f"mean {mean:,.1f} tok/s, pstdev {sd:,.1f}{rel} over {len(vals)} steps; {floor}")
+    return Criterion(
+        "throughput",
+        GO if ok else NO_GO,
+        f"mean {mean:,.1f} tok/s, pstdev {sd:,.1f}{rel} over {len(vals)} steps; {floor}",
+    )
 
 
 def _loss(run: Run, last: int, th: Thresholds, fig: dict) -> Criterion:
@@ -454,8 +481,10 @@ def _loss(run: Run, last: int, th: Thresholds, fig: dict) -> Criterion:
     m0, m1 = statistics.fmean(first), statistics.fmean(end)
     fig.update(loss_k=k, loss_first_mean=m0, loss_last_mean=m1, loss_last=losses[-1])
     falling = m1 < m0 - th.min_loss_drop
-    trend = (f"mean of first {k} steps {m0:.4f} -> last {k} {m1:.4f} "
-             f"(drop {m0 - m1:+.4f}; needs > {th.min_loss_drop:g}, --min-loss-drop)")
+    trend = (
+        f"mean of first {k} steps {m0:.4f} -> last {k} {m1:.4f} "
+        f"(drop {m0 - m1:+.4f}; needs > {th.min_loss_drop:g}, --min-loss-drop)"
+    )
     return Criterion("loss", GO if falling and not bad else NO_GO, f"{nonfinite}; {trend}{val}")
 
 
@@ -467,23 +496,35 @@ def _step_time(rows: list[dict], th: Thresholds, fig: dict) -> Criterion:
     cv = sd / mean if mean > 0 else math.inf
     med = statistics.median(vals)
     fig.update(step_time_mean=mean, step_time_pstdev=sd, step_time_cv=cv, step_time_max=max(vals))
-    return Criterion("step time", GO if cv <= th.max_step_cv else NO_GO,
-                     f"mean {mean * 1e3:,.1f} ms, CV {cv:.3f} (limit {th.max_step_cv:g}, --max-step-cv), "
-                     f"slowest {max(vals) * 1e3:,.1f} ms = {max(vals) / med:.1f}x median")
+    return Criterion(
+        "step time",
+        GO if cv <= th.max_step_cv else NO_GO,
+        f"mean {mean * 1e3:,.1f} ms, CV {cv:.3f} (limit {th.max_step_cv:g}, --max-step-cv), "
+        f"slowest {max(vals) * 1e3:,.1f} ms = {max(vals) / med:.1f}x median",
+    )
 
 
 def _memory_points(events: list[dict], step_end_only: bool = True) -> list[tuple[int, int, int]]:
     """(step, bytes_in_use, peak) of step_end events (of every event when none ended a step, or not
     `step_end_only`)."""
+
     def pts(evs):
         out = []
         for e in evs:
             m = e.get("memory")
-            if isinstance(m, dict) and isinstance(m.get("bytes_in_use"), (int, float)) and isinstance(e.get("step"),
-                                                                                                       int):
+            if (
+                isinstance(m, dict)
+                and isinstance(m.get("bytes_in_use"), (int, float))
+                and isinstance(e.get("step"), int)
+            ):
                 peak = m.get("peak_bytes_in_use")
-                out.append((e["step"], int(m["bytes_in_use"]),
-                            int(max(m["bytes_in_use"], peak if isinstance(peak, (int, float)) else 0))))
+                out.append(
+                    (
+                        e["step"],
+                        int(m["bytes_in_use"]),
+                        int(max(m["bytes_in_use"], peak if isinstance(peak, (int, float)) else 0)),
+                    )
+                )
         return out
 
     ends = pts([e for e in events if e.get("event") == "step_end"]) if step_end_only else []
@@ -532,28 +573,32 @@ def _memory(run: Run, fig: dict, last: int, th: Thresholds) -> Criterion:
 
 def _gates(run: Run, rows: list[dict], th: Thresholds, fig: dict) -> Criterion:
     if not all(run.has_column(c) for c in GATE_COLUMNS + ("gate_entropy",)):
-        return Criterion("gates", NA, "no gate columns in training.csv (logging.aux_stats off, "
-                                      "e.g. NSA_DISABLE_AUX_STATS=1)")
+        return Criterion(
+            "gates", NA, "no gate columns in training.csv (logging.aux_stats off, e.g. NSA_DISABLE_AUX_STATS=1)"
+        )
     means = {c[5:]: _finite(r.get(c) for r in rows) for c in GATE_COLUMNS}
     ent = _finite(r.get("gate_entropy") for r in rows)
-    n_bad = sum(1 for r in rows for c in GATE_COLUMNS + ("gate_entropy",)
-                if r.get(c) is not None and not math.isfinite(r[c]))
+    n_bad = sum(
+        1 for r in rows for c in GATE_COLUMNS + ("gate_entropy",) if r.get(c) is not None and not math.isfinite(r[c])
+    )
     if not ent or not all(means.values()):
         return Criterion("gates", NO_GO if n_bad else NA, "no finite gate values in the window")
     g = {b: statistics.fmean(v) for b, v in means.items()}
     e = statistics.fmean(ent)
     gmax = max(g.values())
     far = _finite(r.get("sel_far_frac") for r in rows)
-    fig.update(gate_means=g, gate_entropy=e, gate_max_mean=gmax,
-               sel_far_frac=statistics.fmean(far) if far else None)
+    fig.update(gate_means=g, gate_entropy=e, gate_max_mean=gmax, sel_far_frac=statistics.fmean(far) if far else None)
     ok = e >= th.min_gate_entropy and gmax <= th.max_gate_mean and not n_bad
     branch = ", ".join(f"{b} {v:.3f}" for b, v in g.items())
     sel = f"; selected blocks beyond the window {fig['sel_far_frac']:.1%}" if far else ""
     bad = f"; {n_bad} non-finite values" if n_bad else ""
-    return Criterion("gates", GO if ok else NO_GO,
-                     f"window means {branch}; entropy {e:.3f} nats (max ln3 = {math.log(3):.3f}; "
-                     f"floor {th.min_gate_entropy:g}, --min-gate-entropy); largest mean {gmax:.3f} "
-                     f"(limit {th.max_gate_mean:g}, --max-gate-mean){sel}{bad}")
+    return Criterion(
+        "gates",
+        GO if ok else NO_GO,
+        f"window means {branch}; entropy {e:.3f} nats (max ln3 = {math.log(3):.3f}; "
+        f"floor {th.min_gate_entropy:g}, --min-gate-entropy); largest mean {gmax:.3f} "
+        f"(limit {th.max_gate_mean:g}, --max-gate-mean){sel}{bad}",
+    )
 
 
 def _anomalies(run: Run, fig: dict) -> Criterion:
@@ -578,8 +623,11 @@ def _anomalies(run: Run, fig: dict) -> Criterion:
     if found:
         shown = found[:6] + ([f"... {len(found) - 6} more"] if len(found) > 6 else [])
         return Criterion("anomalies", NO_GO, "; ".join(shown))
-    checked = ".HALT, .anomaly_type, stackdump_*.txt" + (", heartbeat events" if run.heartbeats else "") + (
-        ", skipped column" if run.has_column("skipped") else "")
+    checked = (
+        ".HALT, .anomaly_type, stackdump_*.txt"
+        + (", heartbeat events" if run.heartbeats else "")
+        + (", skipped column" if run.has_column("skipped") else "")
+    )
     return Criterion("anomalies", GO, f"none ({checked})")
 
 
@@ -656,8 +704,14 @@ def markdown_summary(s: Summary, images: dict[str, str], skipped: dict[str, str]
     """A report page; `images` maps plot name -> relative PNG path, `skipped` plot name -> why not drawn."""
     h = "#" * level
     run = s.run
-    lines = [f"{h} Run report: {run.label}", "", f"- directory: `{run.path}`", f"- state: {s.state}",
-             f"- window: {s.window}", f"- verdict: **{s.verdict}**"]
+    lines = [
+        f"{h} Run report: {run.label}",
+        "",
+        f"- directory: `{run.path}`",
+        f"- state: {s.state}",
+        f"- window: {s.window}",
+        f"- verdict: **{s.verdict}**",
+    ]
     if run.missing:
         lines.append("- missing: " + "; ".join(f"`{m}`" for m in run.missing))
     lines += [f"- problem: {_md_escape(p)}" for p in run.problems]
@@ -719,9 +773,19 @@ def table_rows(ranked: list[tuple[int | None, Entry]]) -> list[tuple[str, ...]]:
             v = f.get(key)
             return "-" if v is None else format(v, spec)
 
-        out.append((str(rank) if rank else "-", e.label, e.status, num("toks_mean", ",.1f"), num("toks_pstdev", ",.1f"),
-                    str(f.get("toks_n", "-")), num("step_time_cv", ".3f"), num("loss_last", ".4f"),
-                    e.summary.verdict if e.summary else "-"))
+        out.append(
+            (
+                str(rank) if rank else "-",
+                e.label,
+                e.status,
+                num("toks_mean", ",.1f"),
+                num("toks_pstdev", ",.1f"),
+                str(f.get("toks_n", "-")),
+                num("step_time_cv", ".3f"),
+                num("loss_last", ".4f"),
+                e.summary.verdict if e.summary else "-",
+            )
+        )
     return out
 
 
@@ -729,8 +793,10 @@ def format_table(ranked: list[tuple[int | None, Entry]], last: int, tie_pct: flo
     rows = [_TABLE_HEAD] + table_rows(ranked)
     widths = [max(len(r[i]) for r in rows) for i in range(len(_TABLE_HEAD))]
     right = {0, 3, 4, 5, 6, 7}
-    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-             for r in rows]
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(_ranking_note(ranked, last, tie_pct))
     lines += [f"{e.label}: {e.error}" for _, e in ranked if e.error]

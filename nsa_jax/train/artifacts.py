@@ -107,9 +107,7 @@ def memory_snapshot() -> dict[str, Any]:
 def _git_sha() -> str | None:
     root = pathlib.Path(__file__).resolve().parents[2]
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -165,8 +163,11 @@ def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None) -> dict[s
         "process_count": jax.process_count(),
         "devices": [str(d) for d in jax.devices()],
         "local_device_count": jax.local_device_count(),
-        "mesh": {"axis_names": list(mesh.axis_names), "shape": dict(mesh.shape),
-                 "devices": [str(d) for d in mesh.devices.flat]},
+        "mesh": {
+            "axis_names": list(mesh.axis_names),
+            "shape": dict(mesh.shape),
+            "devices": [str(d) for d in mesh.devices.flat],
+        },
         "attention_impl": describe_impl(cfg.model.nsa.attention_impl, block_size=cfg.model.nsa.lp),
         "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
         "nsa_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NSA_")},
@@ -194,8 +195,17 @@ class Heartbeat:
 
     def event(self, event: str, step: int, msg: str = "", **fields: Any) -> None:
         ts = time.time()
-        rec = {"ts": ts, "iso": _iso(ts), "pid": self.pid, "rank": self.rank, "step": int(step),
-               "event": event, "msg": msg, "memory": memory_snapshot(), **fields}
+        rec = {
+            "ts": ts,
+            "iso": _iso(ts),
+            "pid": self.pid,
+            "rank": self.rank,
+            "step": int(step),
+            "event": event,
+            "msg": msg,
+            "memory": memory_snapshot(),
+            **fields,
+        }
         self.f.write(json.dumps(rec, default=_json_default) + "\n")
 
     def close(self) -> None:

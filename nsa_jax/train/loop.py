@@ -52,9 +52,7 @@ def fmt_duration(seconds: float) -> str:
 
 def progress_line(step: int, steps: int, loss: float, lr: float, toks_per_s: float, eta_s: float) -> str:
     """`step 40/300 | loss 3.1234 | lr 1.00e-03 | 12,345 tok/s | ETA 1m23s`."""
-    return (
-        f"step {step}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {toks_per_s:,.0f} tok/s | ETA {fmt_duration(eta_s)}"
-    )
+    return f"step {step}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {toks_per_s:,.0f} tok/s | ETA {fmt_duration(eta_s)}"
 
 
 def memory_summary(compiled) -> dict[str, int] | None:
@@ -65,8 +63,13 @@ def memory_summary(compiled) -> dict[str, int] | None:
         return None
     if m is None:
         return None
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "generated_code_size_in_bytes")
+    keys = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     return {k: int(getattr(m, k, 0) or 0) for k in keys}
 
 
@@ -116,8 +119,7 @@ class Trainer:
         if data_state is not None:
             self.data.set_state(data_state)
         # The CSVs keep their rows up to the checkpoint; later steps are re-run and appended.
-        self.art = RunArtifacts(cfg, self.out, self.mesh, applied_env,
-                                resume_step=restored.step if restored else None)
+        self.art = RunArtifacts(cfg, self.out, self.mesh, applied_env, resume_step=restored.step if restored else None)
         if restored is not None:
             how = "" if restored.train_data is not None else " (data stream restarted: checkpoint.restore_data=false)"
             self.say(f"resume: step {restored.step} from {restored.path}{how}")
@@ -127,8 +129,9 @@ class Trainer:
             f"per-device batch {cfg.train.global_batch // n_dev} x accumulate {cfg.train.accumulate}, "
             f"{self.tokens_per_step:,} tokens/step -> {self.out}"
         )
-        self.art.event("boot", 0, "boot", devices=n_dev, processes=jax.process_count(),
-                       tokens_per_step=self.tokens_per_step)
+        self.art.event(
+            "boot", 0, "boot", devices=n_dev, processes=jax.process_count(), tokens_per_step=self.tokens_per_step
+        )
         self._first = self._first_batch()
         self.evaluator: Evaluator | None = None  # built at the first evaluation
         self.state = state
@@ -229,14 +232,14 @@ class Trainer:
         cfg = self.cfg
         t_start = time.perf_counter()
         # SIGUSR1 dumps from here on; the stall clock starts with the first step.
-        self.health = Health(self.out, rank=jax.process_index(), stall_seconds=cfg.ops.stall_seconds,
-                             event=self.art.event).start()
+        self.health = Health(
+            self.out, rank=jax.process_index(), stall_seconds=cfg.ops.stall_seconds, event=self.art.event
+        ).start()
         with self.health.paused():
             batch = self._next_batch()
             step_fn = self.compile(batch)
         start = int(self.state.step)
-        self.summary = {"first_loss": None, "last_loss": None, "steps_done": start, "halted": None,
-                        "skipped_steps": 0}
+        self.summary = {"first_loss": None, "last_loss": None, "steps_done": start, "halted": None, "skipped_steps": 0}
         self._t_loop = self._last_done = time.perf_counter()
         self._interval = {"t": self._t_loop, "steps": 0}
         pending: _Pending | None = None
@@ -288,8 +291,11 @@ class Trainer:
             self._preempt.uninstall()
             loop_s = time.perf_counter() - self._t_loop
             done = self.summary["steps_done"] - start
-            self.summary.update(wall_s=time.perf_counter() - t_start, loop_s=loop_s,
-                                toks_per_s=done * self.tokens_per_step / max(loop_s, 1e-9))
+            self.summary.update(
+                wall_s=time.perf_counter() - t_start,
+                loop_s=loop_s,
+                toks_per_s=done * self.tokens_per_step / max(loop_s, 1e-9),
+            )
             if error is None:
                 self.art.event("done", self.summary["steps_done"], "done", **self.summary)
             else:  # watchdogs must tell a crash from a finished run
@@ -301,7 +307,8 @@ class Trainer:
         self.say(
             f"done: {done} steps in {fmt_duration(loop_s)} (+{fmt_duration(s['wall_s'] - loop_s)} boot/compile) | "
             f"{s['toks_per_s']:,.0f} tok/s | loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}"
-            if done > 0 else "done: no steps run"
+            if done > 0
+            else "done: no steps run"
         )
         return s
 
@@ -329,10 +336,17 @@ class Trainer:
         loss, lr = float(m["loss"]), float(m["lr"])
         aux = _aux_means(m)
         row = {
-            "step": p.step, "loss": loss, "lr": lr, "toks_per_s": self.tokens_per_step / max(step_time, 1e-9),
-            "grad_norm": float(m["grad_norm"]), "step_time_s": step_time,
-            "tokens": p.step * self.tokens_per_step, "elapsed_s": now - self._t_loop,
-            "skipped": int(m["skipped"]), "val_loss": val and val["val_loss"], **aux,
+            "step": p.step,
+            "loss": loss,
+            "lr": lr,
+            "toks_per_s": self.tokens_per_step / max(step_time, 1e-9),
+            "grad_norm": float(m["grad_norm"]),
+            "step_time_s": step_time,
+            "tokens": p.step * self.tokens_per_step,
+            "elapsed_s": now - self._t_loop,
+            "skipped": int(m["skipped"]),
+            "val_loss": val and val["val_loss"],
+            **aux,
         }
         self.art.row(row)
         self.art.event("step_end", p.step, "", loss=loss, lr=lr, step_time_s=step_time)
@@ -341,8 +355,9 @@ class Trainer:
         if val is not None:
             self.art.val_row({"step": p.step, "tokens": row["tokens"], "elapsed_s": row["elapsed_s"], **val})
             self.art.event("eval", p.step, format_eval(val).strip(" |"), **val)
-            scalars.update({"eval/loss": val["val_loss"], "eval/ppl": val["val_ppl"],
-                            "eval/retrieval_acc": val["retrieval_acc"]})
+            scalars.update(
+                {"eval/loss": val["val_loss"], "eval/ppl": val["val_ppl"], "eval/retrieval_acc": val["retrieval_acc"]}
+            )
         if self.summary["first_loss"] is None:
             self.summary["first_loss"] = loss
         self.summary.update(last_loss=loss, steps_done=p.step)
@@ -357,8 +372,9 @@ class Trainer:
                 line += format_eval(val)
             self.say(line)
             self.art.event("progress", p.step, line, loss=loss, lr=lr, toks_per_s=rate)
-            scalars.update({"train/toks_per_s_interval": rate, **{f"aux/{k}": v for k, v in aux.items()},
-                            **_aux_per_layer(m)})
+            scalars.update(
+                {"train/toks_per_s_interval": rate, **{f"aux/{k}": v for k, v in aux.items()}, **_aux_per_layer(m)}
+            )
             self._interval = {"t": now, "steps": 0}
         elif val is not None:
             self.say(f"eval: step {p.step}{format_eval(val)}")
@@ -406,4 +422,3 @@ def _aux_per_layer(m: dict[str, Any]) -> dict[str, float]:
 def train(cfg: Config, **kwargs: Any) -> dict[str, Any]:
     """Trainer(cfg, **kwargs).run()."""
     return Trainer(cfg, **kwargs).run()
-
