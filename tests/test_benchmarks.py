@@ -33,6 +33,7 @@ def run_cli(script: str, *args: str, timeout: float = 300) -> subprocess.Complet
     return proc
 
 
+@pytest.mark.slow
 def test_bench_attention_cli_writes_json(tmp_path):
     out = tmp_path / "attention.json"
     proc = run_cli(
@@ -71,6 +72,7 @@ def test_bench_attention_cli_writes_json(tmp_path):
         assert key in row, key
 
 
+@pytest.mark.slow
 def test_bench_compile_cli_writes_json(tmp_path):
     out = tmp_path / "compile.json"
     proc = run_cli(
@@ -139,6 +141,7 @@ def test_hlo_collective_parser_on_known_programs():
     assert (ran["count"], ran["bytes"], ran["executed_count"], ran["executed_bytes"]) == (1, 512, 3, 1536)
 
 
+@pytest.mark.slow
 def test_bench_strategies_cli_writes_json(tmp_path):
     out = tmp_path / "strategies.json"
     args = "--strategies dp-bf16,zero1 --steps 1 --warmup 0 --set model.n_layers=1 --set train.seq_len=32"
@@ -186,6 +189,7 @@ def test_profile_instruction_sources_name_ops_and_kinds():
     assert P.part_of("jit(step)/something/else") == "other"
 
 
+@pytest.mark.slow
 def test_profile_step_cli_writes_json(tmp_path):
     out = tmp_path / "profile.json"
     proc = run_cli(
@@ -212,6 +216,7 @@ def test_profile_step_cli_writes_json(tmp_path):
     assert any((tmp_path / "trace").rglob("*.xplane.pb"))
 
 
+@pytest.mark.slow
 def test_kv_recall_ablation_cli_variant_overrides(tmp_path):
     """A variant's own overrides apply to its model only; --data-window keeps the rows the same."""
     out = tmp_path / "kv.json"

@@ -175,6 +175,7 @@ def cfg_of(env, **over):
     return load_config("cpu_tiny", SETS + [f"data.path={env['corpus']}", *extra])
 
 
+@pytest.mark.slow
 def test_sigterm_then_kill_in_commit_then_resume_is_exact(env, reference):
     ref_rows = rows(reference)
     assert [int(r["step"]) for r in ref_rows] == list(range(1, N + 1))
@@ -232,6 +233,7 @@ def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     return dst
 
 
+@pytest.mark.slow
 def test_saved_on_two_devices_restores_on_one(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
@@ -266,6 +268,7 @@ def _truncate_state(step_dir: pathlib.Path) -> None:
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+@pytest.mark.slow
 def test_corrupt_latest_falls_back_to_previous(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     cdir = C.checkpoint_dir(out)
@@ -293,6 +296,7 @@ def test_corrupt_latest_falls_back_to_previous(env, reference, tmp_path):
     assert cfg2.model == cfg.model and tree_equal(params, C.restore_params(C.checkpoint_dir(reference) / "6"))
 
 
+@pytest.mark.slow
 def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     for s in C.complete_steps(C.checkpoint_dir(out)):
@@ -308,6 +312,7 @@ def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
         C.load_for_inference(out, warn=lambda m: None)
 
 
+@pytest.mark.slow
 def test_resume_with_another_model_is_refused(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     cfg = cfg_of(env, **{"train.out_dir": str(out), "model.d_model": 96})
@@ -320,6 +325,7 @@ def test_resume_with_another_model_is_refused(env, reference, tmp_path):
     assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6, 8]  # nothing moved aside
 
 
+@pytest.mark.slow
 def test_launcher_policy_protects_checkpoints(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
@@ -388,6 +394,7 @@ jax.distributed.shutdown()
 """
 
 
+@pytest.mark.slow
 def test_processes_agree_on_the_stop_step(env):
     import socket
 
@@ -414,6 +421,7 @@ def test_processes_agree_on_the_stop_step(env):
     assert lines == ["stopped before 5", "stopped before 5"], lines
 
 
+@pytest.mark.slow
 def test_generate_loads_a_checkpoint(env, reference):
     r = subprocess.run(
         [

@@ -94,6 +94,7 @@ def test_keys_per_query_matches_the_papers_decode_budget():
     assert k["dense"] == pytest.approx((65536 + 1) / 2)
 
 
+@pytest.mark.slow
 def test_info_cli():
     out = subprocess.run(
         [sys.executable, "-m", "launch.info", "--config", "a100_pcie"], capture_output=True, text=True, check=True

@@ -120,6 +120,7 @@ def test_first_host_of_a_slurm_node_list(nodes, first):
     assert D.first_host(nodes) == first
 
 
+@pytest.mark.slow
 def test_launch_train_reports_incomplete_settings_in_one_line(tmp_path):
     r = subprocess.run(
         [
@@ -173,6 +174,7 @@ STUCK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_dumps_while_the_main_thread_is_stuck_in_c_then_exits_on_stall(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
@@ -267,6 +269,7 @@ HANGS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_trainer_sigusr1_dump_then_stall_exit(tmp_path):
     """SIGUSR1 while a step is blocked: dump, training goes on; then a hang: dump, watchdog_dump, exit 75.
 
@@ -320,6 +323,7 @@ def test_trainer_sigusr1_dump_then_stall_exit(tmp_path):
     assert sorted(q.name for q in run.glob("stackdump_*_rank0.txt")) == sorted(path.name for _, _, path in dumps)
 
 
+@pytest.mark.slow
 def test_trainer_counts_skipped_updates_then_halts_at_max_skips(tmp_path):
     run = tmp_path / "run"
     r = subprocess.run(

@@ -109,6 +109,7 @@ def prepared(tmp_path_factory):
 # prepare_data
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_counts_and_layout(tmp_path):
     docs = make_docs(60, seed=0)
     write_mixed_corpus(tmp_path / "in", docs)

@@ -227,6 +227,7 @@ def test_csv_columns_match_the_trainer():
     assert S.CSV_COLUMNS == CSV_HEAD + CSV_TAIL + CSV_AUX
 
 
+@pytest.mark.slow
 def test_summary_figures_match_a_recomputation_from_the_files(run_dir):
     rows = read_csv_dicts(run_dir / "training.csv")
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -260,6 +261,7 @@ def test_summary_figures_match_a_recomputation_from_the_files(run_dir):
     assert s.state == "finished: 6 of 6 steps"
 
 
+@pytest.mark.slow
 def test_report_cli_prints_criteria_and_writes_plots(run_dir, tmp_path, capsys):
     out = tmp_path / "rep"
     assert R.main([str(run_dir), "--last", str(LAST), "--out", str(out)]) == 0
@@ -287,6 +289,7 @@ def test_report_cli_prints_criteria_and_writes_plots(run_dir, tmp_path, capsys):
     assert (run_dir / "report" / "report.md").is_file()
 
 
+@pytest.mark.slow
 def test_figures_hold_the_expected_series(run_dir):
     rows = read_csv_dicts(run_dir / "training.csv")
     run = S.load_run(run_dir)
@@ -309,6 +312,7 @@ def test_figures_hold_the_expected_series(run_dir):
     assert len(figs["memory"].axes[0].lines) == 1 and len(figs["selection"].axes[0].lines) == 1
 
 
+@pytest.mark.slow
 def test_partial_run_reports_what_is_there(run_dir, tmp_path, capsys):
     d = tmp_path / "partial"
     shutil.copytree(run_dir, d, ignore=shutil.ignore_patterns("report", "tb"))
@@ -330,6 +334,7 @@ def test_partial_run_reports_what_is_there(run_dir, tmp_path, capsys):
     assert "memory (no heartbeat memory readings)" in page and (d / "report" / "loss.png").is_file()
 
 
+@pytest.mark.slow
 def test_rows_come_from_heartbeats_when_training_csv_is_off(run_dir, tmp_path):
     d = tmp_path / "nocsv"
     shutil.copytree(run_dir, d, ignore=shutil.ignore_patterns("report", "tb", "training.csv"))
@@ -340,6 +345,7 @@ def test_rows_come_from_heartbeats_when_training_csv_is_off(run_dir, tmp_path):
     assert status(s)["gates"] == "N/A"
 
 
+@pytest.mark.slow
 def test_empty_dir_and_missing_path(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -468,6 +474,7 @@ def test_ranking_prefers_higher_mean_and_breaks_ties_on_spread(tmp_path, capsys)
 # sweep
 
 
+@pytest.mark.slow
 def test_sweep_runs_variants_and_ends_with_the_ranked_table(sweep):
     root, r = sweep
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]  # one variant failed

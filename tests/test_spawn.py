@@ -12,10 +12,11 @@ import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import pytest
 
-from launch.spawn import child_env, exit_status  # noqa: E402
+from launch.spawn import child_env, exit_status
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TINY = [
     "model.d_model=64",
@@ -52,6 +53,7 @@ def spawn(*args: str, timeout: float = 400, **kw) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_two_process_training_run(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out)]
@@ -84,6 +86,7 @@ def test_two_process_training_run(tmp_path):
     assert env_json["process_count"] == 2 and env_json["mesh"]["shape"] == {"data": 2}
 
 
+@pytest.mark.slow
 def test_a_bad_flag_fails_the_spawn():
     r = spawn("--nproc", "2", "--", sys.executable, "-m", "launch.train", "--bogus", timeout=120)
     assert r.returncode == 2, r.stderr
@@ -92,6 +95,7 @@ def test_a_bad_flag_fails_the_spawn():
     assert re.search(r"\[[01]\] error: unrecognized arguments: --bogus", r.stderr), r.stderr
 
 
+@pytest.mark.slow
 def test_one_failing_child_stops_the_others():
     code = (
         "import os, sys, time\n"
@@ -107,6 +111,7 @@ def test_one_failing_child_stops_the_others():
     assert "[spawn] rank 1 exited with status 3; stopping ranks [0, 2]" in r.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_is_forwarded_to_every_child(tmp_path):
     code = (
         "import os, signal, sys, time\n"

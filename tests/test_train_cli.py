@@ -65,6 +65,7 @@ def read_heartbeat(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
     out = tmp_path / "run"
     extra = ["train.log_every=2", "train.eval_every=2", "train.eval_batches=1"]
@@ -132,6 +133,7 @@ def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
     assert (out / "training.csv").read_text() == before
 
 
+@pytest.mark.slow
 def test_env_toggles_switch_artifacts_off(tmp_path):
     out = tmp_path / "quiet"
     # Only the compressed branch: the artifacts are the point here, and it compiles fastest.
@@ -159,6 +161,7 @@ def test_env_toggles_switch_artifacts_off(tmp_path):
         (["--set", "train.global_batch=3", *sets(TINY[:-1])], {}),  # 3 rows over 2 devices
     ],
 )
+@pytest.mark.slow
 def test_bad_input_gives_one_error_line_and_status_2(tmp_path, args, env):
     r = launch(["--config", "cpu_tiny", "--out-dir", str(tmp_path / "x"), *args], env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -167,6 +170,7 @@ def test_bad_input_gives_one_error_line_and_status_2(tmp_path, args, env):
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
 
 
+@pytest.mark.slow
 def test_launcher_does_not_import_jax_before_setting_flags():
     code = "import sys, launch.train; print('jax' in sys.modules)"
     r = subprocess.run(

@@ -99,6 +99,7 @@ def test_watchdog_reads_the_columns_the_trainer_writes():
     assert HEADER[3] == "toks_per_s"  # torch runbook scripts read column 3
 
 
+@pytest.mark.slow
 def test_stalled_heartbeat_halts(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -118,6 +119,7 @@ def test_stalled_heartbeat_halts(tmp_path):
     assert why.startswith("watchdog: rank 1: no heartbeat for 1") and "step_end" in why, why
 
 
+@pytest.mark.slow
 def test_no_stall_while_heartbeats_are_fresh(tmp_path):
     run = fresh_run(tmp_path, [healthy_row(s) for s in range(1, 20)], ranks=(0, 1))
     r = watchdog(run, "--halt", "1", "--stall-seconds", "30", "--once")
@@ -125,6 +127,7 @@ def test_no_stall_while_heartbeats_are_fresh(tmp_path):
     assert not (run / ".HALT").exists() and "ok: rank 0 step 19" in r.stdout
 
 
+@pytest.mark.slow
 def test_trainer_stall_dump_is_a_stall_at_once(tmp_path):
     run = fresh_run(tmp_path, [healthy_row(s) for s in range(1, 5)])
     beat(run, 0, "watchdog_dump", 4, reason="stall", path="x")
@@ -140,6 +143,7 @@ def test_trainer_stall_dump_is_a_stall_at_once(tmp_path):
         ([50.0, 40.0, 45.0], "under 0.1 x the median"),
     ],
 )
+@pytest.mark.slow
 def test_throughput_flatline_halts(tmp_path, tail, expect):
     rows = [healthy_row(s) for s in range(1, 31)]
     rows += [healthy_row(31 + i, toks_per_s=v) for i, v in enumerate(tail)]
@@ -150,6 +154,7 @@ def test_throughput_flatline_halts(tmp_path, tail, expect):
     assert kind == "throughput_flatline" and expect in why, why
 
 
+@pytest.mark.slow
 def test_throughput_dip_shorter_than_patience_is_ignored(tmp_path):
     rows = [healthy_row(s) for s in range(1, 31)]
     rows[-2]["toks_per_s"] = 0.0  # one slow step (an evaluation, a checkpoint save)
@@ -165,6 +170,7 @@ def test_throughput_dip_shorter_than_patience_is_ignored(tmp_path):
         ({"gate_slc": 0.999}, "largest gate mean over 0.99"),
     ],
 )
+@pytest.mark.slow
 def test_gate_collapse_halts(tmp_path, over, expect):
     rows = [healthy_row(s) for s in range(1, 10)] + [healthy_row(s, **over) for s in range(10, 13)]
     run = fresh_run(tmp_path, rows)
@@ -174,6 +180,7 @@ def test_gate_collapse_halts(tmp_path, over, expect):
     assert kind == "gate_collapse" and expect in why, why
 
 
+@pytest.mark.slow
 def test_zero_grad_norm_halts_and_report_only_mode_does_not(tmp_path):
     rows = [healthy_row(s) for s in range(1, 5)] + [healthy_row(s, grad_norm=0.0) for s in range(5, 8)]
     run = fresh_run(tmp_path, rows)
@@ -183,6 +190,7 @@ def test_zero_grad_norm_halts_and_report_only_mode_does_not(tmp_path):
     assert r.returncode == 1 and halt_files(run)[0] == "zero_grad_norm"
 
 
+@pytest.mark.slow
 def test_csv_is_read_by_column_name(tmp_path):
     # Columns in another order, extra ones: a zero grad norm must still be found by name...
     header = ["step", "grad_norm", "loss", "lr", "toks_per_s", "extra"]
@@ -201,6 +209,7 @@ def test_csv_is_read_by_column_name(tmp_path):
     assert halt_files(legacy)[0] == "throughput_flatline"
 
 
+@pytest.mark.slow
 def test_halt_written_by_the_trainer_ends_the_watch(tmp_path):
     run = fresh_run(tmp_path, [healthy_row(1)])
     (run / ".anomaly_type").write_text("nan_loss\n")
@@ -227,6 +236,7 @@ def test_line_tail_partial_lines_truncation_and_rotation(tmp_path):
     assert tail.read() == ([], False)
 
 
+@pytest.mark.slow
 def test_healthy_run_that_grows_and_ends_exits_0(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -262,6 +272,7 @@ def test_healthy_run_that_grows_and_ends_exits_0(tmp_path):
     assert not (run / ".HALT").exists()
 
 
+@pytest.mark.slow
 def test_real_training_run(tmp_path):
     """The watchdog beside a real (tiny) training run: it sees the steps, the end, and no anomaly."""
     run = tmp_path / "run"
@@ -338,6 +349,7 @@ def test_real_training_run(tmp_path):
     assert "rank 0" in halt_files(stale)[1] and "at step 6" in halt_files(stale)[1]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_appending_to_its_heartbeat_is_watched_again(tmp_path):
     old = time.time() - 60
     run = fresh_run(tmp_path, [])
@@ -354,6 +366,7 @@ def test_a_resumed_run_appending_to_its_heartbeat_is_watched_again(tmp_path):
     assert r.returncode == 0 and "run ended" not in r.stdout and "ok: rank 0 step 3" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_a_crash_event_is_an_anomaly(tmp_path):
     run = fresh_run(tmp_path, [healthy_row(s) for s in range(1, 5)])
     beat(run, 0, "crash", 4, msg="RuntimeError: device lost")
@@ -363,6 +376,7 @@ def test_a_crash_event_is_an_anomaly(tmp_path):
     assert kind == "crash" and "rank 0: the trainer raised after step 4: RuntimeError: device lost" in why
 
 
+@pytest.mark.slow
 def test_a_trainer_that_raises_writes_crash_not_done(tmp_path):
     """In process: the data stream fails at the third batch; the heartbeat must end in `crash`."""
     from nsa_jax.config import load_config
