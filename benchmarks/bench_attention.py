@@ -35,7 +35,6 @@ backward, bfloat16.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -43,10 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
     MiB,
     available_memory_bytes,
     compile_fn,
@@ -62,11 +58,10 @@ from common import (  # noqa: E402
     time_compiled,
     write_json,
 )
-
-from nsa_jax.config import ModelConfig, load_config  # noqa: E402
-from nsa_jax.kernels import describe_impl  # noqa: E402
-from nsa_jax.layers import rope  # noqa: E402
-from nsa_jax.nsa.layer import NSAAttention  # noqa: E402
+from nsa_jax.config import ModelConfig, load_config
+from nsa_jax.kernels import describe_impl
+from nsa_jax.layers import rope
+from nsa_jax.nsa.layer import NSAAttention
 
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096, 8192)

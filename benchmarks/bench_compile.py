@@ -16,8 +16,8 @@ then the AdamW update. It reports
 Nothing is allocated or run: parameters, optimizer state and batch are
 `jax.ShapeDtypeStruct`s from `jax.eval_shape`. The step is
 `nsa_jax.train.step.make_train_step` (data-parallel shard_map over a mesh of
-`--devices` devices, donated state) when that module is importable, otherwise a
-minimal equivalent built here (`--step minimal` forces it).
+`--devices` devices, donated state), or with `--step minimal` a minimal
+equivalent built here.
 
 Compilation targets the local backend: on a CPU host that is XLA:CPU with the
 XLA attention kernels (`attention_impl: auto` picks Pallas only on GPU), so the
@@ -25,7 +25,7 @@ seconds and bytes describe that target; the scan-vs-unrolled and remat trends
 are what carries over.
 
 Usage:
-  python benchmarks/bench_compile.py [--config a100_pcie] [--seq-len 2048]
+  python -m benchmarks.bench_compile [--config a100_pcie] [--seq-len 2048]
       [--remat none,full] [--scan true,false] [--n-layers 2,12] [--json out.json]
 """
 
@@ -33,32 +33,22 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import fmt, fmt_mib, log, memory_stats, parse_ints, print_header, short_error, write_json  # noqa: E402
-
-from nsa_jax.config import Config, load_config  # noqa: E402
-from nsa_jax.kernels import describe_impl  # noqa: E402
-from nsa_jax.model import NSALM, cross_entropy, init_params  # noqa: E402
+from benchmarks.common import fmt, fmt_mib, log, memory_stats, parse_ints, print_header, short_error, write_json
+from nsa_jax.config import Config, load_config
+from nsa_jax.kernels import describe_impl
+from nsa_jax.model import NSALM, cross_entropy, init_params
+from nsa_jax.train.state import init_state
+from nsa_jax.train.step import make_mesh, make_train_step
 
 
 def project_step(cfg: Config, n_devices: int):
-    """(jitted step, abstract args) from nsa_jax.train, or None when it is not available."""
-    try:
-        from nsa_jax.train.state import init_state
-        from nsa_jax.train.step import make_mesh, make_train_step
-    except ImportError as e:
-        log(f"nsa_jax.train.step not importable ({short_error(e)}): using the minimal step")
-        return None
+    """(jitted step, abstract args) from nsa_jax.train."""
     mesh = make_mesh(cfg, jax.devices()[:n_devices])
     step = make_train_step(cfg, mesh)
     state = jax.eval_shape(functools.partial(init_state, cfg), jax.random.PRNGKey(0))
@@ -99,11 +89,8 @@ def minimal_step(cfg: Config):
 
 
 def measure(cfg: Config, step_kind: str, n_devices: int) -> dict:
-    built = project_step(cfg, n_devices) if step_kind in ("auto", "project") else None
-    if built is None and step_kind == "project":
-        raise SystemExit("--step project: nsa_jax.train.step is not importable")
-    used = "project" if built is not None else "minimal"
-    step, args = built if built is not None else minimal_step(cfg)
+    used = "minimal" if step_kind == "minimal" else "project"  # auto: the project step
+    step, args = minimal_step(cfg) if used == "minimal" else project_step(cfg, n_devices)
     t0 = time.perf_counter()
     lowered = step.lower(*args)
     t1 = time.perf_counter()
@@ -139,7 +126,7 @@ def main(argv=None) -> None:
         "--step",
         default="auto",
         choices=("auto", "project", "minimal"),
-        help="project = nsa_jax.train.step.make_train_step; auto falls back to minimal",
+        help="project (and auto) = nsa_jax.train.step.make_train_step; minimal = a step built here",
     )
     parser.add_argument(
         "--set",

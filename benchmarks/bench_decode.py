@@ -30,21 +30,18 @@ import sys
 import time
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import flax.linen as nn  # noqa: E402
-
-from nsa_jax.config import ModelConfig, NSAConfig  # noqa: E402
-from nsa_jax.inference import decode_step, init_cache  # noqa: E402
-from nsa_jax.inference.decode import embed_tokens, inference_config, lm_head, mlp_step  # noqa: E402
-from nsa_jax.info import param_shapes  # noqa: E402
-from nsa_jax.kernels.xla import masked_softmax_attend  # noqa: E402
-from nsa_jax.layers import RMSNorm, rope  # noqa: E402
-from nsa_jax.nsa.selection import num_compressed  # noqa: E402
+from nsa_jax.config import ModelConfig, NSAConfig
+from nsa_jax.inference import decode_step, init_cache
+from nsa_jax.inference.decode import embed_tokens, inference_config, lm_head, mlp_step
+from nsa_jax.info import param_shapes
+from nsa_jax.kernels.xla import masked_softmax_attend
+from nsa_jax.layers import RMSNorm, rope
+from nsa_jax.nsa.selection import num_compressed
 
 PROD_NSA = NSAConfig(l=32, d=16, lp=64, n=16, w=512, attention_impl="xla")
 TABLE_CONTEXTS = (8192, 16384, 32768, 65536)

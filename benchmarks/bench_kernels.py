@@ -24,23 +24,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json  # noqa: E402
-
-from nsa_jax.kernels.selection_pallas import selection_attention_pallas  # noqa: E402
-from nsa_jax.kernels.window_pallas import window_attention_pallas  # noqa: E402
-from nsa_jax.nsa.compression import compressed_attention  # noqa: E402
+from benchmarks.common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json
+from nsa_jax.kernels.selection_pallas import selection_attention_pallas
+from nsa_jax.kernels.window_pallas import window_attention_pallas
+from nsa_jax.nsa.compression import compressed_attention
 
 try:
-    from nsa_jax.kernels import xla as xla_kernels  # noqa: E402
+    from nsa_jax.kernels import xla as xla_kernels
 except ImportError:  # the reference path is optional for this script
     xla_kernels = None
 

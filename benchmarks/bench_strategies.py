@@ -24,7 +24,7 @@ step (`nsa_jax.train.step.make_train_step`) and reports
   agree up to reduction rounding).
 
 Usage:
-  python benchmarks/bench_strategies.py [--config cpu_tiny] [--steps 5] [--json out.json]
+  python -m benchmarks.bench_strategies [--config cpu_tiny] [--steps 5] [--json out.json]
       [--strategies dp-bf16,dp-fp32,pmap,gspmd,zero1,fsdp] [--reduce-dtype float32] [--set KEY=VALUE]
 """
 
@@ -34,7 +34,6 @@ import argparse
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -43,17 +42,13 @@ from pathlib import Path
 if "XLA_FLAGS" not in os.environ:  # before jax is imported: two devices on a CPU host
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import MiB, fmt, log, memory_stats, print_header, short_error, write_json  # noqa: E402
-
-from nsa_jax.config import load_config  # noqa: E402
-from nsa_jax.train import step as S  # noqa: E402
-from nsa_jax.train import strategies  # noqa: E402
+from benchmarks.common import MiB, fmt, log, memory_stats, print_header, short_error, write_json
+from nsa_jax.config import load_config
+from nsa_jax.train import step as S
+from nsa_jax.train import strategies
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 SHORT = {

@@ -6,8 +6,8 @@ actually does: QK and PV over the keys each branch reads, from nsa_jax.info),
 and MFU = achieved FLOP/s / peak, where the peak is a large matmul in the
 compute dtype timed in the same run:
 
-    python benchmarks/bench_train.py --configs cpu_tiny --steps 10
-    python benchmarks/bench_train.py --configs cpu_tiny,a100_pcie --set train.seq_len=256 --json out.json
+    python -m benchmarks.bench_train --configs cpu_tiny --steps 10
+    python -m benchmarks.bench_train --configs cpu_tiny,a100_pcie --set train.seq_len=256 --json out.json
 """
 
 from __future__ import annotations

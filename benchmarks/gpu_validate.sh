@@ -8,13 +8,13 @@
 #   tests      the Pallas kernel tests compiled through Triton (not interpreted)
 #              against the float64 per-token reference, the NSA layer (Pallas kernels)
 #              against the naive reference, and Pallas-vs-XLA training steps
-#   kernels    benchmarks/bench_kernels.py: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
-#   attention  benchmarks/bench_attention.py: the NSA layer vs dense attention over T
-#   train      benchmarks/bench_train.py: a100_pcie tokens/s and MFU against the measured bf16 peak
+#   kernels    python -m benchmarks.bench_kernels: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
+#   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
+#   train      python -m benchmarks.bench_train: a100_pcie tokens/s and MFU against the measured bf16 peak
 #   smoke      python -m launch.train --config a100_pcie for a few steps, then resumed from its
 #              checkpoint (artifacts in OUT_DIR/run)
-#   profile    benchmarks/profile_step.py: where one NSA layer's fwd+bwd time goes (T=PROFILE_SEQ_LEN)
-#   kv         benchmarks/kv_recall_ablation.py: NSA vs NSA without selection (KV_ARGS adds flags)
+#   profile    python -m benchmarks.profile_step: where one NSA layer's fwd+bwd time goes (T=PROFILE_SEQ_LEN)
+#   kv         python -m benchmarks.kv_recall_ablation: NSA vs NSA without selection (KV_ARGS adds flags)
 #
 # Each part has its own time limit (seconds, PART_TIMEOUT_<part>), writes OUT_DIR/<part>.log
 # (and .json where the benchmark has one) and a line to OUT_DIR/summary.txt; a failing
@@ -59,15 +59,15 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             tests/test_pallas_model.py tests/test_nsa_layer.py -k "not lowers"
         ;;
     kernels)
-        run_part kernels 420 "$PY" benchmarks/bench_kernels.py --backward \
+        run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward \
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
     attention)
-        run_part attention 540 "$PY" benchmarks/bench_attention.py --backward \
+        run_part attention 540 "$PY" -m benchmarks.bench_attention --backward \
             --seq-lens "${ATTN_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/attention.json"
         ;;
     train)
-        run_part train 420 "$PY" benchmarks/bench_train.py --configs a100_pcie --steps 5 \
+        run_part train 420 "$PY" -m benchmarks.bench_train --configs a100_pcie --steps 5 \
             --peak-n 8192 --json "$out/train.json"
         ;;
     smoke)
@@ -80,13 +80,13 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             $train --steps $((n + 10)) && tail -n 4 $out/run/training.csv"
         ;;
     profile)
-        run_part profile 300 "$PY" benchmarks/profile_step.py --layer --backward --config a100_pcie \
+        run_part profile 300 "$PY" -m benchmarks.profile_step --layer --backward --config a100_pcie \
             --set model.dtype=bfloat16 --seq-len "${PROFILE_SEQ_LEN:-32768}" --steps 2 --top 20 \
             --json "$out/profile.json"
         ;;
     kv)
         # shellcheck disable=SC2086
-        run_part kv 540 "$PY" benchmarks/kv_recall_ablation.py --json "$out/kv.json" ${KV_ARGS:-}
+        run_part kv 540 "$PY" -m benchmarks.kv_recall_ablation --json "$out/kv.json" ${KV_ARGS:-}
         ;;
     *)
         echo "unknown part: $part (env tests kernels attention train smoke profile kv)" >&2

@@ -8,9 +8,9 @@ emitted it (the HLO `op_name` metadata, Flax module path included), and the
 instructions are also summed per part of the model (selection, compression,
 window, gates, MLP, embedding/head, optimizer):
 
-    python benchmarks/profile_step.py --config cpu_tiny --steps 3
-    python benchmarks/profile_step.py --layer --config a100_pcie --seq-len 32768 --steps 1
-    python benchmarks/profile_step.py --layer --backward --seq-len 8192 --top 15 --json prof.json
+    python -m benchmarks.profile_step --config cpu_tiny --steps 3
+    python -m benchmarks.profile_step --layer --config a100_pcie --seq-len 32768 --steps 1
+    python -m benchmarks.profile_step --layer --backward --seq-len 8192 --top 15 --json prof.json
 
 On the CPU backend the instructions of one step run one after another on the
 calling thread or fan out over the intra-op pool; "op ms" is their summed
@@ -26,17 +26,17 @@ import gzip
 import json
 import pathlib
 import re
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from common import print_header, write_json  # noqa: E402
-
-from nsa_jax.config import load_config  # noqa: E402
+from benchmarks.common import print_header, write_json
+from nsa_jax.config import load_config
+from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.train import step as S
 
 # `%name = type opcode(...), ..., metadata={op_name="..." ...}` in compiled HLO text.
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s+.*?\s([\w\-]+)\((.*)$")
@@ -176,8 +176,6 @@ def short_op(op_name: str, width: int = 90) -> str:
 
 
 def train_step_program(cfg):
-    from nsa_jax.train import step as S
-
     mesh = S.make_mesh(cfg)
     state = S.create_state(cfg, mesh)
     train_step = S.make_train_step(cfg, mesh)
@@ -195,10 +193,6 @@ def train_step_program(cfg):
 
 
 def layer_program(cfg, seq_len: int, backward: bool):
-    import jax.numpy as jnp
-
-    from nsa_jax.nsa.layer import NSAAttention
-
     m = cfg.model
     module = NSAAttention(m)
     dtype = jnp.dtype(m.dtype)

@@ -13,23 +13,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import bench_strategies as BS
+from benchmarks import profile_step
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
 
 
-def run_cli(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.<module> ARGS` from the repository root."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
@@ -37,7 +45,7 @@ def run_cli(script: str, *args: str, timeout: float = 300) -> subprocess.Complet
 def test_bench_attention_cli_writes_json(tmp_path):
     out = tmp_path / "attention.json"
     proc = run_cli(
-        "bench_attention.py",
+        "bench_attention",
         "--config",
         "cpu_tiny",
         "--seq-lens",
@@ -76,7 +84,7 @@ def test_bench_attention_cli_writes_json(tmp_path):
 def test_bench_compile_cli_writes_json(tmp_path):
     out = tmp_path / "compile.json"
     proc = run_cli(
-        "bench_compile.py",
+        "bench_compile",
         "--config",
         "cpu_tiny",
         "--seq-len",
@@ -113,15 +121,6 @@ def test_bench_compile_cli_writes_json(tmp_path):
 def test_hlo_collective_parser_on_known_programs():
     """bench_strategies' parser: one bf16 psum of [128] is one 256-byte all-reduce as partitioned;
     a psum inside a 3-trip loop runs 3 times per call."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    sys.path.insert(0, str(BENCH))
-    import bench_strategies as BS
-
     mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
     psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
     compiled, partitioned = BS.compile_with_partitioned_hlo(psum.lower(jnp.ones((256,), jnp.bfloat16)))
@@ -145,7 +144,7 @@ def test_hlo_collective_parser_on_known_programs():
 def test_bench_strategies_cli_writes_json(tmp_path):
     out = tmp_path / "strategies.json"
     args = "--strategies dp-bf16,zero1 --steps 1 --warmup 0 --set model.n_layers=1 --set train.seq_len=32"
-    proc = run_cli("bench_strategies.py", *args.split(), "--set", "train.global_batch=2", "--json", str(out))
+    proc = run_cli("bench_strategies", *args.split(), "--set", "train.global_batch=2", "--json", str(out))
     assert "backend: cpu" in proc.stdout and "device: cpu (x2)" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["dp-bf16", "zero1"]
@@ -161,11 +160,6 @@ def test_bench_strategies_cli_writes_json(tmp_path):
 
 def test_profile_instruction_sources_name_ops_and_kinds():
     """The HLO parser maps compiled instructions to their JAX op and kind (matmul, transpose/copy, ...)."""
-    import jax
-    import jax.numpy as jnp
-
-    sys.path.insert(0, str(BENCH))
-    import profile_step as P
 
     def f(a_NxK, b_KxM):
         with jax.named_scope("my_matmul"):
@@ -176,7 +170,7 @@ def test_profile_instruction_sources_name_ops_and_kinds():
     a = jnp.ones((64, 32))
     b = jnp.ones((32, 48))
     text = jax.jit(f).lower(a, b).compile().as_text()
-    src = P.instruction_sources(text)
+    src = profile_step.instruction_sources(text)
     by_scope = {}
     for info in src.values():
         for scope in ("my_matmul", "my_flip"):
@@ -184,16 +178,16 @@ def test_profile_instruction_sources_name_ops_and_kinds():
                 by_scope.setdefault(scope, set()).add(info["kind"])
     assert "matmul" in by_scope["my_matmul"], by_scope
     assert by_scope["my_flip"] <= {"transpose/copy", "elementwise", "matmul"}, by_scope
-    assert P.part_of("jit(step)/layers/attn/nsa_slc/while/body/dot_general") == "selection"
-    assert P.part_of("jit(step)/layers/mlp/w1/dot_general") == "mlp"
-    assert P.part_of("jit(step)/something/else") == "other"
+    assert profile_step.part_of("jit(step)/layers/attn/nsa_slc/while/body/dot_general") == "selection"
+    assert profile_step.part_of("jit(step)/layers/mlp/w1/dot_general") == "mlp"
+    assert profile_step.part_of("jit(step)/something/else") == "other"
 
 
 @pytest.mark.slow
 def test_profile_step_cli_writes_json(tmp_path):
     out = tmp_path / "profile.json"
     proc = run_cli(
-        "profile_step.py",
+        "profile_step",
         "--layer",
         "--backward",
         "--config",
@@ -221,7 +215,7 @@ def test_kv_recall_ablation_cli_variant_overrides(tmp_path):
     """A variant's own overrides apply to its model only; --data-window keeps the rows the same."""
     out = tmp_path / "kv.json"
     run_cli(
-        "kv_recall_ablation.py",
+        "kv_recall_ablation",
         "--steps",
         "1",
         "--eval-every",
