@@ -200,28 +200,29 @@ def shard_bytes_on(tree, device) -> int:
     return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards if s.device == device)
 
 
-def grad_bytes_per_device(cfg, mesh, params_shapes) -> int:
-    shardings = strategies.grad_shardings(cfg, mesh, params_shapes)
+def grad_bytes_per_device(plan: strategies.ShardingPlan) -> int:
+    params_shapes = plan.state_shapes.params
     return sum(
         int(np.prod(sh.shard_shape(p.shape))) * 4  # reduced gradients are fp32
-        for p, sh in zip(jax.tree.leaves(params_shapes), jax.tree.leaves(shardings))
+        for p, sh in zip(jax.tree.leaves(params_shapes), jax.tree.leaves(plan.grads))
     )
 
 
 def measure(cfg, steps: int, warmup: int) -> dict:
     mesh = S.make_mesh(cfg)
+    plan = S.make_plan(cfg, mesh)
     device0 = mesh.devices.flat[0]
-    state = S.create_state(cfg, mesh)
+    state = S.create_state(plan)
     row = {
         "params_bytes": shard_bytes_on(state.params, device0),
         "opt_bytes": shard_bytes_on(state.opt_state, device0),
-        "grads_bytes": grad_bytes_per_device(cfg, mesh, strategies.state_shapes(cfg).params),
+        "grads_bytes": grad_bytes_per_device(plan),
     }
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32)
     batch = S.put_batch(tokens, mesh)
     t0 = time.perf_counter()
-    lowered = S.make_train_step(cfg, mesh).lower(state, batch)
+    lowered = S.make_train_step(plan).lower(state, batch)
     compiled, partitioned = compile_with_partitioned_hlo(lowered)
     row["compile_s"] = time.perf_counter() - t0
     row["mem"] = memory_stats(compiled)

@@ -54,8 +54,9 @@ def flops_per_token(cfg) -> dict[str, float]:
 def bench(name: str, overrides: list[str], steps: int) -> dict:
     cfg = load_config(name, overrides)
     mesh = S.make_mesh(cfg)
-    state = S.create_state(cfg, mesh)
-    train_step = S.make_train_step(cfg, mesh)
+    plan = S.make_plan(cfg, mesh)
+    state = S.create_state(plan)
+    train_step = S.make_train_step(plan)
     rng = np.random.default_rng(0)
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
     tokens = S.put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)

@@ -177,8 +177,9 @@ def short_op(op_name: str, width: int = 90) -> str:
 
 def train_step_program(cfg):
     mesh = S.make_mesh(cfg)
-    state = S.create_state(cfg, mesh)
-    train_step = S.make_train_step(cfg, mesh)
+    plan = S.make_plan(cfg, mesh)
+    state = S.create_state(plan)
+    train_step = S.make_train_step(plan)
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
     rng = np.random.default_rng(0)
     tokens = S.put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)

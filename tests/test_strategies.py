@@ -201,6 +201,23 @@ def test_state_is_placed_as_the_strategy_says(run, strategy, params_sharded, opt
     assert state.step.sharding.is_fully_replicated
 
 
+def test_plan_holds_the_strategy_shardings_and_checks_the_batch():
+    """make_plan: one object with what the step and the checkpoint restore place by (nothing compiled)."""
+    cfg = cfg_for("zero1")
+    plan = S.make_plan(cfg, mesh_of(2))
+    assert (plan.strategy, plan.n_devices) == ("zero1", 2)
+    for leaf, sharding in zip(jax.tree.leaves(plan.abstract_state()), jax.tree.leaves(plan.state)):
+        assert leaf.sharding == sharding
+    # zero1: replicated params, sharded moments and reduced gradients.
+    assert all(s.is_fully_replicated for s in jax.tree.leaves(plan.state.params))
+    assert not all(s.is_fully_replicated for s in jax.tree.leaves(plan.state.opt_state))
+    assert not all(s.is_fully_replicated for s in jax.tree.leaves(plan.grads))
+    assert S.as_plan(plan) is plan
+    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=3))
+    with pytest.raises(ValueError, match=r"^train.global_batch \(3\) must be divisible by the number of devices"):
+        S.make_plan(bad, mesh_of(2))
+
+
 def test_unknown_strategy_is_one_clear_line():
     cfg = cfg_for("dp")
     bad = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy="zero3"))

@@ -105,10 +105,11 @@ class Trainer:
         self.lead = jax.process_index() == 0
         self._print = print_fn
         self.mesh = S.make_mesh(cfg, devices)
-        n_dev = self.mesh.shape[S.AXIS]
-        S.per_device_batch(cfg, n_dev)
+        # Strategy, shardings and the batch split, derived and checked once for the run.
+        self.plan = S.make_plan(cfg, self.mesh)
+        n_dev = self.plan.n_devices
         self.tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
-        self.train_step = S.make_train_step(cfg, self.mesh)
+        self.train_step = S.make_train_step(self.plan)
         # Opening the stream validates the data settings before any artifact is written.
         self.data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
         # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/checkpoint.py).
@@ -212,7 +213,7 @@ class Trainer:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nsa-compile") as pool:
             job = pool.submit(timed_compile)
             if self.state is None:
-                self.state = S.create_state(self.cfg, self.mesh)
+                self.state = S.create_state(self.plan)
             compiled, seconds = job.result()
         mem = memory_summary(compiled)
         line = f"compile: {seconds:.1f}s"

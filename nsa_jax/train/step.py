@@ -12,8 +12,11 @@ One optimizer step:
      reduced gradient lives.
 
 How the state is placed and the gradient reduced is `parallel.strategy`
-(nsa_jax/train/strategies.py: dp, pmap, gspmd, zero1, fsdp); this module builds
-the loss and the update, and places state and batch with the strategy's shardings.
+(nsa_jax/train/strategies.py: dp, pmap, gspmd, zero1, fsdp), held for one run by a
+`ShardingPlan` (`make_plan(cfg, mesh)`, built once: the Trainer passes it to
+make_train_step and create_state); this module builds the loss and the update, and
+places state and batch as the plan says. The step builders also take (cfg, mesh)
+and build the plan themselves, for one-off steps (tests, benchmarks).
 
 Nothing here does I/O; the loop (loop.py) owns files, clocks and printing.
 """
@@ -36,6 +39,7 @@ from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.train import strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.state import TrainState, init_state
+from nsa_jax.train.strategies import ShardingPlan, make_plan, per_device_batch  # noqa: F401 (public API here too)
 
 AXIS = strategies.AXIS
 AUX_KEYS = ("gate_mean", "gate_entropy", "sel_far_frac")
@@ -59,16 +63,13 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     return Mesh(np.asarray(devices), (AXIS,))
 
 
-def per_device_batch(cfg: Config, n_devices: int) -> int:
-    """train.global_batch / devices; ValueError naming the fix when it does not divide."""
-    B = cfg.train.global_batch
-    if B % n_devices:
-        raise ValueError(
-            f"train.global_batch ({B}) must be divisible by the number of devices on the data axis "
-            f"({n_devices}); set train.global_batch (NSA_BATCH_SIZE) to a multiple of {n_devices} "
-            "or use fewer devices (parallel.num_devices)"
-        )
-    return B // n_devices
+def as_plan(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> ShardingPlan:
+    """`plan` itself, or the plan of a Config on `mesh` (the (cfg, mesh) form of the builders below)."""
+    if isinstance(plan, ShardingPlan):
+        return plan
+    if mesh is None:
+        raise TypeError("a Config needs its mesh: pass (cfg, mesh) or a ShardingPlan from make_plan")
+    return make_plan(plan, mesh)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -87,14 +88,15 @@ def put_batch(tokens_AxbxT1: np.ndarray, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_process_local_data(batch_sharding(mesh), tokens_AxbxT1, global_shape)
 
 
-def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
+def state_shardings(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> TrainState:
     """Where each TrainState leaf lives under parallel.strategy (a TrainState of NamedShardings)."""
-    return strategies.state_shardings(cfg, mesh)
+    return as_plan(plan, mesh).state
 
 
-def create_state(cfg: Config, mesh: Mesh) -> TrainState:
+def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> TrainState:
     """A fresh TrainState, initialised directly into the strategy's device buffers."""
-    return jax.jit(functools.partial(init_state, cfg), out_shardings=state_shardings(cfg, mesh))()
+    plan = as_plan(plan, mesh)
+    return jax.jit(functools.partial(init_state, plan.cfg), out_shardings=plan.state)()
 
 
 # ---------------------------------------------------------------------------
@@ -150,21 +152,20 @@ def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.
 # steps
 
 
-def make_grad_fn(cfg: Config, mesh: Mesh) -> Callable:
+def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> Callable:
     """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy.
 
-    Grads are replicated, or sharded for zero1/fsdp; traced inside the step's jit.
-    pmap has no separate gradient function (its whole step runs per device).
+    Grads are placed as plan.grads (replicated, or sharded for zero1/fsdp); traced
+    inside the step's jit. pmap has no separate gradient function (its whole step
+    runs per device).
     """
-    strategy = strategies.check_strategy(cfg)
-    per_device_batch(cfg, mesh.shape[AXIS])
-    loss_fn = functools.partial(loss_and_stats, cfg=cfg)
-    if strategy == "dp":
-        return strategies.make_dp_grad_fn(cfg, mesh, loss_fn)
-    if strategy == "pmap":
+    plan = as_plan(plan, mesh)
+    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg)
+    if plan.strategy == "dp":
+        return strategies.make_dp_grad_fn(plan, loss_fn)
+    if plan.strategy == "pmap":
         raise ValueError("parallel.strategy=pmap runs the whole step per device; use make_train_step")
-    grads_placed = strategies.grad_shardings(cfg, mesh, strategies.state_shapes(cfg).params)
-    return strategies.make_partitioned_grad_fn(cfg, mesh, loss_fn, grads_placed)
+    return strategies.make_partitioned_grad_fn(plan, loss_fn)
 
 
 def make_update(cfg: Config) -> Callable:
@@ -197,36 +198,34 @@ def make_update(cfg: Config) -> Callable:
     return update
 
 
-def make_train_step(cfg: Config, mesh: Mesh) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+def make_train_step(
+    plan: ShardingPlan | Config, mesh: Mesh | None = None
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """The jitted step (state, tokens_AxBxT1) -> (state, metrics); the state is donated.
 
-    State in and out is placed by `state_shardings` (parallel.strategy). metrics:
+    State in and out is placed by plan.state (parallel.strategy). metrics:
     loss, grad_norm (before clipping), lr (used by this update), skipped (1 when loss
     or gradient was not finite and the update was dropped), and with
     logging.aux_stats gate_mean [L, 3], gate_entropy [L], sel_far_frac [L].
     """
-    strategy = strategies.check_strategy(cfg)
-    per_device_batch(cfg, mesh.shape[AXIS])
-    update = make_update(cfg)
-    shapes = strategies.state_shapes(cfg)
-    placed = strategies.state_shardings(cfg, mesh, shapes)
+    plan = as_plan(plan, mesh)
+    update = make_update(plan.cfg)
 
-    if strategy == "pmap":
-        train_step = strategies.make_pmap_step(cfg, mesh, functools.partial(loss_and_stats, cfg=cfg), update)
+    if plan.strategy == "pmap":
+        train_step = strategies.make_pmap_step(plan, functools.partial(loss_and_stats, cfg=plan.cfg), update)
     else:
-        grad_fn = make_grad_fn(cfg, mesh)
-        grads_placed = strategies.grad_shardings(cfg, mesh, shapes.params)
+        grad_fn = make_grad_fn(plan)
 
         def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
             grads, loss, stats = grad_fn(state.params, tokens_AxBxT1)
             # zero1: the replicated params sliced to the gradient's shard (no communication);
             # a no-op for the other strategies, whose params already live like their grads.
-            params = lax.with_sharding_constraint(state.params, grads_placed)
+            params = lax.with_sharding_constraint(state.params, plan.grads)
             return update(state, grads, loss, stats, params)
 
     return jax.jit(
         train_step,
-        in_shardings=(placed, batch_sharding(mesh)),
-        out_shardings=(placed, replicated(mesh)),
+        in_shardings=(plan.state, plan.batch),
+        out_shardings=(plan.state, plan.replicated),
         donate_argnums=0,
     )

@@ -2,9 +2,12 @@
 
 Owns, for every `parallel.strategy`, the shardings of the TrainState on the 1-D
 `data` mesh (`state_shardings`), where the reduced gradient lives (`grad_shardings`),
-and the function from a batch to the mean gradient (`make_grad_fn`; for `pmap` the
-whole per-device step, `make_pmap_step`). The loss, the optimizer update and the
-public step API (make_train_step, create_state, ...) stay in step.py.
+the `ShardingPlan` that holds all of them for one run (`make_plan`: built once from
+cfg and mesh, then handed to everything that places or steps the state), and the
+function from a batch to the mean gradient (`make_dp_grad_fn`,
+`make_partitioned_grad_fn`; for `pmap` the whole per-device step, `make_pmap_step`).
+The loss, the optimizer update and the public step API (make_train_step,
+create_state, ...) stay in step.py.
 
 Every strategy computes the same update: the mean over the global batch (A
 micro-batches of B sequences) of the next-token-loss gradient, accumulated locally
@@ -43,6 +46,7 @@ gather inside the model's layer scan; not done here).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -123,6 +127,62 @@ def grad_shardings(cfg: Config, mesh: Mesh, params_shapes: Any) -> Any:
     return replicated_tree(params_shapes, mesh)
 
 
+def per_device_batch(cfg: Config, n_devices: int) -> int:
+    """train.global_batch / devices; ValueError naming the fix when it does not divide."""
+    B = cfg.train.global_batch
+    if B % n_devices:
+        raise ValueError(
+            f"train.global_batch ({B}) must be divisible by the number of devices on the data axis "
+            f"({n_devices}); set train.global_batch (NSA_BATCH_SIZE) to a multiple of {n_devices} "
+            "or use fewer devices (parallel.num_devices)"
+        )
+    return B // n_devices
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardingPlan:
+    """Where everything of one run lives under parallel.strategy on `mesh`; see make_plan."""
+
+    cfg: Config
+    mesh: Mesh
+    strategy: str  # one of STRATEGIES
+    n_devices: int  # devices on the `data` axis
+    state_shapes: TrainState  # ShapeDtypeStructs of a fresh state
+    state: TrainState  # a NamedSharding per state leaf
+    grads: Any  # a NamedSharding per parameter leaf: the reduced mean gradient and its update
+    batch: NamedSharding  # tokens_AxBxT1, sharded on B
+    replicated: NamedSharding  # scalars and metrics
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs of a fresh state that carry their shardings (AOT lowering, restore target)."""
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.state_shapes, self.state
+        )
+
+
+def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
+    """The plan of `cfg` on `mesh`, checked: a known strategy and a batch that divides over the devices.
+
+    Traces the state's init once (eval_shape, nothing allocated); a run builds it once
+    and passes it on, so strategy, shapes and shardings are derived in one place.
+    """
+    strategy = check_strategy(cfg)
+    n_devices = mesh.shape[AXIS]
+    per_device_batch(cfg, n_devices)
+    shapes = state_shapes(cfg)
+    return ShardingPlan(
+        cfg=cfg,
+        mesh=mesh,
+        strategy=strategy,
+        n_devices=n_devices,
+        state_shapes=shapes,
+        state=state_shardings(cfg, mesh, shapes),
+        grads=grad_shardings(cfg, mesh, shapes.params),
+        batch=NamedSharding(mesh, P(None, AXIS)),
+        replicated=NamedSharding(mesh, P()),
+    )
+
+
 # ---------------------------------------------------------------------------
 # gradients
 
@@ -144,7 +204,7 @@ def local_sums(value_and_grad: Callable, params, tokens_AxbxT1: jax.Array):
     return sums
 
 
-def make_dp_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable:
+def make_dp_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
     """dp: shard_map, local accumulation, one explicit psum of the summed grads in grad_reduce_dtype.
 
     `check_vma=False` on purpose: with the default check, jax transposes the implicit
@@ -152,8 +212,8 @@ def make_dp_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable:
     shard_map would already be summed over devices and the explicit reduce would count
     them twice. Here every gradient stays local until the one explicit psum.
     """
-    n_devices = mesh.shape[AXIS]
-    reduce_dtype = jnp.dtype(cfg.parallel.grad_reduce_dtype)
+    n_devices = plan.n_devices
+    reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def local(params, tokens_AxbxT1):
@@ -164,7 +224,9 @@ def make_dp_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn) -> Callable:
         stats = jax.tree.map(lambda s: lax.psum(s, AXIS) / n, stats)
         return grads, loss, stats
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(P(), P(), P()), check_vma=False)
+    return jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(P(), P(None, AXIS)), out_specs=(P(), P(), P()), check_vma=False
+    )
 
 
 def _sum_rows(rows_DxS: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -172,14 +234,14 @@ def _sum_rows(rows_DxS: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return lax.reduce(rows_DxS.astype(dtype), np.zeros((), dtype), lax.add, (0,))
 
 
-def make_partitioned_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn, grads_sharding: Any) -> Callable:
-    """gspmd / zero1 / fsdp: (params, tokens_AxBxT1) -> (mean grads placed as `grads_sharding`, loss, stats).
+def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
+    """gspmd / zero1 / fsdp: (params, tokens_AxBxT1) -> (mean grads placed as `plan.grads`, loss, stats).
 
     Traced under the step's jit; see the module docstring for why the device axis is
     made explicit (a vmap over D sharded on `data`).
     """
-    n_devices = mesh.shape[AXIS]
-    reduce_dtype = jnp.dtype(cfg.parallel.grad_reduce_dtype)
+    mesh, n_devices = plan.mesh, plan.n_devices
+    reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
     per_group = jax.vmap(functools.partial(local_sums, value_and_grad), in_axes=(None, 1), spmd_axis_name=AXIS)
     rows_sharding = NamedSharding(mesh, P(AXIS))
@@ -202,7 +264,7 @@ def make_partitioned_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn, grads_sha
             g_DxS = lax.with_sharding_constraint(g_DxS / n, rows_sharding)
             return lax.with_sharding_constraint(_sum_rows(g_DxS, reduce_dtype), sharding).astype(jnp.float32)
 
-        grads = jax.tree.map(reduce, grads_DxS, grads_sharding)
+        grads = jax.tree.map(reduce, grads_DxS, plan.grads)
         loss = jnp.sum(loss_D) / n
         stats = jax.tree.map(lambda s: jnp.sum(s, axis=0) / n, stats_D)
         return grads, loss, stats
@@ -210,7 +272,7 @@ def make_partitioned_grad_fn(cfg: Config, mesh: Mesh, loss_fn: LossFn, grads_sha
     return grad_fn
 
 
-def make_pmap_step(cfg: Config, mesh: Mesh, loss_fn: LossFn, update_fn: Callable) -> Callable:
+def make_pmap_step(plan: ShardingPlan, loss_fn: LossFn, update_fn: Callable) -> Callable:
     """pmap: (state, tokens_AxBxT1) -> (state, metrics), the whole step written per device.
 
     The classic form: each device runs value_and_grad on its rows, `lax.pmean`s the
@@ -221,8 +283,8 @@ def make_pmap_step(cfg: Config, mesh: Mesh, loss_fn: LossFn, update_fn: Callable
     (in_axes=None / out_axes=None: no stacking, no copies), and the only boundary
     conversion is a free reshape of the batch to [A, D, B/D, T+1], mapped on D.
     """
-    n_devices = mesh.shape[AXIS]
-    reduce_dtype = jnp.dtype(cfg.parallel.grad_reduce_dtype)
+    n_devices = plan.n_devices
+    reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def per_device(state: TrainState, tokens_AxbxT1: jax.Array):
@@ -236,7 +298,7 @@ def make_pmap_step(cfg: Config, mesh: Mesh, loss_fn: LossFn, update_fn: Callable
     # axis_size and devices given explicitly: traced inside a jit, pmap cannot infer
     # them from the (global) argument shapes in a multi-process run.
     pmapped = jax.pmap(
-        per_device, AXIS, in_axes=(None, 1), out_axes=None, devices=list(mesh.devices.flat), axis_size=n_devices
+        per_device, AXIS, in_axes=(None, 1), out_axes=None, devices=list(plan.mesh.devices.flat), axis_size=n_devices
     )
 
     def step(state: TrainState, tokens_AxBxT1: jax.Array):
