@@ -39,6 +39,8 @@ import time
 from typing import Any, TextIO
 
 import numpy as np
+import pyarrow.parquet as pq
+import tqdm
 
 from launch.cli import Parser
 from nsa_jax.data import shards, sources
@@ -144,36 +146,47 @@ def _skip_dict(s: sources.Skip) -> dict[str, str]:
 
 
 class Progress:
-    """Documents, tokens and MB/s of text: a redrawn bar on a terminal, a line every PROGRESS_EVERY_S otherwise."""
+    """Documents, tokens and MB/s of text: a tqdm bar on a terminal, a line every PROGRESS_EVERY_S otherwise.
+
+    The bar counts input bytes (what the fraction is of); the postfix has the MB/s of
+    decoded text, the same figure as the summary line.
+    """
 
     def __init__(self, total_bytes: int, stream: TextIO, t0: float | None = None):
         self.total_bytes, self.stream = max(total_bytes, 1), stream
         self.tty = hasattr(stream, "isatty") and stream.isatty()
-        self.every = BAR_EVERY_S if self.tty else PROGRESS_EVERY_S
         self.last = time.perf_counter()
         self.t0 = self.last if t0 is None else t0  # the run's start: the same MB/s as the summary
-        self.drawn = False
+        self.bar = None
+        if self.tty:
+            self.bar = tqdm.tqdm(
+                total=self.total_bytes,
+                file=stream,
+                desc="prepare_data",
+                unit="B",
+                unit_scale=True,
+                mininterval=BAR_EVERY_S,
+            )
 
     def update(self, done_bytes: int, docs: int, tokens: int, text_bytes: int, force: bool = False) -> None:
         now = time.perf_counter()
-        if not force and now - self.last < self.every:
+        mb_s = text_bytes / 1e6 / max(now - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{docs:,} docs {tokens:,} tokens, text {mb_s:.1f} MB/s", refresh=False)
+            self.bar.update(min(done_bytes, self.total_bytes) - self.bar.n)  # redraws at most every BAR_EVERY_S
+            if force:
+                self.bar.refresh()
+            return
+        if not force and now - self.last < PROGRESS_EVERY_S:
             return
         self.last = now
         frac = min(done_bytes / self.total_bytes, 1.0)
-        mb_s = text_bytes / 1e6 / max(now - self.t0, 1e-9)
-        stats = f"{100 * frac:5.1f}% {docs:,} docs {tokens:,} tokens {mb_s:.1f} MB/s"
-        if self.tty:
-            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-            self.stream.write(f"\r[{bar}] {stats}   ")
-            self.drawn = True
-        else:
-            self.stream.write(f"prepare_data: {stats}\n")
+        self.stream.write(f"prepare_data: {100 * frac:5.1f}% {docs:,} docs {tokens:,} tokens {mb_s:.1f} MB/s\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.drawn:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ---------------------------------------------------------------------------
@@ -225,8 +238,6 @@ def _chunk_bytes(chunk: sources.Chunk, sizes: dict[str, int], rows: dict[str, tu
 
 
 def _parquet_rows(path: str) -> tuple[int, list[int]]:
-    import pyarrow.parquet as pq
-
     meta = pq.ParquetFile(path).metadata
     per_group = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     return sum(per_group), per_group
