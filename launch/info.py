@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from nsa_jax.config import ConfigError, load_config
+from nsa_jax.info import describe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,8 +19,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from nsa_jax.info import describe
-
     print(describe(cfg))
     return 0
 

@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class NSAConfig:
-    """Native Sparse Attention hyper-parameters (NSA_SPEC.md "Shapes and names")."""
+    """Native Sparse Attention hyper-parameters (docs/NSA.md "Shapes")."""
 
     l: int = 32  # compression block length
     d: int = 16  # compression stride; must divide l and lp
@@ -139,7 +139,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    """Which run artifacts are written (RUNBOOK_MAPPING.md "Artifacts")."""
+    """Which run artifacts are written (docs/RUNBOOK.md "Artifacts")."""
 
     csv: bool = True
     tensorboard: bool = True

@@ -12,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import Config, ModelConfig
+from nsa_jax.model import NSALM
 from nsa_jax.nsa.selection import num_compressed
 
 
 def param_shapes(cfg: ModelConfig):
-    from nsa_jax.model import NSALM
-
     T = max(cfg.nsa.l, 8)
     return jax.eval_shape(lambda: NSALM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, T), jnp.int32)))["params"]
 

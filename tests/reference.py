@@ -1,4 +1,4 @@
-"""Naive NSA reference for the tests, written from NSA_SPEC.md and nothing else.
+"""Naive NSA reference for the tests, written from docs/NSA.md and nothing else.
 
 Per-token loops (numpy) decide which keys each query sees; dense T x T masks
 carry those decisions into differentiable jax code, so forward values and

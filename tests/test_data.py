@@ -7,8 +7,11 @@ import json
 import math
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from nsa_jax.config import load_config
 from nsa_jax.data import first_batch_with_timeout, kv_recall, make_dataset, make_tokenizer, padded_vocab_size, sources
@@ -114,8 +117,6 @@ def test_byte_tokenizer_round_trip():
 
 
 def _train_bpe(path, with_eos=True):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -405,6 +406,9 @@ def test_kv_recall_layout_and_scoring(placement):
     assert tokens_BxT1.shape == (5, T + 1) and tokens_BxT1.dtype == np.int32
     assert tokens_BxT1.min() >= 0 and tokens_BxT1.max() < V
     np.testing.assert_array_equal(kb.answer_mask_BxT, kv_recall.answer_mask_from_tokens(tokens_BxT1, V))
+    # The train step's loss mask is the same function, traced on a device array.
+    traced = jax.jit(kv_recall.kv_answer_mask, static_argnums=1)(jnp.asarray(tokens_BxT1), V)
+    np.testing.assert_array_equal(np.asarray(traced), kb.answer_mask_BxT)
     assert kb.answer_mask_BxT.sum() == 5 * Q
     for b in range(5):
         answers = np.flatnonzero(kb.answer_mask_BxT[b])  # target index t scores tokens[t + 1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import json
 import pathlib
 import re
@@ -10,7 +11,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from launch import prepare_data
 from nsa_jax.config import load_config
@@ -34,9 +38,6 @@ def n_tokens(docs):
 
 def write_mixed_corpus(root, docs):
     """A third of the documents as .txt files, a third as jsonl, a third as parquet (row groups of 3)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     root.mkdir(parents=True, exist_ok=True)
     txt, jsonl, parquet = docs[0::3], docs[1::3], docs[2::3]
     for i, d in enumerate(txt):
@@ -151,8 +152,6 @@ def test_cli_end_to_end_counts_and_layout(tmp_path):
 
 
 def test_progress_bar_on_a_terminal_and_lines_otherwise(monkeypatch):
-    import io
-
     class Tty(io.StringIO):
         def isatty(self):
             return True
@@ -347,8 +346,6 @@ def test_tokenized_checks_vocab_tokenizer_version_and_shards(prepared, tmp_path)
 
 
 def test_tokenizer_json_identity(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
@@ -373,9 +370,6 @@ def test_tokenizer_json_identity(tmp_path):
 
 def write_bad_corpus(root):
     """Good documents among every kind of bad data; returns the good documents."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     root.mkdir(parents=True)
     good = make_docs(8, seed=7)
     (root / "good.txt").write_text(good[0], encoding="utf-8")

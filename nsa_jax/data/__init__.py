@@ -23,7 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from nsa_jax.data.kv_recall import KVRecallDataset
+from nsa_jax.data.pipeline import FileDataset
 from nsa_jax.data.stream import BatchStream, split_id
+from nsa_jax.data.synthetic import SyntheticDataset
+from nsa_jax.data.tokenized import TokenizedDataset
 from nsa_jax.data.tokenizers import make_tokenizer, padded_vocab_size
 
 FILE_DATASETS = ("fineweb_edu", "jsonl", "text")
@@ -58,8 +62,6 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
     batch = per_process_batch(cfg.train.global_batch, process_count)
     kind = cfg.data.dataset
     if kind == "synthetic":
-        from nsa_jax.data.synthetic import SyntheticDataset
-
         return SyntheticDataset(
             vocab_size=cfg.model.vocab_size,
             seed=cfg.train.seed,
@@ -69,18 +71,12 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
             process_index=process_index,
         )
     if kind == "kv_recall":
-        from nsa_jax.data.kv_recall import KVRecallDataset
-
         return KVRecallDataset.from_config(cfg, batch=batch, split=split, process_index=process_index)
     if kind in FILE_DATASETS:
-        from nsa_jax.data.pipeline import FileDataset
-
         return FileDataset.from_config(
             cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
         )
     if kind == "tokenized":
-        from nsa_jax.data.tokenized import TokenizedDataset
-
         return TokenizedDataset.from_config(
             cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
         )

@@ -30,7 +30,7 @@ Vocabulary partition (V = model.vocab_size), keys [0, n), values [n, 2n), then
   fused: pair tokens [2n, 2n + n*n) (id 2n + k*n + (v - n)), filler up to V - 1, n
          the largest with at least MIN_FILLER filler ids;
 and the QUERY marker V - 1. The marker never occurs elsewhere, so the answer
-positions are recoverable from the tokens alone (`answer_mask_from_tokens`), and
+positions are recoverable from the tokens alone (`kv_answer_mask`), and
 `next(ds)` can stay a plain int32 array.
 """
 
@@ -148,13 +148,22 @@ def make_kv_batch(
     return KVBatch(tokens_BxT1, answer_mask_BxT, key_pos_BxP[rows_Bx1, which_BxQ], query_key_pos_BxQ)
 
 
+def kv_answer_mask(tokens_BxT1, vocab_size: int):
+    """bool [B, T]: answer targets, those whose input t - 1 is the QUERY marker (vocab_size - 1).
+
+    Written with indexing and comparisons only, so it takes a numpy array (numpy out)
+    or a jax array, traced too (jax out): the train step's loss mask and the scoring
+    here are this one function.
+    """
+    t_T = np.arange(tokens_BxT1.shape[1] - 1)
+    prev_T = np.maximum(t_T - 1, 0)  # input t - 1 of target t; target 0 has none (masked below)
+    return (tokens_BxT1[:, prev_T] == vocab_size - 1) & (t_T > 0)
+
+
 def answer_mask_from_tokens(tokens_BxT1: np.ndarray, vocab_size: int) -> np.ndarray:
-    """bool [B, T]: target t is scored iff the token before input t is the QUERY marker."""
-    _, _, query_id = vocab_layout(vocab_size)
-    tokens_BxT1 = np.asarray(tokens_BxT1)
-    mask_BxT = np.zeros((tokens_BxT1.shape[0], tokens_BxT1.shape[1] - 1), dtype=bool)
-    mask_BxT[:, 1:] = tokens_BxT1[:, :-2] == query_id
-    return mask_BxT
+    """bool [B, T] numpy: target t is scored iff the token before input t is the QUERY marker."""
+    vocab_layout(vocab_size)  # validates the vocabulary
+    return kv_answer_mask(np.asarray(tokens_BxT1), vocab_size)
 
 
 def retrieval_counts(

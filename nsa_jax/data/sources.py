@@ -35,6 +35,9 @@ import pathlib
 import threading
 from typing import Callable, Sequence
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from nsa_jax.data import shards
 
 TEXT_KEY = "text"
@@ -224,9 +227,6 @@ def _first_line(e: BaseException) -> str:
 
 
 def _parquet_chunks(path: str) -> list[Chunk]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
@@ -337,9 +337,6 @@ def _read_jsonl_range(path: str, start: int, end: int, on_skip: OnSkip | None) -
 
 
 def _read_parquet_row_group(path: str, row_group: int, on_skip: OnSkip | None) -> list[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         col = pq.ParquetFile(path).read_row_group(row_group, columns=[TEXT_KEY]).column(TEXT_KEY)
     except (pa.ArrowException, OSError) as e:

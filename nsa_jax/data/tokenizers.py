@@ -17,6 +17,7 @@ import pathlib
 from typing import Any, Sequence
 
 import numpy as np
+import tokenizers
 
 # Special-token spellings looked up in a tokenizers JSON vocabulary, most common first.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|eos|>")
@@ -59,13 +60,6 @@ class HFTokenizer:
     """A `tokenizers` JSON file. EOS/PAD come from the vocabulary when present, else new ids."""
 
     def __init__(self, path: str):
-        try:
-            import tokenizers
-        except ImportError:
-            raise ValueError(
-                "data.tokenizer is a tokenizers JSON file but the `tokenizers` package is missing; "
-                "pip install tokenizers"
-            ) from None
         self.name = str(path)
         self._tok = tokenizers.Tokenizer.from_file(str(path))
         base = self._tok.get_vocab_size(with_added_tokens=True)

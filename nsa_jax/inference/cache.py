@@ -1,4 +1,4 @@
-"""Per-layer NSA decode caches (NSA_SPEC.md "Decode (inference)").
+"""Per-layer NSA decode caches (the decode step that reads them: nsa_jax/inference/decode.py).
 
 Owns the fixed-size cache pytree, its sizes for a maximum length, the slot
 arithmetic of its ring buffers, and filling it from a prefill forward pass.

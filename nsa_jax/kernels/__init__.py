@@ -56,7 +56,7 @@ def interpret_pallas() -> bool:
 
 
 def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512):
-    """Selection attention through the chosen implementation (kernel contract of NSA_SPEC.md)."""
+    """Selection attention through the chosen implementation (contract: docs/NSA.md, the kernels section)."""
     if _resolve_selection(impl, block_size) == "pallas":
         from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 

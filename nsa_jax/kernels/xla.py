@@ -6,7 +6,7 @@ selection branch gathers only its selected blocks (C x N*lp keys), a chunk of th
 window branch slices the C + w - 1 keys it can see. Each chunk body is
 rematerialised, so the backward pass holds one chunk's scores at a time too.
 
-Contract (NSA_SPEC.md, "Selection branch"): q[B,T,H,Dk], k[B,T,K,Dk],
+Contract (docs/NSA.md, "Selection and window attention"): q[B,T,H,Dk], k[B,T,K,Dk],
 v[B,T,K,Dv]; query head h reads KV head h // G; softmax in fp32; -1 marks an
 unused slot; positions after t are masked.
 """

@@ -1,4 +1,4 @@
-"""The compressed branch (NSA_SPEC.md "Compressed branch").
+"""The compressed branch (docs/NSA.md "Compressed branch").
 
 Owns phi (block of l keys/values -> one token, `mlp` or `avg`), and causal
 attention over the compressed tokens, which also yields the selection-block

@@ -1,4 +1,4 @@
-"""One NSA attention layer (NSA_SPEC.md "One NSA attention layer").
+"""One NSA attention layer (docs/NSA.md "One layer").
 
 Owns the projections (shared Q, per-branch K/V), RoPE, the three branches, the
 sigmoid gates and the output projection. Branch math lives in compression.py,

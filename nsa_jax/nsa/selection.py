@@ -1,4 +1,4 @@
-"""Top-n block selection (NSA_SPEC.md "Selection branch").
+"""Top-n block selection (docs/NSA.md "Selection").
 
 Owns the map from compressed-attention probabilities to selection-block scores
 (Eq. 9 with aligned indices), and from group scores to block indices: forced

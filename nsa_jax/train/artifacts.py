@@ -1,4 +1,4 @@
-"""Run artifacts under the output directory (RUNBOOK_MAPPING.md "Artifacts").
+"""Run artifacts under the output directory (docs/RUNBOOK.md "Artifacts").
 
 Owns the file formats operators and their scripts read:
   training.csv            header row; step, loss, lr, toks_per_s first (runbook scripts

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
+from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.train import strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
@@ -128,12 +129,6 @@ def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     if cfg.data.dataset != "kv_recall" or not cfg.data.kv_loss_mask:
         return None
     return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
-
-
-def kv_answer_mask(tokens_BxT1: jax.Array, vocab_size: int) -> jax.Array:
-    """bool [B, T]: kv_recall answer targets, those whose input t - 1 is the QUERY marker (vocab_size - 1)."""
-    B, T = tokens_BxT1.shape[0], tokens_BxT1.shape[1] - 1
-    return jnp.zeros((B, T), bool).at[:, 1:].set(tokens_BxT1[:, :-2] == vocab_size - 1)
 
 
 def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.Array, dict]:
