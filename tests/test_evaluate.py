@@ -11,6 +11,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from nsa_jax.config import load_config
 from nsa_jax.data import kv_recall, make_dataset
@@ -61,6 +62,7 @@ def reference_metrics(cfg, params, batches, masks=None):
     return nll_sum / tokens, correct, scored
 
 
+@pytest.mark.slow
 def test_evaluator_matches_host_reference_on_two_devices():
     cfg = load_config(None, TINY + ["model.vocab_size=64"])
     mesh = S.make_mesh(cfg)
@@ -121,6 +123,7 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
     assert m["answers"] == scored and m["retrieval_acc"] == want / scored
 
 
+@pytest.mark.slow
 def test_kv_recall_training_loss_counts_the_answers_only():
     cfg = load_config(
         None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import tiny_model_cfg
 
 from nsa_jax.model import NSALM, cross_entropy
@@ -33,6 +34,7 @@ def test_model_is_causal():
     assert not np.allclose(logits_a[:, t + 1 :], logits_b[:, t + 1 :], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_every_parameter_gets_a_finite_nonzero_gradient():
     cfg = tiny_model_cfg(G=2, K=1)
     T = 48
@@ -52,6 +54,7 @@ def test_every_parameter_gets_a_finite_nonzero_gradient():
         assert np.all(np.abs(per_layer).max(axis=1) > 0), f"zero gradient for {name}"
 
 
+@pytest.mark.slow
 def test_scan_and_unrolled_layers_agree():
     cfg = tiny_model_cfg(G=2, K=1)
     unrolled = cfg.__class__(**{**cfg.__dict__, "scan_layers": False})

@@ -77,6 +77,7 @@ def test_pallas_layer_is_dead_code_when_unused():
     assert live.count("custom_vjp_call") == 2 and "pallas_call" not in live
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G,K,T", [(1, 2, 40), (6, 1, 45)])
 def test_layer_matches_reference_gradients(G, K, T):
     cfg = tiny_model_cfg(G=G, K=K)

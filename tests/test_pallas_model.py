@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import optax
+import pytest
 from helpers import tiny_model_cfg
 
 from nsa_jax.model import NSALM, cross_entropy
@@ -32,6 +33,7 @@ def _losses(cfg, params, tokens, steps=3):
     return np.array(out)
 
 
+@pytest.mark.slow
 def test_pallas_training_steps_match_xla():
     # Pallas tiles need power-of-two blocks of at least 16 rows.
     base = tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=3, w=16, query_chunk=64)

@@ -131,6 +131,7 @@ def worst_rel_err(a, b) -> float:
 # same math
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,reduce_dtype", CASES, ids=[f"{s}-{d}" for s, d in CASES])
 def test_two_devices_match_single_device_reference(run, reference, strategy, reduce_dtype):
     assert len(jax.devices()) >= 2, "conftest sets --xla_force_host_platform_device_count=2"
@@ -184,6 +185,7 @@ def _sharded_fraction(tree) -> float:
 @pytest.mark.parametrize(
     "strategy,params_sharded,opt_sharded", [("zero1", False, True), ("fsdp", True, True), ("dp", False, False)]
 )
+@pytest.mark.slow
 def test_state_is_placed_as_the_strategy_says(run, strategy, params_sharded, opt_sharded):
     dtype = dict(CASES)[strategy]
     _, mesh, state, _ = run(strategy, dtype)
@@ -229,6 +231,7 @@ def test_unknown_strategy_is_one_clear_line():
 # checkpoints of a sharded state
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, tmp_path):
     cfg, mesh, state, _ = run("zero1", "float32")
     expect = jax.device_get(state)

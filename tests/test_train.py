@@ -112,6 +112,7 @@ def assert_params_close(a, b, tol):
 # data parallel and accumulation
 
 
+@pytest.mark.slow
 def test_two_devices_equal_one_device_fp32(host_state, batches):
     assert len(jax.devices()) >= 2, "conftest sets --xla_force_host_platform_device_count=2"
     s1, m1 = run_steps(1, host_state, batches)
@@ -123,6 +124,7 @@ def test_two_devices_equal_one_device_fp32(host_state, batches):
     assert int(s2.step) == STEPS
 
 
+@pytest.mark.slow
 def test_bf16_reduce_is_close_to_fp32(host_state, batches):
     s1, m1 = run_steps(1, host_state, batches)
     sb, mb = run_steps(2, host_state, batches, "parallel.grad_reduce_dtype=bfloat16")
@@ -130,6 +132,7 @@ def test_bf16_reduce_is_close_to_fp32(host_state, batches):
     assert_params_close(sb.params, s1.params, 1e-2)
 
 
+@pytest.mark.slow
 def test_reference_adamw_on_whole_batch(host_state, batches):
     """The step == plain grad of the full-batch loss + optax.adamw with optax's schedules."""
     cfg = tiny_cfg()
@@ -162,6 +165,7 @@ def test_reference_adamw_on_whole_batch(host_state, batches):
     assert_params_close(s1.params, jax.device_get(params), 1e-5)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch(host_state, batches):
     big, _ = run_steps(2, host_state, batches[:1])
     acc, _ = run_steps(2, host_state, batches[:1], f"train.global_batch={B // 2}", "train.accumulate=2", accumulate=2)
