@@ -24,10 +24,8 @@ from typing import Any
 import numpy as np
 
 from nsa_jax.data.kv_recall import KVRecallDataset
-from nsa_jax.data.pipeline import FileDataset
 from nsa_jax.data.stream import BatchStream, split_id
 from nsa_jax.data.synthetic import SyntheticDataset
-from nsa_jax.data.tokenized import TokenizedDataset
 from nsa_jax.data.tokenizers import make_tokenizer, padded_vocab_size
 
 FILE_DATASETS = ("fineweb_edu", "jsonl", "text")
@@ -72,11 +70,17 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
         )
     if kind == "kv_recall":
         return KVRecallDataset.from_config(cfg, batch=batch, split=split, process_index=process_index)
+    # grain imports jax (seconds): the file datasets are imported on use, so `import nsa_jax.data`
+    # stays light for launch.train's config checks (before XLA_FLAGS is set) and prepare_data.
     if kind in FILE_DATASETS:
+        from nsa_jax.data.pipeline import FileDataset
+
         return FileDataset.from_config(
             cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
         )
     if kind == "tokenized":
+        from nsa_jax.data.tokenized import TokenizedDataset
+
         return TokenizedDataset.from_config(
             cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
         )
