@@ -159,6 +159,10 @@ def _any_process(flag: bool) -> bool:
 # config items are JSON: their checksum is the sha256 of their canonical text.
 
 
+_GOLDEN = 2654435761  # odd weights (i * _GOLDEN) | 1, i the element's flat position
+_CHUNK = 1 << 16  # host path: elements per chunk, so the temporaries stay in cache
+
+
 def _bits_u32(x, xp):
     """The elements of `x` as uint32 bit patterns (8-byte types as two words), flat."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -167,19 +171,35 @@ def _bits_u32(x, xp):
     if xp is np:
         x = np.ascontiguousarray(x)
         view = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[size]
-        return x.reshape(-1).view(view).astype(np.uint32)
+        return x.reshape(-1).view(view)
     if x.dtype == jnp.bool_:
         return x.reshape(-1).astype(jnp.uint32)
     view = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
     return jax.lax.bitcast_convert_type(x, view).reshape(-1).astype(jnp.uint32)
 
 
+_STEPS = np.arange(_CHUNK, dtype=np.uint32) * np.uint32(_GOLDEN)
+
+
+def _host_checksum(u: np.ndarray) -> int:
+    """sum((u_i * ((i * _GOLDEN) | 1)) mod 2**32, chunk by chunk (the same number as the device path)."""
+    total = 0
+    w = np.empty(_CHUNK, np.uint32)
+    for start in range(0, u.size, _CHUNK):
+        part = u[start : start + _CHUNK]
+        n = part.size
+        np.add(_STEPS[:n], np.uint32((start * _GOLDEN) % 2**32), out=w[:n])
+        np.bitwise_or(w[:n], np.uint32(1), out=w[:n])
+        np.multiply(w[:n], part, out=w[:n], casting="unsafe")
+        total = (total + int(w[:n].sum(dtype=np.uint32))) & 0xFFFFFFFF
+    return total
+
+
 def _array_checksum(x, xp=jnp):
     u = _bits_u32(x, xp)
     if xp is np:
-        w = (np.arange(u.size, dtype=np.uint32) * np.uint32(2654435761)) | np.uint32(1)
-        return (u * w).sum(dtype=np.uint32)
-    w = (jax.lax.iota(jnp.uint32, u.size) * jnp.uint32(2654435761)) | jnp.uint32(1)
+        return _host_checksum(u)
+    w = (jax.lax.iota(jnp.uint32, u.size) * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
     return jnp.sum(u * w, dtype=jnp.uint32)
 
 
