@@ -360,6 +360,7 @@ def test_checksum_mismatch_names_the_array_and_the_items(env, reference, tmp_pat
     assert len(msgs) == 1 and "checksum mismatch in array params" in msgs[0], msgs
 
 
+@pytest.mark.slow
 def test_failed_background_save_stops_the_run_and_keeps_the_last_checkpoint(env, reference, tmp_path):
     out = tmp_path / "full"
     r = env["train"](out, mode="enospc", at=4)
