@@ -1,13 +1,14 @@
 """`python -m launch.report OUT [OUT ...] [--last N] [--out REPORT_DIR] [thresholds]`
 
-One run: prints the acceptance summary of OUT (throughput mean and pstdev over the
-last N steps of OUT/training.csv, loss finite and falling, step-time CV, memory
+One run: prints the acceptance summary of OUT (throughput over the last N steps of
+OUT/training.csv as total tokens / total step time and the median step's rate, loss
+finite and falling, step-time spread (1.4826 x MAD / median), memory
 plateau from the heartbeats, gate health, halts and anomalies, heartbeats), one
 GO / NO-GO / N/A line per criterion, and writes PNG plots plus report.md into
 REPORT_DIR (default OUT/report).
 
-Several runs: the same judgement for each, then a table ranked by mean tokens/s
-(means within --tie-pct percent go to the lower pstdev), as the bucket sweep asks;
+Several runs: the same judgement for each, then a table ranked by tokens/s (total
+tokens / total step time; within --tie-pct percent to the lower pstdev), as the bucket sweep asks;
 overlaid plots and comparison.md go to REPORT_DIR (default <common parent>/comparison).
 
 A run that is still going, died, or lacks some artifacts is reported from what is
@@ -28,9 +29,9 @@ from launch.cli import Parser
 from nsa_jax.report import summary as S
 
 _THRESHOLD_HELP = {
-    "min_toks_per_s": "throughput: lowest acceptable window mean (tok/s; runbook: 39 on 2xA100)",
+    "min_toks_per_s": "throughput: lowest window tok/s, total tokens / total step time (runbook: 39 on 2xA100)",
     "min_loss_drop": "loss: the last-k mean must be below the first-k mean by more than this",
-    "max_step_cv": "step time: highest coefficient of variation (pstdev / mean) over the window",
+    "max_step_cv": "step time: highest robust coefficient of variation (1.4826 x MAD / median) over the window",
     "max_mem_growth": "memory: highest growth of bytes in use, last vs first half of the window (0.05 = 5%%)",
     "max_mem_gib": "memory: highest peak bytes in use per rank, GiB",
     "min_gate_entropy": "gates: lowest window-mean gate entropy in nats (uniform over 3 branches: 1.099)",

@@ -15,10 +15,18 @@ Environment variables (the torch runbooks' names):
 Multi-process (one process per host): --coordinator/--num-processes/--process-id, or
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM (nsa_jax/ops/distributed.py);
 python -m launch.spawn --nproc N -- python -m launch.train ... starts N local processes.
-An out_dir holding checkpoints is resumed from its newest complete one (training.csv and
-the heartbeats continue; nsa_jax/checkpoint.py); one holding only an earlier run's artifacts
-is refused unless --overwrite. Checkpoints are deleted only with --overwrite-checkpoints.
+Out dir policy (nsa_jax/resume.py), decided before XLA starts: a folder holding checkpoints
+is resumed from its newest complete one (training.csv and the heartbeats continue), or,
+when that step is train.steps already, nothing runs (exit 0); a .HALT in it stops the
+launch until it is removed; an earlier run that finished no step and saved no checkpoint
+is restarted (its files move to previous/<utc time>/); one with finished steps is refused
+unless --overwrite. Checkpoints are deleted only with --overwrite-checkpoints.
+Compilation cache: jax's persistent cache in ~/.cache/nsa_jax/jax_compilation_cache, so a
+resumed or repeated run does not compile again; --compile-cache DIR|off or NSA_COMPILE_CACHE.
 SIGTERM finishes the step in flight, saves a checkpoint and exits with status 0.
+Exit status: 0 done (or halted by .HALT), 1 crash or NaN halt, 2 bad input / unusable out
+dir / a batch that cannot fit in memory, 74 a checkpoint save failed (disk full, permission;
+the last committed checkpoint is kept), 75 the stall watchdog ended a hung process.
 File datasets: the model's vocabulary follows the tokenizer. When model.vocab_size is
 smaller than the tokenizer's vocabulary it is raised to that size rounded up to a
 multiple of 64 (the byte tokenizer's 258 ids -> 320), with a printed note.
@@ -30,18 +38,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pathlib
-import shutil
 import sys
 
 from launch.cli import Parser
-from nsa_jax import checkpoint as ckpt
+from nsa_jax import resume
+from nsa_jax import runfiles as rf
 from nsa_jax.config import Config, ConfigError, load_config
+from nsa_jax.data import FILE_DATASETS, make_tokenizer
+from nsa_jax.data.tokenizers import fitted_vocab_size
 from nsa_jax.ops import distributed as dist
 
 BUCKET_FLAG = "--xla_gpu_all_reduce_combine_threshold_bytes"
-# Files a run writes into its out_dir (besides heartbeat_rank<r>.jsonl and tb/).
-RUN_FILES = ("training.csv", "env.json", ".HALT", ".anomaly_type")
+# jax's persistent compilation cache: a repeated or resumed run loads the compiled step
+# instead of compiling it again (--compile-cache DIR|off, NSA_COMPILE_CACHE).
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "nsa_jax", "jax_compilation_cache")
 
 # variable -> (config key, value converter)
 _NUMERIC_ENV = {
@@ -86,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also delete the out dir's checkpoints and start over (implies --overwrite); "
         "without it a run resumes from them",
+    )
+    p.add_argument(
+        "--compile-cache",
+        metavar="DIR|off",
+        help="jax's persistent compilation cache folder, or off (default: NSA_COMPILE_CACHE, "
+        f"JAX_COMPILATION_CACHE_DIR, else {DEFAULT_CACHE})",
     )
     dist.add_arguments(p)
     return p
@@ -154,70 +170,32 @@ def xla_flags_with_bucket(flags: str, bucket_mb: float) -> str:
 
 def prepare_out_dir(
     out_dir: str, overwrite: bool, *, overwrite_checkpoints: bool = False, cfg: Config | None = None
-) -> None:
-    """Refuses to mix a new run into an earlier run's artifacts unless `overwrite`.
+) -> resume.Plan:
+    """Decides what this launch does with `out_dir` (nsa_jax/resume.py) and carries it out.
 
-    With checkpoints in out_dir the run resumes (checked against `cfg` here, before XLA
-    starts); `overwrite` alone is refused then, `overwrite_checkpoints` deletes them.
+    Returns the plan (its action: fresh, resume, restart, overwrite, finished, halted);
+    ConfigError when the folder is refused, OutDirError when it cannot be written.
     """
-    out = pathlib.Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"train.out_dir {out} exists and is not a directory")
-    if not out.is_dir():
-        return
-    steps = ckpt.complete_steps(ckpt.checkpoint_dir(out))
-    if steps and not overwrite_checkpoints:
-        if overwrite:
-            raise ConfigError(
-                f"{out} holds checkpoints (steps {', '.join(map(str, steps[-3:]))}) that --overwrite does not "
-                f"delete; drop --overwrite to resume from step {steps[-1]}, pass --overwrite-checkpoints to delete "
-                "them and start over, or choose another directory with --out-dir"
-            )
-        if cfg is not None:
-            _check_resumable(out, steps, cfg)
-        return  # resume: the Trainer restores the newest complete checkpoint and appends
-    if overwrite_checkpoints:
-        for d in (ckpt.checkpoint_dir(out), out / ckpt.CORRUPT_DIR):
-            shutil.rmtree(d, ignore_errors=True)
-        overwrite = True
-    found = [n for n in RUN_FILES if (out / n).exists()] + sorted(q.name for q in out.glob("heartbeat_rank*.jsonl"))
-    found += sorted(q.name for q in out.glob("stackdump_*.txt"))
-    if not found:
-        return
-    if not overwrite:
-        raise ConfigError(
-            f"{out} already holds a run ({', '.join(found[:3])}); choose another directory with "
-            "--out-dir or --set train.out_dir=..., or pass --overwrite to replace it"
-        )
-    # Tolerant: in a multi-process run every process clears the same shared directory.
-    for name in found:
-        (out / name).unlink(missing_ok=True)
-    if (out / "tb").is_dir():
-        shutil.rmtree(out / "tb", ignore_errors=True)
+    cfg = cfg or Config()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out_dir)))
+    plan = resume.plan_out_dir(cfg, overwrite=overwrite, overwrite_checkpoints=overwrite_checkpoints)
+    moved = resume.apply_plan(plan)
+    if moved is not None:
+        plan.message += f" ({moved})"
+    return plan
 
 
-def _check_resumable(out: pathlib.Path, steps: list[int], cfg: Config) -> None:
-    """ConfigError when the newest readable checkpoint's config must not be resumed with `cfg`."""
-    for step in reversed(steps):
-        try:
-            saved = ckpt.saved_config(ckpt.checkpoint_dir(out) / str(step))
-        except (OSError, ValueError):
-            continue  # unreadable: the Trainer falls back to an older step or stops
-        blocking, _ = ckpt.resume_conflicts(saved, cfg)
-        if blocking:
-            raise ConfigError(
-                f"{out} holds checkpoints of a different run (step {step}: {'; '.join(blocking[:3])}); resume with "
-                "the settings they were saved with, choose another directory with --out-dir, or pass "
-                "--overwrite-checkpoints to delete them and start over"
-            )
-        return
+def compile_cache_dir(flag: str | None, environ: dict[str, str]) -> str | None:
+    """The persistent compilation cache folder: --compile-cache, else NSA_COMPILE_CACHE, else
+    JAX_COMPILATION_CACHE_DIR, else DEFAULT_CACHE; None when switched off ('off', '0', '')."""
+    for raw in (flag, environ.get("NSA_COMPILE_CACHE"), environ.get("JAX_COMPILATION_CACHE_DIR")):
+        if raw is not None:
+            return None if raw.strip().lower() in ("off", "0", "none", "") else os.path.expanduser(raw.strip())
+    return os.path.expanduser(DEFAULT_CACHE)
 
 
 def fit_vocab_to_tokenizer(cfg: Config) -> tuple[Config, str | None]:
     """File datasets: (cfg with a model vocabulary that covers the tokenizer, a note when it changed)."""
-    from nsa_jax.data import FILE_DATASETS, make_tokenizer
-    from nsa_jax.data.tokenizers import fitted_vocab_size
-
     # `tokenized` folders must be read with the tokenizer of their manifest (checked when
     # the dataset opens), so data.tokenizer gives the right size for them too.
     if cfg.data.dataset not in (*FILE_DATASETS, "tokenized"):
@@ -242,12 +220,22 @@ def main(argv: list[str] | None = None) -> int:
         if vocab_note:
             print(vocab_note, flush=True)
         spec = dist.resolve(args.coordinator, args.num_processes, args.process_id)
-        prepare_out_dir(cfg.train.out_dir, args.overwrite, overwrite_checkpoints=args.overwrite_checkpoints, cfg=cfg)
+        plan = prepare_out_dir(
+            cfg.train.out_dir, args.overwrite, overwrite_checkpoints=args.overwrite_checkpoints, cfg=cfg
+        )
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return rf.EXIT_USAGE
+    # Decided before XLA starts: nothing to compile for a finished or halted run.
+    if plan.action in ("finished", "halted"):
+        print(plan.message, flush=True)
+        halted_on_anomaly = plan.action == "halted" and (plan.out / rf.ANOMALY_FILE).is_file()
+        return rf.EXIT_FAILED if halted_on_anomaly else rf.EXIT_OK
+    if plan.action in ("restart", "overwrite"):
+        print(plan.message, flush=True)
     # Before the first jax import: XLA reads its flags once, when the backend starts.
     os.environ["XLA_FLAGS"] = xla_flags_with_bucket(os.environ.get("XLA_FLAGS", ""), cfg.parallel.bucket_mb)
+    cache = compile_cache_dir(args.compile_cache, os.environ)
     if spec is not None:
         # Before any device is touched: the backend is created with the cross-process topology.
         print(f"dist: {spec.describe()}; waiting up to {cfg.ops.init_timeout_s}s for all processes", flush=True)
@@ -255,17 +243,26 @@ def main(argv: list[str] | None = None) -> int:
             dist.initialize(spec, init_timeout_s=cfg.ops.init_timeout_s, peer_timeout_s=cfg.ops.peer_timeout_s)
         except Exception as e:  # noqa: BLE001 - jax raises several kinds; one line says it
             print(f"error: jax.distributed did not start ({spec.describe()}): {e}".splitlines()[0], file=sys.stderr)
-            return 1
+            return rf.EXIT_FAILED
 
-    from nsa_jax.train.loop import Trainer
+    # jax loads here, after XLA_FLAGS is final.
+    from nsa_jax.train.loop import Trainer, WontFitError, enable_compile_cache
 
+    enable_compile_cache(cache)
     try:
         trainer = Trainer(cfg, applied_env=applied)
-    except (ConfigError, ValueError, TimeoutError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, TimeoutError, OSError) as e:
+        print(f"error: {e}".splitlines()[0], file=sys.stderr)
+        return rf.EXIT_USAGE
+    try:
+        summary = trainer.run()
+    except WontFitError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    summary = trainer.run()
-    return 1 if summary.get("halted") in ("nan_loss", "nan_grad") else 0
+        return rf.EXIT_USAGE
+    if summary.get("halted") == "checkpoint_failed":
+        print(f"error: {summary['error']}", file=sys.stderr)
+        return rf.EXIT_CHECKPOINT_FAILED
+    return rf.EXIT_FAILED if summary.get("halted") in ("nan_loss", "nan_grad") else rf.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """`python -m launch.watchdog --dir OUT [--halt 1] [--interval 30] [thresholds]`: an external run watchdog.
 
-Tails a run's artifacts (nsa_jax/train/artifacts.py) and watches for:
+Tails a run's artifacts (file names and columns: nsa_jax/runfiles.py) and watches for:
   crash                a rank's trainer raised: its heartbeat ends with a `crash` event
                        (the error) instead of `done`
+  checkpoint_failed    a checkpoint save failed (disk full, permission): the trainer
+                       stopped with status 74 after a `checkpoint_failed` event
   heartbeat_stall      a rank's newest heartbeat event is older than --stall-seconds
                        (--startup-grace until the rank's first step_end: boot and compile);
                        no heartbeat file at all within --startup-grace counts too
@@ -24,7 +26,8 @@ Reading: files are read forward from offset 0 and their offsets remembered; a
 partial last line waits for its newline; a file that shrinks or is replaced
 (truncation, rotation, a restarted run) is read again from the start. training.csv
 is read by its header's column names (a header-less file is read with the torch
-trainer's layout: step, loss, lr, toks_per_s). Heartbeat ages use the events' `ts`
+trainer's layout: step, loss, lr, toks_per_s); toks_per_s is the step's own rate (the
+trainer leaves evaluation and checkpoint time out of it). Heartbeat ages use the events' `ts`
 field, so on a shared filesystem the hosts' clocks must agree (NTP).
 """
 
@@ -40,10 +43,10 @@ import statistics
 import sys
 import time
 
-from nsa_jax.ops.health import ANOMALY_FILE, HALT_FILE, write_halt
+from nsa_jax import runfiles as rf
+from nsa_jax.runfiles import ANOMALY_FILE, GATE_COLUMNS, HALT_FILE, write_halt
 
-LEGACY_CSV = ("step", "loss", "lr", "toks_per_s")
-GATE_COLUMNS = ("gate_cmp", "gate_slc", "gate_win")
+LEGACY_CSV = rf.LEGACY_COLUMNS
 # Events that show the watchdog of the trainer speaking, not the trainer making progress.
 NOT_PROGRESS = {"watchdog_dump"}
 
@@ -90,6 +93,7 @@ class RankState:
     done: bool = False
     dumped_on_stall: bool = False  # the trainer's own stall watchdog fired (and ended the process)
     crash: str | None = None  # the error of a `crash` event
+    save_failed: str | None = None  # the cause of a `checkpoint_failed` event
     bad_lines: int = 0
 
 
@@ -99,14 +103,6 @@ class Anomaly:
     detail: str
 
 
-def _float(raw: str) -> float | None:
-    try:
-        v = float(raw)
-    except ValueError:
-        return None
-    return v
-
-
 class Watchdog:
     """The state of one watched run directory; `poll()` once per interval."""
 
@@ -114,8 +110,9 @@ class Watchdog:
         self.out, self.a = out, args
         self.started = time.time() if now is None else now
         self.ranks: dict[int, RankState] = {}
-        self.csv = LineTail(out / "training.csv")
-        self.columns: tuple[str, ...] | None = None
+        self.csv = LineTail(out / rf.TRAINING_CSV)
+        # Header-less: the torch trainer's layout. Text cells count as malformed lines.
+        self.parser = rf.CsvRows(headerless=LEGACY_CSV)
         keep = args.flatline_window + args.patience
         self.rows: collections.deque[dict[str, float | None]] = collections.deque(maxlen=max(keep, 1))
         self.rows_seen = 0
@@ -123,10 +120,9 @@ class Watchdog:
     # -- reading ------------------------------------------------------------------
 
     def _read_heartbeats(self, now: float) -> None:
-        for path in sorted(self.out.glob("heartbeat_rank*.jsonl")):
-            try:
-                rank = int(path.stem[len("heartbeat_rank") :])
-            except ValueError:
+        for path in sorted(self.out.glob(rf.HEARTBEAT_GLOB)):
+            rank = rf.heartbeat_rank(path.name)
+            if rank is None:
                 continue
             st = self.ranks.get(rank)
             if st is None:
@@ -149,11 +145,13 @@ class Watchdog:
                     continue
                 if name == "boot":  # a resumed run appends to the same file: its earlier end no longer holds
                     st.done = st.stepped = st.dumped_on_stall = False
-                    st.crash = None
+                    st.crash = st.save_failed = None
                 if name == "done":
                     st.done = True
                 if name == "crash":
                     st.crash = str(ev.get("msg") or "unknown error")
+                if name == "checkpoint_failed":
+                    st.save_failed = str(ev.get("msg") or "unknown cause")
                 if name == "step_end":
                     st.stepped = True
                 if name == "watchdog_dump" and ev.get("reason") == "stall":
@@ -167,18 +165,19 @@ class Watchdog:
     def _read_csv(self) -> None:
         lines, reset = self.csv.read()
         if reset:
-            self.columns, self.rows_seen = None, 0
+            self.parser.reset()
+            self.rows_seen = 0
             self.rows.clear()
         for line in lines:
-            fields = [f.strip() for f in line.split(",")]
-            if self.columns is None:
-                if _float(fields[0]) is None:  # a header row
-                    self.columns = tuple(fields)
-                    continue
-                self.columns = LEGACY_CSV  # the torch trainer's header-less layout
-            row = {name: (_float(v) if v else None) for name, v in zip(self.columns, fields)}
+            row = self.parser.feed(line)
+            if row is None:
+                continue
             self.rows.append(row)
             self.rows_seen += 1
+
+    @property
+    def columns(self) -> tuple[str, ...] | None:
+        return self.parser.columns
 
     # -- checks -------------------------------------------------------------------
 
@@ -187,7 +186,8 @@ class Watchdog:
         if halt.exists():
             kind = (self.out / ANOMALY_FILE).read_text().strip() if (self.out / ANOMALY_FILE).exists() else "none"
             return f"{HALT_FILE} present ({halt.read_text().strip() or 'empty'}; anomaly type: {kind})"
-        if self.ranks and all(st.done for st in self.ranks.values()):
+        failed = any(st.save_failed for st in self.ranks.values())
+        if self.ranks and all(st.done for st in self.ranks.values()) and not failed:
             steps = ", ".join(f"rank {r}: step {st.last_step}" for r, st in sorted(self.ranks.items()))
             return f"every rank wrote `done` ({steps})"
         return None
@@ -202,6 +202,8 @@ class Watchdog:
         for rank, st in sorted(self.ranks.items()):
             if st.crash is not None:
                 return Anomaly("crash", f"rank {rank}: the trainer raised after step {st.last_step}: {st.crash}")
+            if st.save_failed is not None:
+                return Anomaly("checkpoint_failed", f"rank {rank}: {st.save_failed}")
             if st.done:
                 continue
             if st.dumped_on_stall:

@@ -6,6 +6,13 @@ Layout, one orbax `CheckpointManager` step per saved optimizer step:
   <out_dir>/checkpoints/<step>/data     JSON: the data position of every process
                                         {"format", "process_count", "devices", "processes": [{"train", "val"}]}
   <out_dir>/checkpoints/<step>/config   JSON: Config.to_dict() of the run that saved it
+  <out_dir>/checkpoints/<step>/checksums JSON: {"format", "state": {array path: uint32}, "data", "config"}
+
+Integrity: every save records a checksum of each array of the state (computed on the
+device, see `state_checksums`) and of the data and config items; a restore recomputes
+them and a mismatch counts as a checkpoint that does not read back (below), with a
+warning naming the array. Steps written before checksums are restored unverified,
+with a warning.
 
 Saves happen every `checkpoint.save_every` optimizer steps and once at the end of a
 run (also after a SIGTERM or a .HALT stop). They are asynchronous: `save()` returns
@@ -49,145 +56,69 @@ the flag is OR-reduced across them with one small all-reduce per step that is re
 one step later, so every process stops after the same step without the loop ever
 waiting for it. A second SIGTERM kills the process at once.
 
-Nothing here imports jax or orbax at module level: the launcher inspects an out_dir
-(`complete_steps`, `saved_config`, `resume_conflicts`) before XLA starts.
+Failed saves: a save that fails in the background (disk full, permission) is seen by
+`Checkpointer.poll` at the next step (one process) or the next save at the latest, as
+one CheckpointSaveError line naming the cause; the loop then stops (nsa_jax/train/loop.py).
+orbax deletes old steps only after a new one commits, so the last committed one stays.
+
+The directory inspection and the out_dir policy live in nsa_jax/resume.py (no jax), so
+the launcher decides before XLA starts; they are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
 import json
+import logging
 import os
 import pathlib
-import shutil
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
 
-from nsa_jax.config import Config, ConfigError, from_dict, to_dict, validate
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-CHECKPOINT_DIR = "checkpoints"
-CORRUPT_DIR = "checkpoints_corrupt"
-ITEMS = ("state", "data", "config")
-TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's suffix of a step directory not yet committed
-DATA_FORMAT = 1
-
-# Model keys that only change how the same weights are computed; everything else in
-# `model` changes the parameters' shapes or the function they define.
-NUMERICS_ONLY = ("model.dtype", "model.remat", "model.nsa.attention_impl", "model.nsa.query_chunk")
-# Keys that give the saved data position its meaning: the stream, its row shape, the
-# rows per optimizer step, and the seed of synthetic streams and shuffles.
-DATA_POSITION_KEYS = (
-    "data.dataset",
-    "data.path",
-    "data.tokenizer",
-    "data.val_fraction",
-    "data.kv_pairs",
-    "data.kv_queries",
-    "data.kv_placement",
-    "data.kv_format",
-    "train.seq_len",
-    "train.global_batch",
-    "train.accumulate",
-    "train.seed",
+from nsa_jax import runfiles as rf
+from nsa_jax.config import Config, ConfigError
+from nsa_jax.resume import (  # noqa: F401 - the checkpoint directory API, re-exported
+    DATA_POSITION_KEYS,
+    NUMERICS_ONLY,
+    OPTIMIZER_STRUCTURE_KEYS,
+    TMP_MARKER,
+    CheckpointError,
+    checkpoint_dir,
+    complete_steps,
+    config_from_dict,
+    quarantine,
+    resume_conflicts,
+    saved_config,
+    uncommitted_dirs,
 )
-# Zero vs non-zero adds or removes a link of the optax chain, i.e. changes the
-# optimizer state's structure.
-OPTIMIZER_STRUCTURE_KEYS = ("train.grad_clip", "train.weight_decay")
-NOT_REPORTED = ("train.out_dir",)
+from nsa_jax.train import strategies
+
+CHECKPOINT_DIR = rf.CHECKPOINT_DIR
+CORRUPT_DIR = rf.CORRUPT_DIR
+ITEMS = ("state", "data", "config", "checksums")
+DATA_FORMAT = 1
+CHECKSUM_FORMAT = 1
 
 
-class CheckpointError(ValueError):
-    """No usable checkpoint, or one that must not be resumed; one line naming the fix."""
+class CheckpointSaveError(RuntimeError):
+    """A save that did not commit; `cause` is one line (disk full, permission denied, ...)."""
 
-
-# ---------------------------------------------------------------------------
-# directory inspection (no jax)
-
-
-def checkpoint_dir(out_dir: str | os.PathLike) -> pathlib.Path:
-    return pathlib.Path(out_dir) / CHECKPOINT_DIR
-
-
-def complete_steps(ckpt_dir: str | os.PathLike) -> list[int]:
-    """Committed steps in `ckpt_dir`, ascending: directories named by an integer.
-
-    orbax writes `<step>.orbax-checkpoint-tmp-<n>` and renames it to `<step>` only after
-    the last file is written, so an integer name means a complete save.
-    """
-    d = pathlib.Path(ckpt_dir)
-    if not d.is_dir():
-        return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def uncommitted_dirs(ckpt_dir: str | os.PathLike) -> list[pathlib.Path]:
-    """Step directories of saves that never finished (killed or failed mid-write)."""
-    d = pathlib.Path(ckpt_dir)
-    return sorted(p for p in d.iterdir() if TMP_MARKER in p.name) if d.is_dir() else []
-
-
-def saved_config(step_dir: str | os.PathLike) -> dict[str, Any]:
-    """The config dict stored in a step directory (the JSON file of its `config` item)."""
-    path = pathlib.Path(step_dir) / "config" / "metadata"
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or "model" not in data:
-        raise ValueError(f"{path} does not hold a run config")
-    return data
-
-
-def config_from_dict(data: dict[str, Any]) -> Config:
-    return validate(from_dict(Config, data))
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
-    return out
-
-
-def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], list[str]]:
-    """(blocking, other): 'key old -> new' differences between a checkpoint's config and `cfg`.
-
-    Blocking: anything that changes the saved state's shapes or structure, and, unless
-    checkpoint.restore_data is false, anything that changes what the saved data
-    position means. Other differences (steps, LR schedule values, logging, cadence,
-    parallel layout, ...) are allowed and only reported.
-    """
-    old, now = _flatten(saved), _flatten(to_dict(cfg))
-    defaults = _flatten(to_dict(Config()))
-    missing = object()
-    blocking, other = [], []
-    for key in sorted(set(old) | set(now)):
-        a, b = old.get(key, missing), now.get(key, missing)
-        if a == b or key in NOT_REPORTED:
-            continue
-        if a is missing and key in defaults and b == defaults[key]:
-            continue  # a setting added after the checkpoint was written, at its default
-        line = f"{key} {'<absent>' if a is missing else repr(a)} -> {'<absent>' if b is missing else repr(b)}"
-        if key.startswith("model.") and key not in NUMERICS_ONLY:
-            blocking.append(line)
-        elif key in DATA_POSITION_KEYS and cfg.checkpoint.restore_data:
-            blocking.append(line)
-        elif key in OPTIMIZER_STRUCTURE_KEYS and isinstance(a, (int, float)) and (a > 0) != (b > 0):
-            blocking.append(line + " (changes the optimizer state's structure)")
-        else:
-            other.append(line)
-    return blocking, other
-
-
-def _quarantine(step_dir: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:
-    """Moves a step that does not read back out of orbax's sight; never deletes it."""
-    dest_root = out_dir / CORRUPT_DIR
-    dest_root.mkdir(parents=True, exist_ok=True)
-    dest = dest_root / f"{step_dir.name}-{int(time.time())}"
-    shutil.move(str(step_dir), str(dest))
-    return dest
+    def __init__(self, step: int, cause: str):
+        super().__init__(f"checkpoint step {step} was not saved: {cause}")
+        self.step, self.cause = step, cause
 
 
 # ---------------------------------------------------------------------------
@@ -196,13 +127,8 @@ def _quarantine(step_dir: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:
 
 def _allgather_json(obj: Any) -> list[Any]:
     """Every process's `obj` (JSON-serialisable), in process order; one entry per process."""
-    import jax
-
     if jax.process_count() == 1:
         return [obj]
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
     buf = np.zeros(int(sizes.max()), np.uint8)
@@ -212,12 +138,187 @@ def _allgather_json(obj: Any) -> list[Any]:
 
 
 def _barrier(name: str) -> None:
-    import jax
-
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
+# ---------------------------------------------------------------------------
+# checksums
+#
+# Every array's checksum: the wrapping uint32 sum of its elements' bit patterns times
+# odd position weights (i * 2654435761 | 1). Computed on the device by one jitted
+# function of the whole state, so it costs one pass over memory, works for sharded
+# arrays and gives the same value on any mesh (a global reduction). An odd weight is
+# invertible mod 2**32, so any change of one element changes the sum. The data and
+# config items are JSON: their checksum is the sha256 of their canonical text.
+
+
+_GOLDEN = 2654435761  # odd weights (i * _GOLDEN) | 1, i the element's flat position
+_CHUNK = 1 << 16  # host path: elements per chunk, so the temporaries stay in cache
+
+
+def _bits_u32(x, xp):
+    """The elements of `x` as uint32 bit patterns (8-byte types as two words), flat."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    size = np.dtype(x.dtype).itemsize
+    if xp is np:
+        x = np.ascontiguousarray(x)
+        view = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[size]
+        return x.reshape(-1).view(view)
+    if x.dtype == jnp.bool_:
+        return x.reshape(-1).astype(jnp.uint32)
+    view = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, view).reshape(-1).astype(jnp.uint32)
+
+
+_STEPS = np.arange(_CHUNK, dtype=np.uint32) * np.uint32(_GOLDEN)
+
+
+def _host_checksum(u: np.ndarray) -> int:
+    """sum((u_i * ((i * _GOLDEN) | 1)) mod 2**32, chunk by chunk (the same number as the device path)."""
+    total = 0
+    w = np.empty(_CHUNK, np.uint32)
+    for start in range(0, u.size, _CHUNK):
+        part = u[start : start + _CHUNK]
+        n = part.size
+        np.add(_STEPS[:n], np.uint32((start * _GOLDEN) % 2**32), out=w[:n])
+        np.bitwise_or(w[:n], np.uint32(1), out=w[:n])
+        np.multiply(w[:n], part, out=w[:n], casting="unsafe")
+        total = (total + int(w[:n].sum(dtype=np.uint32))) & 0xFFFFFFFF
+    return total
+
+
+def _array_checksum(x, xp=jnp):
+    u = _bits_u32(x, xp)
+    if xp is np:
+        return _host_checksum(u)
+    w = (jax.lax.iota(jnp.uint32, u.size) * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
+    return jnp.sum(u * w, dtype=jnp.uint32)
+
+
+_tree_checksums = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
+
+
+def state_checksums(state) -> dict[str, int]:
+    """{array path: checksum} of a train state.
+
+    On the CPU backend with every array whole on each device, numpy reads the arrays in
+    place (no copy, no compile); elsewhere one jitted pass over the state runs on the
+    devices (compiled once per placement). Both give the same numbers.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if jax.default_backend() == "cpu" and all(x.is_fully_replicated for _, x in leaves):
+        return {jax.tree_util.keystr(k): int(_array_checksum(_host_view(x), np)) for k, x in leaves}
+    sums = jax.device_get(_tree_checksums(state))
+    return {jax.tree_util.keystr(k): int(v) for k, v in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+def _host_view(x) -> np.ndarray:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x.addressable_data(0))
+
+
+def host_checksums(tree) -> dict[str, int]:
+    """The same checksums of host (numpy) arrays."""
+    return {
+        jax.tree_util.keystr(k): int(_array_checksum(np.asarray(v), np))
+        for k, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def json_checksum(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class ChecksumError(ValueError):
+    """A restored array or item whose checksum differs from the one recorded at save."""
+
+
+def _verify(saved: dict[str, int], now: dict[str, int], what: str) -> None:
+    bad = sorted(k for k in saved.keys() & now.keys() if int(saved[k]) != int(now[k]))
+    if bad:
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise ChecksumError(f"checksum mismatch in {what} {', '.join(bad[:3])}{more}")
+
+
+def read_checksums(step_dir: pathlib.Path) -> dict[str, Any] | None:
+    """The checksums item of a step directory; None for a checkpoint written before checksums."""
+    path = pathlib.Path(step_dir) / "checksums" / "metadata"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or data.get("format") != CHECKSUM_FORMAT:
+        raise ValueError("checksums item has an unknown format")
+    return data
+
+
+# ---------------------------------------------------------------------------
+# orbax's background errors
+
+
+class _OrbaxErrorTrap(logging.Filter):
+    """Keeps the errors orbax logs from its save threads and drops their tracebacks from the output.
+
+    A failed background save is logged by orbax (absl logging) with a traceback per
+    layer it passes through, hundreds of lines; the Checkpointer reports it as one
+    line instead (CheckpointSaveError), so those records are kept here, not printed.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.errors: list[BaseException] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and "orbax" in (record.pathname or ""):
+            self.errors.append(record.exc_info[1])
+            return False
+        return True
+
+
+_ERRNO_CAUSES = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.EIO: "I/O error",
+}
+_TEXT_CAUSES = {
+    "No space left on device": "disk full",
+    "Disk quota exceeded": "disk quota exceeded",
+    "Permission denied": "permission denied",
+    "Read-only file system": "read-only file system",
+}
+
+
+def _chain(e: BaseException | None):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        for inner in getattr(e, "exceptions", ()):  # ExceptionGroup of asyncio.gather
+            yield from _chain(inner)
+        e = e.__cause__ or e.__context__
+
+
+def save_failure_cause(e: BaseException) -> str:
+    """One line: 'disk full (OSError: [Errno 28] No space left on device: ...)' and the like."""
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in _ERRNO_CAUSES:
+            return f"{_ERRNO_CAUSES[x.errno]} ({_one_line(x)})"
+    for x in _chain(e):
+        for text, cause in _TEXT_CAUSES.items():
+            if text in str(x):
+                return f"{cause} ({_one_line(x)})"
+    return _one_line(e)
 
 
 # ---------------------------------------------------------------------------
@@ -225,7 +326,7 @@ def _barrier(name: str) -> None:
 
 
 def _item_handlers() -> dict[str, Any]:
-    """orbax handlers of the three items; the state's arrays are written by the replica that
+    """orbax handlers of the items; the state's arrays are written by the replica that
     holds them, without orbax's replica-parallel split.
 
     The split slices every replicated array across its devices with small jitted ops,
@@ -233,10 +334,6 @@ def _item_handlers() -> dict[str, Any]:
     writer per array is enough for replicated arrays, and each shard of a sharded one
     (zero1, fsdp) is written by the device that holds it.
     """
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
-
     th = ocp.type_handlers
     registry = th.create_type_handler_registry(
         (jax.Array, th.ArrayHandler(use_replica_parallel=False)),
@@ -249,6 +346,7 @@ def _item_handlers() -> dict[str, Any]:
         "state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
         "data": ocp.JsonCheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
+        "checksums": ocp.JsonCheckpointHandler(),
     }
 
 
@@ -261,24 +359,44 @@ class Restored:
     train_data: dict | None  # None: checkpoint.restore_data is false
     val_data: dict | None
     path: pathlib.Path
+    verified: bool = True  # False: written before checksums, read without a check
+    verify_s: float = 0.0
 
 
 class Checkpointer:
-    """The orbax CheckpointManager of one run directory, used by the Trainer."""
+    """The orbax CheckpointManager of one run directory, used by the Trainer.
 
-    def __init__(self, cfg: Config, out_dir: str | os.PathLike, mesh, warn: Callable[[str], None] = print):
+    `save` starts a save and returns; `poll` tells which saves have committed since
+    (the loop writes the `checkpoint` event then) and raises CheckpointSaveError for
+    one that failed. With one process `poll` looks without waiting, every step; with
+    several it is asked only with block=True (at the next save and at the end), where
+    every process waits and they agree on the outcome.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        out_dir: str | os.PathLike,
+        mesh,
+        warn: Callable[[str], None] = print,
+        verify: bool = True,
+    ):
         self.cfg, self.out, self.mesh, self._warn = cfg, pathlib.Path(out_dir), mesh, warn
+        self.verify = verify
         self.dir = checkpoint_dir(out_dir)
         self._mngr = None
         self.last_step: int | None = None  # newest step on disk that this run saved or restored
+        self.committed: int | None = None  # newest step known to be committed
+        self._pending: int | None = None  # a save started and not yet seen committed or failed
+        self._unreported: list[int] = []  # committed steps that save() saw before a poll could report them
+        self._trap = _OrbaxErrorTrap()
+        logging.getLogger("absl").addFilter(self._trap)
         if cfg.checkpoint.enabled:
-            # Importing orbax and opening the manager takes seconds: done at boot, not in the first save.
+            # Opening the manager takes seconds: done at boot, not in the first save.
             self._manager()
 
     def _manager(self):
         if self._mngr is None:
-            import orbax.checkpoint as ocp
-
             c = self.cfg.checkpoint
             opts = ocp.CheckpointManagerOptions(
                 max_to_keep=c.max_to_keep,
@@ -294,27 +412,45 @@ class Checkpointer:
     def abstract_state(self):
         """Shapes of a fresh TrainState, placed as parallel.strategy places it on this run's mesh
         (the restore target: orbax reads each array straight into those shardings)."""
-        import jax
-
-        from nsa_jax.train import strategies
-
         shapes = strategies.state_shapes(self.cfg)
         placed = strategies.state_shardings(self.cfg, self.mesh, shapes)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, placed)
 
-    def restore_latest(self) -> Restored | None:
-        """The newest checkpoint that reads back, or None when there is none.
+    def _restore_step(self, mngr, step: int, target) -> Restored:
+        """One step, verified against its checksums; raises on anything that does not read back."""
+        step_dir = self.dir / str(step)
+        sums = read_checksums(step_dir) if self.verify else None
+        items = {
+            "state": ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+            ),
+            "data": ocp.args.JsonRestore(),
+        }
+        out = mngr.restore(step, args=ocp.args.Composite(**items))
+        state = out.state
+        if int(jax.device_get(state.step)) != step:
+            raise ValueError(f"state.step is {int(jax.device_get(state.step))}, expected {step}")
+        t0 = time.perf_counter()
+        if sums is not None:
+            _verify(sums["state"], state_checksums(state), "array")
+            if sums.get("data") != json_checksum(out.data):
+                raise ChecksumError("checksum mismatch in the data item (the data position)")
+            if sums.get("config") != json_checksum(saved_config(step_dir)):
+                raise ChecksumError("checksum mismatch in the config item")
+        verify_s = time.perf_counter() - t0
+        train_data, val_data = self._data_for_this_process(out.data, step)
+        return Restored(step, state, train_data, val_data, step_dir, sums is not None, verify_s)
 
-        Steps that fail to read are moved to checkpoints_corrupt/ with a warning;
-        CheckpointError when every step fails, or when the newest readable config
-        must not be resumed with this run's config.
+    def restore_latest(self) -> Restored | None:
+        """The newest checkpoint that reads back and matches its checksums, or None when there is none.
+
+        Steps that fail to read or to verify are moved to checkpoints_corrupt/ with a
+        warning; CheckpointError when every step fails, or when the newest readable
+        config must not be resumed with this run's config.
         """
         steps = complete_steps(self.dir)
         if not steps:
             return None
-        import jax
-        import orbax.checkpoint as ocp
-
         mngr = self._manager()
         target = self.abstract_state()
         failed: list[tuple[int, str]] = []
@@ -334,19 +470,7 @@ class Checkpointer:
                     "resume with the settings it was saved with, or start this run in another out_dir"
                 )
             try:
-                out = mngr.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.PyTreeRestore(
-                            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
-                        ),
-                        data=ocp.args.JsonRestore(),
-                    ),
-                )
-                state = out.state
-                if int(jax.device_get(state.step)) != step:
-                    raise ValueError(f"state.step is {int(jax.device_get(state.step))}, expected {step}")
-                train_data, val_data = self._data_for_this_process(out.data, step)
+                restored = self._restore_step(mngr, step, target)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
@@ -360,7 +484,10 @@ class Checkpointer:
                     f"resume: settings changed since step {step}: {'; '.join(other[:8])}"
                     + (f" (+{len(other) - 8} more)" if len(other) > 8 else "")
                 )
-            restored = Restored(step, state, train_data, val_data, step_dir)
+            if not restored.verified and self.verify:
+                self._warn(
+                    f"warning: checkpoint {step_dir} has no checksums (written by an older version); not verified"
+                )
             break
         if restored is None:
             detail = "; ".join(f"step {s}: {m}" for s, m in failed[:3])
@@ -373,16 +500,14 @@ class Checkpointer:
         if failed:
             if jax.process_index() == 0:
                 for step, _ in failed:
-                    dest = _quarantine(self.dir / str(step), self.out)
+                    dest = quarantine(self.dir / str(step), self.out)
                     self._warn(f"warning: moved unreadable checkpoint step {step} to {dest}")
             _barrier("nsa_checkpoint_quarantine")
             mngr.reload()
-        self.last_step = restored.step
+        self.last_step = self.committed = restored.step
         return restored
 
     def _data_for_this_process(self, data: dict, step: int) -> tuple[dict | None, dict | None]:
-        import jax
-
         if not self.cfg.checkpoint.restore_data:
             return None, None
         if not isinstance(data, dict) or data.get("format") != DATA_FORMAT:
@@ -404,13 +529,13 @@ class Checkpointer:
         """Starts an asynchronous save of `state` as `step`; returns timings, None when skipped.
 
         Returns once the arrays are off the device (the caller may then donate them);
-        the files are written in the background. Every process must call it.
+        the files are written in the background. Every process must call it. A save
+        that failed in the background is raised here at the latest (CheckpointSaveError).
         """
         if step == self.last_step or step in complete_steps(self.dir):
             return None
-        import jax
-        import orbax.checkpoint as ocp
-
+        # orbax waits for the previous save anyway; its failure is raised first, its commit reported by the next poll
+        self._unreported += self.poll(block=True)
         t0 = time.perf_counter()
         processes = _allgather_json({"train": train_data, "val": val_data})
         data = {
@@ -419,17 +544,57 @@ class Checkpointer:
             "devices": self.mesh.size,
             "processes": processes,
         }
+        config = self.cfg.to_dict()
+        t1 = time.perf_counter()
+        sums = {
+            "format": CHECKSUM_FORMAT,
+            "state": state_checksums(state),
+            "data": json_checksum(data),
+            "config": json_checksum(config),
+        }
+        checksum_s = time.perf_counter() - t1
         self._manager().save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.PyTreeSave(state),
                 data=ocp.args.JsonSave(data),
-                config=ocp.args.JsonSave(self.cfg.to_dict()),
+                config=ocp.args.JsonSave(config),
+                checksums=ocp.args.JsonSave(sums),
             ),
             force=True,
         )
-        self.last_step = step
-        return {"blocking_s": time.perf_counter() - t0, "path": str(self.dir / str(step))}
+        self.last_step = self._pending = step
+        return {"save_s": time.perf_counter() - t0, "checksum_s": checksum_s, "path": str(self.dir / str(step))}
+
+    def poll(self, block: bool = False, agree: bool = True) -> list[int]:
+        """Steps newly committed since the last poll; CheckpointSaveError for a save that failed.
+
+        block=False (one process): looks without waiting. block=True: waits for the save
+        in flight; with several processes every process must call it at the same step.
+        """
+        done, self._unreported = self._unreported, []
+        if self._pending is None or self._mngr is None:
+            return done
+        if not block:
+            if jax.process_count() > 1 or self._mngr.is_saving_in_progress():
+                return done
+        step, self._pending = self._pending, None
+        error: BaseException | None = None
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax re-raises the background writer's error here
+            error = e
+        if error is None and self._trap.errors:
+            error = self._trap.errors[-1]
+        self._trap.errors.clear()
+        committed = (self.dir / str(step)).is_dir()
+        failed = error is not None or not committed
+        if _any_process(failed) if agree else failed:
+            cause = save_failure_cause(error) if error is not None else "the step directory was never committed"
+            self.last_step, self._unreported = self.committed, done
+            raise CheckpointSaveError(step, cause)
+        self.committed = step
+        return [*done, step]
 
     def wait(self) -> None:
         """Blocks until the last save is committed."""
@@ -437,19 +602,22 @@ class Checkpointer:
             self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the last save to commit; a failed save is reported, not raised (the loop's
-        cleanup must still run; the previous checkpoint stays the newest complete one)."""
+        """Waits for the last save to commit; a failure not polled yet is warned about in one line,
+        not raised (the loop's cleanup must still run; the last committed checkpoint stays the newest)."""
         if self._mngr is None:
+            logging.getLogger("absl").removeFilter(self._trap)
             return
+        try:
+            self.poll(block=True, agree=False)  # no collective: close runs on error paths too
+        except CheckpointSaveError as e:
+            self._warn(f"warning: {e}; the newest complete checkpoint is step {self.committed}")
         mngr, self._mngr = self._mngr, None
         try:
-            mngr.wait_until_finished()
             mngr.close()
-        except Exception as e:  # noqa: BLE001 - orbax re-raises the background writer's error here
-            self._warn(
-                f"warning: checkpoint save did not complete ({_one_line(e)}); "
-                f"the newest complete checkpoint is the one before step {self.last_step}"
-            )
+        except Exception as e:  # noqa: BLE001 - already reported by poll
+            self._warn(f"warning: checkpoint manager did not close cleanly ({_one_line(e)})")
+        finally:
+            logging.getLogger("absl").removeFilter(self._trap)
 
 
 def _one_line(e: BaseException) -> str:
@@ -500,12 +668,9 @@ class PreemptionGuard:
         self.requested = True
 
     def stop_requested(self) -> bool:
-        import jax
 
         if jax.process_count() == 1 or self.mesh is None:
             return self.requested
-        import numpy as np
-
         agreed = False
         if self._posted is not None:
             agreed = bool(np.asarray(self._posted.addressable_data(0)))
@@ -514,11 +679,6 @@ class PreemptionGuard:
         return agreed
 
     def _post(self, flag: bool):
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
 
         mesh = self.mesh
         axis = mesh.axis_names[0]
@@ -547,17 +707,18 @@ def step_dirs(path: str | os.PathLike) -> list[pathlib.Path]:
     )
 
 
-def restore_params(step_dir: str | os.PathLike) -> Any:
-    """The `params` subtree of a step directory's train state, as host numpy arrays."""
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
-
-    path = (pathlib.Path(step_dir) / "state").absolute()
-    with ocp.PyTreeCheckpointer() as ckptr:
-        tree = ckptr.metadata(path).item_metadata.tree
+def restore_params(step_dir: str | os.PathLike, verify: bool = True) -> Any:
+    """The `params` subtree of a step directory's train state, as host numpy arrays, checked
+    against the checksums recorded at save (ChecksumError naming the array on a mismatch)."""
+    step_dir = pathlib.Path(step_dir)
+    path = (step_dir / "state").absolute()
+    # The handler, not a Checkpointer: a Checkpointer looks for the step's _CHECKPOINT_METADATA
+    # inside state/ (the manager writes it one level up) and warns that it is missing.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(path).tree
         want = {"params": tree["params"]}
-        out = ckptr.restore(
+        out = handler.restore(
             path,
             args=ocp.args.PyTreeRestore(
                 item=want,
@@ -565,7 +726,15 @@ def restore_params(step_dir: str | os.PathLike) -> Any:
                 partial_restore=True,
             ),
         )
-    return out["params"]
+    finally:
+        handler.close()
+    params = out["params"]
+    sums = read_checksums(step_dir) if verify else None
+    if sums is not None:
+        prefix = ".params"
+        saved = {k[len(prefix) :]: v for k, v in sums["state"].items() if k.startswith(prefix)}
+        _verify(saved, host_checksums(params), "array params")
+    return params
 
 
 def load_for_inference(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> tuple[Config, Any]:
@@ -575,7 +744,6 @@ def load_for_inference(path: str | os.PathLike, warn: Callable[[str], None] | No
     params are read (not the optimizer state); an unreadable newest step falls back
     to the previous one with a warning.
     """
-    import sys
 
     warn = warn or (lambda m: print(m, file=sys.stderr))
     errors = []

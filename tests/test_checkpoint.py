@@ -71,6 +71,8 @@ EXACT = (
 #   sigterm:        the process sends itself SIGTERM once step CKPT_TEST_AT is logged
 #   kill_in_commit: SIGKILL when orbax is about to commit step CKPT_TEST_AT, i.e. every
 #                   file of it is written but the directory still has its temporary name
+#   enospc:         the commit of step CKPT_TEST_AT fails in orbax's background thread with
+#                   OSError(ENOSPC), as on a full disk
 DRIVER = r"""
 import asyncio, os, signal, sys
 mode, at = os.environ.get("CKPT_TEST_MODE", ""), int(os.environ.get("CKPT_TEST_AT", "0"))
@@ -89,6 +91,15 @@ elif mode == "kill_in_commit":
     async def _finalize(self):
         if self.get().name.startswith(f"{at}."):
             os.kill(os.getpid(), signal.SIGKILL)
+        return await finalize(self)
+    atomicity.AtomicRenameTemporaryPath.finalize = _finalize
+elif mode == "enospc":
+    import errno
+    from orbax.checkpoint._src.path import atomicity
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+    async def _finalize(self):
+        if self.get().name.startswith(f"{at}."):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.get()))
         return await finalize(self)
     atomicity.AtomicRenameTemporaryPath.finalize = _finalize
 from launch.train import main
@@ -296,6 +307,93 @@ def test_corrupt_latest_falls_back_to_previous(env, reference, tmp_path):
     assert cfg2.model == cfg.model and tree_equal(params, C.restore_params(C.checkpoint_dir(reference) / "6"))
 
 
+def _largest_file(d: pathlib.Path) -> pathlib.Path:
+    return max((f for f in d.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def _restore(env, out, warnings):
+    cfg = cfg_of(env, **{"train.out_dir": str(out)})
+    ck = C.Checkpointer(cfg, out, jax.sharding.Mesh(np.asarray(jax.devices()), ("data",)), warn=warnings.append)
+    try:
+        return ck.restore_latest()
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("where", [0.05, 0.3, 0.5, 0.7, 0.95])
+def test_corrupted_array_bytes_fall_back_to_the_previous_checkpoint(env, reference, tmp_path, where):
+    out = _copy(reference, tmp_path / "run")
+    target = _largest_file(C.checkpoint_dir(out) / "8" / "state")
+    data = bytearray(target.read_bytes())
+    at = int(len(data) * where)
+    data[at : at + 8] = np.random.default_rng(at).integers(0, 256, 8, dtype=np.uint8).tobytes()
+    target.write_bytes(bytes(data))
+    warnings: list[str] = []
+    r = _restore(env, out, warnings)
+    assert r.step == 6 and r.verified, warnings
+    assert tree_equal(r.state.params, C.restore_params(C.checkpoint_dir(reference) / "6"))
+    assert any("checkpoint" in w and "/8" in w and "does not read back" in w for w in warnings), warnings
+    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6]  # 8 moved aside, not deleted
+    assert [p.name.split("-")[0] for p in (out / C.CORRUPT_DIR).iterdir()] == ["8"]
+
+
+def test_checksum_mismatch_names_the_array_and_the_items(env, reference, tmp_path):
+    # A changed value that still parses: only the checksums can tell.
+    out = _copy(reference, tmp_path / "run")
+    step8 = C.checkpoint_dir(out) / "8"
+    sums = json.loads((step8 / "checksums" / "metadata").read_text())
+    key = next(k for k in sums["state"] if "params" in k)
+    sums["state"][key] = (sums["state"][key] + 1) % 2**32
+    (step8 / "checksums" / "metadata").write_text(json.dumps(sums))
+    data_path = C.checkpoint_dir(out) / "6" / "data" / "metadata"
+    data = json.loads(data_path.read_text())
+    data["devices"] += 1
+    data_path.write_text(json.dumps(data))
+    warnings: list[str] = []
+    r = _restore(env, out, warnings)
+    assert r.step == 4, warnings
+    assert any(f"checksum mismatch in array {key}" in w for w in warnings), warnings
+    assert any("checksum mismatch in the data item" in w for w in warnings), warnings
+    # Inference reads the params only, and checks them the same way.
+    out2 = _copy(reference, tmp_path / "run2")
+    (C.checkpoint_dir(out2) / "8" / "checksums" / "metadata").write_text(json.dumps(sums))
+    msgs: list[str] = []
+    _, params = C.load_for_inference(out2, warn=msgs.append)
+    assert tree_equal(params, C.restore_params(C.checkpoint_dir(reference) / "6"))
+    assert len(msgs) == 1 and "checksum mismatch in array params" in msgs[0], msgs
+
+
+@pytest.mark.slow
+def test_failed_background_save_stops_the_run_and_keeps_the_last_checkpoint(env, reference, tmp_path):
+    out = tmp_path / "full"
+    r = env["train"](out, mode="enospc", at=4)
+    assert r.returncode == 74, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "checkpoint step 4 was not saved: disk full" in errors[0], r.stderr[-3000:]
+    assert "newest committed checkpoint is step 2" in errors[0]
+    assert C.complete_steps(C.checkpoint_dir(out)) == [2]
+    beats = [json.loads(line) for line in (out / "heartbeat_rank0.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in beats if b["event"] == "checkpoint"] == [2]  # written only once committed
+    failed = [b for b in beats if b["event"] == "checkpoint_failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 4 and failed[0]["cause"].startswith("disk full")
+    assert beats[-1]["event"] == "done" and beats[-1]["halted"] == "checkpoint_failed"
+    # Found at the next step or the next save at the latest: no step past 6 ran.
+    assert max(int(row["step"]) for row in rows(out)) <= 6
+    # The same command resumes from the last committed step and ends where the straight run does.
+    again = env["train"](out)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resume: step 2 from" in again.stdout
+    assert exact(rows(out)) == exact(rows(reference))
+
+
+def test_a_finished_run_is_known_before_compiling(env, reference, tmp_path):
+    out = _copy(reference, tmp_path / "run")
+    r = env["train"](out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "already holds step 8" in r.stdout and "compile:" not in r.stdout
+
+
 @pytest.mark.slow
 def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
@@ -469,5 +567,31 @@ def test_save_returns_after_the_copy_off_the_device(tmp_path):
         jax.block_until_ready(state)
     finally:
         ck.close()
-    assert info["blocking_s"] > 0 and C.complete_steps(C.checkpoint_dir(tmp_path)) == [1]
+    assert info["save_s"] > 0 and C.complete_steps(C.checkpoint_dir(tmp_path)) == [1]
     assert tree_equal(C.restore_params(C.checkpoint_dir(tmp_path) / "1"), expect)
+
+
+def test_checksums_agree_on_host_and_device_and_see_any_one_changed_element():
+    rng = np.random.default_rng(0)
+    tree = {
+        "f32": rng.standard_normal((3, 50)).astype(np.float32),
+        "bf16": rng.standard_normal(77).astype(jax.numpy.bfloat16),
+        "i8": rng.integers(-128, 127, 33).astype(np.int8),
+        "u32": rng.integers(0, 2**32, 9, dtype=np.uint32),
+        "scalar": np.int32(7),
+    }
+    host = C.host_checksums(tree)
+    device = {jax.tree_util.keystr(k): int(v) for k, v in jax.tree_util.tree_leaves_with_path(C._tree_checksums(tree))}
+    assert host == device and len(host) == 5
+    # Sharded over two devices: the same global value.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("data",))
+    sharded = jax.device_put(tree["f32"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
+    assert int(C._tree_checksums(sharded)) == host["['f32']"]
+    # One element changed by its lowest bit, anywhere, or two elements swapped: another checksum.
+    for i in (0, 17, 149):
+        bad = tree["f32"].copy().reshape(-1)
+        bad.view(np.uint32)[i] ^= 1
+        assert C.host_checksums({"f32": bad.reshape(3, 50)})["['f32']"] != host["['f32']"]
+    swapped = tree["f32"].copy().reshape(-1)
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert C.host_checksums({"f32": swapped.reshape(3, 50)})["['f32']"] != host["['f32']"]

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from launch import report as R  # noqa: E402
 from launch import sweep as SW  # noqa: E402
+from nsa_jax.config import load_config  # noqa: E402
 from nsa_jax.report import plots as P  # noqa: E402
 from nsa_jax.report import summary as S  # noqa: E402
 
@@ -151,7 +152,7 @@ def write_run(
     step_time = step_time or [0.5 + 0.001 * (s % 2) for s in steps]
     loss = loss or [5.0 - 0.05 * s for s in steps]
     mem = mem or [2 * S.GIB] * n
-    cols = list(S.CSV_COLUMNS if gates else S.CSV_COLUMNS[:10])
+    cols = list(S.CSV_COLUMNS if gates else S.CSV_COLUMNS[:11])
     if csv_rows:
         lines = [",".join(cols)] if header else []
         for i, s in enumerate(steps):
@@ -166,6 +167,7 @@ def write_run(
                 "elapsed_s": s * 0.5,
                 "skipped": int(not math.isfinite(loss[i])),
                 "val_loss": "",
+                "eval_s": "",
                 "gate_cmp": 0.4,
                 "gate_slc": 0.5,
                 "gate_win": 0.6,
@@ -222,9 +224,11 @@ def status(s: S.Summary) -> dict[str, str]:
 
 
 def test_csv_columns_match_the_trainer():
-    from nsa_jax.train.artifacts import CSV_AUX, CSV_HEAD, CSV_TAIL
+    from nsa_jax.runfiles import AUX_COLUMNS, TRAIN_COLUMNS
+    from nsa_jax.train.artifacts import csv_columns
 
-    assert S.CSV_COLUMNS == CSV_HEAD + CSV_TAIL + CSV_AUX
+    cfg = load_config("cpu_tiny", [])
+    assert S.CSV_COLUMNS == TRAIN_COLUMNS + AUX_COLUMNS == csv_columns(cfg)
 
 
 @pytest.mark.slow
@@ -240,7 +244,12 @@ def test_summary_figures_match_a_recomputation_from_the_files(run_dir):
     assert f["window_n"] == LAST and (f["window_first_step"], f["window_last_step"]) == (3, 6)
     assert f["toks_mean"] == pytest.approx(toks.mean(), rel=1e-9)
     assert f["toks_pstdev"] == pytest.approx(toks.std(ddof=0), rel=1e-9)
-    assert f["step_time_cv"] == pytest.approx(st.std(ddof=0) / st.mean(), rel=1e-9)
+    assert f["toks_median"] == pytest.approx(np.median(toks), rel=1e-9)
+    # tokens over time: each row's tokens are toks_per_s x step_time_s
+    assert f["toks_per_s"] == pytest.approx((toks * st).sum() / st.sum(), rel=1e-6)
+    med = np.median(st)
+    assert f["step_time_median"] == pytest.approx(med, rel=1e-9)
+    assert f["step_time_cv"] == pytest.approx(1.4826 * np.median(np.abs(st - med)) / med, rel=1e-9)
     assert f["loss_first_mean"] == pytest.approx(losses[:k].mean(), rel=1e-9)
     assert f["loss_last_mean"] == pytest.approx(losses[-k:].mean(), rel=1e-9)
     assert f["loss_nonfinite"] == 0
@@ -304,7 +313,9 @@ def test_figures_hold_the_expected_series(run_dir):
     (ax,) = figs["throughput"].axes
     series, mean = ax.lines
     assert np.allclose(series.get_ydata(), col(rows, "toks_per_s"))
-    assert np.allclose(mean.get_ydata(), col(rows[-LAST:], "toks_per_s").mean())
+    win = rows[-LAST:]  # the window's rate: its tokens over its step time
+    rate = (col(win, "toks_per_s") * col(win, "step_time_s")).sum() / col(win, "step_time_s").sum()
+    assert np.allclose(mean.get_ydata(), rate, rtol=1e-5)
     top, bottom = figs["gates"].axes
     assert [ln.get_label() for ln in top.lines] == ["cmp", "slc", "win"] and len(bottom.lines) == 1
     assert np.allclose(top.lines[1].get_ydata(), col(rows, "gate_slc"))
@@ -413,8 +424,7 @@ def test_halts_anomalies_and_non_finite_loss_are_no_go(tmp_path):
 
 def test_memory_growth_gates_and_step_time_follow_their_flags(tmp_path):
     mem = [int(2 * S.GIB * (1 + 0.01 * s)) for s in range(1, 41)]  # ~+10% across the last 20 steps
-    st = [0.5] * 40
-    st[35] = 5.0
+    st = [0.3 if s % 2 else 0.9 for s in range(40)]  # every other step three times as long
     d = write_run(tmp_path / "grow", mem=mem, step_time=st)
     csv_path = d / "training.csv"
     csv_path.write_text(csv_path.read_text().replace(",0.4,0.5,0.6,1.08,", ",0.02,0.97,0.01,0.1,"))
@@ -426,6 +436,21 @@ def test_memory_growth_gates_and_step_time_follow_their_flags(tmp_path):
     assert set(status(loose).values()) == {"GO"}
     assert judge(d, max_mem_gib=1.0).criteria[4].status == "NO-GO"
     assert status(judge(d, min_toks_per_s=5000))["throughput"] == "NO-GO"
+
+
+def test_a_few_odd_steps_do_not_move_the_step_time_and_throughput_figures(tmp_path):
+    # 2 of 40 steps 10x slower (an evaluation compile, say) and one 100x faster: median-based
+    # figures stay those of the typical step, tokens / time counts every step once.
+    st = [0.5] * 40
+    st[25], st[30], st[35] = 5.0, 5.0, 0.005
+    d = write_run(tmp_path / "odd", step_time=st, toks=[512 / t for t in st])
+    s = judge(d)
+    assert status(s)["step time"] == "GO"
+    assert s.figures["step_time_median"] == pytest.approx(0.5) and s.figures["step_time_max"] == pytest.approx(5.0)
+    rows = read_csv_dicts(d / "training.csv")[-20:]
+    toks, times = col(rows, "toks_per_s"), col(rows, "step_time_s")
+    assert s.figures["toks_per_s"] == pytest.approx((toks * times).sum() / times.sum(), rel=1e-6)
+    assert s.figures["toks_per_s"] < s.figures["toks_median"] < s.figures["toks_mean"]
 
 
 def test_pause_before_a_resume_is_no_stall_but_a_silence_mid_run_is(tmp_path):
@@ -487,13 +512,14 @@ def test_sweep_runs_variants_and_ends_with_the_ranked_table(sweep):
     assert out.index("== [2/3] train.seed=bad: failed (exit 2)") < out.index("== [3/3] train.seed=2:")
     table = out[out.index("rank  run") :].splitlines()
     body = [line.split() for line in table[2:5]]
-    means = {
-        n: col(read_csv_dicts(root / n / "training.csv")[-LAST:], "toks_per_s").mean()
-        for n in ("train.seed=1", "train.seed=2")
-    }
+    means = {}  # tokens over step time of the window: each row's tokens are toks_per_s x step_time_s
+    for n in ("train.seed=1", "train.seed=2"):
+        rows = read_csv_dicts(root / n / "training.csv")[-LAST:]
+        toks, st = col(rows, "toks_per_s"), col(rows, "step_time_s")
+        means[n] = (toks * st).sum() / st.sum()
     expect = sorted(means, key=lambda n: -means[n])
     if abs(means[expect[0]] - means[expect[1]]) <= 0.01 * means[expect[0]]:
-        pytest.skip("means tie within 1%; order then depends on the spread")
+        pytest.skip("rates tie within 1%; order then depends on the spread")
     assert [b[1] for b in body[:2]] == expect and [b[0] for b in body[:2]] == ["1", "2"]
     assert float(body[0][3].replace(",", "")) == pytest.approx(means[expect[0]], abs=0.06)
     assert body[2][:4] == ["-", "train.seed=bad", "failed", "(exit"]

@@ -288,3 +288,22 @@ def test_progress_line_format():
     line = progress_line(40, 300, 3.12344, 1e-3, 12345.4, 83)
     assert line == "step 40/300 | loss 3.1234 | lr 1.00e-03 | 12,345 tok/s | ETA 1m23s"
     assert [fmt_duration(s) for s in (5, 83, 7500, float("nan"))] == ["5s", "1m23s", "2h05m", "?"]
+
+
+def test_a_step_that_cannot_fit_is_refused_naming_the_figure_and_the_knobs():
+    from nsa_jax.train.loop import WontFitError, check_fits, device_memory_limit
+
+    cfg = load_config("cpu_tiny", [])
+    limit, source = device_memory_limit(jax.devices()[0])
+    assert limit > 0 and source  # CPU: the host's RAM over its local devices
+    mem = {
+        "argument_size_in_bytes": 2**20,
+        "output_size_in_bytes": 2**20,
+        "alias_size_in_bytes": 2**20,
+        "temp_size_in_bytes": 3_300_000_000_000,
+        "generated_code_size_in_bytes": 0,
+    }
+    with pytest.raises(WontFitError, match=r"needs 3\.3 TB .*global_batch \(8\).*accumulate.*seq_len \(256\).*remat"):
+        check_fits(cfg, mem, jax.devices()[0])
+    check_fits(cfg, {**mem, "temp_size_in_bytes": 2**20}, jax.devices()[0])  # fits: no error
+    check_fits(cfg, None, jax.devices()[0])  # no memory analysis: nothing to judge

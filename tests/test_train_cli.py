@@ -170,6 +170,34 @@ def test_bad_input_gives_one_error_line_and_status_2(tmp_path, args, env):
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
 
 
+@pytest.mark.parametrize("where", ["below_a_file", "is_a_file", "read_only_fs"])
+def test_unusable_out_dir_gives_one_error_line_and_status_2_before_compiling(tmp_path, where):
+    f = tmp_path / "file"
+    f.write_text("x")
+    out = {"below_a_file": f / "run", "is_a_file": f, "read_only_fs": pathlib.Path("/sys/nsa_jax_run")}[where]
+    r = launch(["--config", "cpu_tiny", "--out-dir", str(out)])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: train.out_dir {out} cannot be written"), r.stderr
+    assert "compile:" not in r.stdout and f.read_text() == "x"
+
+
+@pytest.mark.slow
+def test_a_batch_that_cannot_fit_is_refused_before_training_and_restarts(tmp_path):
+    out = tmp_path / "run"
+    r = launch(["--config", "cpu_tiny", "--out-dir", str(out), "--set", "train.global_batch=32768"], devices=1)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-3000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the compiled train step needs "), r.stderr[-3000:]
+    for knob in ("TB per device", "train.global_batch (32768)", "train.accumulate", "train.seq_len", "model.remat"):
+        assert knob in lines[0]
+    assert "step 1/" not in r.stdout
+    # Nothing was trained: the same folder is restarted, its files kept in previous/.
+    cfg = load_config("cpu_tiny", [f"train.out_dir={out}"])
+    assert prepare_out_dir(str(out), False, cfg=cfg).action == "restart"
+    assert list((out / "previous").iterdir())
+
+
 @pytest.mark.slow
 def test_launcher_does_not_import_jax_before_setting_flags():
     code = "import sys, launch.train; print('jax' in sys.modules)"
@@ -218,8 +246,9 @@ def test_bucket_flag_is_appended_once():
 def test_overwrite_clears_an_earlier_run(tmp_path):
     (tmp_path / "tb").mkdir()
     (tmp_path / "tb" / "events.out.tfevents.1").write_text("x")
-    for name in ("training.csv", "heartbeat_rank0.jsonl", "env.json", "notes.txt"):
+    for name in ("heartbeat_rank0.jsonl", "env.json", "notes.txt"):
         (tmp_path / name).write_text("x")
+    (tmp_path / "training.csv").write_text("step,loss\n1,5.0\n")  # a finished step: not a restart
     with pytest.raises(ConfigError, match="already holds a run"):
         prepare_out_dir(str(tmp_path), overwrite=False)
     prepare_out_dir(str(tmp_path), overwrite=True)

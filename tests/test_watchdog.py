@@ -15,9 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from launch.watchdog import GATE_COLUMNS, LineTail  # noqa: E402
-from nsa_jax.train.artifacts import CSV_AUX, CSV_HEAD, CSV_TAIL  # noqa: E402
+from nsa_jax.runfiles import AUX_COLUMNS, TRAIN_COLUMNS  # noqa: E402
 
-HEADER = list(CSV_HEAD + CSV_TAIL + CSV_AUX)
+HEADER = list(TRAIN_COLUMNS + AUX_COLUMNS)
 FAST = ["--interval", "0.1"]
 
 

@@ -36,10 +36,15 @@ import time
 import traceback
 from typing import Any, Callable
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from nsa_jax import runfiles as rf
+from nsa_jax.runfiles import ANOMALY_FILE, HALT_FILE, write_halt  # noqa: F401 - re-exported
+
 # EX_TEMPFAIL: a temporary failure, worth retrying; distinct from a crash (1) or bad input (2).
-STALL_EXIT_CODE = 75
-HALT_FILE = ".HALT"
-ANOMALY_FILE = ".anomaly_type"
+STALL_EXIT_CODE = rf.EXIT_STALL
 
 
 def _noop_handler(signum, frame) -> None:
@@ -95,22 +100,10 @@ def write_stack_dump(
     return path
 
 
-def write_halt(out_dir: str | os.PathLike, kind: str, msg: str) -> None:
-    """`.anomaly_type` (the kind, one word) then `.HALT` (one line saying why)."""
-    out = pathlib.Path(out_dir)
-    (out / ANOMALY_FILE).write_text(kind + "\n")
-    (out / HALT_FILE).write_text(msg.rstrip("\n") + "\n")
-
-
 def agree_any(flag: bool) -> bool:
     """True on every process when `flag` is True on any; a collective, so every process must call it."""
-    import jax
-
     if jax.process_count() == 1:
         return bool(flag)
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 

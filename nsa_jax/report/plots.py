@@ -54,13 +54,13 @@ def _val_loss(ax: Axes, run: Run, summary: Summary | None) -> None:
 
 def _throughput_window(ax: Axes, run: Run, summary: Summary | None) -> None:
     f = summary.figures if summary else {}
-    if f.get("toks_mean") is not None:
+    if f.get("toks_per_s") is not None:
         ax.axhline(
-            f["toks_mean"],
+            f["toks_per_s"],
             color="C1",
             ls="--",
             lw=1,
-            label=f"mean of last {f['toks_n']}: {f['toks_mean']:,.1f} (pstdev {f['toks_pstdev']:,.1f})",
+            label=f"last {f['toks_n']} steps: {f['toks_per_s']:,.1f} (median step {f['toks_median']:,.1f})",
         )
         ax.axvspan(f["window_first_step"], f["window_last_step"], color="C1", alpha=0.08)
 

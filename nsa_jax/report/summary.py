@@ -32,32 +32,16 @@ import json
 import math
 import os
 import pathlib
-import re
 import statistics
 import time
 from typing import Any, Iterable, Sequence
 
-# The training.csv column order of nsa_jax.train.artifacts (CSV_HEAD + CSV_TAIL + CSV_AUX),
-# repeated here so reading a report does not import jax; a test keeps the two equal.
-CSV_COLUMNS = (
-    "step",
-    "loss",
-    "lr",
-    "toks_per_s",
-    "grad_norm",
-    "step_time_s",
-    "tokens",
-    "elapsed_s",
-    "skipped",
-    "val_loss",
-    "gate_cmp",
-    "gate_slc",
-    "gate_win",
-    "gate_entropy",
-    "sel_far_frac",
-)
-GATE_COLUMNS = ("gate_cmp", "gate_slc", "gate_win")
-ANOMALY_EVENTS = ("anomaly", "halt", "watchdog_dump", "loader_timeout")
+from nsa_jax import runfiles as rf
+
+# The file schema (columns, event names) is nsa_jax/runfiles.py, shared with the trainer.
+CSV_COLUMNS = rf.DOCUMENTED_COLUMNS
+GATE_COLUMNS = rf.GATE_COLUMNS
+ANOMALY_EVENTS = rf.ANOMALY_EVENTS
 GO, NO_GO, NA = "GO", "NO-GO", "N/A"
 GIB = 2**30
 # Beyond this many malformed lines per file the rest are counted, not listed.
@@ -107,7 +91,7 @@ class Run:
 
     @property
     def csv_path(self) -> pathlib.Path:
-        return self.path / "training.csv"
+        return self.path / rf.TRAINING_CSV
 
     def config(self, section: str, key: str, default: Any = None) -> Any:
         try:
@@ -141,20 +125,6 @@ def resolve_run_dir(path: str | os.PathLike) -> pathlib.Path:
     return p
 
 
-def _lines(path: pathlib.Path) -> tuple[list[tuple[int, str]], bool]:
-    """Numbered non-blank lines; True when the last line has no newline (still being written or cut off)."""
-    text = path.read_text(errors="replace")
-    parts = text.split("\n")
-    partial = bool(parts[-1].strip())
-    body = parts[:-1]
-    return [(i + 1, s.rstrip("\r")) for i, s in enumerate(body) if s.strip()], partial
-
-
-def _num(cell: str) -> float | None:
-    cell = cell.strip()
-    return None if cell == "" else float(cell)
-
-
 def _problem_lines(problems: list[str], name: str, bad: list[str]) -> None:
     problems.extend(f"{name}: {b}" for b in bad[:_MAX_PROBLEM_LINES])
     if len(bad) > _MAX_PROBLEM_LINES:
@@ -163,46 +133,12 @@ def _problem_lines(problems: list[str], name: str, bad: list[str]) -> None:
 
 def read_csv(path: pathlib.Path, problems: list[str]) -> tuple[list[str], list[dict[str, float | None]]]:
     """(columns, rows) of a step CSV; malformed or incomplete lines are skipped and named in `problems`."""
-    lines, partial = _lines(path)
-    if partial:
-        problems.append(f"{path.name}: last line incomplete (no newline: still being written or cut off); ignored")
-    if not lines:
-        return [], []
-    first = [c.strip() for c in lines[0][1].split(",")]
-    try:
-        float(first[0])
-        # Header-less: the documented column order.
-        columns = [CSV_COLUMNS[i] if i < len(CSV_COLUMNS) else f"col{i}" for i in range(len(first))]
-        body = lines
-    except ValueError:
-        columns, body = first, lines[1:]
-    rows, bad, seen = [], [], set()
-    for n, line in body:
-        cells = line.split(",")
-        if len(cells) != len(columns):
-            bad.append(f"line {n} has {len(cells)} fields, header {len(columns)}; skipped")
-            continue
-        try:
-            row = {c: _num(v) for c, v in zip(columns, cells)}
-        except ValueError:
-            bad.append(f"line {n} has a non-numeric value; skipped")
-            continue
-        step = row.get("step")
-        if step is None or not math.isfinite(step):
-            bad.append(f"line {n} has no step; skipped")
-            continue
-        if step in seen:
-            bad.append(f"line {n} repeats step {int(step)}; skipped")
-            continue
-        seen.add(step)
-        rows.append(row)
-    _problem_lines(problems, path.name, bad)
-    return columns, rows
+    return rf.read_csv(path, problems)
 
 
 def read_jsonl(path: pathlib.Path, problems: list[str]) -> list[dict[str, Any]]:
     """Events of a heartbeat file; lines that are not JSON objects are skipped and named."""
-    lines, partial = _lines(path)
+    lines, partial = rf.read_lines(path)
     if partial:
         problems.append(f"{path.name}: last line incomplete (no newline: still being written or cut off); ignored")
     events, bad = [], []
@@ -253,7 +189,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     """Parses every artifact present in a run directory; never raises on bad contents."""
     root = resolve_run_dir(path)
     run = Run(path=root, label=label or root.name or str(root))
-    env_path = root / "env.json"
+    env_path = root / rf.ENV_JSON
     if env_path.is_file():
         try:
             env = json.loads(env_path.read_text(errors="replace"))
@@ -276,10 +212,10 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     else:
         run.missing.append("training.csv (off: logging.csv=false)" if disabled("csv") else "training.csv")
 
-    for f in sorted(root.glob("heartbeat_rank*.jsonl")):
-        m = re.fullmatch(r"heartbeat_rank(\d+)\.jsonl", f.name)
-        if m:
-            run.heartbeats[int(m.group(1))] = read_jsonl(f, run.problems)
+    for f in sorted(root.glob(rf.HEARTBEAT_GLOB)):
+        rank = rf.heartbeat_rank(f.name)
+        if rank is not None:
+            run.heartbeats[rank] = read_jsonl(f, run.problems)
     expected = run.env.get("process_count") if run.env else None
     if not run.heartbeats:
         run.missing.append(
@@ -295,7 +231,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
             run.columns = ["step", "loss", "lr", "step_time_s", "toks_per_s"]
             run.series_path = root / "heartbeat_rank0.jsonl"
 
-    val_path = root / "val.csv"
+    val_path = root / rf.VAL_CSV
     if val_path.is_file():
         _, vrows = read_csv(val_path, run.problems)
         key = next((k for k in ("val_loss", "loss") if any(r.get(k) is not None for r in vrows)), None)
@@ -310,7 +246,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
             run.val = list(zip(steps, vals))
             run.val_source = "training.csv val_loss"
 
-    for name, attr in ((".HALT", "halt"), (".anomaly_type", "anomaly_type")):
+    for name, attr in ((rf.HALT_FILE, "halt"), (rf.ANOMALY_FILE, "anomaly_type")):
         f = root / name
         if f.is_file():
             setattr(run, attr, f.read_text(errors="replace").strip() or "(empty)")
@@ -445,18 +381,34 @@ def _completion(run: Run, info: dict[str, Any]) -> Criterion:
 
 
 def _throughput(rows: list[dict], th: Thresholds, fig: dict, window: str) -> Criterion:
+    """Tokens over the steps' own time (total tokens / total step time), and the median step's rate.
+
+    Both are robust to a few odd steps: a mean of per-step rates is not (one step that
+    took no time would dominate it).
+    """
     vals = _finite(r.get("toks_per_s") for r in rows)
     if not vals:
         return Criterion("throughput", NA, "no toks_per_s values")
+    pairs = [
+        (r["toks_per_s"] * r["step_time_s"], r["step_time_s"])
+        for r in rows
+        if r.get("toks_per_s") is not None
+        and r.get("step_time_s") is not None
+        and math.isfinite(r["toks_per_s"])
+        and math.isfinite(r["step_time_s"])
+        and r["step_time_s"] > 0
+    ]
+    median = statistics.median(vals)
+    overall = sum(t for t, _ in pairs) / sum(s for _, s in pairs) if pairs else median
     mean, sd = statistics.fmean(vals), statistics.pstdev(vals)
-    fig.update(toks_mean=mean, toks_pstdev=sd, toks_n=len(vals))
-    ok = mean > 0 and mean >= th.min_toks_per_s
+    fig.update(toks_per_s=overall, toks_median=median, toks_mean=mean, toks_pstdev=sd, toks_n=len(vals))
+    ok = overall > 0 and overall >= th.min_toks_per_s
     floor = f"floor {th.min_toks_per_s:g} (--min-toks-per-s)"
-    rel = f" ({sd / mean:.1%})" if mean else ""
+    how = "total tokens / total step time" if pairs else "median"
     return Criterion(
         "throughput",
         GO if ok else NO_GO,
-        f"mean {mean:,.1f} tok/s, pstdev {sd:,.1f}{rel} over {len(vals)} steps; {floor}",
+        f"{overall:,.1f} tok/s ({how}), median step {median:,.1f} tok/s over {len(vals)} steps; {floor}",
     )
 
 
@@ -489,18 +441,32 @@ def _loss(run: Run, last: int, th: Thresholds, fig: dict) -> Criterion:
 
 
 def _step_time(rows: list[dict], th: Thresholds, fig: dict) -> Criterion:
+    """Spread of step times: the median absolute deviation over the median (robust CV).
+
+    MAD / median x 1.4826 equals pstdev / mean for normally distributed times, and a
+    few slow steps (a first evaluation's compile, a checkpoint's copy) do not move it.
+    """
     vals = _finite(r.get("step_time_s") for r in rows)
     if len(vals) < 2:
         return Criterion("step time", NA, "fewer than 2 step times in the window")
-    mean, sd = statistics.fmean(vals), statistics.pstdev(vals)
-    cv = sd / mean if mean > 0 else math.inf
     med = statistics.median(vals)
-    fig.update(step_time_mean=mean, step_time_pstdev=sd, step_time_cv=cv, step_time_max=max(vals))
+    mad = statistics.median(abs(v - med) for v in vals)
+    cv = 1.4826 * mad / med if med > 0 else math.inf
+    mean, sd = statistics.fmean(vals), statistics.pstdev(vals)
+    fig.update(
+        step_time_median=med,
+        step_time_mean=mean,
+        step_time_pstdev=sd,
+        step_time_cv=cv,
+        step_time_max=max(vals),
+    )
+    slow = sum(v > 2 * med for v in vals)
     return Criterion(
         "step time",
         GO if cv <= th.max_step_cv else NO_GO,
-        f"mean {mean * 1e3:,.1f} ms, CV {cv:.3f} (limit {th.max_step_cv:g}, --max-step-cv), "
-        f"slowest {max(vals) * 1e3:,.1f} ms = {max(vals) / med:.1f}x median",
+        f"median {med * 1e3:,.1f} ms, robust CV {cv:.3f} (1.4826 MAD / median; limit {th.max_step_cv:g}, "
+        f"--max-step-cv), slowest {max(vals) * 1e3:,.1f} ms = {max(vals) / med:.1f}x median, "
+        f"{slow} step(s) over 2x median",
     )
 
 
@@ -742,26 +708,27 @@ class Entry:
 
 
 def rank_entries(entries: Sequence[Entry], tie_pct: float = 1.0) -> list[tuple[int | None, Entry]]:
-    """Highest mean tok/s first; means within `tie_pct` percent of a group's leader go to the lower pstdev.
+    """Highest tok/s (total tokens / total step time) first; rates within `tie_pct` percent of a
+    group's leader go to the lower pstdev.
 
     Runs that failed or have no throughput come last, unranked (None).
     """
-    ok = [e for e in entries if not e.failed and e.summary and e.summary.figures.get("toks_mean") is not None]
+    ok = [e for e in entries if not e.failed and e.summary and e.summary.figures.get("toks_per_s") is not None]
     rest = [e for e in entries if e not in ok]
-    ok.sort(key=lambda e: -e.summary.figures["toks_mean"])
+    ok.sort(key=lambda e: -e.summary.figures["toks_per_s"])
     ordered: list[Entry] = []
     i = 0
     while i < len(ok):
-        lead = ok[i].summary.figures["toks_mean"]
+        lead = ok[i].summary.figures["toks_per_s"]
         j = i
-        while j < len(ok) and ok[j].summary.figures["toks_mean"] >= lead * (1 - tie_pct / 100):
+        while j < len(ok) and ok[j].summary.figures["toks_per_s"] >= lead * (1 - tie_pct / 100):
             j += 1
-        ordered += sorted(ok[i:j], key=lambda e: (e.summary.figures["toks_pstdev"], -e.summary.figures["toks_mean"]))
+        ordered += sorted(ok[i:j], key=lambda e: (e.summary.figures["toks_pstdev"], -e.summary.figures["toks_per_s"]))
         i = j
     return [(n + 1, e) for n, e in enumerate(ordered)] + [(None, e) for e in rest]
 
 
-_TABLE_HEAD = ("rank", "run", "status", "mean tok/s", "pstdev", "n", "step-time CV", "last loss", "verdict")
+_TABLE_HEAD = ("rank", "run", "status", "tok/s", "pstdev", "n", "step-time CV", "last loss", "verdict")
 
 
 def table_rows(ranked: list[tuple[int | None, Entry]]) -> list[tuple[str, ...]]:
@@ -778,7 +745,7 @@ def table_rows(ranked: list[tuple[int | None, Entry]]) -> list[tuple[str, ...]]:
                 str(rank) if rank else "-",
                 e.label,
                 e.status,
-                num("toks_mean", ",.1f"),
+                num("toks_per_s", ",.1f"),
                 num("toks_pstdev", ",.1f"),
                 str(f.get("toks_n", "-")),
                 num("step_time_cv", ".3f"),
@@ -805,7 +772,10 @@ def format_table(ranked: list[tuple[int | None, Entry]], last: int, tie_pct: flo
 
 def _ranking_note(ranked: list[tuple[int | None, Entry]], last: int, tie_pct: float) -> str:
     best = next((e.label for r, e in ranked if r == 1), None)
-    rule = f"ranked by mean tok/s over the last {last} steps; means within {tie_pct:g}% go to the lower pstdev"
+    rule = (
+        f"ranked by tok/s (total tokens / total step time) over the last {last} steps; "
+        f"within {tie_pct:g}% go to the lower pstdev"
+    )
     return f"best: {best} ({rule})" if best else f"no run to rank ({rule})"
 
 

@@ -1,11 +1,12 @@
-"""Run artifacts under the output directory (docs/RUNBOOK.md "Artifacts").
+"""Run artifacts under the output directory (docs/RUNBOOK.md "Artifacts"): the writers.
 
-Owns the file formats operators and their scripts read:
+File names, columns and event names are defined in nsa_jax/runfiles.py (no jax), which
+the report and the watchdogs read by too:
   training.csv            header row; step, loss, lr, toks_per_s first (runbook scripts
-                          read column 3 as tokens/s), then the columns of `csv_columns`
+                          read column 3 as tokens/s), then the columns of `csv_columns`;
+                          step_time_s / toks_per_s are the step's own (no eval, no save)
   heartbeat_rank<r>.jsonl one JSON object per line: ts, iso, pid, rank, step, msg, memory,
-                          event (boot, compile, step_start, progress, step_end, eval,
-                          loader_*, anomaly, halt, done) plus event-specific fields
+                          event (runfiles.EVENTS) plus event-specific fields
   env.json                versions, devices, mesh, XLA_FLAGS, NSA_*/NCCL_* variables and
                           what each NSA_* toggle does here, git sha, config, kernels
   val.csv                 one row per evaluation on the fixed held-out set:
@@ -21,13 +22,14 @@ NSA_DISABLE_CSV_LOGS and NSA_DISABLE_AUX_STATS onto those keys).
 
 from __future__ import annotations
 
-import csv
 import datetime
+import importlib.metadata
 import json
 import math
 import os
 import pathlib
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -35,15 +37,10 @@ from typing import Any
 
 import jax
 
+from nsa_jax import runfiles as rf
 from nsa_jax.config import Config
-
-BRANCHES = ("cmp", "slc", "win")
-CSV_HEAD = ("step", "loss", "lr", "toks_per_s", "grad_norm", "step_time_s")
-CSV_TAIL = ("tokens", "elapsed_s", "skipped", "val_loss")
-# Layer means of the NSA statistics; per-layer values go to TensorBoard.
-CSV_AUX = ("gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_frac")
-VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl", "retrieval_acc", "answers", "elapsed_s")
-
+from nsa_jax.kernels import describe_impl
+from nsa_jax.runfiles import BRANCHES, VAL_COLUMNS  # noqa: F401 - re-exported for callers of this module
 
 # Torch-runbook variables that are accepted and do nothing here, and why.
 NOOP_TOGGLES = {
@@ -68,7 +65,7 @@ NOOP_TOGGLES = {
 
 
 def csv_columns(cfg: Config) -> tuple[str, ...]:
-    return CSV_HEAD + CSV_TAIL + (CSV_AUX if cfg.logging.aux_stats else ())
+    return rf.training_columns(cfg.logging.aux_stats)
 
 
 # ---------------------------------------------------------------------------
@@ -81,8 +78,6 @@ def _rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         try:
-            import resource
-
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         except Exception:  # noqa: BLE001 - memory is best effort
             return None
@@ -117,9 +112,7 @@ def _git_sha() -> str | None:
 
 def _version(module: str) -> str | None:
     try:
-        from importlib.metadata import version
-
-        return version(module)
+        return importlib.metadata.version(module)
     except Exception:  # noqa: BLE001 - absent package
         return None
 
@@ -139,8 +132,6 @@ def toggle_effects(environ: dict[str, str], applied: dict[str, str]) -> dict[str
 
 
 def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None) -> dict[str, Any]:
-    from nsa_jax.kernels import describe_impl
-
     environ = dict(os.environ)
     return {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -212,7 +203,7 @@ class Heartbeat:
         self.f.close()
 
 
-class CsvLog:
+class CsvLog(rf.CsvWriter):
     """A header row, then one row per step (training.csv) or per evaluation (val.csv).
 
     `keep_upto`: resume at that step. The rows of an earlier file with step <= keep_upto
@@ -222,36 +213,7 @@ class CsvLog:
     """
 
     def __init__(self, path: pathlib.Path, columns: tuple[str, ...], keep_upto: int | None = None):
-        self.columns = columns
-        kept = kept_rows(path, keep_upto) if keep_upto is not None else []
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            f.write(",".join(columns) + "\n")
-            for row in kept:
-                f.write(",".join(row.get(c) or "" for c in columns) + "\n")
-        os.replace(tmp, path)
-        self.f = open(path, "a", buffering=1)
-
-    def write(self, row: dict[str, Any]) -> None:
-        self.f.write(",".join(_fmt(row.get(c)) for c in self.columns) + "\n")
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def kept_rows(path: pathlib.Path, step: int) -> list[dict[str, str]]:
-    """Rows of an earlier CSV with step <= `step`; lines cut short by a kill are dropped."""
-    if not path.is_file():
-        return []
-    rows = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            try:
-                if int(row.get("step") or -1) <= step:
-                    rows.append({k: v for k, v in row.items() if k is not None})
-            except ValueError:
-                continue
-    return rows
+        super().__init__(path, columns, rf.rows_upto(path, keep_upto) if keep_upto is not None else ())
 
 
 class TbLog:
@@ -269,14 +231,6 @@ class TbLog:
 
     def close(self) -> None:
         self.w.close()
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
 
 
 def _json_default(v: Any):
@@ -302,14 +256,14 @@ class RunArtifacts:
         lead = self.rank == 0
         self.out.mkdir(parents=True, exist_ok=True)
         log = cfg.logging
-        self.env_path = self.out / "env.json"
+        self.env_path = self.out / rf.ENV_JSON
         self.env = env_info(cfg, mesh, applied_env) if log.env_json and lead else None
         if self.env is not None:
             self.write_env()
-        self.hb = Heartbeat(self.out / f"heartbeat_rank{self.rank}.jsonl", self.rank) if log.heartbeat else None
-        self.csv = CsvLog(self.out / "training.csv", csv_columns(cfg), resume_step) if log.csv and lead else None
-        self.val_csv = CsvLog(self.out / "val.csv", VAL_COLUMNS, resume_step) if log.csv and lead else None
-        self.tb = TbLog(self.out / "tb") if log.tensorboard and lead else None
+        self.hb = Heartbeat(self.out / rf.heartbeat_name(self.rank), self.rank) if log.heartbeat else None
+        self.csv = CsvLog(self.out / rf.TRAINING_CSV, csv_columns(cfg), resume_step) if log.csv and lead else None
+        self.val_csv = CsvLog(self.out / rf.VAL_CSV, rf.VAL_COLUMNS, resume_step) if log.csv and lead else None
+        self.tb = TbLog(self.out / rf.TB_DIR) if log.tensorboard and lead else None
 
     def write_env(self, **sections: Any) -> None:
         """(Re)writes env.json atomically, adding `sections` (e.g. compile statistics)."""

@@ -8,7 +8,20 @@ memory) and trains.
 The loop never waits on the device without need: it dispatches step t, and only
 then reads step t-1's metrics (which blocks until t-1 is done while t is already
 queued). The host therefore prepares batch t+1 and writes t-1's logs while the
-device runs t. Step time is the interval between consecutive completions.
+device runs t. Step time is the interval between consecutive completions, and it is
+the step's own: at a step that evaluates or saves, the loop first waits for that step
+(its time ends there), then evaluates (timed as `eval_s`) or starts the save (timed as
+`save_s` in the `checkpoint_start` event), and the next step's time starts after that.
+
+Checkpoint saves run in the background; `Checkpointer.poll` says at the next step
+(the next save or the end at the latest, with several processes) whether a save
+committed (then the `checkpoint` event is written) or failed (then a
+`checkpoint_failed` event, the run stops with summary["halted"] = "checkpoint_failed"
+and the error in summary["error"]; launch.train exits 74).
+
+Before the first step the compiled program's memory is compared with what the device
+has (`check_fits`): a step that cannot fit stops with WontFitError instead of dying
+in the allocator.
 
 Checkpoint seam: `Trainer(..., state=TrainState, data_state=dict)` resumes from a
 restored train state and data position; `trainer.state` / `trainer.data.get_state()`
@@ -21,6 +34,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import pathlib
 import time
 from typing import Any, Callable
@@ -32,8 +46,9 @@ from nsa_jax import checkpoint as ckpt
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.ops.health import Health, agree_any, write_halt
+from nsa_jax.runfiles import BRANCHES, HALT_FILE
 from nsa_jax.train import step as S
-from nsa_jax.train.artifacts import BRANCHES, RunArtifacts
+from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.evaluate import Evaluator, format_eval
 from nsa_jax.train.state import TrainState, init_state
 
@@ -77,6 +92,65 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+class WontFitError(ValueError):
+    """The compiled step needs more memory than the device has; one line naming the knobs."""
+
+
+def device_memory_limit(device) -> tuple[int | None, str]:
+    """(bytes one device may use, where the figure comes from): the allocator's limit where the
+    backend reports it, else the host's physical memory shared by its local devices (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.platform} memory_stats bytes_limit"
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+    return total // max(1, jax.local_device_count()), "host RAM / local devices"
+
+
+def check_fits(cfg: Config, mem: dict[str, int] | None, device) -> None:
+    """WontFitError when the compiled step's per-device bytes exceed the device's limit."""
+    if not mem:
+        return
+    need = (
+        mem["argument_size_in_bytes"]
+        + mem["output_size_in_bytes"]
+        - mem["alias_size_in_bytes"]
+        + mem["temp_size_in_bytes"]
+    )
+    limit, source = device_memory_limit(device)
+    if limit is None or need <= limit:
+        return
+    t = cfg.train
+    raise WontFitError(
+        f"the compiled train step needs {_size(need)} per device (temporaries {_size(mem['temp_size_in_bytes'])}) "
+        f"and the device has {_size(limit)} ({source}); lower train.global_batch ({t.global_batch}) and raise "
+        f"train.accumulate ({t.accumulate}) to keep the tokens per step, lower train.seq_len ({t.seq_len}), or set "
+        f"model.remat=full (now {cfg.model.remat})"
+    )
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """jax's persistent compilation cache in `path` (None: off). A repeated or resumed run then
+    loads the compiled step instead of compiling it; entries are keyed by program and flags."""
+    if path is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # The train step and the evaluation take seconds to compile; small programs are not worth a file.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 @dataclasses.dataclass
 class _Pending:
     """A dispatched step whose metrics have not been read yet."""
@@ -84,7 +158,7 @@ class _Pending:
     step: int
     metrics: dict[str, jax.Array]
     dispatched: float
-    val: dict[str, jax.Array] | None  # Evaluator.dispatch sums, when this step evaluated
+    evaluate: bool = False  # evaluate the state after this step once it is recorded
 
 
 class Trainer:
@@ -174,21 +248,15 @@ class Trainer:
         rows = [self._next_tokens() for _ in range(self.cfg.train.accumulate)]
         return S.put_batch(np.stack(rows), self.mesh)
 
-    def _eval(self, params) -> dict[str, jax.Array]:
-        """Metrics of the fixed held-out set (dispatched, not waited for)."""
-        if self.evaluator is None:
-            self.evaluator = Evaluator(self.cfg, self.mesh)
-        return self.evaluator.dispatch(params)
-
     # -- halting --------------------------------------------------------------
 
     def _halt_requested(self, step: int) -> bool:
         """<out>/.HALT present; in multi-process runs agreed at log intervals so all stop together."""
         if jax.process_count() == 1:
-            return (self.out / ".HALT").exists()
+            return (self.out / HALT_FILE).exists()
         if step % self.cfg.train.log_every:
             return False
-        return agree_any((self.out / ".HALT").exists())
+        return agree_any((self.out / HALT_FILE).exists())
 
     def _anomaly(self, step: int, kind: str, msg: str) -> None:
         self.art.event("anomaly", step, msg, anomaly_type=kind)
@@ -226,6 +294,7 @@ class Trainer:
         self.say(line)
         self.art.event("compile", int(self.state.step), line, compile_s=seconds, memory_analysis=mem)
         self.art.write_env(compile={"seconds": seconds, "memory_analysis": mem})
+        check_fits(self.cfg, mem, self.mesh.devices.flat[0])
         return compiled
 
     def run(self) -> dict[str, Any]:
@@ -236,13 +305,30 @@ class Trainer:
         self.health = Health(
             self.out, rank=jax.process_index(), stall_seconds=cfg.ops.stall_seconds, event=self.art.event
         ).start()
-        with self.health.paused():
-            batch = self._next_batch()
-            step_fn = self.compile(batch)
+        try:
+            with self.health.paused():
+                batch = self._next_batch()
+                step_fn = self.compile(batch)
+        except BaseException as e:
+            # Nothing was trained: close what boot opened, say why in the heartbeat.
+            self.health.close()
+            self.ckpt.close()
+            self.art.event("crash", int(self.state.step) if self.state is not None else 0, _first_line(e))
+            self.art.close()
+            self.data.close()
+            raise
         start = int(self.state.step)
-        self.summary = {"first_loss": None, "last_loss": None, "steps_done": start, "halted": None, "skipped_steps": 0}
+        self.summary = {
+            "first_loss": None,
+            "last_loss": None,
+            "steps_done": start,
+            "halted": None,
+            "skipped_steps": 0,
+            "error": None,
+        }
         self._t_loop = self._last_done = time.perf_counter()
-        self._interval = {"t": self._t_loop, "steps": 0}
+        self._interval = {"t": self._t_loop, "steps": 0, "step_s": 0.0}
+        self._step_s = 0.0  # sum of the steps' own times
         pending: _Pending | None = None
         # SIGTERM (preemption): finish the step in flight, save, return normally.
         self._preempt = ckpt.PreemptionGuard(self.mesh)
@@ -250,9 +336,11 @@ class Trainer:
         error: BaseException | None = None
         try:
             for step in range(start + 1, cfg.train.steps + 1):
+                if not self._poll_checkpoint():
+                    break
                 if self._halt_requested(step):
                     self.summary["halted"] = "halt_file"
-                    self.say(f"halt: {self.out / '.HALT'} found before step {step}")
+                    self.say(f"halt: {self.out / HALT_FILE} found before step {step}")
                     self.art.event("halt", step - 1, ".HALT file found")
                     break
                 if self._preempt.stop_requested():
@@ -266,22 +354,27 @@ class Trainer:
                 t_dispatch = time.perf_counter()
                 self.state, metrics = step_fn(self.state, batch)
                 batch = None
-                val = self._eval(self.state.params) if step % cfg.train.eval_every == 0 else None
                 # Step t is queued; now wait for t-1 and log it while the device runs t.
                 if pending is not None and not self._record(pending):
                     pending = None
                     break
-                pending = _Pending(step, metrics, t_dispatch, val)
-                if cfg.checkpoint.enabled and step % cfg.checkpoint.save_every == 0:
-                    # Log step t before it is saved, so training.csv never lacks a saved step.
+                evaluate = step % cfg.train.eval_every == 0
+                save = cfg.checkpoint.enabled and step % cfg.checkpoint.save_every == 0
+                pending = _Pending(step, metrics, t_dispatch, evaluate)
+                if evaluate or save:
+                    # Wait for step t now, so its time is its own; evaluation and the save's
+                    # blocking part are timed separately. Logged before it is saved, so
+                    # training.csv never lacks a saved step.
                     ok, pending = self._record(pending), None
                     if not ok:
                         break
-                    self._checkpoint()
+                    if save and not self._checkpoint():
+                        break
             if pending is not None:
                 self._record(pending)
-            if self.summary["halted"] not in ("nan_loss", "nan_grad"):
-                self._checkpoint()
+            if self.summary["halted"] not in ("nan_loss", "nan_grad", "checkpoint_failed"):
+                if self._checkpoint():
+                    self._poll_checkpoint(block=True)
         except BaseException as e:
             error = e
             raise
@@ -295,13 +388,14 @@ class Trainer:
             self.summary.update(
                 wall_s=time.perf_counter() - t_start,
                 loop_s=loop_s,
-                toks_per_s=done * self.tokens_per_step / max(loop_s, 1e-9),
+                step_s=self._step_s,
+                # tokens over the steps' own time: evaluation and saves are not in it
+                toks_per_s=done * self.tokens_per_step / max(self._step_s, 1e-9),
             )
             if error is None:
                 self.art.event("done", self.summary["steps_done"], "done", **self.summary)
             else:  # watchdogs must tell a crash from a finished run
-                msg = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-                self.art.event("crash", self.summary["steps_done"], msg, **self.summary)
+                self.art.event("crash", self.summary["steps_done"], _first_line(error), **self.summary)
             self.art.close()
             self.data.close()
         s = self.summary
@@ -313,27 +407,77 @@ class Trainer:
         )
         return s
 
-    def _checkpoint(self) -> None:
-        """Saves the current state, every step of which has been recorded, with the data position after it."""
+    def _checkpoint(self) -> bool:
+        """Saves the current state, every step of which has been recorded, with the data position after it.
+
+        False when a save failed (the run must stop); the `checkpoint` event follows once
+        the step is committed (`_poll_checkpoint`).
+        """
         if not self.cfg.checkpoint.enabled:
-            return
+            return True
         step = self.summary["steps_done"]
         if int(jax.device_get(self.state.step)) != step:  # a step was dispatched but never recorded
-            return
-        # The held-out rows are fixed (evaluate.py): no validation stream position to save.
-        info = self.ckpt.save(step, self.state, self.data.get_state(), None)
+            return True
+        t0 = time.perf_counter()
+        try:
+            # The held-out rows are fixed (evaluate.py): no validation stream position to save.
+            info = self.ckpt.save(step, self.state, self.data.get_state(), None)
+        except ckpt.CheckpointSaveError as e:
+            self._checkpoint_failed(e)
+            return False
+        # The next step's time starts after the save's blocking part.
+        self._last_done = time.perf_counter()
         if info is not None:
-            self.art.event("checkpoint", step, info["path"], blocking_s=info["blocking_s"])
+            self.art.event(
+                "checkpoint_start",
+                step,
+                info["path"],
+                save_s=self._last_done - t0,
+                checksum_s=info["checksum_s"],
+            )
+        return True
+
+    def _poll_checkpoint(self, block: bool = False) -> bool:
+        """Writes `checkpoint` events for committed saves; False (and a `checkpoint_failed` event)
+        for one that failed."""
+        try:
+            committed = self.ckpt.poll(block=block)
+        except ckpt.CheckpointSaveError as e:
+            self._checkpoint_failed(e)
+            return False
+        for step in committed:
+            self.art.event("checkpoint", step, str(self.ckpt.dir / str(step)))
+        return True
+
+    def _checkpoint_failed(self, e: ckpt.CheckpointSaveError) -> None:
+        last = self.ckpt.committed
+        keep = f"the newest committed checkpoint is step {last}" if last is not None else "no checkpoint was committed"
+        msg = f"{e}; {keep}; stopping (fix the cause and run the same command to resume)"
+        self.summary.update(halted="checkpoint_failed", error=msg)
+        self.art.event("checkpoint_failed", e.step, msg, cause=e.cause, committed_step=last)
+
+    def _evaluate(self) -> tuple[dict[str, Any], float]:
+        """Held-out metrics of the current state, waited for; (metrics, seconds)."""
+        t0 = time.perf_counter()
+        if self.evaluator is None:
+            self.evaluator = Evaluator(self.cfg, self.mesh)
+        val = Evaluator.finish(self.evaluator.dispatch(self.state.params))
+        return val, time.perf_counter() - t0
 
     def _record(self, p: _Pending) -> bool:
         """Reads a finished step's metrics (blocking) and logs them; False stops the run."""
         cfg = self.cfg
         m = jax.device_get(p.metrics)
-        val = None if p.val is None else Evaluator.finish(p.val)
         now = time.perf_counter()
         # The step ran from when the device finished the previous one (or from its dispatch).
         step_time = now - max(self._last_done, p.dispatched)
         self._last_done = now
+        self._step_s += step_time
+        val, eval_s = None, None
+        if p.evaluate:  # the state is still the one after p.step: nothing was dispatched since
+            val, eval_s = self._evaluate()
+            val["eval_s"] = eval_s
+            self._last_done = time.perf_counter()
         loss, lr = float(m["loss"]), float(m["lr"])
         aux = _aux_means(m)
         row = {
@@ -347,6 +491,7 @@ class Trainer:
             "elapsed_s": now - self._t_loop,
             "skipped": int(m["skipped"]),
             "val_loss": val and val["val_loss"],
+            "eval_s": eval_s,
             **aux,
         }
         self.art.row(row)
@@ -357,17 +502,24 @@ class Trainer:
             self.art.val_row({"step": p.step, "tokens": row["tokens"], "elapsed_s": row["elapsed_s"], **val})
             self.art.event("eval", p.step, format_eval(val).strip(" |"), **val)
             scalars.update(
-                {"eval/loss": val["val_loss"], "eval/ppl": val["val_ppl"], "eval/retrieval_acc": val["retrieval_acc"]}
+                {
+                    "eval/loss": val["val_loss"],
+                    "eval/ppl": val["val_ppl"],
+                    "eval/retrieval_acc": val["retrieval_acc"],
+                    "eval/seconds": eval_s,
+                }
             )
         if self.summary["first_loss"] is None:
             self.summary["first_loss"] = loss
         self.summary.update(last_loss=loss, steps_done=p.step)
 
-        self._interval["steps"] += 1
+        iv = self._interval
+        iv["steps"] += 1
+        iv["step_s"] += step_time
         if p.step % cfg.train.log_every == 0 or p.step == cfg.train.steps:
-            span = max(now - self._interval["t"], 1e-9)
-            rate = self._interval["steps"] * self.tokens_per_step / span
-            eta = (cfg.train.steps - p.step) * span / self._interval["steps"]
+            # tokens/s over the interval's own step times; the ETA counts evaluations and saves too
+            rate = iv["steps"] * self.tokens_per_step / max(iv["step_s"], 1e-9)
+            eta = (cfg.train.steps - p.step) * max(now - iv["t"], 1e-9) / iv["steps"]
             line = progress_line(p.step, cfg.train.steps, loss, lr, rate, eta)
             if val is not None:
                 line += format_eval(val)
@@ -376,7 +528,7 @@ class Trainer:
             scalars.update(
                 {"train/toks_per_s_interval": rate, **{f"aux/{k}": v for k, v in aux.items()}, **_aux_per_layer(m)}
             )
-            self._interval = {"t": now, "steps": 0}
+            self._interval = {"t": now, "steps": 0, "step_s": 0.0}
         elif val is not None:
             self.say(f"eval: step {p.step}{format_eval(val)}")
         self.art.scalars(p.step, scalars)
@@ -391,12 +543,16 @@ class Trainer:
                 msg += f"; {skips} updates skipped, ops.max_skips={cfg.ops.max_skips} reached"
             if cfg.ops.nan_policy == "halt" or too_many:
                 self._anomaly(p.step, kind, msg)
-                self.say(f"halt: {msg}; wrote {self.out / '.HALT'}")
+                self.say(f"halt: {msg}; wrote {self.out / HALT_FILE}")
                 self.summary["halted"] = kind
                 return False
             self.art.event("anomaly", p.step, msg, anomaly_type=kind, skipped_steps=skips)
             self.say(f"warning: {msg} (ops.nan_policy=skip; {skips} skipped so far)")
         return True
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:500]
 
 
 def _aux_means(m: dict[str, Any]) -> dict[str, float]:

@@ -1,0 +1,309 @@
+"""The out_dir policy of a run: start, resume, restart, overwrite or refuse; no jax.
+
+`plan_out_dir(cfg, overwrite=..., overwrite_checkpoints=...)` looks at
+`cfg.train.out_dir` before XLA starts and decides, in this order:
+
+  not writable              OutDirError (an OSError on the folder: read-only, not a directory, permission)
+  .HALT present             "halted": nothing runs until it is removed (the reason is in it)
+  --overwrite-checkpoints   checkpoints (and corrupt ones) deleted, the rest as --overwrite
+  checkpoints present       --overwrite refused (it never deletes them); a config whose checkpoint
+                            must not be resumed (`resume_conflicts`) refused; the newest complete
+                            step >= train.steps: "finished", nothing to run; else "resume"
+  an earlier run's files    no finished step and no checkpoint (a run that died in boot or compile,
+                            or was refused): "restart", its files moved to previous/<utc time>/;
+                            otherwise refused unless --overwrite ("overwrite": files deleted)
+  nothing                   "fresh"
+
+`apply_plan` carries the decision out (moves or deletes files). The checkpoint
+directory inspection used here (`complete_steps`, `saved_config`, ...) is shared
+with nsa_jax/checkpoint.py, which restores and saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import time
+from typing import Any
+
+from nsa_jax import runfiles as rf
+from nsa_jax.config import Config, ConfigError, from_dict, to_dict, validate
+
+TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's suffix of a step directory not yet committed
+
+# Model keys that only change how the same weights are computed; everything else in
+# `model` changes the parameters' shapes or the function they define.
+NUMERICS_ONLY = ("model.dtype", "model.remat", "model.nsa.attention_impl", "model.nsa.query_chunk")
+# Keys that give the saved data position its meaning: the stream, its row shape, the
+# rows per optimizer step, and the seed of synthetic streams and shuffles.
+DATA_POSITION_KEYS = (
+    "data.dataset",
+    "data.path",
+    "data.tokenizer",
+    "data.val_fraction",
+    "data.kv_pairs",
+    "data.kv_queries",
+    "data.kv_placement",
+    "data.kv_format",
+    "train.seq_len",
+    "train.global_batch",
+    "train.accumulate",
+    "train.seed",
+)
+# Zero vs non-zero adds or removes a link of the optax chain, i.e. changes the
+# optimizer state's structure.
+OPTIMIZER_STRUCTURE_KEYS = ("train.grad_clip", "train.weight_decay")
+NOT_REPORTED = ("train.out_dir",)
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint, or one that must not be resumed; one line naming the fix."""
+
+
+class OutDirError(ConfigError):
+    """The out_dir cannot be used (not writable, not a directory); one line naming the fix."""
+
+
+# ---------------------------------------------------------------------------
+# checkpoint directory inspection
+
+
+def checkpoint_dir(out_dir: str | os.PathLike) -> pathlib.Path:
+    return pathlib.Path(out_dir) / rf.CHECKPOINT_DIR
+
+
+def complete_steps(ckpt_dir: str | os.PathLike) -> list[int]:
+    """Committed steps in `ckpt_dir`, ascending: directories named by an integer.
+
+    orbax writes `<step>.orbax-checkpoint-tmp-<n>` and renames it to `<step>` only after
+    the last file is written, so an integer name means a complete save.
+    """
+    d = pathlib.Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def uncommitted_dirs(ckpt_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """Step directories of saves that never finished (killed or failed mid-write)."""
+    d = pathlib.Path(ckpt_dir)
+    return sorted(p for p in d.iterdir() if TMP_MARKER in p.name) if d.is_dir() else []
+
+
+def saved_config(step_dir: str | os.PathLike) -> dict[str, Any]:
+    """The config dict stored in a step directory (the JSON file of its `config` item)."""
+    path = pathlib.Path(step_dir) / "config" / "metadata"
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "model" not in data:
+        raise ValueError(f"{path} does not hold a run config")
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return validate(from_dict(Config, data))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], list[str]]:
+    """(blocking, other): 'key old -> new' differences between a checkpoint's config and `cfg`.
+
+    Blocking: anything that changes the saved state's shapes or structure, and, unless
+    checkpoint.restore_data is false, anything that changes what the saved data
+    position means. Other differences (steps, LR schedule values, logging, cadence,
+    parallel layout, ...) are allowed and only reported.
+    """
+    old, now = _flatten(saved), _flatten(to_dict(cfg))
+    defaults = _flatten(to_dict(Config()))
+    missing = object()
+    blocking, other = [], []
+    for key in sorted(set(old) | set(now)):
+        a, b = old.get(key, missing), now.get(key, missing)
+        if a == b or key in NOT_REPORTED:
+            continue
+        if a is missing and key in defaults and b == defaults[key]:
+            continue  # a setting added after the checkpoint was written, at its default
+        line = f"{key} {'<absent>' if a is missing else repr(a)} -> {'<absent>' if b is missing else repr(b)}"
+        if key.startswith("model.") and key not in NUMERICS_ONLY:
+            blocking.append(line)
+        elif key in DATA_POSITION_KEYS and cfg.checkpoint.restore_data:
+            blocking.append(line)
+        elif key in OPTIMIZER_STRUCTURE_KEYS and isinstance(a, (int, float)) and (a > 0) != (b > 0):
+            blocking.append(line + " (changes the optimizer state's structure)")
+        else:
+            other.append(line)
+    return blocking, other
+
+
+def quarantine(step_dir: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:
+    """Moves a step that does not read back out of orbax's sight; never deletes it."""
+    dest_root = out_dir / rf.CORRUPT_DIR
+    dest_root.mkdir(parents=True, exist_ok=True)
+    dest = dest_root / f"{step_dir.name}-{int(time.time())}"
+    shutil.move(str(step_dir), str(dest))
+    return dest
+
+
+# ---------------------------------------------------------------------------
+# out_dir policy
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a launch does with its out_dir; `message` is one line for the operator."""
+
+    action: str  # fresh | resume | restart | overwrite | finished | halted
+    out: pathlib.Path
+    message: str = ""
+    steps: list[int] = dataclasses.field(default_factory=list)  # complete checkpoint steps
+    files: list[pathlib.Path] = dataclasses.field(default_factory=list)  # an earlier run's files
+    delete_checkpoints: bool = False
+
+
+def check_writable(out: pathlib.Path) -> None:
+    """Creates `out` and a probe file in it; OutDirError naming the cause when either fails."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        if isinstance(e, (FileExistsError, NotADirectoryError)) or (out.exists() and not out.is_dir()):
+            why = "it, or a folder above it, is a file, not a directory"
+        raise OutDirError(
+            f"train.out_dir {out} cannot be written ({why}); choose another directory with --out-dir "
+            "or --set train.out_dir=..."
+        ) from None
+
+
+def _finished_steps(out: pathlib.Path) -> bool:
+    """True when an earlier run's artifacts record a finished optimizer step."""
+    csv_path = out / rf.TRAINING_CSV
+    if csv_path.is_file() and rf.read_csv(csv_path)[1]:
+        return True
+    for hb in out.glob(rf.HEARTBEAT_GLOB):
+        with open(hb, errors="replace") as f:
+            if any('"event": "step_end"' in line for line in f):
+                return True
+    return False
+
+
+def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints: bool = False) -> Plan:
+    """The decision for `cfg.train.out_dir` (module docstring); ConfigError when it is refused."""
+    out = pathlib.Path(cfg.train.out_dir)
+    check_writable(out)
+    halt = out / rf.HALT_FILE
+    if halt.is_file():
+        reason = halt.read_text(errors="replace").strip() or "no reason given"
+        return Plan(
+            "halted",
+            out,
+            f"halt: {halt} is present ({reason}); nothing runs until it is removed (rm {halt}, and "
+            f"{out / rf.ANOMALY_FILE} if present) - then the same command resumes",
+        )
+    steps = complete_steps(checkpoint_dir(out))
+    if steps and overwrite_checkpoints:
+        return Plan(
+            "overwrite",
+            out,
+            f"overwrite: deleting checkpoints {steps} and the earlier run's files",
+            steps,
+            rf.run_files(out),
+            delete_checkpoints=True,
+        )
+    if steps:
+        if overwrite:
+            raise ConfigError(
+                f"{out} holds checkpoints (steps {', '.join(map(str, steps[-3:]))}) that --overwrite does not "
+                f"delete; drop --overwrite to resume from step {steps[-1]}, pass --overwrite-checkpoints to delete "
+                "them and start over, or choose another directory with --out-dir"
+            )
+        _check_resumable(out, steps, cfg)
+        if steps[-1] >= cfg.train.steps:
+            return Plan(
+                "finished",
+                out,
+                f"done: {out} already holds step {steps[-1]} (train.steps={cfg.train.steps}); nothing to run - "
+                "raise --steps to train further",
+                steps,
+            )
+        return Plan("resume", out, f"resume: newest checkpoint step {steps[-1]} in {checkpoint_dir(out)}", steps)
+    files = rf.run_files(out)
+    corrupt = out / rf.CORRUPT_DIR
+    if overwrite_checkpoints:
+        return Plan("overwrite", out, "overwrite: deleting the earlier run's files", [], files, delete_checkpoints=True)
+    if not files:
+        return Plan("fresh", out)
+    if not _finished_steps(out) and not corrupt.exists():
+        return Plan(
+            "restart",
+            out,
+            f"restart: the earlier run in {out} finished no step and saved no checkpoint; its files move to "
+            f"{out / rf.PREVIOUS_DIR}/",
+            [],
+            files,
+        )
+    if not overwrite:
+        raise ConfigError(
+            f"{out} already holds a run ({', '.join(p.name for p in files[:3])}); choose another directory with "
+            "--out-dir or --set train.out_dir=..., or pass --overwrite to replace it"
+        )
+    return Plan("overwrite", out, "overwrite: deleting the earlier run's files", [], files)
+
+
+def apply_plan(plan: Plan) -> pathlib.Path | None:
+    """Moves (restart) or deletes (overwrite) what the plan says; the folder files were moved to, if any.
+
+    Tolerant: in a multi-process run every process applies the same plan to a shared folder.
+    """
+    out = plan.out
+    if plan.delete_checkpoints:
+        for d in (checkpoint_dir(out), out / rf.CORRUPT_DIR):
+            shutil.rmtree(d, ignore_errors=True)
+    if plan.action == "restart":
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        dest = out / rf.PREVIOUS_DIR / stamp
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in plan.files:
+            try:
+                shutil.move(str(p), str(dest / p.name))
+            except FileNotFoundError:
+                pass
+        return dest
+    if plan.action == "overwrite":
+        for p in plan.files:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+    return None
+
+
+def _check_resumable(out: pathlib.Path, steps: list[int], cfg: Config) -> None:
+    """ConfigError when the newest readable checkpoint's config must not be resumed with `cfg`."""
+    for step in reversed(steps):
+        try:
+            saved = saved_config(checkpoint_dir(out) / str(step))
+        except (OSError, ValueError):
+            continue  # unreadable: the Trainer falls back to an older step or stops
+        blocking, _ = resume_conflicts(saved, cfg)
+        if blocking:
+            raise ConfigError(
+                f"{out} holds checkpoints of a different run (step {step}: {'; '.join(blocking[:3])}); resume with "
+                "the settings they were saved with, choose another directory with --out-dir, or pass "
+                "--overwrite-checkpoints to delete them and start over"
+            )
+        return
