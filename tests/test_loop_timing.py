@@ -69,9 +69,10 @@ def test_eval_and_save_time_is_not_charged_to_the_steps(tmp_path, monkeypatch):
     times = {int(r["step"]): r["step_time_s"] for r in rows if r["step"] > 1}
     med = statistics.median(times.values())
     assert med < EXTRA_S / 2, times  # the injected delay is far above a tiny step
-    # Every later step, those next to evaluations (5, 10, 15) and saves (7, 14) included,
-    # is within 2x of the median (the machine is shared: 50 ms of scheduling noise allowed).
-    slow = {s: t for s, t in times.items() if t > 2 * med + 0.05}
+    # No later step, those next to evaluations (5, 10, 15) and saves (7, 14) included,
+    # carries the injected second: a tiny step on a shared CPU can still take several times
+    # the median from scheduling noise alone, so the bound is half the injected delay.
+    slow = {s: t for s, t in times.items() if t > med + EXTRA_S / 2}
     assert not slow, (med, times)
     for r in rows:  # tokens/s is the step's own
         assert abs(r["toks_per_s"] * r["step_time_s"] - 4 * 64) < 1e-2 * 4 * 64
