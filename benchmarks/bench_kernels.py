@@ -29,15 +29,17 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json  # noqa: E402
 
+from nsa_jax.kernels import compressed_attention  # noqa: E402
+from nsa_jax.kernels.flash_pallas import window_attention_pallas  # noqa: E402
+from nsa_jax.kernels.reference import random_block_indices  # noqa: E402
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas  # noqa: E402
-from nsa_jax.kernels.window_pallas import window_attention_pallas  # noqa: E402
-from nsa_jax.nsa.compression import compressed_attention  # noqa: E402
 
 try:
     from nsa_jax.kernels import xla as xla_kernels  # noqa: E402
@@ -47,34 +49,6 @@ except ImportError:  # the reference path is optional for this script
 PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512, cmp_l=32, cmp_d=16)
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
-
-
-def random_block_indices(key, batch, seq, kv_heads, slots, block_size):
-    """Valid selections: blocks 0, cur, cur-1 forced, the rest random <= cur."""
-    num_blocks = -(-seq // block_size)
-    chunk = min(seq, 4096)
-
-    def one_chunk(args):
-        start, key = args
-        t_C = start + jnp.arange(chunk)
-        cur_C = t_C // block_size
-        j_N = jnp.arange(num_blocks)
-        score = jax.random.uniform(key, (batch, chunk, kv_heads, num_blocks))
-        forced = ((j_N == 0) | (j_N[None] == cur_C[:, None]) | (j_N[None] == cur_C[:, None] - 1))[None, :, None, :]
-        allowed = (j_N[None] <= cur_C[:, None])[None, :, None, :]
-        score = jnp.where(forced, 2.0, jnp.where(allowed, score, -1.0))
-        top, idx = jax.lax.top_k(score, min(slots, num_blocks))
-        idx = jnp.where(top >= 0.0, idx, -1).astype(jnp.int32)
-        if slots > num_blocks:
-            idx = jnp.pad(idx, [(0, 0)] * 3 + [(0, slots - num_blocks)], constant_values=-1)
-        return idx
-
-    n_chunks = -(-seq // chunk)
-    starts = jnp.arange(n_chunks) * chunk
-    keys = jax.random.split(key, n_chunks)
-    out = jax.lax.map(one_chunk, (starts, keys))  # [chunks, B, C, K, n]
-    out = jnp.moveaxis(out, 0, 1).reshape(batch, n_chunks * chunk, kv_heads, slots)
-    return out[:, :seq]
 
 
 def with_backward(fn):
@@ -195,14 +169,15 @@ def main(argv=None):
     dense_cache = {}
     key = jax.random.PRNGKey(0)
     for seq in seq_lens:
-        kq, kk, kv, kc, ki = jax.random.split(jax.random.fold_in(key, seq), 5)
+        kq, kk, kv, kc = jax.random.split(jax.random.fold_in(key, seq), 4)
         shape_q = (opts.batch, seq, p["heads"], p["head_dim"])
         shape_kv = (opts.batch, seq, p["kv_heads"], p["head_dim"])
         q = jax.random.normal(kq, shape_q, dtype)
         k = jax.random.normal(kk, shape_kv, dtype)
         v = jax.random.normal(kv, shape_kv, dtype)
         ct = jax.random.normal(kc, shape_q, dtype)
-        idx = random_block_indices(ki, opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"])
+        rng = np.random.default_rng(seq)
+        idx = jnp.asarray(random_block_indices(rng, opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"]))
         tc = (seq - p["cmp_l"]) // p["cmp_d"] + 1
         cmp_args = (q, k[:, :tc], v[:, :tc], idx)
         for branch in branches:

@@ -1,13 +1,13 @@
 """Tests of the Pallas selection / window kernels.
 
 The kernels run compiled through Triton on a GPU and in the Pallas interpreter
-elsewhere (``INTERPRET``), and are checked, forward and
-backward (dq, dk, dv through ``jax.vjp`` with a random cotangent), against an
-independent float64 numpy reference that walks every query token and builds
-its visible key set straight from the block indices or the window, with the
-attention gradients written out by hand. A lowering test exports the jitted
-forward and gradient for CUDA at the production shapes and checks that they
-go through Triton kernels, without a GPU.
+elsewhere (``INTERPRET``), and are checked, forward and backward (dq, dk, dv
+through ``jax.vjp`` with a random cotangent), against an independent float64
+numpy reference (nsa_jax.kernels.reference) that walks every query token and
+builds its visible key set straight from the block indices or the window,
+with the attention gradients written out by hand. A lowering test exports the
+jitted forward and gradient for CUDA at the production shapes and checks that
+they go through Triton kernels, without a GPU.
 """
 
 from __future__ import annotations
@@ -18,101 +18,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import (
+    compressed_visible,
+    random_block_indices,
+    reference_attention,
+    reference_group_probs,
+    selection_visible,
+    window_visible,
+)
 
 from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, compressed_attention_pallas
-from nsa_jax.kernels.selection_pallas import (
-    SelectionBlockSizes,
-    reverse_index,
-    selection_attention_pallas,
-)
-from nsa_jax.kernels.window_pallas import (
-    WindowBlockSizes,
-    window_attention_pallas,
-)
+from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
+from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, reverse_index, selection_attention_pallas
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 # Compiled kernels on a GPU (JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_pallas.py),
 # the interpreter on CPU.
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
-
-
-# ---------------------------------------------------------------------------
-# Independent reference
-# ---------------------------------------------------------------------------
-
-
-def make_block_indices(rng, b, t, kv_heads, n, bs, shuffle_unused=False):
-    """Valid selections: forced blocks 0, cur, cur-1 plus random candidates.
-
-    Rows with fewer than n candidates are padded with -1 (at the end, or at
-    random slots when ``shuffle_unused``).
-    """
-    idx = -np.ones((b, t, kv_heads, n), np.int32)
-    for bi in range(b):
-        for ti in range(t):
-            cur = ti // bs
-            forced = sorted({0, cur, max(cur - 1, 0)})
-            others = [j for j in range(cur + 1) if j not in forced]
-            rng.shuffle(others)
-            for ki in range(kv_heads):
-                rng.shuffle(others)
-                sel = (forced + others)[:n]
-                rng.shuffle(sel)
-                row = sel + [-1] * (n - len(sel))
-                if shuffle_unused:
-                    rng.shuffle(row)
-                idx[bi, ti, ki] = row
-    return idx
-
-
-def selection_visible(idx, bs, seq):
-    """visible(b, t, kv) -> sorted key positions of the selection contract."""
-
-    def visible(b, t, kv):
-        pos = []
-        for j in idx[b, t, kv]:
-            if j >= 0:
-                pos.extend(p for p in range(j * bs, (j + 1) * bs) if p <= t and p < seq)
-        return np.array(sorted(pos), np.int64)
-
-    return visible
-
-
-def window_visible(window):
-    def visible(b, t, kv):
-        del b, kv
-        return np.arange(max(0, t - window + 1), t + 1)
-
-    return visible
-
-
-def reference_attention(q, k, v, do, visible, scale):
-    """float64 per-token attention and its hand-written gradients."""
-    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-    b_, t_, h, _ = q.shape
-    kvh = k.shape[2]
-    g = h // kvh
-    o = np.zeros(do.shape)
-    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-    for b in range(b_):
-        for t in range(t_):
-            for kv in range(kvh):
-                pos = visible(b, t, kv)
-                heads = slice(kv * g, (kv + 1) * g)
-                if pos.size == 0:
-                    continue
-                k_PxD, v_PxD = k[b, pos, kv], v[b, pos, kv]
-                q_GxD, do_GxD = q[b, t, heads], do[b, t, heads]
-                s = q_GxD @ k_PxD.T * scale
-                p = np.exp(s - s.max(axis=1, keepdims=True))
-                p /= p.sum(axis=1, keepdims=True)
-                o[b, t, heads] = p @ v_PxD
-                dp = do_GxD @ v_PxD.T
-                ds = p * (dp - np.sum(p * dp, axis=1, keepdims=True))
-                dq[b, t, heads] = scale * ds @ k_PxD
-                np.add.at(dk[b, :, kv], pos, scale * ds.T @ q_GxD)
-                np.add.at(dv[b, :, kv], pos, p.T @ do_GxD)
-    return o, dq, dk, dv
 
 
 # ---------------------------------------------------------------------------
@@ -193,7 +115,7 @@ SELECTION_CASES = [
 def test_selection_matches_reference(b, t, g, kvh, d, bs, n, dtype, bsz):
     rng = np.random.default_rng(t * 131 + g)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
-    idx = make_block_indices(rng, b, t, kvh, n, bs)
+    idx = random_block_indices(rng, b, t, kvh, n, bs, shuffle=False)
     fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET, block_sizes=bsz)
     results = run_with_grads(fn, q, k, v, do)
     reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), d**-0.5)
@@ -206,7 +128,7 @@ def test_selection_unused_slots_anywhere_and_custom_scale():
     b, t, g, kvh, d, bs, n = 1, 50, 2, 2, 32, 16, 4
     rng = np.random.default_rng(7)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-    idx = make_block_indices(rng, b, t, kvh, n, bs, shuffle_unused=True)
+    idx = random_block_indices(rng, b, t, kvh, n, bs)
     assert (idx[:, :16] == -1).sum() > 0 and (idx[:, :, :, 0] == -1).any()
     fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, 0.3, interpret=INTERPRET)
     results = run_with_grads(fn, q, k, v, do)
@@ -218,7 +140,7 @@ def test_selection_fully_masked_rows_are_zero():
     b, t, g, kvh, d, bs, n = 1, 20, 1, 1, 32, 16, 3
     rng = np.random.default_rng(3)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-    idx = make_block_indices(rng, b, t, kvh, n, bs)
+    idx = random_block_indices(rng, b, t, kvh, n, bs, shuffle=False)
     idx[0, 5] = -1  # no slot used
     idx[0, 3] = [1, -1, -1]  # only a future block: masked by p <= t
     fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET)
@@ -238,7 +160,7 @@ def test_selection_uneven_head_dims():
     b, t, g, kvh, dk, dv, bs, n = 1, 36, 3, 1, 48, 24, 16, 3
     rng = np.random.default_rng(9)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
-    idx = make_block_indices(rng, b, t, kvh, n, bs)
+    idx = random_block_indices(rng, b, t, kvh, n, bs, shuffle=False)
     fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET)
     results = run_with_grads(fn, q, k, v, do)
     assert results[0].shape == (b, t, g * kvh, dv)
@@ -249,7 +171,7 @@ def test_selection_uneven_head_dims():
 def test_reverse_index_segments_cover_every_entry():
     rng = np.random.default_rng(11)
     b, t, kvh, n, bs, seg = 2, 37, 2, 4, 16, 5
-    idx = make_block_indices(rng, b, t, kvh, n, bs, shuffle_unused=True)
+    idx = random_block_indices(rng, b, t, kvh, n, bs)
     nb = -(-t // bs)
     qlist, seg_blk, seg_lo, seg_hi, first, count = map(np.asarray, reverse_index(jnp.asarray(idx), nb, seg))
     for bi in range(b):
@@ -272,10 +194,10 @@ def test_reverse_index_segments_cover_every_entry():
 
 # (batch, T, G, KV heads, head dim, window, dtype, block sizes)
 WINDOW_CASES = [
-    pytest.param(2, 45, 1, 2, 32, 7, jnp.float32, WindowBlockSizes(16, 16, 16, 16), id="G1-d32-w7-f32"),
-    pytest.param(1, 70, 6, 2, 64, 23, jnp.float32, WindowBlockSizes(16, 32, 16, 64), id="G6-d64-w23-f32"),
+    pytest.param(2, 45, 1, 2, 32, 7, jnp.float32, FlashBlockSizes(16, 16, 16, 16), id="G1-d32-w7-f32"),
+    pytest.param(1, 70, 6, 2, 64, 23, jnp.float32, FlashBlockSizes(16, 32, 16, 64), id="G6-d64-w23-f32"),
     pytest.param(1, 40, 16, 1, 128, 100, jnp.float32, None, id="G16-d128-w>T-f32"),
-    pytest.param(1, 33, 2, 1, 32, 1, jnp.float32, WindowBlockSizes(16, 16, 16, 16), id="w1-f32"),
+    pytest.param(1, 33, 2, 1, 32, 1, jnp.float32, FlashBlockSizes(16, 16, 16, 16), id="w1-f32"),
     pytest.param(1, 130, 6, 2, 64, 32, jnp.bfloat16, None, id="G6-d64-w32-bf16"),
 ]
 
@@ -295,7 +217,7 @@ def test_window_uneven_head_dims():
     rng = np.random.default_rng(10)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, dk, jnp.float32, dv)
     fn = lambda q, k, v: window_attention_pallas(
-        q, k, v, w, interpret=INTERPRET, block_sizes=WindowBlockSizes(16, 16, 16, 16)
+        q, k, v, w, interpret=INTERPRET, block_sizes=FlashBlockSizes(16, 16, 16, 16)
     )
     results = run_with_grads(fn, q, k, v, do)
     reference = reference_attention(*as_f32(q, k, v, do), window_visible(w), dk**-0.5)
@@ -305,35 +227,6 @@ def test_window_uneven_head_dims():
 # ---------------------------------------------------------------------------
 # Compressed branch
 # ---------------------------------------------------------------------------
-
-
-def compressed_visible(l, d, num_compressed):
-    """Compressed token i is visible to query t once its last raw token is: i*d + l - 1 <= t."""
-
-    def visible(b, t, kv):
-        del b, kv
-        return np.array([i for i in range(num_compressed) if i * d + l - 1 <= t], np.int64)
-
-    return visible
-
-
-def reference_group_probs(q, kc, visible, scale):
-    """float64 [B, K, T, Tc]: each head's softmax over its visible tokens, summed over the group."""
-    q, kc = np.asarray(q, np.float64), np.asarray(kc, np.float64)
-    b_, t_, h, _ = q.shape
-    tc, kvh = kc.shape[1], kc.shape[2]
-    g = h // kvh
-    out = np.zeros((b_, kvh, t_, tc))
-    for b in range(b_):
-        for t in range(t_):
-            for kv in range(kvh):
-                pos = visible(b, t, kv)
-                if pos.size == 0:
-                    continue
-                s = q[b, t, kv * g : (kv + 1) * g] @ kc[b, pos, kv].T * scale
-                p = np.exp(s - s.max(axis=1, keepdims=True))
-                out[b, kv, t, pos] = (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
-    return out
 
 
 # (batch, T, G, KV heads, head dim, l, d, dtype, block sizes)
@@ -348,7 +241,7 @@ COMPRESSED_CASES = [
         32,
         16,
         jnp.float32,
-        CompressedBlockSizes(WindowBlockSizes(16, 16, 16, 16), block_pos=16, block_keys=16),
+        CompressedBlockSizes(FlashBlockSizes(16, 16, 16, 16), block_pos=16, block_keys=16),
         id="G1-d64-T130-l32-d16-f32-small-tiles",
     ),
     pytest.param(1, 96, 16, 1, 16, 16, 16, jnp.float32, None, id="G16-d16-T96-l16-d16-f32"),
@@ -406,7 +299,7 @@ def test_selection_matches_xla_path():
     b, t, g, kvh, d, bs, n = 1, 60, 6, 2, 32, 16, 3
     rng = np.random.default_rng(5)
     q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
-    idx = jnp.asarray(make_block_indices(rng, b, t, kvh, n, bs))
+    idx = jnp.asarray(random_block_indices(rng, b, t, kvh, n, bs, shuffle=False))
     got = run_with_grads(lambda q, k, v: selection_attention_pallas(q, k, v, idx, bs, interpret=INTERPRET), q, k, v, do)
     want = run_with_grads(lambda q, k, v: xla.selection_attention_xla(q, k, v, idx, bs), q, k, v, do)
     check_all(got, want, jnp.float32)

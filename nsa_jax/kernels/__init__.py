@@ -1,8 +1,9 @@
 """Attention kernels for the NSA branches, and their dispatch.
 
-`attention_impl`: `xla` (the reference and CPU path: kernels/xla.py for selection
-and window, nsa/compression.py for the compressed branch), `pallas`
-(Triton-backend Pallas kernels for all three branches; interpreted when the backend
+One entry point per NSA branch (`compressed_attention`, `selection_attention`,
+`window_attention`) runs the implementation `attention_impl` names: `xla` (the
+reference and CPU path, kernels/xla.py), `pallas` (Triton-backend Pallas kernels:
+compressed_pallas, selection_pallas, flash_pallas; interpreted when the backend
 is not a GPU), or `auto` (pallas on GPU, xla elsewhere; the selection branch also
 stays on xla when its block length lp is not a power of two >= 16, which its kernel
 needs: `pallas` asked for explicitly raises instead).
@@ -11,8 +12,14 @@ needs: `pallas` asked for explicitly raises instead).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from nsa_jax.kernels.xla import selection_attention_xla, window_attention_xla
+from nsa_jax.kernels.compressed_pallas import compressed_attention_pallas
+from nsa_jax.kernels.flash_pallas import window_attention_pallas
+from nsa_jax.kernels.pallas_common import is_tile_size
+from nsa_jax.kernels.selection_pallas import selection_attention_pallas
+from nsa_jax.kernels.xla import compressed_attention_xla, selection_attention_xla, window_attention_xla
+from nsa_jax.nsa.selection import block_scores_from_cmp
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
@@ -27,7 +34,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
 
 def selection_kernel_fits(block_size: int) -> bool:
     """Whether the Pallas selection kernel takes blocks of `block_size` (a power of two >= 16)."""
-    return block_size >= 16 and block_size & (block_size - 1) == 0
+    return is_tile_size(block_size)
 
 
 def _resolve_selection(impl: str, block_size: int | None, backend: str | None = None) -> str:
@@ -58,8 +65,6 @@ def interpret_pallas() -> bool:
 def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512):
     """Selection attention through the chosen implementation (kernel contract of NSA_SPEC.md)."""
     if _resolve_selection(impl, block_size) == "pallas":
-        from nsa_jax.kernels.selection_pallas import selection_attention_pallas
-
         return selection_attention_pallas(q, k, v, idx, block_size, scale, interpret=interpret_pallas())
     return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk)
 
@@ -67,7 +72,26 @@ def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", que
 def window_attention(q, k, v, window, scale=None, *, impl="xla", query_chunk=512):
     """Sliding-window attention through the chosen implementation."""
     if resolve_impl(impl) == "pallas":
-        from nsa_jax.kernels.window_pallas import window_attention_pallas
-
         return window_attention_pallas(q, k, v, window, scale, interpret=interpret_pallas())
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk)
+
+
+def compressed_attention(q, kc, vc, *, l, d, lp, scale=None, impl="xla", query_chunk=512):
+    """Compressed-branch attention and the selection-block scores through the chosen implementation.
+
+    Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
+    gets 0. Returns o [B, T, H, Dv] in q's dtype and the group block scores
+    [B, T, K, Nb] fp32 (probabilities summed over the G heads of each group, then
+    over the compressed tokens overlapping each selection block of lp; no gradient).
+    """
+    B, T, H, Dk = q.shape
+    Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
+    n_blocks = -(-T // lp)
+    scale = Dk**-0.5 if scale is None else scale
+    if Tc == 0:
+        return jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
+    if resolve_impl(impl) == "pallas":
+        o, p_BxKxTxTc = compressed_attention_pallas(q, kc, vc, l=l, d=d, scale=scale, interpret=interpret_pallas())
+        scores_BxKxTxNb = block_scores_from_cmp(p_BxKxTxTc, n_blocks, l, d, lp)
+        return o, jax.lax.stop_gradient(jnp.moveaxis(scores_BxKxTxNb, 1, 2))
+    return compressed_attention_xla(q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk)

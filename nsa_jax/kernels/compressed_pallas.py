@@ -12,8 +12,8 @@ passes over them several times (mask, softmax, the PV product, the group sum,
 the block sums, and all of it again in the rematerialised backward). On a GPU
 that is memory-bound and, at long T, most of an NSA layer's time. Here:
 
-* the attention itself is the window family's flash kernels
-  (``window_pallas.banded_attention``) with the key layout ``stride=d,
+* the attention itself is the flash kernels
+  (``flash_pallas.banded_attention``) with the key layout ``stride=d,
   offset=l-1`` and no window: online softmax, no score matrix, fp32
   log-sum-exp kept for the backward and for the probabilities below;
 * ``_cmp_probs_kernel`` recomputes the scores once more and writes only what
@@ -35,9 +35,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from nsa_jax.kernels.pallas_common import LOG2E, scores_log2
-from nsa_jax.kernels.selection_pallas import _check_pow2, compiler_params, pad_axis, padded_dim, validate_qkv
-from nsa_jax.kernels.window_pallas import KeyLayout, WindowBlockSizes, _visible, banded_attention, check_block_sizes
+from nsa_jax.kernels.flash_pallas import FlashBlockSizes, banded_attention, check_block_sizes
+from nsa_jax.kernels.pallas_common import (
+    LOG2E,
+    KeyLayout,
+    check_tile_size,
+    compiler_params,
+    layout_visible,
+    pad_axis,
+    padded_dim,
+    scores_log2,
+    validate_qkv,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +54,12 @@ class CompressedBlockSizes:
     """Tiling knobs (powers of two >= 16).
 
     Attributes:
-      attention: the flash kernels' tiles (``WindowBlockSizes``).
+      attention: the flash kernels' tiles (``FlashBlockSizes``).
       block_pos: query positions per program of the probability kernel.
       block_keys: compressed tokens per inner step of the probability kernel.
     """
 
-    attention: WindowBlockSizes = WindowBlockSizes()
+    attention: FlashBlockSizes = FlashBlockSizes()
     block_pos: int = 32
     block_keys: int = 64
 
@@ -72,7 +81,7 @@ def _cmp_probs_kernel(
     def body(kt, carry):
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
-        vis_PxC = _visible(t_c, valid_P, start + lax.iota(jnp.int32, block_keys), lay)
+        vis_PxC = layout_visible(t_c, valid_P, start + lax.iota(jnp.int32, block_keys), lay)
         p_PxC = jnp.zeros((block_pos, block_keys), jnp.float32)
         for g in range(group):  # static: the G heads that share this KV head's selection
             q_PxDk = q_ref[t_c * num_heads + kv * group + g, :]
@@ -178,8 +187,8 @@ def compressed_attention_pallas(
         raise ValueError(f"l={l} and d={d} must be >= 1")
     bsz = CompressedBlockSizes() if block_sizes is None else block_sizes
     check_block_sizes(bsz.attention)
-    _check_pow2("block_pos", bsz.block_pos)
-    _check_pow2("block_keys", bsz.block_keys)
+    check_tile_size("block_pos", bsz.block_pos)
+    check_tile_size("block_keys", bsz.block_keys)
     scale = float(dk**-0.5 if scale is None else scale)
     lay = cmp_layout(kc_BxTcxKxDk.shape[1], t, l, d)
     o, lse = banded_attention(

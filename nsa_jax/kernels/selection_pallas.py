@@ -2,9 +2,9 @@
 
 This module owns the fused GPU path of the selection branch:
 ``selection_attention_pallas`` (forward + backward under ``jax.custom_vjp``)
-and the small helpers the window kernels reuse (layout padding, compiler
-parameters, argument checks). The softmax math on a loaded tile is shared
-with the window kernels through ``pallas_common``.
+and its reverse index. Padding, compiler parameters, argument checks and the
+softmax math on a loaded tile are shared with the other kernels through
+``pallas_common``.
 
 Contract (see docs "Selection branch"): query ``t`` of head ``h`` attends to
 every position ``p <= t`` inside the blocks ``idx[b, t, h // G, :]`` (block
@@ -71,14 +71,18 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
+    MIN_DOT_DIM,
+    check_tile_size,
+    compiler_params,
+    next_pow2,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
+    pad_axis,
+    padded_dim,
     softmax_grad_tile,
+    validate_qkv,
 )
-
-# Smallest M/N/K the Triton matmul accepts.
-MIN_DOT_DIM = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,36 +102,6 @@ class SelectionBlockSizes:
     dkv_segment: int = 512
     num_warps: int | None = None
     num_stages: int = 2
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def padded_dim(d: int) -> int:
-    """Head dim as the kernels see it: a power of two, at least 16."""
-    return max(MIN_DOT_DIM, next_pow2(d))
-
-
-def pad_axis(x, axis: int, size: int, value=0):
-    """Pads ``x`` along ``axis`` up to ``size`` (no-op when already there)."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def compiler_params(num_warps: int | None, num_stages: int, head_dim: int):
-    if num_warps is None:
-        num_warps = 4 if head_dim <= 64 else 8
-    return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _check_pow2(name: str, value: int, minimum: int = MIN_DOT_DIM):
-    if value < minimum or value & (value - 1):
-        raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
 
 
 # ---------------------------------------------------------------------------
@@ -604,19 +578,6 @@ def _selection_vjp_bwd(block_size, scale, interpret, bsz, res, do):
 _selection.defvjp(_selection_vjp_fwd, _selection_vjp_bwd)
 
 
-def validate_qkv(q, k, v, *, same_length: bool = True):
-    """Shape checks shared by the kernels; `same_length=False` lets k/v have their own length (compressed tokens)."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError("q, k, v must be [B, T, heads, D]")
-    b, t, h, dk = q.shape
-    if k.shape[:2] != (b, t if same_length else k.shape[1]) or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
-    if k.shape[-1] != dk:
-        raise ValueError("q and k must share the head dim")
-    if h % k.shape[2]:
-        raise ValueError(f"query heads {h} not a multiple of KV heads {k.shape[2]}")
-
-
 def selection_attention_pallas(
     q_BxTxHxDk,
     k_BxTxKxDk,
@@ -649,9 +610,9 @@ def selection_attention_pallas(
         raise ValueError(
             f"block indices {idx_BxTxKxN.shape} do not match [B, T, K, n] of q{q_BxTxHxDk.shape} k{k_BxTxKxDk.shape}"
         )
-    _check_pow2("block_size", block_size)
+    check_tile_size("block_size", block_size)
     bsz = SelectionBlockSizes() if block_sizes is None else block_sizes
-    _check_pow2("rows_dkv", bsz.rows_dkv)
+    check_tile_size("rows_dkv", bsz.rows_dkv)
     if bsz.dkv_segment < 1:
         raise ValueError("dkv_segment must be >= 1")
     scale = float(dk**-0.5 if scale is None else scale)

@@ -1,8 +1,12 @@
-"""Pallas (Triton backend) kernels for the NSA sliding-window branch.
+"""Pallas (Triton backend) flash-attention kernels over a key layout.
 
-This module owns ``window_attention_pallas``: query ``t`` attends to the
-positions ``[max(0, t - w + 1), t]`` (docs "Sliding-window branch"), with a
-fused forward, a dQ kernel and a dK/dV kernel under ``jax.custom_vjp``.
+This module owns the flash engine that serves two NSA branches:
+``banded_attention`` runs a fused forward, a dQ kernel and a dK/dV kernel
+under ``jax.custom_vjp`` for keys placed by a ``KeyLayout``
+(``pallas_common``). ``window_attention_pallas`` is the sliding-window entry
+point: query ``t`` attends to the positions ``[max(0, t - w + 1), t]`` (docs
+"Sliding-window branch"). The compressed branch (``compressed_pallas``)
+calls ``banded_attention`` with its own layout.
 
 Why a windowed flash kernel and not the selection kernels
 ---------------------------------------------------------
@@ -52,22 +56,22 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
+    KeyLayout,
+    check_tile_size,
+    compiler_params,
+    layout_visible,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
-    softmax_grad_tile,
-)
-from nsa_jax.kernels.selection_pallas import (
-    _check_pow2,
-    compiler_params,
     pad_axis,
     padded_dim,
+    softmax_grad_tile,
     validate_qkv,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowBlockSizes:
+class FlashBlockSizes:
     """Tiling knobs of the window kernels (powers of two >= 16).
 
     Attributes:
@@ -87,17 +91,6 @@ class WindowBlockSizes:
     num_stages: int = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class KeyLayout:
-    """Where the keys stand: key ``i`` at position ``i * stride + offset``, ``num_keys`` of them;
-    query ``t`` sees positions in ``(t - window, t]``."""
-
-    num_keys: int
-    window: int
-    stride: int = 1
-    offset: int = 0
-
-
 def _gather_rows(f_R, kv, *, seq, num_heads, group):
     """Positions, validity and ``q[T*H]`` rows of flattened rows ``f``."""
     valid_R = f_R < seq * group
@@ -105,14 +98,6 @@ def _gather_rows(f_R, kv, *, seq, num_heads, group):
     t_R = lax.div(f_c, group)
     row_R = t_R * num_heads + kv * group + lax.rem(f_c, group)
     return t_R, valid_R, row_R
-
-
-def _visible(t_R, valid_R, i_C, lay: KeyLayout):
-    """[R, C] mask: row t sees key i (``vis(t, i)`` of the layout, keys past num_keys never)."""
-    pos_1xC = (i_C * lay.stride + lay.offset)[None, :]
-    t_Rx1 = t_R[:, None]
-    live_1xC = (i_C < lay.num_keys)[None, :]
-    return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - lay.window) & live_1xC
 
 
 def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_tiles):
@@ -167,7 +152,7 @@ def _win_fwd_kernel(
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
+        vis_RxC = layout_visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
         return online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2)
 
     lo, hi = _key_tile_range(
@@ -213,7 +198,7 @@ def _win_dq_kernel(
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
+        vis_RxC = layout_visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
         _, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
 
@@ -260,7 +245,7 @@ def _win_dkv_kernel(
         do_RxDv = do_ref[row_R, :]
         lse_R = lse_ref[pl.ds(f0, block_rows)]
         delta_R = delta_ref[pl.ds(f0, block_rows)]
-        vis_RxC = _visible(t_R, valid_R, i_C, lay)
+        vis_RxC = layout_visible(t_R, valid_R, i_C, lay)
         p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
         dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
@@ -289,7 +274,7 @@ class _WinDims:
     keys_padded: int  # Tk rounded up to every key tile
 
 
-def _win_dims(q, k, v, bsz: WindowBlockSizes) -> _WinDims:
+def _win_dims(q, k, v, bsz: FlashBlockSizes) -> _WinDims:
     b, t, h, _ = q.shape
     kvh = k.shape[2]
     g = h // kvh
@@ -453,9 +438,9 @@ def _banded_vjp_bwd(lay, scale, interpret, bsz, name, res, cts):
 banded_attention.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
 
 
-def check_block_sizes(bsz: WindowBlockSizes) -> None:
+def check_block_sizes(bsz: FlashBlockSizes) -> None:
     for name in ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv"):
-        _check_pow2(name, getattr(bsz, name))
+        check_tile_size(name, getattr(bsz, name))
 
 
 def window_attention_pallas(
@@ -478,12 +463,12 @@ def window_attention_pallas(
       window: w >= 1 (w >= T gives full causal attention).
       scale: softmax scale, default Dk**-0.5.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
-      block_sizes: optional ``WindowBlockSizes``.
+      block_sizes: optional ``FlashBlockSizes``.
     """
     validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
-    bsz = WindowBlockSizes() if block_sizes is None else block_sizes
+    bsz = FlashBlockSizes() if block_sizes is None else block_sizes
     check_block_sizes(bsz)
     dk = q_BxTxHxDk.shape[-1]
     scale = float(dk**-0.5 if scale is None else scale)
