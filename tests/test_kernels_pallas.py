@@ -12,12 +12,14 @@ they go through Triton kernels, without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_model_cfg
 from reference import (
     compressed_visible,
     random_block_indices,
@@ -27,9 +29,13 @@ from reference import (
     window_visible,
 )
 
+from nsa_jax import kernels
+from nsa_jax.kernels import flash_pallas, selection_pallas
 from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, compressed_attention_pallas
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
+from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, reverse_index, selection_attention_pallas
+from nsa_jax.nsa.layer import NSAAttention
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 # Compiled kernels on a GPU (JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_pallas.py),
@@ -168,16 +174,24 @@ def test_selection_uneven_head_dims():
     check_all(results, reference, jnp.float32)
 
 
-def test_reverse_index_segments_cover_every_entry():
+@pytest.mark.parametrize("scan_elems", [1 << 22, 64], ids=["one-chunk", "many-chunks"])
+def test_reverse_index_segments_cover_every_entry(scan_elems):
     rng = np.random.default_rng(11)
     b, t, kvh, n, bs, seg = 2, 37, 2, 4, 16, 5
     idx = random_block_indices(rng, b, t, kvh, n, bs)
+    # Off-contract rows too: a repeated block, ids past the last block, ids below -1.
+    idx[0, 30, 0] = [1, 1, 7, -3]
     nb = -(-t // bs)
-    qlist, seg_blk, seg_lo, seg_hi, first, count = map(np.asarray, reverse_index(jnp.asarray(idx), nb, seg))
+    out = reverse_index(jnp.asarray(idx), nb, seg, scan_elems=scan_elems)
+    qlist, seg_blk, seg_lo, seg_hi, first, count = map(np.asarray, out)
+    # The list is what a stable sort by block id (unused slots last) gives.
+    flat = idx.transpose(0, 2, 1, 3).reshape(b, kvh, t * n)
+    key = np.where((flat >= 0) & (flat < nb), flat, nb)
+    np.testing.assert_array_equal(qlist, np.argsort(key, axis=-1, kind="stable") // n)
     for bi in range(b):
         for ki in range(kvh):
             for j in range(nb):
-                want = sorted(ti for ti in range(t) if j in idx[bi, ti, ki])
+                want = sorted(ti for ti in range(t) for s in range(n) if idx[bi, ti, ki, s] == j)
                 got = []
                 for p in range(first[bi, ki, j], first[bi, ki, j] + count[bi, ki, j]):
                     assert seg_blk[bi, ki, p] == j
@@ -186,6 +200,43 @@ def test_reverse_index_segments_cover_every_entry():
                 assert got == want
             unused = seg_blk[bi, ki] == nb
             assert np.all(seg_lo[bi, ki][unused] == seg_hi[bi, ki][unused])
+
+
+def _skewed_block_indices(rng, b, t, kvh, n, bs, never):
+    """Selections where block 0 is chosen by every query, block ``never`` by none, some slots
+    are -1 and some queries pick a block that starts after them (visible to no one)."""
+    nb = -(-t // bs)
+    idx = -np.ones((b, t, kvh, n), np.int32)
+    for bi in range(b):
+        for ti in range(t):
+            for ki in range(kvh):
+                others = [j for j in range(nb) if j not in (0, never)]
+                rng.shuffle(others)
+                row = [0] + others[: rng.integers(0, n)]
+                row += [-1] * (n - len(row))
+                rng.shuffle(row)
+                idx[bi, ti, ki] = row
+    return idx
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("g", [1, 6, 16])
+def test_selection_dkv_skewed_blocks(g, dtype):
+    # Ragged T (the last block is partial), block 0 in every row, block 1 in none, -1 slots,
+    # future blocks: dK/dV through the counting-sort reverse index against the float64 reference.
+    b, kvh, t, d, bs, n = 1, 2 if g < 16 else 1, 61, 32, 16, 3
+    rng = np.random.default_rng(100 + g)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
+    idx = _skewed_block_indices(rng, b, t, kvh, n, bs, never=1)
+    assert (idx == -1).any() and not (idx == 1).any() and (idx == 0).any(axis=-1).all()
+    bsz = SelectionBlockSizes(rows_dkv=16, dkv_segment=24)  # block 0 spans several segments
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET, block_sizes=bsz)
+    results = run_with_grads(fn, q, k, v, do)
+    reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), d**-0.5)
+    check_all(results, reference, dtype)
+    _, _, dk, dv = results
+    np.testing.assert_array_equal(dk[:, bs : 2 * bs], 0.0)  # chosen by no query
+    np.testing.assert_array_equal(dv[:, bs : 2 * bs], 0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -355,7 +406,29 @@ def test_selection_lowers_to_triton_for_cuda():
     grad = jax.grad(lambda q, k, v, i: fwd(q, k, v, i).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     # forward: 1 kernel; gradient: forward + dq + dk/dv + segment reduction.
     _assert_triton_without_txt(_export_text(fwd, *_prod_args(True)), 1)
-    _assert_triton_without_txt(_export_text(grad, *_prod_args(True)), 4)
+    grad_text = _export_text(grad, *_prod_args(True))
+    _assert_triton_without_txt(grad_text, 4)
+    # The reverse index of the backward is a counting sort, not a comparison sort.
+    assert "stablehlo.sort" not in grad_text
+
+
+def test_nsa_layer_gradient_has_no_sort_outside_top_k(monkeypatch):
+    # The whole NSA layer with Pallas kernels, forward and backward, exported for CUDA at a
+    # production-like shape: the only sort left is lax.top_k's (block selection over the Nb
+    # block scores, which jax lowers to a sort on CUDA), none over the T*n reverse-index entries.
+    monkeypatch.setattr(kernels, "interpret_pallas", lambda: False)  # Triton lowering, not the interpreter
+    cfg = tiny_model_cfg(G=6, K=2, l=32, d=16, lp=64, n=16, w=512)
+    nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas")
+    cfg = dataclasses.replace(cfg, head_dim=64, v_head_dim=64, d_model=256, nsa=nsa)
+    t = 2048
+    params = jax.eval_shape(lambda: NSAAttention(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, t, cfg.d_model))))
+    x = jax.ShapeDtypeStruct((1, t, cfg.d_model), jnp.bfloat16)
+    loss = lambda p, xx: NSAAttention(cfg).apply(p, xx).astype(jnp.float32).sum()
+    text = _export_text(jax.grad(loss, argnums=(0, 1)), params, x)
+    assert text.count(TRITON_TARGET) >= 10  # three branches, forward and backward
+    functions = text.split("func.func ")
+    sorting = [f.split("(", 1)[0] for f in functions if "stablehlo.sort" in f]
+    assert all(re.fullmatch(r"(private )?@(chlo\.)?top_k[\w.]*", name) for name in sorting), sorting
 
 
 def test_window_lowers_to_triton_for_cuda():
@@ -395,3 +468,44 @@ def test_rejects_bad_arguments():
         window_attention_pallas(q, k, k, 0, interpret=INTERPRET)
     with pytest.raises(ValueError):
         window_attention_pallas(q, jnp.zeros((1, 32, 3, 32)), jnp.zeros((1, 32, 3, 32)), 4, interpret=INTERPRET)
+
+
+# ---------------------------------------------------------------------------
+# Shared-memory budget (A100)
+# ---------------------------------------------------------------------------
+
+
+def test_oversized_tiles_are_refused_with_a_clear_message():
+    q = jnp.zeros((1, 32, 2, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 32, 1, 128), jnp.bfloat16)
+    big = FlashBlockSizes(256, 256, 256, 256)
+    with pytest.raises(ValueError, match=r"flash (fwd|dq|dkv): .* KiB of shared memory, over the 163 KiB .*A100"):
+        window_attention_pallas(q, k, k, 8, interpret=INTERPRET, block_sizes=big)
+    with pytest.raises(ValueError, match=r"shared memory.*A100.*block_rows"):
+        compressed_attention_pallas(q, k, k, l=16, d=8, interpret=INTERPRET, block_sizes=CompressedBlockSizes(big))
+    # lp = 512 at head dim 128: two pipelined 512 x 128 K and V tiles alone are 512 KiB.
+    idx = jnp.zeros((1, 32, 1, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"nsa_selection_\w+: .*shared memory.*A100.*lp"):
+        selection_attention_pallas(q, k, k, idx, 512, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_default_tiles_fit_the_budget(d, dtype):
+    itemsize = jnp.dtype(dtype).itemsize
+    fitted = flash_pallas.fit_block_sizes(FlashBlockSizes(), d, d, itemsize)
+    assert all(getattr(fitted, n) is not None for n in ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv"))
+    assert max(flash_pallas.smem_estimates(fitted, d, d, itemsize).values()) <= SMEM_BUDGET_BYTES
+    if d <= 128:  # selection blocks of 64 with G = 6 heads per group
+        q = jnp.zeros((1, 64, 6, d), dtype)
+        k = jnp.zeros((1, 64, 1, d), dtype)
+        sel = selection_pallas.fit_block_sizes(SelectionBlockSizes(), q, k, k, 64)
+        assert max(selection_pallas.smem_estimates(sel, 6, d, d, 64, itemsize).values()) <= SMEM_BUDGET_BYTES
+
+
+def test_production_tiles_keep_their_size():
+    # bf16, head dim 64, lp = 64: the default tiles (64) fit with room to spare.
+    fitted = flash_pallas.fit_block_sizes(FlashBlockSizes(), 64, 64, 2)
+    assert fitted == FlashBlockSizes(64, 64, 64, 64)
+    q, k = jnp.zeros((1, 64, 12, 64), jnp.bfloat16), jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    assert selection_pallas.fit_block_sizes(SelectionBlockSizes(), q, k, k, 64).rows_dkv == 64

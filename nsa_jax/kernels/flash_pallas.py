@@ -56,7 +56,10 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
+    MIN_DOT_DIM,
+    SMEM_BUDGET_BYTES,
     KeyLayout,
+    check_smem,
     check_tile_size,
     compiler_params,
     layout_visible,
@@ -65,6 +68,7 @@ from nsa_jax.kernels.pallas_common import (
     online_softmax_step,
     pad_axis,
     padded_dim,
+    smem_estimate,
     softmax_grad_tile,
     validate_qkv,
 )
@@ -72,7 +76,11 @@ from nsa_jax.kernels.pallas_common import (
 
 @dataclasses.dataclass(frozen=True)
 class FlashBlockSizes:
-    """Tiling knobs of the window kernels (powers of two >= 16).
+    """Tiling knobs of the flash kernels (powers of two >= 16).
+
+    A tile left None starts at 64 and is halved (the larger tile of the kernel
+    first) while the kernel's tiles exceed the shared-memory budget of an A100
+    (``pallas_common.SMEM_BUDGET_BYTES``); tiles given explicitly must fit it.
 
     Attributes:
       block_rows: flattened (query, head) rows per forward / dQ program.
@@ -83,12 +91,50 @@ class FlashBlockSizes:
       num_stages: Triton software-pipelining depth.
     """
 
-    block_rows: int = 64
-    block_keys: int = 64
-    block_keys_dkv: int = 64
-    block_rows_dkv: int = 64
+    block_rows: int | None = None
+    block_keys: int | None = None
+    block_keys_dkv: int | None = None
+    block_rows_dkv: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
+
+
+_TILES = ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv")
+_DEFAULT_TILE = 64
+
+
+def smem_estimates(bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int) -> dict[str, int]:
+    """Shared-memory estimate (bytes) of each flash kernel (``pallas_common.smem_estimate``); tiles resolved."""
+    dk, dv = padded_dim(dk), padded_dim(dv)
+    r, c = bsz.block_rows, bsz.block_keys
+    rd, cd = bsz.block_rows_dkv, bsz.block_keys_dkv
+    est = functools.partial(smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
+    return {
+        "flash fwd": est(once=[r * dk], looped=[c * dk, c * dv], staged=[r * c]),
+        "flash dq": est(once=[r * dk, r * dv], looped=[c * dk, c * dv], staged=[r * c]),
+        "flash dkv": est(once=[cd * dk, cd * dv], looped=[rd * dk, rd * dv], staged=[rd * cd, rd * cd]),
+    }
+
+
+def fit_block_sizes(bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int) -> FlashBlockSizes:
+    """``bsz`` with every None tile chosen; raises when the tiles exceed the A100 budget."""
+    auto = [name for name in _TILES if getattr(bsz, name) is None]
+    bsz = dataclasses.replace(bsz, **{name: _DEFAULT_TILE for name in auto})
+    # Shrink the chosen tiles of the kernel over budget, larger tile first (keys on a tie).
+    pairs = {"flash fwd": ("block_keys", "block_rows"), "flash dq": ("block_keys", "block_rows")}
+    pairs["flash dkv"] = ("block_rows_dkv", "block_keys_dkv")
+    while True:
+        est = smem_estimates(bsz, dk, dv, itemsize)
+        kernel = max(est, key=est.get)
+        if est[kernel] <= SMEM_BUDGET_BYTES:
+            break
+        shrinkable = [n for n in pairs[kernel] if n in auto and getattr(bsz, n) > MIN_DOT_DIM]
+        if not shrinkable:
+            break
+        name = max(shrinkable, key=lambda n: getattr(bsz, n))
+        bsz = dataclasses.replace(bsz, **{name: getattr(bsz, name) // 2})
+    check_smem(smem_estimates(bsz, dk, dv, itemsize), "block_rows / block_keys (FlashBlockSizes), num_stages")
+    return bsz
 
 
 def _gather_rows(f_R, kv, *, seq, num_heads, group):
@@ -412,15 +458,23 @@ def _banded_backward(q, k, v, o, lse, do, lay: KeyLayout, scale, interpret, bsz,
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def banded_attention(q, k, v, lay, scale, interpret, bsz, name):
+def banded_attention(q, k, v, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str):
     """(o [B, T, H, Dv], lse [B, K, Rp]) of attention over keys placed by ``lay``.
 
     Differentiable in q, k, v through o; lse (base 2, flattened-row layout: row
     ``t*G + g``, 0 for a row that sees no key) is a statistic for callers that
     recompute probabilities, and its cotangent is ignored: use it under
-    stop_gradient only.
+    stop_gradient only. ``bsz``'s None tiles are chosen to fit the shared-memory
+    budget, and an explicit tiling over it is refused here, at trace time.
     """
+    check_block_sizes(bsz)
+    itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q, k, v))
+    bsz = fit_block_sizes(bsz, q.shape[-1], v.shape[-1], itemsize)
+    return _banded(q, k, v, lay, scale, interpret, bsz, name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _banded(q, k, v, lay, scale, interpret, bsz, name):
     return _banded_forward(q, k, v, lay, scale, interpret, bsz, name)
 
 
@@ -435,12 +489,13 @@ def _banded_vjp_bwd(lay, scale, interpret, bsz, name, res, cts):
     return _banded_backward(q, k, v, o, lse, do, lay, scale, interpret, bsz, name)
 
 
-banded_attention.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
+_banded.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
 
 
 def check_block_sizes(bsz: FlashBlockSizes) -> None:
-    for name in ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv"):
-        check_tile_size(name, getattr(bsz, name))
+    for name in _TILES:
+        if getattr(bsz, name) is not None:
+            check_tile_size(name, getattr(bsz, name))
 
 
 def window_attention_pallas(
@@ -469,7 +524,6 @@ def window_attention_pallas(
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
     bsz = FlashBlockSizes() if block_sizes is None else block_sizes
-    check_block_sizes(bsz)
     dk = q_BxTxHxDk.shape[-1]
     scale = float(dk**-0.5 if scale is None else scale)
     # A window longer than the sequence is full causal attention; clamping

@@ -21,9 +21,11 @@ suffixes: R query rows of the tile, C keys of the tile, Dk / Dv head dims.
 Outside the kernels it owns what every ``pallas_call`` wrapper needs: the
 power-of-two tile rule (``is_tile_size`` / ``check_tile_size``), head-dim
 and axis padding (``padded_dim``, ``pad_axis``), the Triton compiler
-parameters, the argument checks of q/k/v (``validate_qkv``), and the key
-layouts of the flash kernels (``KeyLayout``, ``layout_visible``), which the
-compressed branch's probability kernel shares.
+parameters, the argument checks of q/k/v (``validate_qkv``), the
+shared-memory budget every tiling must fit (``SMEM_BUDGET_BYTES``,
+``smem_estimate``, ``check_smem``), and the key layouts of the flash kernels
+(``KeyLayout``, ``layout_visible``), which the compressed branch's
+probability kernel shares.
 """
 
 from __future__ import annotations
@@ -94,6 +96,40 @@ def validate_qkv(q, k, v, *, same_length: bool = True):
         raise ValueError("q and k must share the head dim")
     if h % k.shape[2]:
         raise ValueError(f"query heads {h} not a multiple of KV heads {k.shape[2]}")
+
+
+# ---------------------------------------------------------------------------
+# Shared-memory budget
+# ---------------------------------------------------------------------------
+
+# Every tiling must compile on an A100 (sm_80): 164 KiB of shared memory per SM, of which
+# one thread block may opt into at most 163 KiB (166912 bytes). sm_80 has no wgmma or TMA,
+# so Triton stages the operands of every matmul through shared memory itself. Hopper
+# (227 KiB per block) has more, so a tiling inside this budget runs on every GPU the
+# kernels target.
+SMEM_BUDGET_BYTES = 163 * 1024
+
+
+def smem_estimate(*, once=(), looped=(), staged=(), num_stages: int, itemsize: int) -> int:
+    """Bytes of shared memory one program's tiles need, from their element counts.
+
+    A deliberately pessimistic model of Triton's staging on sm_80: ``once``: tiles
+    loaded once per program and used as matmul operands (each staged once);
+    ``looped``: tiles loaded in the pipelined inner loop (``num_stages`` buffers
+    each); ``staged``: tiles computed in the loop and cast to the input dtype for
+    a matmul (P, dS). fp32 accumulators live in registers and are not counted.
+    """
+    return itemsize * (sum(once) + num_stages * sum(looped) + sum(staged))
+
+
+def check_smem(estimates: dict[str, int], knobs: str) -> None:
+    """Raises one ValueError naming the kernel whose tiles exceed ``SMEM_BUDGET_BYTES`` and the knobs to lower."""
+    kernel, need = max(estimates.items(), key=lambda kv: kv[1])
+    if need > SMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"{kernel}: its tiles need about {need / 1024:.0f} KiB of shared memory, over the "
+            f"{SMEM_BUDGET_BYTES // 1024} KiB an A100 (sm_80) block can have; lower {knobs}"
+        )
 
 
 # ---------------------------------------------------------------------------
