@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from nsa_jax.kernels import interpret_pallas, resolve_impl
 from nsa_jax.kernels.xla import map_query_chunks, masked_softmax
-from nsa_jax.nsa.selection import block_scores_from_cmp, num_compressed
+from nsa_jax.nsa.selection import block_scores_from_cmp, num_compressed, select_blocks
 
 
 def gather_blocks(x_BxTxKxD: jax.Array, l: int, d: int) -> jax.Array:
@@ -66,8 +66,10 @@ def compressed_attention(
     scale: float | None = None,
     query_chunk: int = 512,
     impl: str = "xla",
+    select_n: int | None = None,
+    t_T: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal attention over compressed tokens, and the selection-block scores.
+    """Causal attention over compressed tokens, and the selection-block scores (or blocks).
 
     Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
     gets 0. Returns o_cmp [B, T, H, Dv] and group block scores [B, T, K, Nb]
@@ -75,24 +77,30 @@ def compressed_attention(
     compressed tokens overlapping each selection block; no gradient).
     `impl` (kernels.resolve_impl): `xla` scores query chunks of `query_chunk`
     here; `pallas` runs the fused kernels of kernels/compressed_pallas.py.
+    With `select_n`, the second output is select_blocks(scores, lp, select_n, t_T)
+    [B, T, K, select_n] instead; `pallas` then scores and selects in one kernel
+    (kernels/block_scores_pallas.py), so no probability or score tensor exists.
     """
     B, T, H, Dk = q_BxTxHxDk.shape
     Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
     n_blocks = -(-T // lp)
     scale = Dk**-0.5 if scale is None else scale
-    if Tc == 0:
-        return (
-            jnp.zeros((B, T, H, Dv), q_BxTxHxDk.dtype),
-            jnp.zeros((B, T, K, n_blocks), jnp.float32),
-        )
-    if resolve_impl(impl) == "pallas":
-        from nsa_jax.kernels.compressed_pallas import compressed_attention_pallas
 
-        o, p_BxKxTxTc = compressed_attention_pallas(
-            q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l=l, d=d, scale=scale, interpret=interpret_pallas()
+    def finish(o, scores):
+        return o, (scores if select_n is None else select_blocks(scores, lp, select_n, t_T))
+
+    if Tc == 0:
+        return finish(jnp.zeros((B, T, H, Dv), q_BxTxHxDk.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32))
+    if resolve_impl(impl) == "pallas":
+        from nsa_jax.kernels import block_scores_pallas as bsp
+
+        args, kw = (
+            (q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv),
+            dict(l=l, d=d, lp=lp, scale=scale, interpret=interpret_pallas()),
         )
-        scores_BxKxTxNb = block_scores_from_cmp(p_BxKxTxTc, n_blocks, l, d, lp)
-        return o, jax.lax.stop_gradient(jnp.moveaxis(scores_BxKxTxNb, 1, 2))
+        if select_n is None:
+            return bsp.compressed_attention_scores_pallas(*args, **kw)
+        return bsp.compressed_attention_select_pallas(*args, n=select_n, t_T=t_T, **kw)
     end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
 
     def body(start, q_BxCxHxDk):
@@ -110,4 +118,4 @@ def compressed_attention(
         return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype), scores
 
     o, scores = map_query_chunks(body, query_chunk, q_BxTxHxDk)
-    return o, jax.lax.stop_gradient(scores)
+    return finish(o, jax.lax.stop_gradient(scores))
