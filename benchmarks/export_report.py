@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     try:
         opts = parser.parse_args(argv)
         r = report(opts)
-    except (UsageError, ConfigError) as e:
+    except (UsageError, ConfigError, ValueError) as e:  # flags, config, a shape the kernels refuse
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_report(r)
