@@ -244,6 +244,9 @@ def test_fused_selection_with_positions_and_no_visible_token():
     ref, clear = reference_selection(want, lp, n, tol=1e-4, offset=5)
     assert clear.mean() > 0.9
     np.testing.assert_array_equal(np.asarray(idx)[clear], ref[clear])
+    # Without select_n the Pallas path returns the block scores (from the same kernel body).
+    _, scores = compressed_attention(q, kc, vc, l=l, d=d, lp=lp, impl="pallas")
+    np.testing.assert_allclose(np.asarray(scores), want, atol=1e-5 * g)
 
     short = q[:, : l - 1]
     o, idx = compressed_attention(short, kc[:, :0], vc[:, :0], l=l, d=d, lp=lp, impl="pallas", select_n=n)
