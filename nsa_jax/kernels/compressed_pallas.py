@@ -23,6 +23,9 @@ that is memory-bound and, at long T, most of an NSA layer's time. Here:
   walks every key tile, writing zeros where nothing is visible, so every
   element of the output is written. The block sums and top-n stay in XLA
   (``nsa.selection``), on this G-times smaller tensor.
+
+The layer no longer uses ``_cmp_probs_kernel``: ``block_scores_pallas`` scores
+blocks (and selects them) from the same log-sum-exp without that tensor.
 """
 
 from __future__ import annotations

@@ -65,15 +65,29 @@ def compressed_attention(
     scale: float | None = None,
     query_chunk: int = 512,
     impl: str = "xla",
+    select_n: int | None = None,
+    t_T: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal attention over compressed tokens, and the selection-block scores.
+    """Causal attention over compressed tokens, and the selection-block scores (or blocks).
 
     Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
     gets 0. Returns o_cmp [B, T, H, Dv] and group block scores [B, T, K, Nb]
     (probabilities summed over the G heads of each group, then over the
     compressed tokens overlapping each selection block; no gradient).
+    With `select_n`, the second output is the selected blocks [B, T, K, select_n]
+    (select_blocks' contract at positions `t_T`) instead of the scores.
     `impl` (kernels.resolve_impl) picks the implementation: kernels.compressed_attention.
     """
     return kernels.compressed_attention(
-        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l=l, d=d, lp=lp, scale=scale, impl=impl, query_chunk=query_chunk
+        q_BxTxHxDk,
+        kc_BxTcxKxDk,
+        vc_BxTcxKxDv,
+        l=l,
+        d=d,
+        lp=lp,
+        scale=scale,
+        impl=impl,
+        query_chunk=query_chunk,
+        select_n=select_n,
+        t_T=t_T,
     )
