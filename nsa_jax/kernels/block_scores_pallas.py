@@ -62,8 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, cmp_layout
-from nsa_jax.kernels.flash_pallas import banded_attention, check_block_sizes
+from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, cmp_layout, compressed_attention_lse_pallas
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
     KeyLayout,
@@ -74,7 +73,6 @@ from nsa_jax.kernels.pallas_common import (
     pad_axis,
     padded_dim,
     scores_log2,
-    validate_qkv,
 )
 
 # Ranking values of select_blocks (nsa.selection._FORCED / _EXCLUDED; a test checks they agree).
@@ -399,13 +397,10 @@ def _check_select_sizes(bsz: BlockSelectSizes):
 
 def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes):
     """(o, lse, layout, scale) of the compressed branch's flash kernels."""
-    validate_qkv(q, kc, vc, same_length=False)
-    bsz = CompressedBlockSizes() if block_sizes is None else block_sizes
-    check_block_sizes(bsz.attention)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    lay = cmp_layout(kc.shape[1], q.shape[1], l, d)
-    o, lse = banded_attention(q, kc, vc, lay, scale, bool(interpret), bsz.attention, "nsa_cmp")
-    return o, lax.stop_gradient(lse), lay, scale
+    o, lse, scale = compressed_attention_lse_pallas(
+        q, kc, vc, l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes
+    )
+    return o, lse, cmp_layout(kc.shape[1], q.shape[1], l, d), scale
 
 
 def compressed_attention_scores_pallas(

@@ -25,7 +25,7 @@ parameters, the argument checks of q/k/v (``validate_qkv``), the
 shared-memory budget every tiling must fit (``SMEM_BUDGET_BYTES``,
 ``smem_estimate``, ``check_smem``), and the key layouts of the flash kernels
 (``KeyLayout``, ``layout_visible``), which the compressed branch's
-probability kernel shares.
+block-scoring kernel (block_scores_pallas) shares.
 """
 
 from __future__ import annotations
