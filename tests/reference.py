@@ -24,6 +24,8 @@ from nsa_jax.kernels.reference import (  # noqa: F401  (re-exported for the test
     dense_attention,
     random_block_indices,
     reference_attention,
+    reference_block_scores,
+    reference_block_selection,
     reference_group_probs,
     selection_mask,
     selection_visible,

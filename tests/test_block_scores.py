@@ -3,9 +3,9 @@
 * The top-n kernel over a given score tensor against select_blocks, bitwise:
   exact ties, all-equal rows, fewer candidates than n, T not a multiple of lp,
   shifted positions, several tilings.
-* The fused kernels against a float64 per-token reference written from the spec
-  (each head's softmax over its visible compressed tokens, the group sum, the
-  tokens overlapping each block): block scores within tolerance, and identical
+* The fused kernels against the float64 per-token reference written from the spec
+  (reference.reference_block_scores: each head's softmax over its visible
+  compressed tokens, the group sum, the tokens overlapping each block): block scores within tolerance, and identical
   block indices on every row whose reference ranking has no near-tie within the
   selected slots; on constructed exact ties (repeating compressed keys, equal
   probabilities) identical indices on every row, and the same as the XLA path.
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import reference_block_scores, reference_block_selection
 
 from nsa_jax.kernels import block_scores_pallas as bsp
 from nsa_jax.kernels.block_scores_pallas import (
@@ -38,61 +39,6 @@ from nsa_jax.nsa.selection import select_blocks
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 SMALL = BlockSelectSizes(block_pos=16, block_blocks=16)
-
-
-# ---------------------------------------------------------------------------
-# float64 reference (NSA_SPEC.md: compressed branch, Eq. 9 overlap, selection rules)
-
-
-def reference_scores(q, kc, l, d, lp):
-    """float64 [B, T, K, Nb]: per-head softmax over visible tokens, summed over the group and the block's tokens."""
-    q, kc = np.asarray(q, np.float64), np.asarray(kc, np.float64)
-    b_, t_, h, dk = q.shape
-    tc, kvh = kc.shape[1], kc.shape[2]
-    g = h // kvh
-    nb = math.ceil(t_ / lp)
-    out = np.zeros((b_, t_, kvh, nb))
-    for b in range(b_):
-        for t in range(t_):
-            vis = np.array([i for i in range(tc) if i * d + l - 1 <= t], np.int64)
-            if vis.size == 0:
-                continue
-            for kv in range(kvh):
-                s = q[b, t, kv * g : (kv + 1) * g] @ kc[b, vis, kv].T * dk**-0.5
-                p = np.exp(s - s.max(axis=1, keepdims=True))
-                p_group = np.zeros(tc)
-                p_group[vis] = (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
-                for j in range(nb):
-                    # Tokens whose span [i*d, i*d + l) overlaps block j, ascending.
-                    for i in range(tc):
-                        if i * d < (j + 1) * lp and i * d + l > j * lp:
-                            out[b, t, kv, j] += p_group[i]
-    return out
-
-
-def reference_selection(scores, lp, n, tol=0.0, offset=0):
-    """(indices [B, T, K, n], clear [B, T, K]): the spec's rules at positions t + offset.
-
-    `clear` rows have no gap <= tol between consecutive ranks that decide the output.
-    """
-    b_, t_, kvh, nb = scores.shape
-    idx = -np.ones((b_, t_, kvh, n), np.int64)
-    clear = np.ones((b_, t_, kvh), bool)
-    for b in range(b_):
-        for row in range(t_):
-            t = row + offset
-            cur = t // lp
-            forced = sorted({0, cur} | ({cur - 1} if cur >= 1 else set()))
-            forced = [j for j in forced if j < nb]
-            for kv in range(kvh):
-                s = scores[b, row, kv]
-                rest = sorted((j for j in range(nb) if j * lp <= t and j not in forced), key=lambda j: (-s[j], j))
-                chosen = (forced + rest)[:n]
-                idx[b, row, kv, : len(chosen)] = chosen
-                # The ranks that decide the output: the chosen candidates and the first one left out.
-                ranked = [s[j] for j in rest[: max(0, n - len(forced)) + 1]]
-                clear[b, row, kv] = all(a - c > tol for a, c in zip(ranked, ranked[1:]))
-    return idx, clear
 
 
 def random_qkv(rng, b, t, g, kvh, dk, l, d, dtype):
@@ -145,7 +91,7 @@ def test_select_from_scores_equals_select_blocks(t, kvh, lp, n, sizes, offset):
     assert got.shape == want.shape == (scores.shape[0], t, kvh, n) and got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # The float64 rules agree too (ties to the lower block, -1 for unused slots).
-    ref, _ = reference_selection(np.asarray(scores, np.float64), lp, n, offset=offset)
+    ref, _ = reference_block_selection(np.asarray(scores, np.float64), lp, n, offset=offset)
     np.testing.assert_array_equal(np.asarray(got), ref)
 
 
@@ -166,7 +112,7 @@ FUSED_CASES = [
 def test_fused_scores_and_selection_match_float64_reference(b, t, g, kvh, dk, l, d, lp, n, dtype, sizes):
     rng = np.random.default_rng(t * 3 + g)
     q, kc, vc = random_qkv(rng, b, t, g, kvh, dk, l, d, dtype)
-    want = reference_scores(q.astype(jnp.float32), kc.astype(jnp.float32), l, d, lp)
+    want = reference_block_scores(q.astype(jnp.float32), kc.astype(jnp.float32), l, d, lp)
 
     o_s, scores = jax.jit(
         lambda q, kc, vc: compressed_attention_scores_pallas(
@@ -181,7 +127,7 @@ def test_fused_scores_and_selection_match_float64_reference(b, t, g, kvh, dk, l,
             q, kc, vc, l=l, d=d, lp=lp, n=n, interpret=INTERPRET, select_sizes=sizes
         )
     )(q, kc, vc)
-    ref_idx, clear = reference_selection(want, lp, n, tol=1e-4 * g)
+    ref_idx, clear = reference_block_selection(want, lp, n, tol=1e-4 * g)
     assert idx.shape == ref_idx.shape and idx.dtype == jnp.int32
     got = np.asarray(idx)
     assert clear.mean() > 0.9  # random inputs: near-ties are rare
@@ -220,8 +166,8 @@ def test_fused_selection_exact_ties(t, g, l, d, lp, n, groups, dtype):
     _, idx = compressed_attention_select_pallas(
         q, kc, vc, l=l, d=d, lp=lp, n=n, interpret=INTERPRET, select_sizes=SMALL
     )
-    want = reference_scores(q.astype(jnp.float32), kc.astype(jnp.float32), l, d, lp)
-    ref_idx, _ = reference_selection(want, lp, n)
+    want = reference_block_scores(q.astype(jnp.float32), kc.astype(jnp.float32), l, d, lp)
+    ref_idx, _ = reference_block_selection(want, lp, n)
     np.testing.assert_array_equal(np.asarray(idx), ref_idx)
     _, xla_idx = compressed_attention(q, kc, vc, l=l, d=d, lp=lp, impl="xla", select_n=n)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(xla_idx))
@@ -240,8 +186,8 @@ def test_fused_selection_with_positions_and_no_visible_token():
     _, idx = compressed_attention_select_pallas(
         q, kc, vc, l=l, d=d, lp=lp, n=n, t_T=t_T, interpret=INTERPRET, select_sizes=SMALL
     )
-    want = reference_scores(q, kc, l, d, lp)
-    ref, clear = reference_selection(want, lp, n, tol=1e-4, offset=5)
+    want = reference_block_scores(q, kc, l, d, lp)
+    ref, clear = reference_block_selection(want, lp, n, tol=1e-4, offset=5)
     assert clear.mean() > 0.9
     np.testing.assert_array_equal(np.asarray(idx)[clear], ref[clear])
     # Without select_n the Pallas path returns the block scores (from the same kernel body).

@@ -11,7 +11,9 @@ Written from NSA_SPEC.md and nothing else, and slow on purpose (keep T small):
 * ``dense_attention``: differentiable jax attention under a dense mask, so
   gradients can also come from ``jax.grad``;
 * ``reference_group_probs``: the compressed branch's probabilities summed over
-  each KV group's heads, float64;
+  each KV group's heads, float64; ``reference_block_scores``: their Eq. 9 sums
+  over each selection block; ``reference_block_selection``: the top-n rules
+  (forced blocks, ties to the lower index, -1 for unused slots) over given scores;
 * ``random_block_indices``: random valid selections (forced blocks 0, current
   and previous, then random earlier blocks, -1 for slots left over), vectorised
   so the benchmarks can draw them at long T too.
@@ -152,6 +154,44 @@ def reference_group_probs(q, kc, visible, scale=None):
                 p = np.exp(s - s.max(axis=1, keepdims=True))
                 out[b, kv, t, pos] = (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
     return out
+
+
+def reference_block_scores(q, kc, l, d, lp, scale=None):
+    """float64 [B, T, K, Nb], Nb = ceil(T / lp): the selection-block scores of Eq. 9.
+
+    reference_group_probs over the compressed tokens each query sees, summed over
+    the tokens whose span [i*d, i*d + l) overlaps block j's [j*lp, (j+1)*lp).
+    """
+    t_, tc = q.shape[1], kc.shape[1]
+    p_BxKxTxTc = reference_group_probs(q, kc, compressed_visible(l, d, tc), scale)
+    nb = -(-t_ // lp)
+    overlap_TcxNb = np.array([[i * d < (j + 1) * lp and i * d + l > j * lp for j in range(nb)] for i in range(tc)])
+    return np.einsum("bkti,ij->btkj", p_BxKxTxTc, overlap_TcxNb.astype(np.float64))
+
+
+def reference_block_selection(scores, lp, n, tol=0.0, offset=0):
+    """(indices [B, T, K, n], clear [B, T, K]): the spec's rules at positions t + offset.
+
+    `clear` rows have no gap <= tol between consecutive ranks that decide the output.
+    """
+    b_, t_, kvh, nb = scores.shape
+    idx = -np.ones((b_, t_, kvh, n), np.int64)
+    clear = np.ones((b_, t_, kvh), bool)
+    for b in range(b_):
+        for row in range(t_):
+            t = row + offset
+            cur = t // lp
+            forced = sorted({0, cur} | ({cur - 1} if cur >= 1 else set()))
+            forced = [j for j in forced if j < nb]
+            for kv in range(kvh):
+                s = scores[b, row, kv]
+                rest = sorted((j for j in range(nb) if j * lp <= t and j not in forced), key=lambda j: (-s[j], j))
+                chosen = (forced + rest)[:n]
+                idx[b, row, kv, : len(chosen)] = chosen
+                # The ranks that decide the output: the chosen candidates and the first one left out.
+                ranked = [s[j] for j in rest[: max(0, n - len(forced)) + 1]]
+                clear[b, row, kv] = all(a - c > tol for a, c in zip(ranked, ranked[1:]))
+    return idx, clear
 
 
 def dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask, scale=None):
