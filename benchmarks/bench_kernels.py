@@ -1,8 +1,9 @@
 """Benchmark the selection / window attention kernels.
 
 Compares, at the production head configuration (H=12 query heads, K=2 KV
-heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with its
-selection-block scores):
+heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with the
+n=16 selected blocks, as the layer runs it: on the Pallas path one kernel scores
+and selects the blocks):
 
 * ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas),
 * ``xla``: the plain-XLA chunked path (nsa_jax.kernels.xla),
@@ -67,8 +68,8 @@ def candidates(branch, interpret=False):
     The block indices are an argument, not a closed-over constant: as a constant XLA
     would fold the selection backward's reverse-index sort into the program at compile
     time and the timings would leave that work out. The compressed branch gets the
-    compressed keys and values (T/d of them) and returns the selection-block scores as
-    aux, so their cost is timed too.
+    compressed keys and values (T/d of them) and returns the selected blocks as aux
+    (the layer's call: scoring and top-n), so their cost is timed too.
     """
     p = PROD
     impls = {}
@@ -95,10 +96,12 @@ def candidates(branch, interpret=False):
 
 
 def compressed_branch(q, kc, vc, idx, *, impl):
-    """(o_cmp, block scores) of the compressed branch through `impl`."""
+    """(o_cmp, selected blocks [B, T, K, n]) of the compressed branch through `impl`, as the layer calls it."""
     del idx
     p = PROD
-    return compressed_attention(q, kc, vc, l=p["cmp_l"], d=p["cmp_d"], lp=p["block_size"], impl=impl)
+    return compressed_attention(
+        q, kc, vc, l=p["cmp_l"], d=p["cmp_d"], lp=p["block_size"], impl=impl, select_n=p["slots"]
+    )
 
 
 def dense_attention(implementation):
