@@ -23,7 +23,7 @@ temp - alias bytes, i.e. what XLA planned, not a measured peak). A program whose
 compiled memory exceeds the free memory of the device is compiled but not run.
 
 Usage:
-  python benchmarks/bench_attention.py [--seq-lens 2048,4096,8192] [--backward]
+  python -m benchmarks.bench_attention [--seq-lens 2048,4096,8192] [--backward]
       [--dtype float32|bfloat16] [--iters 3] [--json out.json] [--plot out.png]
 
 Defaults: on CPU T = 2048,4096,8192 forward only, float32 (XLA:CPU runs bf16

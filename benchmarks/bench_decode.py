@@ -12,7 +12,7 @@
    depend on the values, and this skips a long prefill.
 
 Usage:
-  python benchmarks/bench_decode.py [--contexts 8192,32768] [--d-model 256]
+  python -m benchmarks.bench_decode [--contexts 8192,32768] [--d-model 256]
       [--layers 4] [--heads 8] [--kv-heads 2] [--head-dim 32] [--batch 1]
       [--steps 32] [--json out.json]
 

@@ -1,8 +1,9 @@
 """Benchmark the selection / window attention kernels.
 
 Compares, at the production head configuration (H=12 query heads, K=2 KV
-heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with its
-selection-block scores):
+heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with the
+n=16 selected blocks, as the layer runs it: on the Pallas path one kernel scores
+and selects the blocks):
 
 * ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas),
 * ``xla``: the plain-XLA chunked path (nsa_jax.kernels.xla),
@@ -12,7 +13,7 @@ forward and (with ``--backward``) forward+backward, printing milliseconds and
 the speedup of the Pallas kernels over the others.
 
 Usage:
-  python benchmarks/bench_kernels.py [--seq-lens 2048,4096] [--backward]
+  python -m benchmarks.bench_kernels [--seq-lens 2048,4096] [--backward]
                                      [--json out.json]
 
 Without a GPU the Pallas kernels only run in the interpreter, which says
@@ -27,11 +28,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json
+from nsa_jax.kernels import compressed_attention
+from nsa_jax.kernels.flash_pallas import window_attention_pallas
+from nsa_jax.kernels.reference import random_block_indices
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
-from nsa_jax.kernels.window_pallas import window_attention_pallas
-from nsa_jax.nsa.compression import compressed_attention
 
 try:
     from nsa_jax.kernels import xla as xla_kernels
@@ -41,34 +44,6 @@ except ImportError:  # the reference path is optional for this script
 PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512, cmp_l=32, cmp_d=16)
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
-
-
-def random_block_indices(key, batch, seq, kv_heads, slots, block_size):
-    """Valid selections: blocks 0, cur, cur-1 forced, the rest random <= cur."""
-    num_blocks = -(-seq // block_size)
-    chunk = min(seq, 4096)
-
-    def one_chunk(args):
-        start, key = args
-        t_C = start + jnp.arange(chunk)
-        cur_C = t_C // block_size
-        j_N = jnp.arange(num_blocks)
-        score = jax.random.uniform(key, (batch, chunk, kv_heads, num_blocks))
-        forced = ((j_N == 0) | (j_N[None] == cur_C[:, None]) | (j_N[None] == cur_C[:, None] - 1))[None, :, None, :]
-        allowed = (j_N[None] <= cur_C[:, None])[None, :, None, :]
-        score = jnp.where(forced, 2.0, jnp.where(allowed, score, -1.0))
-        top, idx = jax.lax.top_k(score, min(slots, num_blocks))
-        idx = jnp.where(top >= 0.0, idx, -1).astype(jnp.int32)
-        if slots > num_blocks:
-            idx = jnp.pad(idx, [(0, 0)] * 3 + [(0, slots - num_blocks)], constant_values=-1)
-        return idx
-
-    n_chunks = -(-seq // chunk)
-    starts = jnp.arange(n_chunks) * chunk
-    keys = jax.random.split(key, n_chunks)
-    out = jax.lax.map(one_chunk, (starts, keys))  # [chunks, B, C, K, n]
-    out = jnp.moveaxis(out, 0, 1).reshape(batch, n_chunks * chunk, kv_heads, slots)
-    return out[:, :seq]
 
 
 def with_backward(fn):
@@ -87,8 +62,8 @@ def candidates(branch, interpret=False):
     The block indices are an argument, not a closed-over constant: as a constant XLA
     would fold the selection backward's reverse-index sort into the program at compile
     time and the timings would leave that work out. The compressed branch gets the
-    compressed keys and values (T/d of them) and returns the selection-block scores as
-    aux, so their cost is timed too.
+    compressed keys and values (T/d of them) and returns the selected blocks as aux
+    (the layer's call: scoring and top-n), so their cost is timed too.
     """
     p = PROD
     impls = {}
@@ -115,10 +90,12 @@ def candidates(branch, interpret=False):
 
 
 def compressed_branch(q, kc, vc, idx, *, impl):
-    """(o_cmp, block scores) of the compressed branch through `impl`."""
+    """(o_cmp, selected blocks [B, T, K, n]) of the compressed branch through `impl`, as the layer calls it."""
     del idx
     p = PROD
-    return compressed_attention(q, kc, vc, l=p["cmp_l"], d=p["cmp_d"], lp=p["block_size"], impl=impl)
+    return compressed_attention(
+        q, kc, vc, l=p["cmp_l"], d=p["cmp_d"], lp=p["block_size"], impl=impl, select_n=p["slots"]
+    )
 
 
 def dense_attention(implementation):
@@ -189,14 +166,15 @@ def main(argv=None):
     dense_cache = {}
     key = jax.random.PRNGKey(0)
     for seq in seq_lens:
-        kq, kk, kv, kc, ki = jax.random.split(jax.random.fold_in(key, seq), 5)
+        kq, kk, kv, kc = jax.random.split(jax.random.fold_in(key, seq), 4)
         shape_q = (opts.batch, seq, p["heads"], p["head_dim"])
         shape_kv = (opts.batch, seq, p["kv_heads"], p["head_dim"])
         q = jax.random.normal(kq, shape_q, dtype)
         k = jax.random.normal(kk, shape_kv, dtype)
         v = jax.random.normal(kv, shape_kv, dtype)
         ct = jax.random.normal(kc, shape_q, dtype)
-        idx = random_block_indices(ki, opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"])
+        rng = np.random.default_rng(seq)
+        idx = jnp.asarray(random_block_indices(rng, opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"]))
         tc = (seq - p["cmp_l"]) // p["cmp_d"] + 1
         cmp_args = (q, k[:, :tc], v[:, :tc], idx)
         for branch in branches:

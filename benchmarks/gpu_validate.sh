@@ -10,6 +10,9 @@
 #              against the naive reference, and Pallas-vs-XLA training steps
 #   kernels    python -m benchmarks.bench_kernels: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
+#   layer      python -m benchmarks.export_report (largest tensor and kernel count of the layer's
+#              fwd+bwd lowered for CUDA, T=LAYER_SEQ_LEN) then bench_attention fwd+bwd at
+#              T=LAYER_SEQ_LENS (where the block-score tensors used to dominate)
 #   train      python -m benchmarks.bench_train: a100_pcie tokens/s and MFU against the measured bf16 peak
 #   smoke      python -m launch.train --config a100_pcie for a few steps, then resumed from its
 #              checkpoint (artifacts in OUT_DIR/run)
@@ -56,7 +59,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         ;;
     tests)
         run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kernels_pallas.py \
-            tests/test_pallas_model.py tests/test_nsa_layer.py -k "not lowers"
+            tests/test_pallas_model.py tests/test_nsa_layer.py tests/test_block_scores.py -k "not lowers"
         ;;
     kernels)
         run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward \
@@ -65,6 +68,11 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
     attention)
         run_part attention 540 "$PY" -m benchmarks.bench_attention --backward \
             --seq-lens "${ATTN_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/attention.json"
+        ;;
+    layer)
+        run_part layer 540 bash -c "$PY -m benchmarks.export_report --seq-len ${LAYER_SEQ_LEN:-65536} \
+            --json $out/export_report.json && $PY -m benchmarks.bench_attention --backward \
+            --seq-lens ${LAYER_SEQ_LENS:-32768,65536} --json $out/layer.json"
         ;;
     train)
         run_part train 420 "$PY" -m benchmarks.bench_train --configs a100_pcie --steps 5 \
@@ -89,7 +97,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         run_part kv 540 "$PY" -m benchmarks.kv_recall_ablation --json "$out/kv.json" ${KV_ARGS:-}
         ;;
     *)
-        echo "unknown part: $part (env tests kernels attention train smoke profile kv)" >&2
+        echo "unknown part: $part (env tests kernels attention layer train smoke profile kv)" >&2
         exit 2
         ;;
     esac

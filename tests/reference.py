@@ -3,6 +3,11 @@
 Per-token loops (numpy) decide which keys each query sees; dense T x T masks
 carry those decisions into differentiable jax code, so forward values and
 gradients can be compared with the production path. Slow on purpose: keep T small.
+
+The attention-kernel references (visibility, masks, per-token float64 attention,
+dense-mask attention, random selections) live in nsa_jax.kernels.reference, which
+the benchmarks share; they are re-exported here. This module adds the layer:
+token-by-token block selection and the whole NSA layer from its parameter tree.
 """
 
 from __future__ import annotations
@@ -13,8 +18,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsa_jax.kernels.reference import (  # noqa: F401  (re-exported for the tests)
+    compressed_mask,
+    compressed_visible,
+    dense_attention,
+    random_block_indices,
+    reference_attention,
+    reference_block_scores,
+    reference_block_selection,
+    reference_group_probs,
+    selection_mask,
+    selection_visible,
+    window_mask,
+    window_visible,
+)
+
 # ---------------------------------------------------------------------------
-# masks decided token by token
+# block selection decided token by token
 
 
 def naive_selection(p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, lp: int, n: int) -> np.ndarray:
@@ -39,62 +59,6 @@ def naive_selection(p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, 
                 chosen = (forced + rest)[:n]
                 out[b, t, k, : len(chosen)] = chosen
     return out
-
-
-def selection_mask(idx_BxTxKxN: np.ndarray, T: int, lp: int) -> np.ndarray:
-    """[B, K, T, T] bool: query t sees key p iff p <= t and p lies in a selected block."""
-    B, _, K, _ = idx_BxTxKxN.shape
-    mask = np.zeros((B, K, T, T), bool)
-    for b in range(B):
-        for t in range(T):
-            for k in range(K):
-                for j in idx_BxTxKxN[b, t, k]:
-                    if j < 0:
-                        continue
-                    for p in range(j * lp, min((j + 1) * lp, T)):
-                        if p <= t:
-                            mask[b, k, t, p] = True
-    return mask
-
-
-def window_mask(T: int, w: int) -> np.ndarray:
-    """[T, T] bool: query t sees [max(0, t - w + 1), t]."""
-    mask = np.zeros((T, T), bool)
-    for t in range(T):
-        for p in range(max(0, t - w + 1), t + 1):
-            mask[t, p] = True
-    return mask
-
-
-def compressed_mask(T: int, Tc: int, l: int, d: int) -> np.ndarray:
-    """[T, Tc] bool: query t sees compressed token i iff its block has ended."""
-    mask = np.zeros((T, Tc), bool)
-    for t in range(T):
-        for i in range(Tc):
-            mask[t, i] = i * d + l - 1 <= t
-    return mask
-
-
-# ---------------------------------------------------------------------------
-# dense attention under a mask
-
-
-def dense_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask, scale=None):
-    """softmax(q k^T * scale) v with `mask` [B or 1, K or 1, T, S]; masked rows give 0."""
-    B, T, H, D = q_BxTxHxD.shape
-    K = k_BxSxKxD.shape[2]
-    G = H // K
-    scale = D**-0.5 if scale is None else scale
-    k_rep = jnp.repeat(k_BxSxKxD, G, axis=2)
-    v_rep = jnp.repeat(v_BxSxKxD, G, axis=2)
-    s = jnp.einsum("bthd,bshd->bhts", q_BxTxHxD.astype(jnp.float32), k_rep.astype(jnp.float32)) * scale
-    mask = jnp.asarray(mask)
-    mask_h = jnp.repeat(mask, G, axis=1) if mask.shape[1] == K and K != H else mask
-    s = jnp.where(mask_h, s, -jnp.inf)
-    any_visible = jnp.any(mask_h, axis=-1, keepdims=True)
-    p = jax.nn.softmax(jnp.where(any_visible, s, 0.0), axis=-1)
-    p = jnp.where(mask_h & any_visible, p, 0.0)
-    return jnp.einsum("bhts,bshd->bthd", p, v_rep.astype(jnp.float32)), p
 
 
 # ---------------------------------------------------------------------------

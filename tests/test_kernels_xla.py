@@ -9,46 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import rel_err
-from reference import dense_attention, selection_mask, window_mask
+from reference import (
+    dense_attention,
+    random_block_indices,
+    reference_attention,
+    selection_mask,
+    selection_visible,
+    window_mask,
+    window_visible,
+)
 
 from nsa_jax.kernels.xla import selection_attention_xla, window_attention_xla
 from nsa_jax.nsa.selection import select_blocks
-
-
-def random_block_indices(rng: np.random.Generator, B: int, T: int, K: int, n: int, lp: int) -> np.ndarray:
-    """Valid indices: forced blocks, then random distinct earlier blocks, -1 padding, shuffled."""
-    idx = -np.ones((B, T, K, n), np.int32)
-    for b in range(B):
-        for t in range(T):
-            for k in range(K):
-                cur = t // lp
-                forced = sorted({0, cur} | ({cur - 1} if cur else set()))
-                others = [j for j in range(cur + 1) if j not in forced]
-                rng.shuffle(others)
-                chosen = (forced + others)[:n]
-                rng.shuffle(chosen)
-                idx[b, t, k, : len(chosen)] = chosen
-    return idx
-
-
-def per_token_attention(q, k, v, visible_fn):
-    """o[b,t,h] = softmax over the keys visible_fn(b, t, kv_head) lists, in float64."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    B, T, H, D = q.shape
-    K = k.shape[2]
-    G = H // K
-    out = np.zeros((B, T, H, v.shape[-1]))
-    for b in range(B):
-        for t in range(T):
-            for h in range(H):
-                keys = visible_fn(b, t, h // G)
-                if not keys:
-                    continue
-                s = np.array([q[b, t, h] @ k[b, p, h // G] for p in keys]) / math.sqrt(D)
-                w = np.exp(s - s.max())
-                w /= w.sum()
-                out[b, t, h] = sum(wi * v[b, p, h // G] for wi, p in zip(w, keys))
-    return out
 
 
 def _qkv(B, T, H, K, D, seed=0):
@@ -79,10 +51,7 @@ def test_selection_matches_per_token_and_dense_grads(G, K, T, lp, n, chunk, stra
     )
     out = f(q, k, v)
 
-    def visible(b, t, kv):
-        return [p for j in idx[b, t, kv] if j >= 0 for p in range(j * lp, min((j + 1) * lp, T)) if p <= t]
-
-    assert rel_err(out, per_token_attention(q, k, v, visible)) < 1e-5
+    assert rel_err(out, reference_attention(q, k, v, None, selection_visible(idx, lp, T))[0]) < 1e-5
 
     mask = selection_mask(idx, T, lp)
     cot = jax.random.normal(jax.random.PRNGKey(9), out.shape)
@@ -98,7 +67,7 @@ def test_window_matches_per_token_and_dense_grads(G, K, T, w, chunk):
     q, k, v = _qkv(B, T, G * K, K, D, seed=1)
     f = jax.jit(lambda q, k, v: window_attention_xla(q, k, v, w, query_chunk=chunk))
     out = f(q, k, v)
-    assert rel_err(out, per_token_attention(q, k, v, lambda b, t, kv: list(range(max(0, t - w + 1), t + 1)))) < 1e-5
+    assert rel_err(out, reference_attention(q, k, v, None, window_visible(w))[0]) < 1e-5
 
     mask = window_mask(T, w)[None, None]
     cot = jax.random.normal(jax.random.PRNGKey(9), out.shape)

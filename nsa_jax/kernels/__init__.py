@@ -1,9 +1,10 @@
 """Attention kernels for the NSA branches, and their dispatch.
 
-`attention_impl`: `xla` (the reference and CPU path: kernels/xla.py for selection
-and window, nsa/compression.py for the compressed branch), `pallas`
-(Triton-backend Pallas kernels for all three branches; interpreted when the backend
-is not a GPU), or `auto` (pallas on GPU, xla elsewhere; the selection branch also
+One entry point per NSA branch (`compressed_attention`, `selection_attention`,
+`window_attention`) runs the implementation `attention_impl` names: `xla` (the
+reference and CPU path, kernels/xla.py), `pallas` (Triton-backend Pallas kernels:
+compressed_pallas with block_scores_pallas, selection_pallas, flash_pallas;
+interpreted when the backend is not a GPU), or `auto` (pallas on GPU, xla elsewhere; the selection branch also
 stays on xla when its block length lp is not a power of two >= 16, which its kernel
 needs: `pallas` asked for explicitly raises instead).
 """
@@ -11,8 +12,14 @@ needs: `pallas` asked for explicitly raises instead).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from nsa_jax.kernels.xla import selection_attention_xla, window_attention_xla
+from nsa_jax.kernels.block_scores_pallas import compressed_attention_scores_pallas, compressed_attention_select_pallas
+from nsa_jax.kernels.flash_pallas import window_attention_pallas
+from nsa_jax.kernels.pallas_common import is_tile_size
+from nsa_jax.kernels.selection_pallas import selection_attention_pallas
+from nsa_jax.kernels.xla import compressed_attention_xla, selection_attention_xla, window_attention_xla
+from nsa_jax.nsa.selection import select_blocks
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
@@ -27,7 +34,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
 
 def selection_kernel_fits(block_size: int) -> bool:
     """Whether the Pallas selection kernel takes blocks of `block_size` (a power of two >= 16)."""
-    return block_size >= 16 and block_size & (block_size - 1) == 0
+    return is_tile_size(block_size)
 
 
 def _resolve_selection(impl: str, block_size: int | None, backend: str | None = None) -> str:
@@ -58,8 +65,6 @@ def interpret_pallas() -> bool:
 def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512):
     """Selection attention through the chosen implementation (contract: docs/NSA.md, the kernels section)."""
     if _resolve_selection(impl, block_size) == "pallas":
-        from nsa_jax.kernels.selection_pallas import selection_attention_pallas
-
         return selection_attention_pallas(q, k, v, idx, block_size, scale, interpret=interpret_pallas())
     return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk)
 
@@ -67,7 +72,33 @@ def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", que
 def window_attention(q, k, v, window, scale=None, *, impl="xla", query_chunk=512):
     """Sliding-window attention through the chosen implementation."""
     if resolve_impl(impl) == "pallas":
-        from nsa_jax.kernels.window_pallas import window_attention_pallas
-
         return window_attention_pallas(q, k, v, window, scale, interpret=interpret_pallas())
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk)
+
+
+def compressed_attention(q, kc, vc, *, l, d, lp, scale=None, impl="xla", query_chunk=512, select_n=None, t_T=None):
+    """Compressed-branch attention and the selection-block scores (or blocks) through the chosen implementation.
+
+    Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
+    gets 0. Returns o [B, T, H, Dv] in q's dtype and the group block scores
+    [B, T, K, Nb] fp32 (probabilities summed over the G heads of each group, then
+    over the compressed tokens overlapping each selection block of lp; no gradient).
+    With `select_n`, the second output is instead the selected blocks
+    [B, T, K, select_n] int32, select_blocks(scores, lp, select_n, t_T)'s contract:
+    `xla` runs select_blocks over its own scores; `pallas` scores and selects in one
+    kernel (block_scores_pallas), so no probability or block-score tensor exists.
+    """
+    B, T, H, Dk = q.shape
+    Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
+    n_blocks = -(-T // lp)
+    scale = Dk**-0.5 if scale is None else scale
+    if Tc == 0:
+        o, scores = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
+    elif resolve_impl(impl) == "pallas":
+        kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=interpret_pallas())
+        if select_n is None:
+            return compressed_attention_scores_pallas(q, kc, vc, **kw)
+        return compressed_attention_select_pallas(q, kc, vc, n=select_n, t_T=t_T, **kw)
+    else:
+        o, scores = compressed_attention_xla(q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk)
+    return o, (scores if select_n is None else select_blocks(scores, lp, select_n, t_T))

@@ -1,4 +1,4 @@
-"""Tile math shared by the Pallas selection and window attention kernels.
+"""Helpers and tile math shared by the Pallas kernels (selection, flash, compressed).
 
 Both kernel families are flash attention over different key sets: a program
 holds a tile of query rows and walks key tiles picked by a block index
@@ -14,13 +14,23 @@ the same once a tile is loaded and its mask is known:
 * the backward of one tile, ``softmax_grad_tile``: the probabilities
   recomputed from that log-sum-exp and the gradient of the scores.
 
-The functions take and return arrays (never refs) and are traced into the
-calling kernel, so they add no kernel launch and no memory traffic. Shape
+The tile functions take and return arrays (never refs) and are traced into
+the calling kernel, so they add no kernel launch and no memory traffic. Shape
 suffixes: R query rows of the tile, C keys of the tile, Dk / Dv head dims.
+
+Outside the kernels it owns what every ``pallas_call`` wrapper needs: the
+power-of-two tile rule (``is_tile_size`` / ``check_tile_size``), head-dim
+and axis padding (``padded_dim``, ``pad_axis``), the Triton compiler
+parameters, the argument checks of q/k/v (``validate_qkv``), the
+shared-memory budget every tiling must fit (``SMEM_BUDGET_BYTES``,
+``smem_estimate``, ``check_smem``), and the key layouts of the flash kernels
+(``KeyLayout``, ``layout_visible``), which the compressed branch's
+block-scoring kernel (block_scores_pallas) shares.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -31,6 +41,124 @@ LOG2E = math.log2(math.e)
 # Finite "minus infinity": masked logits and the running max start here, so
 # an all-masked row never produces inf - inf.
 MASK_VALUE = -1e30
+# Smallest M/N/K the Triton matmul accepts.
+MIN_DOT_DIM = 16
+
+
+# ---------------------------------------------------------------------------
+# Sizes, padding, compiler parameters, argument checks
+# ---------------------------------------------------------------------------
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def is_tile_size(value: int, minimum: int = MIN_DOT_DIM) -> bool:
+    """Whether ``value`` is a power of two >= ``minimum`` (what a tile or a selection block must be)."""
+    return value >= minimum and value & (value - 1) == 0
+
+
+def check_tile_size(name: str, value: int, minimum: int = MIN_DOT_DIM) -> None:
+    if not is_tile_size(value, minimum):
+        raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
+
+
+def padded_dim(d: int) -> int:
+    """Head dim as the kernels see it: a power of two, at least 16."""
+    return max(MIN_DOT_DIM, next_pow2(d))
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    """Pads ``x`` along ``axis`` up to ``size`` (no-op when already there)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def compiler_params(num_warps: int | None, num_stages: int, head_dim: int):
+    if num_warps is None:
+        num_warps = 4 if head_dim <= 64 else 8
+    return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def validate_qkv(q, k, v, *, same_length: bool = True):
+    """Shape checks shared by the kernels; `same_length=False` lets k/v have their own length (compressed tokens)."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [B, T, heads, D]")
+    b, t, h, dk = q.shape
+    if k.shape[:2] != (b, t if same_length else k.shape[1]) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
+    if k.shape[-1] != dk:
+        raise ValueError("q and k must share the head dim")
+    if h % k.shape[2]:
+        raise ValueError(f"query heads {h} not a multiple of KV heads {k.shape[2]}")
+
+
+# ---------------------------------------------------------------------------
+# Shared-memory budget
+# ---------------------------------------------------------------------------
+
+# Every tiling must compile on an A100 (sm_80): 164 KiB of shared memory per SM, of which
+# one thread block may opt into at most 163 KiB (166912 bytes). sm_80 has no wgmma or TMA,
+# so Triton stages the operands of every matmul through shared memory itself. Hopper
+# (227 KiB per block) has more, so a tiling inside this budget runs on every GPU the
+# kernels target.
+SMEM_BUDGET_BYTES = 163 * 1024
+
+
+def smem_estimate(*, once=(), looped=(), staged=(), num_stages: int, itemsize: int) -> int:
+    """Bytes of shared memory one program's tiles need, from their element counts.
+
+    A deliberately pessimistic model of Triton's staging on sm_80: ``once``: tiles
+    loaded once per program and used as matmul operands (each staged once);
+    ``looped``: tiles loaded in the pipelined inner loop (``num_stages`` buffers
+    each); ``staged``: tiles computed in the loop and cast to the input dtype for
+    a matmul (P, dS). fp32 accumulators live in registers and are not counted.
+    """
+    return itemsize * (sum(once) + num_stages * sum(looped) + sum(staged))
+
+
+def check_smem(estimates: dict[str, int], knobs: str) -> None:
+    """Raises one ValueError naming the kernel whose tiles exceed ``SMEM_BUDGET_BYTES`` and the knobs to lower."""
+    kernel, need = max(estimates.items(), key=lambda kv: kv[1])
+    if need > SMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"{kernel}: its tiles need about {need / 1024:.0f} KiB of shared memory, over the "
+            f"{SMEM_BUDGET_BYTES // 1024} KiB an A100 (sm_80) block can have; lower {knobs}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Key layouts
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyLayout:
+    """Where the keys stand: key ``i`` at position ``i * stride + offset``, ``num_keys`` of them;
+    query ``t`` sees positions in ``(t - window, t]``."""
+
+    num_keys: int
+    window: int
+    stride: int = 1
+    offset: int = 0
+
+
+def layout_visible(t_R, valid_R, i_C, lay: KeyLayout):
+    """[R, C] mask: row t sees key i (``vis(t, i)`` of the layout, keys past num_keys never)."""
+    pos_1xC = (i_C * lay.stride + lay.offset)[None, :]
+    t_Rx1 = t_R[:, None]
+    live_1xC = (i_C < lay.num_keys)[None, :]
+    return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - lay.window) & live_1xC
+
+
+# ---------------------------------------------------------------------------
+# Tile math
+# ---------------------------------------------------------------------------
 
 
 def scores_log2(q_RxDk, k_CxDk, scale_log2: float):

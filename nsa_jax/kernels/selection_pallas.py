@@ -2,9 +2,9 @@
 
 This module owns the fused GPU path of the selection branch:
 ``selection_attention_pallas`` (forward + backward under ``jax.custom_vjp``)
-and the small helpers the window kernels reuse (layout padding, compiler
-parameters, argument checks). The softmax math on a loaded tile is shared
-with the window kernels through ``pallas_common``.
+and its reverse index. Padding, compiler parameters, argument checks and the
+softmax math on a loaded tile are shared with the other kernels through
+``pallas_common``.
 
 Contract (see docs "Selection branch"): query ``t`` of head ``h`` attends to
 every position ``p <= t`` inside the blocks ``idx[b, t, h // G, :]`` (block
@@ -38,10 +38,14 @@ Two ways to collect that without a TxT matrix:
    (In jax 0.10.2 the primitive is ``jax.experimental.pallas.triton.atomic_add``
    -- there is no ``pl.atomic_add`` -- and it runs in interpret mode only
    unmasked, and it rejects bf16 buffers.)
-2. A reverse index: a stable sort of the ``T*n`` (query, slot) entries of
-   each (batch, KV head) by block id gives, per block, the sorted list of
-   queries that selected it (CSR form, O(T*n) int32). A key-centric kernel
-   then loads the K/V block once and streams the queries that chose it.
+2. A reverse index: the ``T*n`` (query, slot) entries of each (batch, KV
+   head) grouped by block id, ascending t within a block, give per block the
+   list of queries that selected it (CSR form, O(T*n) int32). A key-centric
+   kernel then loads the K/V block once and streams the queries that chose it.
+   The index is a counting sort (``reverse_index``): per-block counts, their
+   exclusive cumsum as offsets, and each entry's rank within its block from
+   cumulative counts; no comparison sort, integer arithmetic only, so it is
+   exact and deterministic.
 
 We use (2): no atomics, bitwise deterministic, and the inner loop gathers
 ``rows_dkv`` flattened (query, head) rows per step, so its matmuls are
@@ -52,6 +56,15 @@ at most ``dkv_segment`` entries, one program per segment (at most
 ``ceil(T*n/S) + T/bs`` programs, a static bound); the partial dK/dV tiles
 (fp32, O(T*D) memory) are summed per block by a small deterministic
 reduction kernel, which also writes dK/dV in the input layout.
+
+Shared memory (A100)
+--------------------
+Every tiling must fit an A100 block's 163 KiB of shared memory
+(``pallas_common.SMEM_BUDGET_BYTES``). ``smem_estimates`` computes each
+kernel's need from lp, the padded head dims, the dtype, ``rows_dkv`` and
+``num_stages`` at trace time; ``rows_dkv=None`` is halved from 64 until the
+dK/dV kernel fits, and a configuration that still does not fit (lp = 512 at
+head dim 128, say) is refused with one error naming the kernel and the knobs.
 
 All kernels are plain ``pl.pallas_call``s with explicit Triton
 ``CompilerParams`` so they lower through Triton (A100 and newer), not
@@ -71,14 +84,21 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
+    MIN_DOT_DIM,
+    SMEM_BUDGET_BYTES,
+    check_smem,
+    check_tile_size,
+    compiler_params,
+    next_pow2,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
+    pad_axis,
+    padded_dim,
+    smem_estimate,
     softmax_grad_tile,
+    validate_qkv,
 )
-
-# Smallest M/N/K the Triton matmul accepts.
-MIN_DOT_DIM = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,47 +107,18 @@ class SelectionBlockSizes:
 
     Attributes:
       rows_dkv: flattened (query, head) rows gathered per step of the dK/dV
-        kernel; a power of two >= 16.
+        kernel; a power of two >= 16. None: 64, halved while the dK/dV
+        kernel's tiles exceed the shared-memory budget (``smem_estimates``).
       dkv_segment: most reverse-index entries (query, slot pairs) one dK/dV
         program handles; bounds the longest program (block 0).
       num_warps: Triton warps per program (None: pick from the head dim).
       num_stages: Triton software-pipelining depth.
     """
 
-    rows_dkv: int = 64
+    rows_dkv: int | None = None
     dkv_segment: int = 512
     num_warps: int | None = None
     num_stages: int = 2
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def padded_dim(d: int) -> int:
-    """Head dim as the kernels see it: a power of two, at least 16."""
-    return max(MIN_DOT_DIM, next_pow2(d))
-
-
-def pad_axis(x, axis: int, size: int, value=0):
-    """Pads ``x`` along ``axis`` up to ``size`` (no-op when already there)."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def compiler_params(num_warps: int | None, num_stages: int, head_dim: int):
-    if num_warps is None:
-        num_warps = 4 if head_dim <= 64 else 8
-    return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _check_pow2(name: str, value: int, minimum: int = MIN_DOT_DIM):
-    if value < minimum or value & (value - 1):
-        raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
 
 
 # ---------------------------------------------------------------------------
@@ -433,27 +424,83 @@ def _group_stat(x_BxTxH, d: _Dims):
     return x.reshape(d.batch, d.kv_heads, d.seq * d.group_padded)
 
 
-def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int):
-    """CSR reverse index of a selection, cut into work segments.
+def _ranks_within_key(key_BxKxTxN, num_keys: int, chunk_elems: int = 1 << 22):
+    """rank [B, K, T, n]: entries before (t, s) in (query, slot) order with the same key; counts [B, K, num_keys].
+
+    A counting sort's placement, without a comparison sort. Across queries: a
+    scan over chunks of C query positions scatter-adds each query's key counts
+    into [B, K, C, num_keys] (integer adds: exact in any order), and an
+    inclusive cumsum along the chunk plus the running total of the earlier
+    chunks gives, for each query, how many earlier queries hold each key. Within
+    a query: an n x n comparison of its own slots (n is small), which keeps
+    duplicate keys in one row (several unused slots) in slot order. The work is
+    O(T * num_keys + T * n^2) int32, memory O(C * num_keys) with
+    ``C * num_keys * B * K <= chunk_elems``.
+    """
+    b, kvh, t, n = key_BxKxTxN.shape
+    c = max(1, min(t, chunk_elems // max(1, b * kvh * num_keys)))
+    num_chunks = pl.cdiv(t, c)
+    # Padded queries take key num_keys: counted in no bucket (dropped by the scatter).
+    key = pad_axis(key_BxKxTxN, 2, num_chunks * c, value=num_keys)
+    s_N = jnp.arange(n)
+    earlier_NxN = s_N[None, :] < s_N[:, None]  # [s, s']: slot s' comes before slot s
+    in_row = jnp.sum((key[..., :, None] == key[..., None, :]) & earlier_NxN, axis=-1, dtype=jnp.int32)
+    key_PxBxKxCxN = jnp.moveaxis(key.reshape(b, kvh, num_chunks, c, n), 2, 0)
+    b_i = jnp.arange(b)[:, None, None, None]
+    k_i = jnp.arange(kvh)[None, :, None, None]
+    c_i = jnp.arange(c)[None, None, :, None]
+
+    def step(total_BxKxM, key_BxKxCxN):
+        cnt_BxKxCxM = jnp.zeros((b, kvh, c, num_keys), jnp.int32).at[b_i, k_i, c_i, key_BxKxCxN].add(1, mode="drop")
+        before_BxKxCxM = jnp.cumsum(cnt_BxKxCxM, axis=2) - cnt_BxKxCxM + total_BxKxM[:, :, None, :]
+        key_c = jnp.minimum(key_BxKxCxN, num_keys - 1)  # padded entries: any in-bounds bucket, dropped later
+        rank_BxKxCxN = jnp.take_along_axis(before_BxKxCxM, key_c, axis=3)
+        return total_BxKxM + jnp.sum(cnt_BxKxCxM, axis=2), rank_BxKxCxN
+
+    counts_BxKxM, rank_PxBxKxCxN = lax.scan(step, jnp.zeros((b, kvh, num_keys), jnp.int32), key_PxBxKxCxN)
+    rank = jnp.moveaxis(rank_PxBxKxCxN, 0, 2).reshape(b, kvh, num_chunks * c, n)[:, :, :t]
+    return rank + in_row[:, :, :t], counts_BxKxM
+
+
+def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int = 1 << 22):
+    """CSR reverse index of a selection, cut into work segments (no comparison sort).
 
     Returns (all int32):
-      qlist [B, K, T*n]: query positions sorted by the block they selected
-        (stable, so ascending t within a block); unused slots sort last.
+      qlist [B, K, T*n]: query positions grouped by the block they selected,
+        ascending t within a block (what a stable sort by block id gives);
+        unused slots (-1, or ids outside [0, num_blocks)) fill the tail.
       seg_blk, seg_lo, seg_hi [B, K, P]: segment p covers entries
         ``qlist[seg_lo:seg_hi]`` of block ``seg_blk`` (``num_blocks`` and an
         empty range for the unused tail); ``P = ceil(T*n/segment) + NB``.
       blk_first, blk_count [B, K, NB]: each block's segments are
         ``seg_first .. seg_first + blk_count - 1``.
+
+    Built as a counting sort: per-block counts, their exclusive cumsum as the
+    block offsets, and each entry's rank among the entries of its block
+    (``_ranks_within_key``, holding at most ``scan_elems`` counters at a time);
+    entry (t, s) lands at offset + rank. A comparison
+    sort of the T*n entries (what XLA emits for argsort) costs O(E log^2 E) on a
+    GPU and was the largest non-kernel op of the backward.
     """
     b, t, kvh, n = idx_BxTxKxN.shape
     entries = t * n
-    flat_BxKxE = idx_BxTxKxN.transpose(0, 2, 1, 3).reshape(b, kvh, entries)
-    key_BxKxE = jnp.where((flat_BxKxE >= 0) & (flat_BxKxE < num_blocks), flat_BxKxE, num_blocks).astype(jnp.int32)
-    order = jnp.argsort(key_BxKxE, axis=-1, stable=True)
-    qlist = (order // n).astype(jnp.int32)
+    idx_BxKxTxN = idx_BxTxKxN.transpose(0, 2, 1, 3)
+    live = (idx_BxKxTxN >= 0) & (idx_BxKxTxN < num_blocks)
+    key_BxKxTxN = jnp.where(live, idx_BxKxTxN, num_blocks).astype(jnp.int32)
+    rank_BxKxTxN, counts_BxKxM = _ranks_within_key(key_BxKxTxN, num_blocks + 1, scan_elems)
+    starts_BxKxM = jnp.cumsum(counts_BxKxM, axis=-1) - counts_BxKxM
+    key_BxKxE = key_BxKxTxN.reshape(b, kvh, entries)
+    pos_BxKxE = jnp.take_along_axis(starts_BxKxM, key_BxKxE, axis=-1) + rank_BxKxTxN.reshape(b, kvh, entries)
+    t_E = jnp.repeat(jnp.arange(t, dtype=jnp.int32), n)
+    # pos is a permutation of [0, T*n) per (b, k): every element is written once.
+    qlist = (
+        jnp.zeros((b, kvh, entries), jnp.int32)
+        .at[jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None], pos_BxKxE]
+        .set(jnp.broadcast_to(t_E, pos_BxKxE.shape), unique_indices=True)
+    )
 
-    def per_row(key_E):
-        counts = jnp.bincount(key_E, length=num_blocks + 1)[:num_blocks]
+    def per_row(counts_M):
+        counts = counts_M[:num_blocks]
         starts = jnp.cumsum(counts) - counts
         nseg = (counts + segment - 1) // segment
         seg_end = jnp.cumsum(nseg)
@@ -470,7 +517,7 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int):
         return blk, lo.astype(jnp.int32), hi.astype(jnp.int32), seg_first.astype(jnp.int32), nseg.astype(jnp.int32)
 
     per_bk = jax.vmap(jax.vmap(per_row))
-    seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(key_BxKxE)
+    seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(counts_BxKxM)
     return qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count
 
 
@@ -604,17 +651,41 @@ def _selection_vjp_bwd(block_size, scale, interpret, bsz, res, do):
 _selection.defvjp(_selection_vjp_fwd, _selection_vjp_bwd)
 
 
-def validate_qkv(q, k, v, *, same_length: bool = True):
-    """Shape checks shared by the kernels; `same_length=False` lets k/v have their own length (compressed tokens)."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError("q, k, v must be [B, T, heads, D]")
-    b, t, h, dk = q.shape
-    if k.shape[:2] != (b, t if same_length else k.shape[1]) or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"shape mismatch: q{q.shape} k{k.shape} v{v.shape}")
-    if k.shape[-1] != dk:
-        raise ValueError("q and k must share the head dim")
-    if h % k.shape[2]:
-        raise ValueError(f"query heads {h} not a multiple of KV heads {k.shape[2]}")
+def smem_estimates(bsz: SelectionBlockSizes, group: int, dk: int, dv: int, block_size: int, itemsize: int):
+    """Shared-memory estimate (bytes) of each selection kernel (``pallas_common.smem_estimate``).
+
+    ``dk``, ``dv``: head dims as given (padded here like the kernels pad them).
+    """
+    gp = max(MIN_DOT_DIM, next_pow2(group))
+    dk, dv = padded_dim(dk), padded_dim(dv)
+    s, r = block_size, bsz.rows_dkv
+    est = functools.partial(smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
+    return {
+        "nsa_selection_fwd": est(once=[gp * dk], looped=[s * dk, s * dv], staged=[gp * s]),
+        "nsa_selection_dq": est(once=[gp * dk, gp * dv], looped=[s * dk, s * dv], staged=[gp * s]),
+        "nsa_selection_dkv": est(once=[s * dk, s * dv], looped=[r * dk, r * dv], staged=[r * s, r * s]),
+    }
+
+
+def fit_block_sizes(bsz: SelectionBlockSizes, q, k, v, block_size: int) -> SelectionBlockSizes:
+    """``bsz`` with ``rows_dkv`` chosen when None; raises when the tiles exceed the A100 budget."""
+    group = q.shape[2] // k.shape[2]
+    itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q, k, v))
+
+    def estimates(b):
+        return smem_estimates(b, group, q.shape[-1], v.shape[-1], block_size, itemsize)
+
+    def over(rows):
+        return max(estimates(dataclasses.replace(bsz, rows_dkv=rows)).values()) > SMEM_BUDGET_BYTES
+
+    if bsz.rows_dkv is None:
+        rows = 64
+        while rows > MIN_DOT_DIM and over(rows):
+            rows //= 2
+        bsz = dataclasses.replace(bsz, rows_dkv=rows)
+    knobs = "the selection block length lp (block_size), rows_dkv or num_stages, or use attention_impl=xla"
+    check_smem(estimates(bsz), knobs)
+    return bsz
 
 
 def selection_attention_pallas(
@@ -649,9 +720,11 @@ def selection_attention_pallas(
         raise ValueError(
             f"block indices {idx_BxTxKxN.shape} do not match [B, T, K, n] of q{q_BxTxHxDk.shape} k{k_BxTxKxDk.shape}"
         )
-    _check_pow2("block_size", block_size)
+    check_tile_size("block_size", block_size)
     bsz = SelectionBlockSizes() if block_sizes is None else block_sizes
-    _check_pow2("rows_dkv", bsz.rows_dkv)
+    if bsz.rows_dkv is not None:
+        check_tile_size("rows_dkv", bsz.rows_dkv)
+    bsz = fit_block_sizes(bsz, q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, block_size)
     if bsz.dkv_segment < 1:
         raise ValueError("dkv_segment must be >= 1")
     scale = float(dk**-0.5 if scale is None else scale)

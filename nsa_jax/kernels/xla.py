@@ -1,9 +1,11 @@
-"""Plain-XLA attention for the selection and sliding-window branches.
+"""Plain-XLA attention for the three NSA branches.
 
 This is the reference path and the CPU path. It never builds a T x T matrix:
 queries are processed in chunks of C (`map_query_chunks`); a chunk of the
 selection branch gathers only its selected blocks (C x N*lp keys), a chunk of the
-window branch slices the C + w - 1 keys it can see. Each chunk body is
+window branch slices the C + w - 1 keys it can see, a chunk of the compressed
+branch scores all T/d compressed tokens and reduces its probabilities to
+selection-block scores before the next chunk. Each chunk body is
 rematerialised, so the backward pass holds one chunk's scores at a time too.
 
 Contract (docs/NSA.md, "Selection and window attention"): q[B,T,H,Dk], k[B,T,K,Dk],
@@ -17,6 +19,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from nsa_jax.nsa.selection import block_scores_from_cmp
 
 NEG_INF = -1e30
 
@@ -189,3 +193,43 @@ def window_attention_xla(
         return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
 
     return map_query_chunks(body, C, q_BxTxHxDk)
+
+
+def compressed_attention_xla(
+    q_BxTxHxDk: jax.Array,
+    kc_BxTcxKxDk: jax.Array,
+    vc_BxTcxKxDv: jax.Array,
+    *,
+    l: int,
+    d: int,
+    lp: int,
+    scale: float,
+    query_chunk: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """(o [B, T, H, Dv], block scores [B, T, K, Nb]) of the compressed branch (Tc >= 1).
+
+    Query t sees compressed token i iff i*d + l - 1 <= t. The scores are the
+    probabilities summed over each group's heads (GQA sharing, Eq. 10), then over
+    the tokens overlapping each selection block; they carry no gradient.
+    """
+    B, T, H, Dk = q_BxTxHxDk.shape
+    Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
+    n_blocks = -(-T // lp)
+    end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
+
+    def body(start, q_BxCxHxDk):
+        C = q_BxCxHxDk.shape[1]
+        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        qg = q_BxCxHxDk.reshape(B, C, K, H // K, Dk)
+        s = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk, preferred_element_type=jnp.float32) * scale
+        visible = (end_Tc[None, :] <= t_C[:, None])[None, :, None, None, :]
+        p = masked_softmax(s, visible)
+        o = jnp.einsum(
+            "bckgi,bikd->bckgd", p.astype(vc_BxTcxKxDv.dtype), vc_BxTcxKxDv, preferred_element_type=jnp.float32
+        )
+        p_group = jax.lax.stop_gradient(jnp.sum(p, axis=3))  # GQA sharing, Eq. 10
+        scores = block_scores_from_cmp(p_group, n_blocks, l, d, lp)
+        return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype), scores
+
+    o, scores = map_query_chunks(body, query_chunk, q_BxTxHxDk)
+    return o, jax.lax.stop_gradient(scores)

@@ -11,9 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nsa_jax.kernels import interpret_pallas, resolve_impl
-from nsa_jax.kernels.xla import map_query_chunks, masked_softmax
-from nsa_jax.nsa.selection import block_scores_from_cmp, num_compressed
+from nsa_jax import kernels
+from nsa_jax.nsa.selection import num_compressed
 
 
 def gather_blocks(x_BxTxKxD: jax.Array, l: int, d: int) -> jax.Array:
@@ -66,48 +65,29 @@ def compressed_attention(
     scale: float | None = None,
     query_chunk: int = 512,
     impl: str = "xla",
+    select_n: int | None = None,
+    t_T: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal attention over compressed tokens, and the selection-block scores.
+    """Causal attention over compressed tokens, and the selection-block scores (or blocks).
 
     Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
     gets 0. Returns o_cmp [B, T, H, Dv] and group block scores [B, T, K, Nb]
     (probabilities summed over the G heads of each group, then over the
     compressed tokens overlapping each selection block; no gradient).
-    `impl` (kernels.resolve_impl): `xla` scores query chunks of `query_chunk`
-    here; `pallas` runs the fused kernels of kernels/compressed_pallas.py.
+    With `select_n`, the second output is the selected blocks [B, T, K, select_n]
+    (select_blocks' contract at positions `t_T`) instead of the scores.
+    `impl` (kernels.resolve_impl) picks the implementation: kernels.compressed_attention.
     """
-    B, T, H, Dk = q_BxTxHxDk.shape
-    Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
-    n_blocks = -(-T // lp)
-    scale = Dk**-0.5 if scale is None else scale
-    if Tc == 0:
-        return (
-            jnp.zeros((B, T, H, Dv), q_BxTxHxDk.dtype),
-            jnp.zeros((B, T, K, n_blocks), jnp.float32),
-        )
-    if resolve_impl(impl) == "pallas":
-        from nsa_jax.kernels.compressed_pallas import compressed_attention_pallas
-
-        o, p_BxKxTxTc = compressed_attention_pallas(
-            q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l=l, d=d, scale=scale, interpret=interpret_pallas()
-        )
-        scores_BxKxTxNb = block_scores_from_cmp(p_BxKxTxTc, n_blocks, l, d, lp)
-        return o, jax.lax.stop_gradient(jnp.moveaxis(scores_BxKxTxNb, 1, 2))
-    end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
-
-    def body(start, q_BxCxHxDk):
-        C = q_BxCxHxDk.shape[1]
-        t_C = start + jnp.arange(C, dtype=jnp.int32)
-        qg = q_BxCxHxDk.reshape(B, C, K, H // K, Dk)
-        s = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk, preferred_element_type=jnp.float32) * scale
-        visible = (end_Tc[None, :] <= t_C[:, None])[None, :, None, None, :]
-        p = masked_softmax(s, visible)
-        o = jnp.einsum(
-            "bckgi,bikd->bckgd", p.astype(vc_BxTcxKxDv.dtype), vc_BxTcxKxDv, preferred_element_type=jnp.float32
-        )
-        p_group = jax.lax.stop_gradient(jnp.sum(p, axis=3))  # GQA sharing, Eq. 10
-        scores = block_scores_from_cmp(p_group, n_blocks, l, d, lp)
-        return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype), scores
-
-    o, scores = map_query_chunks(body, query_chunk, q_BxTxHxDk)
-    return o, jax.lax.stop_gradient(scores)
+    return kernels.compressed_attention(
+        q_BxTxHxDk,
+        kc_BxTcxKxDk,
+        vc_BxTcxKxDv,
+        l=l,
+        d=d,
+        lp=lp,
+        scale=scale,
+        impl=impl,
+        query_chunk=query_chunk,
+        select_n=select_n,
+        t_T=t_T,
+    )

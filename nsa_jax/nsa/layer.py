@@ -17,7 +17,6 @@ from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import selection_attention, window_attention
 from nsa_jax.layers import rope
 from nsa_jax.nsa.compression import Compressor, compressed_attention
-from nsa_jax.nsa.selection import select_blocks
 
 BRANCHES = ("cmp", "slc", "win")
 
@@ -76,14 +75,25 @@ class NSAAttention(nn.Module):
         with jax.named_scope("nsa_cmp"):
             kc = compressor("cmp_k")(k_cmp)
             vc = compressor("cmp_v")(v_cmp)
-            o_cmp, scores = compressed_attention(
-                q, kc, vc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk, impl=a.attention_impl
+            # Block indices straight from the compressed branch: on the Pallas path one kernel
+            # scores and selects, with no probability or block-score tensor.
+            o_cmp, idx_all = compressed_attention(
+                q,
+                kc,
+                vc,
+                l=a.l,
+                d=a.d,
+                lp=a.lp,
+                query_chunk=a.query_chunk,
+                impl=a.attention_impl,
+                select_n=a.n,
+                t_T=positions_T - positions_T[0],
             )
         outputs = {"cmp": o_cmp}
         idx = None
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
-                idx = select_blocks(scores, a.lp, a.n, positions_T - positions_T[0])
+                idx = idx_all
                 outputs["slc"] = selection_attention(
                     q, k_slc, v_slc, idx, a.lp, impl=a.attention_impl, query_chunk=a.query_chunk
                 )

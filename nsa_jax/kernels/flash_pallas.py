@@ -1,8 +1,12 @@
-"""Pallas (Triton backend) kernels for the NSA sliding-window branch.
+"""Pallas (Triton backend) flash-attention kernels over a key layout.
 
-This module owns ``window_attention_pallas``: query ``t`` attends to the
-positions ``[max(0, t - w + 1), t]`` (docs "Sliding-window branch"), with a
-fused forward, a dQ kernel and a dK/dV kernel under ``jax.custom_vjp``.
+This module owns the flash engine that serves two NSA branches:
+``banded_attention`` runs a fused forward, a dQ kernel and a dK/dV kernel
+under ``jax.custom_vjp`` for keys placed by a ``KeyLayout``
+(``pallas_common``). ``window_attention_pallas`` is the sliding-window entry
+point: query ``t`` attends to the positions ``[max(0, t - w + 1), t]`` (docs
+"Sliding-window branch"). The compressed branch (``compressed_pallas``)
+calls ``banded_attention`` with its own layout.
 
 Why a windowed flash kernel and not the selection kernels
 ---------------------------------------------------------
@@ -52,23 +56,31 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
+    MIN_DOT_DIM,
+    SMEM_BUDGET_BYTES,
+    KeyLayout,
+    check_smem,
+    check_tile_size,
+    compiler_params,
+    layout_visible,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
-    softmax_grad_tile,
-)
-from nsa_jax.kernels.selection_pallas import (
-    _check_pow2,
-    compiler_params,
     pad_axis,
     padded_dim,
+    smem_estimate,
+    softmax_grad_tile,
     validate_qkv,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowBlockSizes:
-    """Tiling knobs of the window kernels (powers of two >= 16).
+class FlashBlockSizes:
+    """Tiling knobs of the flash kernels (powers of two >= 16).
+
+    A tile left None starts at 64 and is halved (the larger tile of the kernel
+    first) while the kernel's tiles exceed the shared-memory budget of an A100
+    (``pallas_common.SMEM_BUDGET_BYTES``); tiles given explicitly must fit it.
 
     Attributes:
       block_rows: flattened (query, head) rows per forward / dQ program.
@@ -79,23 +91,50 @@ class WindowBlockSizes:
       num_stages: Triton software-pipelining depth.
     """
 
-    block_rows: int = 64
-    block_keys: int = 64
-    block_keys_dkv: int = 64
-    block_rows_dkv: int = 64
+    block_rows: int | None = None
+    block_keys: int | None = None
+    block_keys_dkv: int | None = None
+    block_rows_dkv: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class KeyLayout:
-    """Where the keys stand: key ``i`` at position ``i * stride + offset``, ``num_keys`` of them;
-    query ``t`` sees positions in ``(t - window, t]``."""
+_TILES = ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv")
+_DEFAULT_TILE = 64
 
-    num_keys: int
-    window: int
-    stride: int = 1
-    offset: int = 0
+
+def smem_estimates(bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int) -> dict[str, int]:
+    """Shared-memory estimate (bytes) of each flash kernel (``pallas_common.smem_estimate``); tiles resolved."""
+    dk, dv = padded_dim(dk), padded_dim(dv)
+    r, c = bsz.block_rows, bsz.block_keys
+    rd, cd = bsz.block_rows_dkv, bsz.block_keys_dkv
+    est = functools.partial(smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
+    return {
+        "flash fwd": est(once=[r * dk], looped=[c * dk, c * dv], staged=[r * c]),
+        "flash dq": est(once=[r * dk, r * dv], looped=[c * dk, c * dv], staged=[r * c]),
+        "flash dkv": est(once=[cd * dk, cd * dv], looped=[rd * dk, rd * dv], staged=[rd * cd, rd * cd]),
+    }
+
+
+def fit_block_sizes(bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int) -> FlashBlockSizes:
+    """``bsz`` with every None tile chosen; raises when the tiles exceed the A100 budget."""
+    auto = [name for name in _TILES if getattr(bsz, name) is None]
+    bsz = dataclasses.replace(bsz, **{name: _DEFAULT_TILE for name in auto})
+    # Shrink the chosen tiles of the kernel over budget, larger tile first (keys on a tie).
+    pairs = {"flash fwd": ("block_keys", "block_rows"), "flash dq": ("block_keys", "block_rows")}
+    pairs["flash dkv"] = ("block_rows_dkv", "block_keys_dkv")
+    while True:
+        est = smem_estimates(bsz, dk, dv, itemsize)
+        kernel = max(est, key=est.get)
+        if est[kernel] <= SMEM_BUDGET_BYTES:
+            break
+        shrinkable = [n for n in pairs[kernel] if n in auto and getattr(bsz, n) > MIN_DOT_DIM]
+        if not shrinkable:
+            break
+        name = max(shrinkable, key=lambda n: getattr(bsz, n))
+        bsz = dataclasses.replace(bsz, **{name: getattr(bsz, name) // 2})
+    check_smem(smem_estimates(bsz, dk, dv, itemsize), "block_rows / block_keys (FlashBlockSizes), num_stages")
+    return bsz
 
 
 def _gather_rows(f_R, kv, *, seq, num_heads, group):
@@ -105,14 +144,6 @@ def _gather_rows(f_R, kv, *, seq, num_heads, group):
     t_R = lax.div(f_c, group)
     row_R = t_R * num_heads + kv * group + lax.rem(f_c, group)
     return t_R, valid_R, row_R
-
-
-def _visible(t_R, valid_R, i_C, lay: KeyLayout):
-    """[R, C] mask: row t sees key i (``vis(t, i)`` of the layout, keys past num_keys never)."""
-    pos_1xC = (i_C * lay.stride + lay.offset)[None, :]
-    t_Rx1 = t_R[:, None]
-    live_1xC = (i_C < lay.num_keys)[None, :]
-    return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - lay.window) & live_1xC
 
 
 def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_tiles):
@@ -167,7 +198,7 @@ def _win_fwd_kernel(
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
+        vis_RxC = layout_visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
         return online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2)
 
     lo, hi = _key_tile_range(
@@ -213,7 +244,7 @@ def _win_dq_kernel(
         start = kt * block_keys
         k_CxDk = k_ref[pl.ds(start, block_keys), :]
         v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
+        vis_RxC = layout_visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
         _, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
 
@@ -260,7 +291,7 @@ def _win_dkv_kernel(
         do_RxDv = do_ref[row_R, :]
         lse_R = lse_ref[pl.ds(f0, block_rows)]
         delta_R = delta_ref[pl.ds(f0, block_rows)]
-        vis_RxC = _visible(t_R, valid_R, i_C, lay)
+        vis_RxC = layout_visible(t_R, valid_R, i_C, lay)
         p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
         dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
         dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
@@ -289,7 +320,7 @@ class _WinDims:
     keys_padded: int  # Tk rounded up to every key tile
 
 
-def _win_dims(q, k, v, bsz: WindowBlockSizes) -> _WinDims:
+def _win_dims(q, k, v, bsz: FlashBlockSizes) -> _WinDims:
     b, t, h, _ = q.shape
     kvh = k.shape[2]
     g = h // kvh
@@ -427,15 +458,23 @@ def _banded_backward(q, k, v, o, lse, do, lay: KeyLayout, scale, interpret, bsz,
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def banded_attention(q, k, v, lay, scale, interpret, bsz, name):
+def banded_attention(q, k, v, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str):
     """(o [B, T, H, Dv], lse [B, K, Rp]) of attention over keys placed by ``lay``.
 
     Differentiable in q, k, v through o; lse (base 2, flattened-row layout: row
     ``t*G + g``, 0 for a row that sees no key) is a statistic for callers that
     recompute probabilities, and its cotangent is ignored: use it under
-    stop_gradient only.
+    stop_gradient only. ``bsz``'s None tiles are chosen to fit the shared-memory
+    budget, and an explicit tiling over it is refused here, at trace time.
     """
+    check_block_sizes(bsz)
+    itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q, k, v))
+    bsz = fit_block_sizes(bsz, q.shape[-1], v.shape[-1], itemsize)
+    return _banded(q, k, v, lay, scale, interpret, bsz, name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _banded(q, k, v, lay, scale, interpret, bsz, name):
     return _banded_forward(q, k, v, lay, scale, interpret, bsz, name)
 
 
@@ -450,12 +489,13 @@ def _banded_vjp_bwd(lay, scale, interpret, bsz, name, res, cts):
     return _banded_backward(q, k, v, o, lse, do, lay, scale, interpret, bsz, name)
 
 
-banded_attention.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
+_banded.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
 
 
-def check_block_sizes(bsz: WindowBlockSizes) -> None:
-    for name in ("block_rows", "block_keys", "block_keys_dkv", "block_rows_dkv"):
-        _check_pow2(name, getattr(bsz, name))
+def check_block_sizes(bsz: FlashBlockSizes) -> None:
+    for name in _TILES:
+        if getattr(bsz, name) is not None:
+            check_tile_size(name, getattr(bsz, name))
 
 
 def window_attention_pallas(
@@ -478,13 +518,12 @@ def window_attention_pallas(
       window: w >= 1 (w >= T gives full causal attention).
       scale: softmax scale, default Dk**-0.5.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
-      block_sizes: optional ``WindowBlockSizes``.
+      block_sizes: optional ``FlashBlockSizes``.
     """
     validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
-    bsz = WindowBlockSizes() if block_sizes is None else block_sizes
-    check_block_sizes(bsz)
+    bsz = FlashBlockSizes() if block_sizes is None else block_sizes
     dk = q_BxTxHxDk.shape[-1]
     scale = float(dk**-0.5 if scale is None else scale)
     # A window longer than the sequence is full causal attention; clamping

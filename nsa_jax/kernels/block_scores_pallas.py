@@ -1,0 +1,526 @@
+"""Pallas (Triton backend) block scoring and top-n selection for the compressed branch.
+
+This module owns the map from the compressed branch's queries, compressed keys
+and forward log-sum-exp to what the selection branch needs, without the
+probability tensor ``[B, K, T, Tc]`` (2 GiB at T=64k) or, on the selection
+path, the block-score tensor ``[B, K, T, T/lp]``:
+
+* ``compressed_attention_select_pallas``: compressed attention (the flash
+  kernels of ``compressed_pallas``) and block indices ``[B, T, K, n]``, the
+  same contract as ``nsa.selection.select_blocks`` over the block scores;
+* ``compressed_attention_scores_pallas``: the same attention and the block
+  scores ``[B, T, K, Nb]`` fp32 (the compressed branch's score output);
+* ``select_blocks_pallas``: the top-n part alone, over a given score tensor
+  (a kernel reading scores tile by tile; the test bed of the top-n rules).
+
+Scores (Eq. 9 with aligned indices, docs "Selection branch")
+------------------------------------------------------------
+With ``s = lp/d`` and ``lead = l/d - 1``, block ``j`` overlaps the compressed
+tokens ``i = j*s - lead + r`` for ``r in [0, win)``, ``win = (lp + l)/d - 1``.
+A program owns ``block_pos`` query positions of one KV head and walks tiles of
+``block_blocks`` selection blocks. For each offset ``r`` it gathers the key rows
+``j*s - lead + r`` of the tile's blocks, recomputes each of the G heads'
+probabilities from the forward's log-sum-exp (positions are the matmul's M
+dimension, the heads a static loop, so G = 6 needs no padding to 16) and adds
+them up. The order is fixed and the same for every block: ``score[j] =
+sum_r (sum_g p[g, i_r])``, r ascending, g ascending, as block_scores_from_cmp
+sums the group sum over its window. Equal probabilities therefore give bitwise
+equal scores, whichever block they fall in, and exact ties stay exact ties.
+Each compressed token is scored ``win/s`` times (1.25 at l=32, d=16, lp=64),
+the price of that order without a shared-memory reshuffle.
+
+Top-n (``select_blocks``' rules)
+--------------------------------
+Each block of the tile gets its ranking value: 1e9 for the forced blocks (0,
+the current block ``t//lp`` and the previous one), its score for the other
+candidates ``j*lp <= t``, -1e9 for the rest. A running top-n per row, sorted
+by (value descending, index ascending), is merged with the tile by ``n``
+extraction steps (a row maximum, then the lowest index holding it). Tiles come
+in increasing block order, so the lower-index tie rule needs no extra state.
+Slots holding a value at or below -5e8 (not a candidate, or fewer candidates
+than n) become -1, as in select_blocks, whose ``lax.top_k`` uses the same order;
+the output is bitwise what select_blocks returns for the same score tensor.
+
+Exactness
+---------
+``select_blocks_pallas`` equals ``select_blocks`` exactly for every score tensor
+(ties included). The fused kernel's scores come from the log-sum-exp
+(``exp2(s - lse)``), the XLA path's from a softmax, so the two score tensors
+differ by float rounding: the tests compare the fused kernel against a float64
+reference of scores and selection, requiring identical indices wherever the
+reference has no near-tie at the cut, and identical indices on constructed
+exact ties (equal probabilities, which both paths keep bitwise equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, cmp_layout, compressed_attention_lse_pallas
+from nsa_jax.kernels.pallas_common import (
+    LOG2E,
+    KeyLayout,
+    check_tile_size,
+    compiler_params,
+    layout_visible,
+    next_pow2,
+    pad_axis,
+    padded_dim,
+    scores_log2,
+)
+
+# Ranking values of select_blocks (nsa.selection._FORCED / _EXCLUDED; a test checks they agree).
+FORCED = 1e9
+EXCLUDED = -1e9
+# Below every ranking value: empty slots of the running top-n and blocks past the last one.
+_EMPTY = -3e38
+_NO_BLOCK = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSelectSizes:
+    """Tiling knobs (powers of two >= 16).
+
+    Attributes:
+      block_pos: query positions per program (the matmul's M dimension).
+      block_blocks: selection blocks per inner step (the matmul's N dimension).
+      num_warps: Triton warps per program (None: pick from the head dim).
+      num_stages: Triton software-pipelining depth.
+    """
+
+    block_pos: int = 64
+    block_blocks: int = 64
+    num_warps: int | None = None
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScoreGeometry:
+    """Static facts of one call: shapes, the overlap window and the key layout."""
+
+    seq: int
+    num_heads: int
+    group: int
+    lay: KeyLayout
+    stride: int  # s = lp / d compressed tokens per selection block
+    lead: int  # l/d - 1 tokens of block j-1's span that overlap block j
+    win: int  # (lp + l)/d - 1 tokens per block
+    key_rows: int  # rows of the padded key buffer
+    block_pos: int
+    block_blocks: int
+    scale_log2: float
+
+
+def _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo: _ScoreGeometry):
+    """fp32 [P, N] Eq. 9 scores of blocks ``j_N`` for positions ``t_P``, summed over the group.
+
+    Order: for r ascending, (for g ascending p[g]) then added to the block's sum.
+    """
+    t_c = jnp.minimum(t_P, geo.seq - 1)
+    score_PxN = jnp.zeros((geo.block_pos, geo.block_blocks), jnp.float32)
+    for r in range(geo.win):  # static: the tokens overlapping each block, in order
+        i_N = j_N * geo.stride - geo.lead + r
+        # Tokens before 0 are the left padding of block 0; past num_keys, layout_visible masks them.
+        vis_PxN = layout_visible(t_c, valid_P, i_N, geo.lay) & (i_N >= 0)[None, :]
+        k_NxDk = k_ref[jnp.clip(i_N, 0, geo.key_rows - 1), :]
+        p_PxN = jnp.zeros((geo.block_pos, geo.block_blocks), jnp.float32)
+        for g in range(geo.group):  # static: the G heads sharing this KV head's selection
+            q_PxDk = q_ref[t_c * geo.num_heads + kv * geo.group + g, :]
+            lse_P = lse_ref[t_c * geo.group + g]
+            s_PxN = scores_log2(q_PxDk, k_NxDk, geo.scale_log2)
+            p_PxN = p_PxN + jnp.where(vis_PxN, jnp.exp2(s_PxN - lse_P[:, None]), 0.0)
+        score_PxN = score_PxN + p_PxN
+    return score_PxN
+
+
+def _floor_div(x, m: int):
+    """Floor division by a positive constant (lax.div truncates toward zero)."""
+    q = lax.div(x, m)
+    return jnp.where((x < 0) & (q * m != x), q - 1, q)
+
+
+def _ranking(score_PxN, j_N, cur_P, num_blocks: int):
+    """select_blocks' ranking values: forced 1e9, candidates their score, others -1e9, no block _EMPTY."""
+    j_1xN, cur_Px1 = j_N[None, :], cur_P[:, None]
+    forced = (j_1xN == 0) | (j_1xN == cur_Px1) | (j_1xN == cur_Px1 - 1)
+    ranked = jnp.where(forced, FORCED, jnp.where(j_1xN <= cur_Px1, score_PxN, EXCLUDED))
+    return jnp.where(j_1xN < num_blocks, ranked, _EMPTY)
+
+
+def _merge_top_n(carry, ranked_PxN, j_N, n_slots: int):
+    """Running top-n (values, indices) [P, n_slots] merged with one tile of ranked blocks.
+
+    Every running entry has a lower block index than every tile entry (tiles come
+    in order), and both are searched for the lowest index holding the maximum,
+    so equal values go to the lower block, as in lax.top_k.
+    """
+    run_val, run_idx = carry
+    rows = ranked_PxN.shape[0]
+    tile_idx = jnp.broadcast_to(j_N[None, :], ranked_PxN.shape)
+    tile_val = ranked_PxN
+    slot_1xS = lax.iota(jnp.int32, n_slots)[None, :]
+    new_val = jnp.full((rows, n_slots), _EMPTY, jnp.float32)
+    new_idx = jnp.full((rows, n_slots), _NO_BLOCK, jnp.int32)
+    for s in range(n_slots):  # static: one extraction per slot, best first
+        m_P = jnp.maximum(jnp.max(run_val, axis=1), jnp.max(tile_val, axis=1))
+        m_Px1 = m_P[:, None]
+        pick_P = jnp.minimum(
+            jnp.min(jnp.where(run_val == m_Px1, run_idx, _NO_BLOCK), axis=1),
+            jnp.min(jnp.where(tile_val == m_Px1, tile_idx, _NO_BLOCK), axis=1),
+        )
+        pick_Px1 = pick_P[:, None]
+        new_val = jnp.where(slot_1xS == s, m_Px1, new_val)
+        new_idx = jnp.where(slot_1xS == s, pick_Px1, new_idx)
+        run_val = jnp.where(run_idx == pick_Px1, _EMPTY, run_val)
+        tile_val = jnp.where(tile_idx == pick_Px1, _EMPTY, tile_val)
+    return new_val, new_idx
+
+
+def _top_n_init(rows: int, n_slots: int):
+    return jnp.full((rows, n_slots), _EMPTY, jnp.float32), jnp.full((rows, n_slots), _NO_BLOCK, jnp.int32)
+
+
+def _top_n_finish(carry):
+    """Block indices, -1 for slots without a candidate (select_blocks: value <= -5e8)."""
+    val, idx = carry
+    return jnp.where(val > EXCLUDED / 2, idx, -1)
+
+
+def _tile_bound(cur_P, valid_P, block_blocks: int, num_tiles: int):
+    """Block tiles [0, hi) holding a forced block or a candidate of any row of the program."""
+    last = jnp.max(jnp.where(valid_P, jnp.maximum(cur_P, 0), 0))
+    return jnp.minimum(lax.div(last, block_blocks) + 1, num_tiles)
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+
+def _scores_kernel(q_ref, k_ref, lse_ref, s_ref, *, geo: _ScoreGeometry, num_tiles):
+    # Refs: q [T*H, Dk], k [Tkp, Dk], lse [Rp] (row t*G + g, base 2), scores [P, Nbp].
+    t_P = pl.program_id(0) * geo.block_pos + lax.iota(jnp.int32, geo.block_pos)
+    valid_P = t_P < geo.seq
+    kv = pl.program_id(2)
+
+    def body(bt, carry):
+        j0 = bt * geo.block_blocks
+        j_N = j0 + lax.iota(jnp.int32, geo.block_blocks)
+        s_ref[:, pl.ds(j0, geo.block_blocks)] = _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo)
+        return carry
+
+    lax.fori_loop(0, num_tiles, body, 0)
+
+
+def _select_kernel(
+    q_ref, k_ref, lse_ref, tsel_ref, idx_ref, *, geo: _ScoreGeometry, lp, num_blocks, num_tiles, n_slots
+):
+    # Refs: as _scores_kernel, tsel [P] (the positions the selection rules see), idx [P, S].
+    t_P = pl.program_id(0) * geo.block_pos + lax.iota(jnp.int32, geo.block_pos)
+    valid_P = t_P < geo.seq
+    kv = pl.program_id(2)
+    cur_P = _floor_div(tsel_ref[...], lp)
+
+    def body(bt, carry):
+        j_N = bt * geo.block_blocks + lax.iota(jnp.int32, geo.block_blocks)
+        score_PxN = _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo)
+        return _merge_top_n(carry, _ranking(score_PxN, j_N, cur_P, num_blocks), j_N, n_slots)
+
+    hi = _tile_bound(cur_P, valid_P, geo.block_blocks, num_tiles)
+    carry = lax.fori_loop(0, hi, body, _top_n_init(geo.block_pos, n_slots))
+    idx_ref[...] = _top_n_finish(carry)
+
+
+def _select_from_scores_kernel(
+    s_ref, tsel_ref, idx_ref, *, seq, lp, num_blocks, block_pos, block_blocks, num_tiles, n_slots
+):
+    # Refs: scores [P, Nbp] fp32, tsel [P], idx [P, S].
+    t_P = pl.program_id(0) * block_pos + lax.iota(jnp.int32, block_pos)
+    valid_P = t_P < seq
+    cur_P = _floor_div(tsel_ref[...], lp)
+
+    def body(bt, carry):
+        j0 = bt * block_blocks
+        j_N = j0 + lax.iota(jnp.int32, block_blocks)
+        score_PxN = s_ref[:, pl.ds(j0, block_blocks)]
+        return _merge_top_n(carry, _ranking(score_PxN, j_N, cur_P, num_blocks), j_N, n_slots)
+
+    hi = _tile_bound(cur_P, valid_P, block_blocks, num_tiles)
+    carry = lax.fori_loop(0, hi, body, _top_n_init(block_pos, n_slots))
+    idx_ref[...] = _top_n_finish(carry)
+
+
+# ---------------------------------------------------------------------------
+# pallas_call wrappers
+# ---------------------------------------------------------------------------
+
+
+def _check_geometry(l: int, d: int, lp: int):
+    if l < 1 or d < 1 or lp < 1:
+        raise ValueError(f"l={l}, d={d} and lp={lp} must be >= 1")
+    if l % d or lp % d:
+        raise ValueError(f"d={d} must divide l={l} and lp={lp} (aligned selection blocks, Eq. 9)")
+
+
+def _geometry(q, kc, lay, l, d, lp, scale, bsz: BlockSelectSizes, key_rows):
+    _, t, h, _ = q.shape
+    group = h // kc.shape[2]
+    return _ScoreGeometry(
+        seq=t,
+        num_heads=h,
+        group=group,
+        lay=lay,
+        stride=lp // d,
+        lead=l // d - 1,
+        win=(lp + l) // d - 1,
+        key_rows=key_rows,
+        block_pos=bsz.block_pos,
+        block_blocks=bsz.block_blocks,
+        scale_log2=scale * LOG2E,
+    )
+
+
+def _score_inputs(q, kc, bsz: BlockSelectSizes):
+    b, t, h, _ = q.shape
+    dk = padded_dim(q.shape[-1])
+    tkp = pl.cdiv(kc.shape[1], 16) * 16
+    q_f = pad_axis(q, 3, dk).reshape(b, t * h, dk)
+    k_p = pad_axis(pad_axis(kc, 1, tkp), 3, dk)
+    tp = pl.cdiv(t, bsz.block_pos) * bsz.block_pos
+    return q_f, k_p, dk, tkp, tp
+
+
+def _score_specs(t_h, tkp, dk, rows_padded):
+    return [
+        pl.BlockSpec((None, t_h, dk), lambda i, bb, kv: (bb, 0, 0)),
+        pl.BlockSpec((None, tkp, None, dk), lambda i, bb, kv: (bb, 0, kv, 0)),
+        pl.BlockSpec((None, None, rows_padded), lambda i, bb, kv: (bb, kv, 0)),
+    ]
+
+
+def _scores_call(q, kc, lse, lay, l, d, lp, scale, interpret, bsz: BlockSelectSizes):
+    """[B, K, T, Nb] fp32 block scores."""
+    b, t, h, _ = q.shape
+    kvh = kc.shape[2]
+    q_f, k_p, dk, tkp, tp = _score_inputs(q, kc, bsz)
+    nb = pl.cdiv(t, lp)
+    nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
+    geo = _geometry(q, kc, lay, l, d, lp, scale, bsz, tkp)
+    scores = pl.pallas_call(
+        functools.partial(_scores_kernel, geo=geo, num_tiles=nbp // bsz.block_blocks),
+        grid=(tp // bsz.block_pos, b, kvh),
+        in_specs=_score_specs(t * h, tkp, dk, lse.shape[-1]),
+        out_specs=pl.BlockSpec((None, None, bsz.block_pos, nbp), lambda i, bb, kv: (bb, kv, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, tp, nbp), jnp.float32),
+        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, dk),
+        interpret=interpret,
+        name="nsa_block_scores",
+    )(q_f, k_p, lse)
+    return scores[:, :, :t, :nb]
+
+
+def _select_call(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz: BlockSelectSizes):
+    """[B, K, T, n] int32 block indices, no score tensor."""
+    b, t, h, _ = q.shape
+    kvh = kc.shape[2]
+    q_f, k_p, dk, tkp, tp = _score_inputs(q, kc, bsz)
+    nb = pl.cdiv(t, lp)
+    nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
+    n_slots = next_pow2(n)
+    geo = _geometry(q, kc, lay, l, d, lp, scale, bsz, tkp)
+    kernel = functools.partial(
+        _select_kernel, geo=geo, lp=lp, num_blocks=nb, num_tiles=nbp // bsz.block_blocks, n_slots=n_slots
+    )
+    idx = pl.pallas_call(
+        kernel,
+        grid=(tp // bsz.block_pos, b, kvh),
+        in_specs=[
+            *_score_specs(t * h, tkp, dk, lse.shape[-1]),
+            pl.BlockSpec((bsz.block_pos,), lambda i, bb, kv: (i,)),
+        ],
+        out_specs=pl.BlockSpec((None, None, bsz.block_pos, n_slots), lambda i, bb, kv: (bb, kv, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, tp, n_slots), jnp.int32),
+        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, dk),
+        interpret=interpret,
+        name="nsa_block_select",
+    )(q_f, k_p, lse, pad_axis(t_T.astype(jnp.int32), 0, tp))
+    return idx[:, :, :t, :n]
+
+
+# A bare pallas_call is never removed as dead code, but a custom_vjp call whose outputs
+# are unused is (see compressed_pallas): a layer without the selection branch, or a trace
+# that only needs the parameters, launches neither kernel. Neither output has a gradient.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _block_scores(q, kc, lse, lay, l, d, lp, scale, interpret, bsz):
+    return _scores_call(q, kc, lse, lay, l, d, lp, scale, interpret, bsz)
+
+
+def _block_scores_fwd(q, kc, lse, lay, l, d, lp, scale, interpret, bsz):
+    return _scores_call(q, kc, lse, lay, l, d, lp, scale, interpret, bsz), (q, kc, lse)
+
+
+def _block_scores_bwd(lay, l, d, lp, scale, interpret, bsz, res, ct):
+    del lay, l, d, lp, scale, interpret, bsz, ct
+    return tuple(jnp.zeros_like(x) for x in res)
+
+
+_block_scores.defvjp(_block_scores_fwd, _block_scores_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def _block_select(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz):
+    return _select_call(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz)
+
+
+def _block_select_fwd(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz):
+    return _select_call(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz), (q, kc, lse)
+
+
+def _block_select_bwd(lay, l, d, lp, n, scale, interpret, bsz, res, ct):
+    del lay, l, d, lp, n, scale, interpret, bsz, ct
+    return (*(jnp.zeros_like(x) for x in res), None)
+
+
+_block_select.defvjp(_block_select_fwd, _block_select_bwd)
+
+
+def _check_select_sizes(bsz: BlockSelectSizes):
+    check_tile_size("block_pos", bsz.block_pos)
+    check_tile_size("block_blocks", bsz.block_blocks)
+
+
+def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes):
+    """(o, lse, layout, scale) of the compressed branch's flash kernels."""
+    o, lse, scale = compressed_attention_lse_pallas(
+        q, kc, vc, l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes
+    )
+    return o, lse, cmp_layout(kc.shape[1], q.shape[1], l, d), scale
+
+
+def compressed_attention_scores_pallas(
+    q_BxTxHxDk,
+    kc_BxTcxKxDk,
+    vc_BxTcxKxDv,
+    *,
+    l: int,
+    d: int,
+    lp: int,
+    scale: float | None = None,
+    interpret: bool = False,
+    block_sizes: CompressedBlockSizes | None = None,
+    select_sizes: BlockSelectSizes | None = None,
+):
+    """Compressed-branch attention and its selection-block scores.
+
+    Returns o_BxTxHxDv (differentiable in q, kc, vc; as compressed_attention_pallas)
+    and scores_BxTxKxNb fp32, Nb = ceil(T / lp): Eq. 9 sums of the group
+    probabilities (no gradient). No [B, K, T, Tc] probability tensor exists.
+    """
+    _check_geometry(l, d, lp)
+    ssz = BlockSelectSizes() if select_sizes is None else select_sizes
+    _check_select_sizes(ssz)
+    o, lse, lay, scale = _attention_and_lse(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes)
+    sg = lax.stop_gradient
+    s = _block_scores(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, lay, l, d, lp, scale, bool(interpret), ssz)
+    return o, jnp.moveaxis(s, 1, 2)
+
+
+def compressed_attention_select_pallas(
+    q_BxTxHxDk,
+    kc_BxTcxKxDk,
+    vc_BxTcxKxDv,
+    *,
+    l: int,
+    d: int,
+    lp: int,
+    n: int,
+    t_T=None,
+    scale: float | None = None,
+    interpret: bool = False,
+    block_sizes: CompressedBlockSizes | None = None,
+    select_sizes: BlockSelectSizes | None = None,
+):
+    """Compressed-branch attention and the selected blocks, with no score tensor.
+
+    Args:
+      q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes:
+        as compressed_attention_pallas.
+      lp, n: selection block length and blocks per query (d must divide l and lp).
+      t_T: positions the selection rules see per row (default 0..T-1), as
+        select_blocks' ``t_T``; the compressed tokens' visibility uses the row.
+      select_sizes: optional ``BlockSelectSizes``.
+
+    Returns:
+      o_BxTxHxDv and idx_BxTxKxN int32: for each row and KV group, the forced
+      blocks (0, t//lp, t//lp - 1) and the best candidates j*lp <= t by group
+      block score, ties to the lower index, -1 for unused slots, in
+      select_blocks' order (see the module docstring on exactness).
+    """
+    _check_geometry(l, d, lp)
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    ssz = BlockSelectSizes() if select_sizes is None else select_sizes
+    _check_select_sizes(ssz)
+    t = q_BxTxHxDk.shape[1]
+    t_T = jnp.arange(t, dtype=jnp.int32) if t_T is None else t_T
+    if t_T.shape != (t,):
+        raise ValueError(f"t_T must have shape ({t},), got {t_T.shape}")
+    o, lse, lay, scale = _attention_and_lse(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes)
+    sg = lax.stop_gradient
+    idx = _block_select(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, sg(t_T), lay, l, d, lp, n, scale, bool(interpret), ssz)
+    return o, jnp.moveaxis(idx, 1, 2)
+
+
+def select_blocks_pallas(
+    scores_BxTxKxNb,
+    lp: int,
+    n: int,
+    t_T=None,
+    *,
+    interpret: bool = False,
+    select_sizes: BlockSelectSizes | None = None,
+):
+    """select_blocks (nsa.selection) as a kernel reading the scores tile by tile; same output, bitwise."""
+    if lp < 1 or n < 1:
+        raise ValueError(f"lp={lp} and n={n} must be >= 1")
+    bsz = BlockSelectSizes() if select_sizes is None else select_sizes
+    _check_select_sizes(bsz)
+    b, t, kvh, nb = scores_BxTxKxNb.shape
+    t_T = jnp.arange(t, dtype=jnp.int32) if t_T is None else t_T
+    if t_T.shape != (t,):
+        raise ValueError(f"t_T must have shape ({t},), got {t_T.shape}")
+    tp = pl.cdiv(t, bsz.block_pos) * bsz.block_pos
+    nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
+    n_slots = next_pow2(n)
+    s = jnp.moveaxis(lax.stop_gradient(scores_BxTxKxNb).astype(jnp.float32), 2, 1)
+    s = pad_axis(pad_axis(s, 2, tp), 3, nbp)
+    kernel = functools.partial(
+        _select_from_scores_kernel,
+        seq=t,
+        lp=lp,
+        num_blocks=nb,
+        block_pos=bsz.block_pos,
+        block_blocks=bsz.block_blocks,
+        num_tiles=nbp // bsz.block_blocks,
+        n_slots=n_slots,
+    )
+    idx = pl.pallas_call(
+        kernel,
+        grid=(tp // bsz.block_pos, b, kvh),
+        in_specs=[
+            pl.BlockSpec((None, None, bsz.block_pos, nbp), lambda i, bb, kv: (bb, kv, i, 0)),
+            pl.BlockSpec((bsz.block_pos,), lambda i, bb, kv: (i,)),
+        ],
+        out_specs=pl.BlockSpec((None, None, bsz.block_pos, n_slots), lambda i, bb, kv: (bb, kv, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, tp, n_slots), jnp.int32),
+        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, 64),
+        interpret=interpret,
+        name="nsa_select_from_scores",
+    )(s, pad_axis(t_T.astype(jnp.int32), 0, tp))
+    return jnp.moveaxis(idx[:, :, :t, :n], 1, 2)
