@@ -9,6 +9,9 @@
 #              against the float64 per-token reference, the NSA layer (Pallas kernels)
 #              against the naive reference, and Pallas-vs-XLA training steps
 #   kernels    benchmarks/bench_kernels.py: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
+#   selection  the selection kernels with 1 and 2 query positions per forward / dQ program
+#              (SelectionBlockSizes.positions), fwd and fwd+bwd (counting-sort reverse index
+#              included), one JSON each
 #   attention  benchmarks/bench_attention.py: the NSA layer vs dense attention over T
 #   train      benchmarks/bench_train.py: a100_pcie tokens/s and MFU against the measured bf16 peak
 #   smoke      python -m launch.train --config a100_pcie for a few steps, then resumed from its
@@ -62,6 +65,13 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         run_part kernels 420 "$PY" benchmarks/bench_kernels.py --backward \
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
+    selection)
+        for positions in 1 2; do
+            run_part "selection_p$positions" 420 "$PY" benchmarks/bench_kernels.py --backward \
+                --branches selection --selection-positions "$positions" \
+                --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/selection_p$positions.json"
+        done
+        ;;
     attention)
         run_part attention 540 "$PY" benchmarks/bench_attention.py --backward \
             --seq-lens "${ATTN_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/attention.json"
@@ -89,7 +99,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         run_part kv 540 "$PY" benchmarks/kv_recall_ablation.py --json "$out/kv.json" ${KV_ARGS:-}
         ;;
     *)
-        echo "unknown part: $part (env tests kernels attention train smoke profile kv)" >&2
+        echo "unknown part: $part (env tests kernels selection attention train smoke profile kv)" >&2
         exit 2
         ;;
     esac
