@@ -126,20 +126,20 @@ class SelectionBlockSizes:
         kernel's tiles exceed the shared-memory budget (``smem_estimates``).
       dkv_segment: most reverse-index entries (query, slot pairs) one dK/dV
         program handles; bounds the longest program (block 0).
+      num_warps: Triton warps per program (None: pick from the head dim).
+      num_stages: Triton software-pipelining depth.
       positions: query positions per forward / dQ program (a power of two).
         1: one position's G heads per program, padded to 16 rows. P > 1:
         P consecutive positions x G heads share a program and walk the union
         of their selections once (``_sel_fwd_multi_kernel``), so G = 6 with
         P = 2 fills 12 of 16 rows instead of 6.
-      num_warps: Triton warps per program (None: pick from the head dim).
-      num_stages: Triton software-pipelining depth.
     """
 
-    positions: int = 1
     rows_dkv: int | None = None
     dkv_segment: int = 512
     num_warps: int | None = None
     num_stages: int = 2
+    positions: int = 1
 
 
 # ---------------------------------------------------------------------------
