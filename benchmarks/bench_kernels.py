@@ -34,7 +34,7 @@ from benchmarks.common import fmt, log, on_gpu, print_header, short_error, time_
 from nsa_jax.kernels import compressed_attention
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
-from nsa_jax.kernels.selection_pallas import selection_attention_pallas
+from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
 
 try:
     from nsa_jax.kernels import xla as xla_kernels
@@ -56,7 +56,7 @@ def with_backward(fn):
     return run
 
 
-def candidates(branch, interpret=False):
+def candidates(branch, interpret=False, positions=1):
     """name -> fn(q, k, v, idx) -> (o, aux).
 
     The block indices are an argument, not a closed-over constant: as a constant XLA
@@ -70,7 +70,9 @@ def candidates(branch, interpret=False):
     no_aux = lambda fn: lambda *a: (fn(*a), None)  # noqa: E731
     if branch == "selection":
         impls["pallas"] = no_aux(
-            lambda q, k, v, idx: selection_attention_pallas(q, k, v, idx, p["block_size"], interpret=interpret)
+            lambda q, k, v, idx: selection_attention_pallas(
+                q, k, v, idx, p["block_size"], interpret=interpret, block_sizes=SelectionBlockSizes(positions=positions)
+            )
         )
         if xla_kernels is not None:
             impls["xla"] = no_aux(
@@ -128,6 +130,12 @@ def main(argv=None):
     )
     parser.add_argument("--backward", action="store_true", help="also time forward+backward")
     parser.add_argument("--branches", default="selection,window,compressed")
+    parser.add_argument(
+        "--selection-positions",
+        type=int,
+        default=1,
+        help="query positions per selection forward / dQ program (SelectionBlockSizes.positions)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--warmup", type=int, default=2)
@@ -178,7 +186,7 @@ def main(argv=None):
         tc = (seq - p["cmp_l"]) // p["cmp_d"] + 1
         cmp_args = (q, k[:, :tc], v[:, :tc], idx)
         for branch in branches:
-            impls = candidates(branch)
+            impls = candidates(branch, positions=opts.selection_positions)
             for mode in modes:
                 row = dict(seq=seq, branch=branch, mode=mode)
                 for name, fn in impls.items():
@@ -230,7 +238,14 @@ def main(argv=None):
     notes = sorted({(k[:-5], r[k]) for r in rows for k in r if k.endswith("_note")})
     for name, note in notes:
         print(f"  {name}: {note}")
-    meta = dict(env, dtype=opts.dtype, batch=opts.batch, config=PROD, pallas_skipped=not gpu)
+    meta = dict(
+        env,
+        dtype=opts.dtype,
+        batch=opts.batch,
+        config=PROD,
+        selection_positions=opts.selection_positions,
+        pallas_skipped=not gpu,
+    )
     write_json(opts.json, meta, rows)
 
 

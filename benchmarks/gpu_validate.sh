@@ -9,6 +9,9 @@
 #              against the float64 per-token reference, the NSA layer (Pallas kernels)
 #              against the naive reference, and Pallas-vs-XLA training steps
 #   kernels    python -m benchmarks.bench_kernels: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
+#   selection  the selection kernels with 1 and 2 query positions per forward / dQ program
+#              (SelectionBlockSizes.positions), fwd and fwd+bwd (counting-sort reverse index
+#              included), one JSON each
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
 #   layer      python -m benchmarks.export_report (largest tensor and kernel count of the layer's
 #              fwd+bwd lowered for CUDA, T=LAYER_SEQ_LEN) then bench_attention fwd+bwd at
@@ -65,6 +68,13 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward \
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
+    selection)
+        for positions in 1 2; do
+            run_part "selection_p$positions" 420 "$PY" -m benchmarks.bench_kernels --backward \
+                --branches selection --selection-positions "$positions" \
+                --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/selection_p$positions.json"
+        done
+        ;;
     attention)
         run_part attention 540 "$PY" -m benchmarks.bench_attention --backward \
             --seq-lens "${ATTN_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/attention.json"
@@ -97,7 +107,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         run_part kv 540 "$PY" -m benchmarks.kv_recall_ablation --json "$out/kv.json" ${KV_ARGS:-}
         ;;
     *)
-        echo "unknown part: $part (env tests kernels attention layer train smoke profile kv)" >&2
+        echo "unknown part: $part (env tests kernels selection attention layer train smoke profile kv)" >&2
         exit 2
         ;;
     esac

@@ -238,6 +238,35 @@ def test_selection_dkv_skewed_blocks(g, dtype):
     np.testing.assert_array_equal(dv[:, bs : 2 * bs], 0.0)
 
 
+# (G, positions per program, dtype, skewed selections)
+MULTI_POSITION_CASES = [
+    pytest.param(6, 2, jnp.float32, False, id="G6-P2-f32"),
+    pytest.param(6, 2, jnp.bfloat16, True, id="G6-P2-bf16-skewed"),
+    pytest.param(1, 4, jnp.float32, True, id="G1-P4-f32-skewed"),
+    pytest.param(16, 2, jnp.bfloat16, False, id="G16-P2-bf16"),
+    pytest.param(3, 8, jnp.float32, False, id="G3-P8-f32"),
+]
+
+
+@pytest.mark.parametrize("g,positions,dtype,skewed", MULTI_POSITION_CASES)
+def test_selection_multi_position_programs(g, positions, dtype, skewed):
+    # P consecutive positions x G heads per forward / dQ program over the union of their
+    # blocks: ragged T (not a multiple of P nor of the block), -1 slots, n not a power of two.
+    b, t, d, bs, n = 1, 61, 32, 16, 3
+    kvh = 2 if g < 16 else 1
+    rng = np.random.default_rng(200 + g * positions)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
+    if skewed:
+        idx = _skewed_block_indices(rng, b, t, kvh, n, bs, never=1)
+    else:
+        idx = random_block_indices(rng, b, t, kvh, n, bs)
+    bsz = SelectionBlockSizes(positions=positions, rows_dkv=16, dkv_segment=24)
+    fn = lambda q, k, v: selection_attention_pallas(q, k, v, jnp.asarray(idx), bs, interpret=INTERPRET, block_sizes=bsz)
+    results = run_with_grads(fn, q, k, v, do)
+    reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), d**-0.5)
+    check_all(results, reference, dtype)
+
+
 # ---------------------------------------------------------------------------
 # Window
 # ---------------------------------------------------------------------------
@@ -397,6 +426,11 @@ def test_selection_lowers_to_triton_for_cuda():
     _assert_triton_without_txt(grad_text, 4)
     # The reverse index of the backward is a counting sort, not a comparison sort.
     assert "stablehlo.sort" not in grad_text
+    # Several positions per program (the union walk, with its lax.cond) lower to Triton too.
+    bsz = SelectionBlockSizes(positions=2)
+    multi = lambda q, k, v, i: selection_attention_pallas(q, k, v, i, bs, block_sizes=bsz)
+    multi_grad = jax.grad(lambda q, k, v, i: multi(q, k, v, i).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    _assert_triton_without_txt(_export_text(multi_grad, *_prod_args(True)), 4)
 
 
 def test_nsa_layer_gradient_has_no_sort_outside_top_k(monkeypatch):
@@ -496,3 +530,18 @@ def test_production_tiles_keep_their_size():
     assert fitted == FlashBlockSizes(64, 64, 64, 64)
     q, k = jnp.zeros((1, 64, 12, 64), jnp.bfloat16), jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
     assert selection_pallas.fit_block_sizes(SelectionBlockSizes(), q, k, k, 64).rows_dkv == 64
+
+
+def test_selection_estimate_counts_the_rows_of_multi_position_programs():
+    one = selection_pallas.smem_estimates(SelectionBlockSizes(rows_dkv=64), 6, 64, 64, 64, 2)
+    two = selection_pallas.smem_estimates(SelectionBlockSizes(rows_dkv=64, positions=2), 6, 64, 64, 64, 2)
+    eight = selection_pallas.smem_estimates(SelectionBlockSizes(rows_dkv=64, positions=8), 6, 64, 64, 64, 2)
+    assert two["nsa_selection_fwd"] == one["nsa_selection_fwd"]  # 12 rows pad to 16 like 6 do
+    # 48 rows pad to 64: q (64 x 64) and P (64 x 64) tiles instead of 16-row ones, bf16.
+    assert eight["nsa_selection_fwd"] - one["nsa_selection_fwd"] == 2 * (48 * 64 + 48 * 64)
+    assert eight["nsa_selection_dkv"] == one["nsa_selection_dkv"]
+    with pytest.raises(ValueError, match="positions=3 must be a power of two"):
+        q, k = jnp.zeros((1, 32, 2, 32)), jnp.zeros((1, 32, 1, 32))
+        selection_attention_pallas(
+            q, k, k, jnp.zeros((1, 32, 1, 2), jnp.int32), 16, block_sizes=SelectionBlockSizes(positions=3)
+        )

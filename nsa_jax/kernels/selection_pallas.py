@@ -25,6 +25,21 @@ Kernel layout
 * The query rows of a group are gathered straight from ``q[B, T*H, D]`` (a
   free reshape), so q and dO are never transposed or padded in memory; the
   padded head rows repeat the group's last head and are dropped at the end.
+* Several positions per program (``SelectionBlockSizes.positions = P > 1``,
+  off by default until measured on a GPU): with G < 16 the rows above are
+  mostly padding (production G = 6: 10 of 16 rows wasted). A program then
+  holds P consecutive positions x G heads (row r = head r % G of position
+  r // G, padded to ``Rp = max(16, next_pow2(P*G))``: G = 6, P = 2 fills 12
+  of 16) and walks the union of their selections: the P*n (position, slot)
+  entries in order, skipping (``lax.cond``, no tile load) an entry whose
+  block an earlier entry already brought, and masking each row to the blocks
+  its own position selected. Neighbouring positions share most blocks (0,
+  the current and previous ones, and usually the top-scored ones), so the
+  union is close to n blocks and each K/V tile feeds P*G rows. Forward and
+  dQ share this walk; the log-sum-exp and delta are stored per program
+  (``T/P * Rp`` rows), which the dK/dV kernel indexes by (t // P, t % P, g).
+  The rows are still gathered from ``q[B, T*H, D]``; the -1-padded block ids
+  ``[P, next_pow2(n)]`` are the only extra input.
 
 dK/dV strategy: reverse index, not atomics
 ------------------------------------------
@@ -113,12 +128,18 @@ class SelectionBlockSizes:
         program handles; bounds the longest program (block 0).
       num_warps: Triton warps per program (None: pick from the head dim).
       num_stages: Triton software-pipelining depth.
+      positions: query positions per forward / dQ program (a power of two).
+        1: one position's G heads per program, padded to 16 rows. P > 1:
+        P consecutive positions x G heads share a program and walk the union
+        of their selections once (``_sel_fwd_multi_kernel``), so G = 6 with
+        P = 2 fills 12 of 16 rows instead of 6.
     """
 
     rows_dkv: int | None = None
     dkv_segment: int = 512
     num_warps: int | None = None
     num_stages: int = 2
+    positions: int = 1
 
 
 # ---------------------------------------------------------------------------
@@ -223,6 +244,138 @@ def _sel_dq_kernel(
     dq_ref[...] = (dq_GxDk * scale).astype(dq_ref.dtype)
 
 
+def _multi_rows(i, kv, *, positions, group, rows, seq, num_heads):
+    """Rows of a P-position program: row r is head r % G of position i*P + r // G.
+
+    Returns the position t [R], validity [R] (rows past P*G and positions past T
+    are not), the ``q[T*H]`` row [R] (clamped in bounds) and the program-local
+    position p [R].
+    """
+    r_R = lax.iota(jnp.int32, rows)
+    p_R = jnp.minimum(lax.div(r_R, group), positions - 1)
+    t_R = i * positions + p_R
+    valid_R = (r_R < positions * group) & (t_R < seq)
+    t_c = jnp.minimum(t_R, seq - 1)
+    return t_R, valid_R, t_c * num_heads + kv * group + lax.rem(r_R, group), p_R
+
+
+def _union_entry(e, p_R, idx_ref, *, slots, num_blocks):
+    """Entry e of the program's P x n selection entries: (block, whether it is processed, row mask [R]).
+
+    An entry is processed iff its block id is valid and no earlier entry holds
+    the same block (the union walks every block once); row r takes part iff
+    its own position selected the block.
+    """
+    blk = idx_ref[lax.div(e, slots), lax.rem(e, slots)]
+    idx_PxN = idx_ref[...]
+    shape = idx_PxN.shape
+    e_PxN = lax.broadcasted_iota(jnp.int32, shape, 0) * slots + lax.broadcasted_iota(jnp.int32, shape, 1)
+    seen_P = jnp.sum(jnp.where((e_PxN < e) & (idx_PxN == blk), 1, 0), axis=1)
+    first = jnp.sum(seen_P, axis=0) == 0
+    live = (blk >= 0) & (blk < num_blocks) & first
+    idx_RxN = idx_ref[p_R, :]
+    member_R = jnp.sum(jnp.where(idx_RxN == blk, 1, 0), axis=1) > 0
+    return blk, live, member_R
+
+
+def _union_tile(blk, t_R, member_R, k_ref, v_ref, *, block_size, num_blocks):
+    start = jnp.clip(blk, 0, num_blocks - 1) * block_size
+    k_SxDk = k_ref[pl.ds(start, block_size), :]
+    v_SxDv = v_ref[pl.ds(start, block_size), :]
+    pos_1xS = (start + lax.iota(jnp.int32, block_size))[None, :]
+    return k_SxDk, v_SxDv, member_R[:, None] & (pos_1xS <= t_R[:, None])
+
+
+def _sel_fwd_multi_kernel(
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    block_size,
+    slots,
+    num_blocks,
+    num_heads,
+    group,
+    positions,
+    rows,
+    seq,
+    scale_log2,
+):
+    # Refs: idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], o [R, Dv], lse [R].
+    kv = pl.program_id(2)
+    t_R, valid_R, row_R, p_R = _multi_rows(
+        pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
+    )
+    q_RxDk = q_ref[row_R, :]
+
+    def body(e, carry):
+        blk, live, member_R = _union_entry(e, p_R, idx_ref, slots=slots, num_blocks=num_blocks)
+
+        def step(carry):
+            k_SxDk, v_SxDv, vis_RxS = _union_tile(
+                blk, t_R, member_R & valid_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
+            )
+            return online_softmax_step(carry, q_RxDk, k_SxDk, v_SxDv, vis_RxS, scale_log2)
+
+        # Entries repeating an earlier block (neighbours share most blocks) cost no tile.
+        return lax.cond(live, step, lambda c: c, carry)
+
+    carry = lax.fori_loop(0, positions * slots, body, online_softmax_init(rows, v_ref.shape[-1]))
+    o_RxDv, lse_R = online_softmax_finish(carry)
+    o_ref[...] = o_RxDv.astype(o_ref.dtype)
+    lse_ref[...] = lse_R
+
+
+def _sel_dq_multi_kernel(
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    block_size,
+    slots,
+    num_blocks,
+    num_heads,
+    group,
+    positions,
+    rows,
+    seq,
+    scale,
+    scale_log2,
+):
+    # Refs: idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], do [T*H, Dv], lse / delta [R], dq [R, Dk].
+    kv = pl.program_id(2)
+    t_R, valid_R, row_R, p_R = _multi_rows(
+        pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
+    )
+    q_RxDk = q_ref[row_R, :]
+    do_RxDv = do_ref[row_R, :]
+    lse_R = lse_ref[...]
+    delta_R = delta_ref[...]
+
+    def body(e, dq_RxDk):
+        blk, live, member_R = _union_entry(e, p_R, idx_ref, slots=slots, num_blocks=num_blocks)
+
+        def step(dq_RxDk):
+            k_SxDk, v_SxDv, vis_RxS = _union_tile(
+                blk, t_R, member_R & valid_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
+            )
+            _, ds_RxS = softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
+            return dq_RxDk + plgpu_triton.dot(ds_RxS.astype(k_SxDk.dtype), k_SxDk)
+
+        return lax.cond(live, step, lambda c: c, dq_RxDk)
+
+    dq_RxDk = lax.fori_loop(0, positions * slots, body, jnp.zeros((rows, q_ref.shape[-1]), jnp.float32))
+    dq_ref[...] = (dq_RxDk * scale).astype(dq_ref.dtype)
+
+
 def _sel_dkv_kernel(
     seg_blk_ref,
     seg_lo_ref,
@@ -241,14 +394,15 @@ def _sel_dkv_kernel(
     num_blocks,
     num_heads,
     group,
-    group_padded,
+    positions,
+    rows_padded,
     rows,
     scale,
     scale_log2,
 ):
     # One program = one segment of one block's reverse-index list.
     # Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
-    #   do [T*H, Dv], lse / delta [T*Gp], dk [bs, Dk], dv [bs, Dv] (partials).
+    #   do [T*H, Dv], lse / delta [T/P * Rp], dk [bs, Dk], dv [bs, Dv] (partials).
     seg = pl.program_id(0)
     kv = pl.program_id(2)
     blk = seg_blk_ref[seg]
@@ -277,7 +431,8 @@ def _sel_dkv_kernel(
         row_R = t_R * num_heads + kv * group + g_R
         q_RxDk = q_ref[row_R, :]
         do_RxDv = do_ref[row_R, :]
-        stat_R = t_R * group_padded + g_R
+        # Statistics are stored per forward program: Rp rows for P positions x G heads.
+        stat_R = lax.div(t_R, positions) * rows_padded + lax.rem(t_R, positions) * group + g_R
         lse_R = lse_ref[stat_R]
         delta_R = delta_ref[stat_R]
         vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
@@ -332,24 +487,31 @@ class _Dims:
     slots: int
     block_size: int
     num_blocks: int
+    positions: int  # P query positions per forward / dQ program
+    rows_padded: int  # Rp rows per forward / dQ program (Gp when P = 1)
+    programs: int  # forward / dQ programs along T: ceil(T / P)
 
 
-def _dims(q, k, v, idx, block_size) -> _Dims:
+def _dims(q, k, v, idx, block_size, positions: int = 1) -> _Dims:
     b, t, h, _ = q.shape
     kvh = k.shape[2]
     g = h // kvh
+    gp = max(MIN_DOT_DIM, next_pow2(g))
     return _Dims(
         b,
         t,
         h,
         kvh,
         g,
-        max(MIN_DOT_DIM, next_pow2(g)),
+        gp,
         padded_dim(q.shape[-1]),
         padded_dim(v.shape[-1]),
         idx.shape[-1],
         block_size,
         pl.cdiv(t, block_size),
+        positions,
+        gp if positions == 1 else max(MIN_DOT_DIM, next_pow2(positions * g)),
+        pl.cdiv(t, positions),
     )
 
 
@@ -365,17 +527,21 @@ def _flat_heads(x_BxTxHxD, d_pad: int):
     return pad_axis(x_BxTxHxD, 3, d_pad).reshape(b, t * h, d_pad)
 
 
-def _ungroup(x_BxKxTGpxD, d: _Dims, d_out: int):
-    """[B, K, T*Gp, D] (padded group layout) -> [B, T, H, d_out]."""
-    x = x_BxKxTGpxD.reshape(d.batch, d.kv_heads, d.seq, d.group_padded, -1)
-    x = x[:, :, :, : d.group, :d_out]
+def _ungroup(x_BxKxRowsxD, d: _Dims, d_out: int):
+    """[B, K, T/P * Rp, D] (per-program row layout) -> [B, T, H, d_out]."""
+    x = x_BxKxRowsxD.reshape(d.batch, d.kv_heads, d.programs, d.rows_padded, -1)
+    x = x[:, :, :, : d.positions * d.group, :d_out]
+    x = x.reshape(d.batch, d.kv_heads, d.programs * d.positions, d.group, d_out)[:, :, : d.seq]
     return x.transpose(0, 2, 1, 3, 4).reshape(d.batch, d.seq, d.heads, d_out)
 
 
 def _common_specs(d: _Dims):
     tp = d.num_blocks * d.block_size
     th = d.seq * d.heads
-    idx_spec = pl.BlockSpec((None, None, None, d.slots), lambda t, b, kv: (b, t, kv, 0))
+    if d.positions == 1:
+        idx_spec = pl.BlockSpec((None, None, None, d.slots), lambda t, b, kv: (b, t, kv, 0))
+    else:
+        idx_spec = pl.BlockSpec((None, d.positions, None, next_pow2(d.slots)), lambda i, b, kv: (b, i, kv, 0))
     q_spec = pl.BlockSpec((None, th, d.dk), lambda t, b, kv: (b, 0, 0))
     k_spec = pl.BlockSpec((None, tp, None, d.dk), lambda t, b, kv: (b, 0, kv, 0))
     v_spec = pl.BlockSpec((None, tp, None, d.dv), lambda t, b, kv: (b, 0, kv, 0))
@@ -383,28 +549,34 @@ def _common_specs(d: _Dims):
 
 
 def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
-    d = _dims(q, k, v, idx, block_size)
+    d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
     idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
-    kernel = functools.partial(
-        _sel_fwd_kernel,
-        block_size=block_size,
-        num_slots=d.slots,
-        num_blocks=d.num_blocks,
-        num_heads=d.heads,
-        group=d.group,
-        group_padded=d.group_padded,
-        scale_log2=scale * LOG2E,
-    )
-    rows_g = d.seq * d.group_padded
+    common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
+    if d.positions == 1:
+        kernel = functools.partial(
+            _sel_fwd_kernel, num_slots=d.slots, group_padded=d.group_padded, scale_log2=scale * LOG2E, **common
+        )
+    else:
+        kernel = functools.partial(
+            _sel_fwd_multi_kernel,
+            slots=next_pow2(d.slots),
+            positions=d.positions,
+            rows=d.rows_padded,
+            seq=d.seq,
+            scale_log2=scale * LOG2E,
+            **common,
+        )
+        idx = _multi_idx(idx, d)
+    rows_g = d.programs * d.rows_padded
     o_pad, lse = pl.pallas_call(
         kernel,
-        grid=(d.seq, d.batch, d.kv_heads),
+        grid=(d.programs, d.batch, d.kv_heads),
         in_specs=[idx_spec, q_spec, k_spec, v_spec],
         out_specs=[
-            pl.BlockSpec((None, None, d.group_padded, d.dv), lambda t, b, kv: (b, kv, t, 0)),
-            pl.BlockSpec((None, None, d.group_padded), lambda t, b, kv: (b, kv, t)),
+            pl.BlockSpec((None, None, d.rows_padded, d.dv), lambda i, b, kv: (b, kv, i, 0)),
+            pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g, d.dv), q.dtype),
@@ -418,10 +590,17 @@ def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: Selectio
 
 
 def _group_stat(x_BxTxH, d: _Dims):
-    """[B, T, H] per-head statistic -> padded group layout [B, K, T*Gp]."""
-    x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group)
-    x = pad_axis(x, 3, d.group_padded).transpose(0, 2, 1, 3)
-    return x.reshape(d.batch, d.kv_heads, d.seq * d.group_padded)
+    """[B, T, H] per-head statistic -> per-program row layout [B, K, T/P * Rp]."""
+    x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group).transpose(0, 2, 1, 3)
+    x = pad_axis(x, 2, d.programs * d.positions)
+    x = x.reshape(d.batch, d.kv_heads, d.programs, d.positions * d.group)
+    return pad_axis(x, 3, d.rows_padded).reshape(d.batch, d.kv_heads, d.programs * d.rows_padded)
+
+
+def _multi_idx(idx_BxTxKxN, d: _Dims):
+    """Block ids for P-position programs: T padded to T/P * P, slots to a power of two, with -1."""
+    idx = pad_axis(idx_BxTxKxN, 1, d.programs * d.positions, value=-1)
+    return pad_axis(idx, 3, next_pow2(d.slots), value=-1)
 
 
 def _ranks_within_key(key_BxKxTxN, num_keys: int, chunk_elems: int = 1 << 22):
@@ -522,7 +701,7 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
 
 
 def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
-    d = _dims(q, k, v, idx, block_size)
+    d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
     do_f = _flat_heads(do, d.dv)
@@ -532,37 +711,49 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
     params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
     idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
     do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda t, b, kv: (b, 0, 0))
-    stat_spec = pl.BlockSpec((None, None, d.group_padded), lambda t, b, kv: (b, kv, t))
+    stat_spec = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i))
 
     # ---- dQ: query-centric, same walk as the forward.
-    dq_kernel = functools.partial(
-        _sel_dq_kernel,
-        block_size=block_size,
-        num_slots=d.slots,
-        num_blocks=d.num_blocks,
-        num_heads=d.heads,
-        group=d.group,
-        group_padded=d.group_padded,
-        scale=scale,
-        scale_log2=scale * LOG2E,
-    )
+    common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
+    if d.positions == 1:
+        dq_kernel = functools.partial(
+            _sel_dq_kernel,
+            num_slots=d.slots,
+            group_padded=d.group_padded,
+            scale=scale,
+            scale_log2=scale * LOG2E,
+            **common,
+        )
+        idx_q = idx
+    else:
+        dq_kernel = functools.partial(
+            _sel_dq_multi_kernel,
+            slots=next_pow2(d.slots),
+            positions=d.positions,
+            rows=d.rows_padded,
+            seq=d.seq,
+            scale=scale,
+            scale_log2=scale * LOG2E,
+            **common,
+        )
+        idx_q = _multi_idx(idx, d)
     dq_pad = pl.pallas_call(
         dq_kernel,
-        grid=(d.seq, d.batch, d.kv_heads),
+        grid=(d.programs, d.batch, d.kv_heads),
         in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
-        out_specs=pl.BlockSpec((None, None, d.group_padded, d.dk), lambda t, b, kv: (b, kv, t, 0)),
-        out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.seq * d.group_padded, d.dk), q.dtype),
+        out_specs=pl.BlockSpec((None, None, d.rows_padded, d.dk), lambda i, b, kv: (b, kv, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.programs * d.rows_padded, d.dk), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="nsa_selection_dq",
-    )(idx, q_f, k_p, v_p, do_f, lse, delta)
+    )(idx_q, q_f, k_p, v_p, do_f, lse, delta)
     dq = _ungroup(dq_pad, d, q.shape[-1])
 
     # ---- dK/dV: key-centric over the reverse index, in segments.
     qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = reverse_index(idx, d.num_blocks, bsz.dkv_segment)
     num_segments = seg_blk.shape[-1]
     entries = d.seq * d.slots
-    rows_g = d.seq * d.group_padded
+    rows_g = d.programs * d.rows_padded
     tp = d.num_blocks * block_size
     seg_spec = pl.BlockSpec((None, None, num_segments), lambda p, b, kv: (b, kv, 0))
     dkv_kernel = functools.partial(
@@ -571,7 +762,8 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
         num_blocks=d.num_blocks,
         num_heads=d.heads,
         group=d.group,
-        group_padded=d.group_padded,
+        positions=d.positions,
+        rows_padded=d.rows_padded,
         rows=bsz.rows_dkv,
         scale=scale,
         scale_log2=scale * LOG2E,
@@ -656,7 +848,7 @@ def smem_estimates(bsz: SelectionBlockSizes, group: int, dk: int, dv: int, block
 
     ``dk``, ``dv``: head dims as given (padded here like the kernels pad them).
     """
-    gp = max(MIN_DOT_DIM, next_pow2(group))
+    gp = max(MIN_DOT_DIM, next_pow2(group if bsz.positions == 1 else bsz.positions * group))
     dk, dv = padded_dim(dk), padded_dim(dv)
     s, r = block_size, bsz.rows_dkv
     est = functools.partial(smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
@@ -724,6 +916,7 @@ def selection_attention_pallas(
     bsz = SelectionBlockSizes() if block_sizes is None else block_sizes
     if bsz.rows_dkv is not None:
         check_tile_size("rows_dkv", bsz.rows_dkv)
+    check_tile_size("positions", bsz.positions, minimum=1)
     bsz = fit_block_sizes(bsz, q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, block_size)
     if bsz.dkv_segment < 1:
         raise ValueError("dkv_segment must be >= 1")
