@@ -4,17 +4,21 @@
    NSA hyper-parameters (l=32, d=16, lp=64, n=16, w=512): compressed T_cmp(t),
    selected n*lp (fewer while the current block is partial), window w, against
    dense attention's t + 1, and the paper's Table 4 counts (T/d + n*lp + w).
-2. Decode tokens/s of the NSA decode step (nsa_jax.inference.decode_step) and
-   of a dense-attention KV-cache decode of the same model size (same
-   embedding, projections, MLP and LM head; one K/V per layer attended in
-   full), in one run, at the same contexts. Caches are filled with random
-   values and every row starts at the context length: step time does not
-   depend on the values, and this skips a long prefill.
+2. Decode tokens/s of the NSA decode step (nsa_jax.inference.decode_step, the
+   model's own decode mode) and of dense-attention KV-cache decode of the
+   same model and params, in one run, at the same contexts. The dense
+   baseline is the same decode step with only the window branch and a window
+   as long as the cache (w = cache length): every cached token attended in
+   full. Caches are filled with random values and every row starts at the
+   context length: step time does not depend on the values, and this skips a
+   long prefill. `--cache-len` sizes the caches for more tokens than the
+   context (a long generation ahead); a decode step reads only the compressed
+   tokens that exist (in power-of-two buckets), the dense one the whole cache.
 
 Usage:
   python -m benchmarks.bench_decode [--contexts 8192,32768] [--d-model 256]
       [--layers 4] [--heads 8] [--kv-heads 2] [--head-dim 32] [--batch 1]
-      [--steps 32] [--json out.json]
+      [--steps 32] [--cache-len N] [--json out.json]
 
 On a CPU the defaults are a small model (about 3M parameters) and two
 contexts, so the run takes about a minute; pass larger sizes on an accelerator.
@@ -30,17 +34,14 @@ import sys
 import time
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import ModelConfig, NSAConfig
-from nsa_jax.inference import decode_step, init_cache
-from nsa_jax.inference.decode import embed_tokens, inference_config, lm_head, mlp_step
+from nsa_jax.inference import cache_sizes, decode_step, init_cache
+from nsa_jax.inference.decode import inference_config
 from nsa_jax.info import param_shapes
-from nsa_jax.kernels.xla import masked_softmax_attend
-from nsa_jax.layers import RMSNorm, rope
 from nsa_jax.nsa.selection import num_compressed
 
 PROD_NSA = NSAConfig(l=32, d=16, lp=64, n=16, w=512, attention_impl="xla")
@@ -68,54 +69,6 @@ def read_table(a: NSAConfig) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
-# dense-attention KV-cache decode (the baseline)
-
-
-def _dense_step(cfg: ModelConfig, params, k_LxBxKxSxDk, v_LxBxKxSxDv, pos_B, tokens_B):
-    """One token per row with full causal attention over a K/V cache (k_slc/v_slc weights).
-
-    Cache layout [L, B, K, S, D]: each head's keys are contiguous, so the score and
-    value contractions read the cache without a transposed copy.
-    """
-    dt = jnp.dtype(cfg.dtype)
-    B = tokens_B.shape[0]
-    D, H, K, Dk, Dv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
-    S = k_LxBxKxSxDk.shape[3]
-    b_B = jnp.arange(B)
-    x = embed_tokens(cfg, params, tokens_B)
-
-    def layer(carry, xs):
-        x, kc, vc = carry
-        p, i = xs
-        h = RMSNorm(cfg.norm_eps, dtype=dt).apply({"params": p["attn_norm"]}, x)
-        a = p["attn"]
-
-        def proj(name, heads, dim):
-            y = nn.Dense(heads * dim, use_bias=False, dtype=dt).apply({"params": a[name]}, h)
-            return y.reshape(B, 1, heads, dim)
-
-        def roped(y):
-            return jax.vmap(lambda yb, tb: rope(yb[None], tb[None], cfg.rope_theta)[0])(y, pos_B)
-
-        q = roped(proj("q", H, Dk)).reshape(B, K, H // K, Dk)
-        kc = kc.at[i, b_B, :, pos_B].set(roped(proj("k_slc", K, Dk))[:, 0])
-        vc = vc.at[i, b_B, :, pos_B].set(proj("v_slc", K, Dv)[:, 0])
-        s = jnp.einsum("bkgd,bksd->bkgs", q, kc[i], preferred_element_type=jnp.float32) * Dk**-0.5
-        vis = (jnp.arange(S)[None, :] <= pos_B[:, None])[:, None, None, :]
-        o = masked_softmax_attend(s, vis, vc[i], "bkgs,bksd->bkgd").astype(dt).reshape(B, 1, H * Dv)
-        x = x + nn.Dense(D, use_bias=False, dtype=dt).apply({"params": a["o"]}, o)
-        return (mlp_step(cfg, p, x), kc, vc), None
-
-    (x, k_LxBxKxSxDk, v_LxBxKxSxDv), _ = jax.lax.scan(
-        layer, (x, k_LxBxKxSxDk, v_LxBxKxSxDv), (params["layers"], jnp.arange(cfg.n_layers))
-    )
-    return lm_head(cfg, params, x), k_LxBxKxSxDk, v_LxBxKxSxDv, pos_B + 1
-
-
-dense_step = jax.jit(_dense_step, static_argnums=(0,), donate_argnums=(2, 3))
-
-
-# ---------------------------------------------------------------------------
 # timing
 
 
@@ -133,34 +86,35 @@ def _fill(tree, key):
     )
 
 
-def time_decode(cfg: ModelConfig, params, context: int, batch: int, steps: int) -> dict[str, float]:
-    """Seconds per step and tokens/s of NSA and dense decode, every row at position `context`."""
-    max_len = context + steps + 2
-    tokens = jnp.zeros((batch,), jnp.int32)
-    out = {}
+def dense_config(cfg: ModelConfig, max_len: int) -> ModelConfig:
+    """The same model decoding with dense attention: the window branch alone, its window the whole cache."""
+    S = cache_sizes(cfg, max_len).S
+    return dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, branches=("win",), w=S))
 
+
+def _time_steps(cfg: ModelConfig, params, context: int, batch: int, steps: int, max_len: int) -> float:
+    """Median seconds per decode step, every row at position `context` of a random cache."""
+    tokens = jnp.zeros((batch,), jnp.int32)
     cache = _fill(init_cache(cfg, batch, max_len), jax.random.PRNGKey(1))
     cache = cache.replace(pos_B=jnp.full((batch,), context, jnp.int32))
     logits, cache = decode_step(cfg, params, cache, tokens)  # compile
     logits.block_until_ready()
-    t0 = time.perf_counter()
+    # Median of per-step times: robust to other work on a shared machine.
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         logits, cache = decode_step(cfg, params, cache, tokens)
-    logits.block_until_ready()
-    out["nsa_s"] = (time.perf_counter() - t0) / steps
-    del cache
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
-    S = -(-max_len // cfg.nsa.lp) * cfg.nsa.lp
-    k = jax.random.normal(jax.random.PRNGKey(2), (cfg.n_layers, batch, cfg.n_kv_heads, S, cfg.head_dim), cfg.dtype)
-    v = jax.random.normal(jax.random.PRNGKey(3), (cfg.n_layers, batch, cfg.n_kv_heads, S, cfg.v_head_dim), cfg.dtype)
-    pos = jnp.full((batch,), context, jnp.int32)
-    logits, k, v, pos = dense_step(cfg, params, k, v, pos, tokens)  # compile
-    logits.block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        logits, k, v, pos = dense_step(cfg, params, k, v, pos, tokens)
-    logits.block_until_ready()
-    out["dense_s"] = (time.perf_counter() - t0) / steps
+
+def time_decode(cfg: ModelConfig, params, context: int, batch: int, steps: int, cache_len: int = 0) -> dict:
+    """Seconds per step and tokens/s of NSA and dense decode, every row at position `context`."""
+    max_len = max(context + steps + 2, cache_len)
+    out = {"cache_len": max_len}
+    out["nsa_s"] = _time_steps(cfg, params, context, batch, steps, max_len)
+    out["dense_s"] = _time_steps(dense_config(cfg, max_len), params, context, batch, steps, max_len)
     out["nsa_tok_s"] = batch / out["nsa_s"]
     out["dense_tok_s"] = batch / out["dense_s"]
     out["speedup"] = out["dense_s"] / out["nsa_s"]
@@ -179,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-ff", type=int, default=None, help="MLP width (default 8/3 d_model rounded)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--cache-len", type=int, default=0, help="cache length (default: context + steps + 2)")
     p.add_argument("--dtype", default="bfloat16" if on_accel else "float32")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -219,13 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         f"decode speed on {jax.default_backend()} ({device}, {platform.machine()}): "
         f"d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} head_dim={cfg.head_dim} "
         f"d_ff={cfg.d_ff} dtype={cfg.dtype} ({n_params / 1e6:.1f}M params), batch={args.batch}, {args.steps} steps"
+        + (f", cache length {args.cache_len}" if args.cache_len else "")
     )
     if not on_accel:
         print("  CPU run: a small model and contexts chosen to finish in about a minute; these are CPU figures")
     print(f"{'context':>8} {'nsa tok/s':>10} {'dense tok/s':>12} {'nsa ms':>8} {'dense ms':>9} {'speedup':>8}")
     speed = []
     for c in contexts:
-        r = time_decode(cfg, params, c, args.batch, args.steps)
+        r = time_decode(cfg, params, c, args.batch, args.steps, args.cache_len)
         speed.append({"context": c, **r})
         print(
             f"{c:>8} {r['nsa_tok_s']:>10.1f} {r['dense_tok_s']:>12.1f} {1e3 * r['nsa_s']:>8.2f} "

@@ -5,8 +5,8 @@
         [--top-k K] [--top-p P] [--seed S] [--batch-size B]
     python -m launch.generate --random-init --config cpu_tiny --prompt "Hello"
 
-Weights: `nsa_jax.checkpoint.load_for_inference(path) -> (Config, params)` when
-that function exists; a directory holding `config.yaml` + `params.msgpack`
+Weights: a training checkpoint (`nsa_jax.checkpoint.load_for_inference(path)
+-> (Config, params)`); a directory holding `config.yaml` + `params.msgpack`
 (flax.serialization) is read directly; `--random-init` uses freshly initialised
 params of `--config` (smoke tests). `--config`/`--set` give the config when the
 checkpoint carries none, or with `--random-init`.
@@ -29,7 +29,19 @@ import json
 import pathlib
 import sys
 
+import flax.serialization
+import jax
+import numpy as np
+import yaml
+
 from launch.cli import Parser, UsageError
+from nsa_jax.checkpoint import load_for_inference
+from nsa_jax.config import ConfigError, load_config, replace
+from nsa_jax.data.tokenizers import make_tokenizer
+from nsa_jax.inference import generate, stack_layers
+from nsa_jax.inference.decode import inference_config
+from nsa_jax.info import param_shapes
+from nsa_jax.model import init_params
 
 PARAMS_FILE = "params.msgpack"
 CONFIG_FILE = "config.yaml"
@@ -88,11 +100,6 @@ def _check_sampling(args) -> None:
 
 def write_inference_dir(path, cfg, params) -> None:
     """Writes `config.yaml` + `params.msgpack`: the directory format this command reads directly."""
-    import flax.serialization
-    import jax
-    import numpy as np
-    import yaml
-
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -101,10 +108,6 @@ def write_inference_dir(path, cfg, params) -> None:
 
 
 def _load_dir(path: pathlib.Path, args):
-    import flax.serialization
-
-    from nsa_jax.config import load_config
-
     if (path / CONFIG_FILE).is_file():
         cfg = load_config(str(path / CONFIG_FILE), args.overrides)
     elif args.config is not None:
@@ -119,15 +122,9 @@ def _load_dir(path: pathlib.Path, args):
 
 def load_model(args):
     """(Config, params) from --random-init, a params.msgpack directory, or nsa_jax.checkpoint."""
-    from nsa_jax.config import load_config
-
     if args.random_init:
         if args.config is None:
             raise UsageError("--random-init needs --config NAME")
-        import jax
-
-        from nsa_jax.model import init_params
-
         cfg = load_config(args.config, args.overrides)
         return cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(args.seed))
     if not args.ckpt:
@@ -137,28 +134,14 @@ def load_model(args):
         raise UsageError(f"--ckpt {path} does not exist")
     if path.is_dir() and (path / PARAMS_FILE).is_file():
         return _load_dir(path, args)
-    try:
-        from nsa_jax.checkpoint import load_for_inference
-    except ImportError:
-        raise UsageError(
-            f"--ckpt {path} has no {PARAMS_FILE} and nsa_jax.checkpoint.load_for_inference is not available"
-        ) from None
     cfg, params = load_for_inference(str(path))
     if args.overrides:
-        from nsa_jax.config import replace
-
         cfg = replace(cfg, args.overrides)
     return cfg, params
 
 
 def _check_params(cfg, params) -> dict:
     """Scanned params whose shapes match cfg.model, or a UsageError naming the first mismatch."""
-    import jax
-
-    from nsa_jax.inference import stack_layers
-    from nsa_jax.inference.decode import inference_config
-    from nsa_jax.info import param_shapes
-
     try:
         params = stack_layers(cfg.model, params)
     except ValueError as e:
@@ -200,12 +183,6 @@ class _Streamer:
 def run(args, out=sys.stdout) -> int:
     _check_sampling(args)
     prompts = _read_prompts(args)
-    import numpy as np
-
-    from nsa_jax.config import ConfigError
-    from nsa_jax.data.tokenizers import make_tokenizer
-    from nsa_jax.inference import generate
-
     try:
         cfg, params = load_model(args)
         tok = make_tokenizer(cfg.data)

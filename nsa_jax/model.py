@@ -4,6 +4,13 @@ tokens[B, T] -> embedding -> L x (pre-RMSNorm NSA attention + pre-RMSNorm SwiGLU
 -> final RMSNorm -> LM head -> fp32 logits[B, T, V]. Layers are scanned
 (`nn.scan`), so the compiled program does not grow with depth; each block can
 be rematerialised (`remat`).
+
+The same modules decode (NSAAttention's `mode`): `NSALM(cfg, mode="prefill")`
+runs the forward over right-padded prompts and fills the `cache` collection
+(lengths_B tokens per row); `NSALM(cfg, mode="decode")` feeds one token per row
+at the row's position `cache["pos"][b]` and advances it. Both carry the cache
+through the layer scan (`variable_carry`), so every layer updates it in place.
+nsa_jax/inference builds the cache and drives generation.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
 from nsa_jax.layers import RMSNorm, SwiGLU
-from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.nsa.layer import MODES, NSAAttention
 
 _REMAT_POLICIES = {
     "full": None,
@@ -23,16 +30,20 @@ _REMAT_POLICIES = {
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)).
+
+    `layer` (the index into the cache's layer axis) and `pos_B` are for prefill/decode only.
+    """
 
     cfg: ModelConfig
+    mode: str = "train"
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, _=None):
+    def __call__(self, x_BxTxD: jax.Array, layer: jax.Array | None = None, pos_B: jax.Array | None = None):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="attn_norm")(x_BxTxD)
-        x_BxTxD = x_BxTxD + NSAAttention(cfg, name="attn")(h)
+        x_BxTxD = x_BxTxD + NSAAttention(cfg, self.mode, name="attn")(h, layer=layer, pos_B=pos_B)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="mlp_norm")(x_BxTxD)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         x_BxTxD = x_BxTxD + SwiGLU(cfg.d_ff, dtype=dtype, init_std=cfg.init_std, out_std=out_std, name="mlp")(h)
@@ -40,12 +51,18 @@ class Block(nn.Module):
 
 
 class NSALM(nn.Module):
-    """tokens[B, T] int32 -> logits[B, T, V] fp32."""
+    """tokens[B, T] int32 -> logits[B, T, V] fp32.
+
+    `mode` "train": the forward. "prefill": the forward over left-aligned,
+    right-padded prompts, row b of length lengths_B[b]; writes the cache.
+    "decode": tokens [B, 1], row b at position cache["pos"][b]; updates the cache.
+    """
 
     cfg: ModelConfig
+    mode: str = "train"
 
     @nn.compact
-    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BxT: jax.Array, lengths_B: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std), name="embed")
@@ -53,7 +70,28 @@ class NSALM(nn.Module):
         block = Block
         if cfg.remat != "none":
             block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
+        if self.mode not in MODES:
+            raise ValueError(f"NSALM mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode != "train":
+            if not cfg.scan_layers:
+                raise ValueError("prefill/decode run the scanned layers: set scan_layers (inference_config)")
+            if self.mode == "prefill" and lengths_B is None:
+                lengths_B = jnp.full((tokens_BxT.shape[0],), tokens_BxT.shape[1], jnp.int32)
+            pos = self.variable("cache", "pos", _missing_pos)
+            pos_B = lengths_B.astype(jnp.int32) if self.mode == "prefill" else pos.value
+            # The cache rides in the scan carry (every layer indexes its own slice), not
+            # as scanned xs/ys: a scan's ys would rewrite the whole cache every step.
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0, "intermediates": 0, "aux": 0},
+                variable_carry="cache",
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast),
+                length=cfg.n_layers,
+            )
+            x, _ = stack(cfg, self.mode, name="layers")(x, jnp.arange(cfg.n_layers, dtype=jnp.int32), pos_B)
+            pos.value = pos_B if self.mode == "prefill" else pos_B + 1
+        elif cfg.scan_layers:
             stack = nn.scan(
                 block,
                 variable_axes={"params": 0, "intermediates": 0, "aux": 0},
@@ -75,6 +113,13 @@ class NSALM(nn.Module):
             name="lm_head",
         )
         return head(x).astype(jnp.float32)
+
+
+def _missing_pos():
+    raise ValueError(
+        "NSALM prefill/decode found no cache: pass variables "
+        "{'params': ..., 'cache': nsa_jax.inference.init_cache(...).variables()} with mutable=['cache']"
+    )
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, seq_len: int = 0):

@@ -156,6 +156,56 @@ def test_cache_boundaries_follow_the_forward():
     np.testing.assert_array_equal(steps, np.arange(a.l - 1, T, a.d))
 
 
+def _decode_max_err(cfg, params, tokens, ref, lengths, P, max_len, T_end):
+    """Prefill right-padded prompts (row b: lengths[b] tokens), decode every row to T_end - 1:
+    the largest |logit - forward logit| over every position after each prompt."""
+    B = len(lengths)
+    padded = np.where(np.arange(P)[None, :] < lengths[:, None], tokens[:, :P], (tokens[:, :P] + 3) % cfg.vocab_size)
+    logits, cache = prefill(cfg, params, padded, lengths, max_len=max_len)
+    err = np.abs(np.asarray(logits) - ref[np.arange(B), lengths - 1]).max()
+    for step in range(T_end - int(lengths.min()) - 1):
+        pos = lengths + step
+        feed = tokens[np.arange(B), np.minimum(pos, T_end - 1)]
+        logits, cache = decode_step(cfg, params, cache, jnp.asarray(feed, jnp.int32))
+        live = pos < T_end
+        err = max(err, np.abs(np.asarray(logits)[live] - ref[np.arange(B)[live], pos[live]]).max())
+    return err
+
+
+@pytest.mark.parametrize("branches", [("cmp",), ("slc",), ("win",), ("cmp", "slc"), ("cmp", "win"), ("slc", "win")])
+def test_decode_matches_forward_for_every_branch_subset(branches):
+    """Each subset of branches (all three: the tests above): decode == the forward's logits,
+    rows at different positions, prompts crossing compression/selection block boundaries."""
+    T_end = 40
+    cfg = tiny_model_cfg(T_hint=T_end, l=8, d=4, lp=8, w=12, G=2, K=2, n=3, branches=branches)
+    params = _random_params(cfg, 2)
+    tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (3, T_end), 0, cfg.vocab_size))
+    ref = np.asarray(_forward(cfg, params, tokens)[0])
+    lengths = np.array([1, 9, 22])  # P = 1; one block done and one token past it; past the window
+    err = _decode_max_err(cfg, params, tokens, ref, lengths, 24, T_end + 2, T_end)
+    assert err < 1e-4, f"branches {branches}: max |logit diff| {err:.2e}"
+
+
+def test_decode_reads_compressed_buckets_across_their_boundary():
+    """A cache with more compressed slots than the smallest read bucket: rows decode while the
+    visible compressed tokens grow past it (the step switches buckets), and rows far behind the
+    others share the larger read; logits equal the forward's throughout."""
+    from nsa_jax.nsa.layer import CMP_BUCKET, cmp_buckets
+
+    T_end = 8 - 1 + 4 * CMP_BUCKET + 6  # l - 1 + d * bucket: token number bucket + 1 completes at T_end - 6
+    cfg = tiny_model_cfg(T_hint=T_end, l=8, d=4, lp=8, w=12, G=2, K=1, n=3)
+    max_len = T_end + 24
+    from nsa_jax.inference import cache_sizes
+
+    assert len(cmp_buckets(cache_sizes(cfg, max_len).Tc)) > 1
+    params = _random_params(cfg, 4)
+    tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (2, T_end), 0, cfg.vocab_size))
+    ref = np.asarray(_forward(cfg, params, tokens)[0])
+    lengths = np.array([T_end - 14, T_end - 12])
+    err = _decode_max_err(cfg, params, tokens, ref, lengths, T_end - 12, max_len, T_end)
+    assert err < 1e-4, f"max |logit diff| {err:.2e}"
+
+
 # ---------------------------------------------------------------------------
 # generation and the command line
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +80,21 @@ def test_bf16_compute_keeps_fp32_params_and_logits():
     lo32 = jax.jit(lambda p: NSALM(cfg).apply({"params": p}, tokens))(params)
     assert lo16.dtype == jnp.float32
     assert np.max(np.abs(np.asarray(lo16) - np.asarray(lo32))) < 0.1 * np.max(np.abs(np.asarray(lo32)))
+
+
+def test_prefill_and_decode_modes_reject_a_missing_cache_or_unscanned_layers():
+    """Prefill/decode read the `cache` collection (nsa_jax.inference.init_cache) and run scanned layers."""
+    cfg = tiny_model_cfg(G=2, K=1)
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    params = jax.eval_shape(lambda: NSALM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+
+    def run(c, mode):
+        return jax.eval_shape(lambda p: NSALM(c, mode=mode).apply({"params": p}, tokens, mutable=["cache"]), params)
+
+    for mode in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="init_cache"):
+            run(cfg, mode)
+    with pytest.raises(ValueError, match="scan_layers"):
+        run(dataclasses.replace(cfg, scan_layers=False), "decode")
+    with pytest.raises(ValueError, match="mode"):
+        run(cfg, "sample")

@@ -5,6 +5,14 @@ sigmoid gates and the output projection. Branch math lives in compression.py,
 selection.py and kernels/; this module wires them and reports statistics:
 `intermediates` (block indices, gates; for tests) and `aux` (gate means, gate
 entropy, share of selected blocks beyond the window; for training logs).
+
+It also owns decoding (NSA_SPEC.md "Decode (inference)") through the same
+submodules: `mode="prefill"` runs the training path over a right-padded prompt
+and writes each branch's state into the `cache` collection; `mode="decode"`
+attends one new token per row at its own position from that state and updates
+it. The cache layout (names, sizes) is nsa_jax/inference/cache.py's; the arrays
+carry the scanned layers' leading axis, indexed by `layer` (they travel in the
+scan carry, so a step's writes are in place).
 """
 
 from __future__ import annotations
@@ -15,10 +23,17 @@ import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import selection_attention, window_attention
+from nsa_jax.kernels.xla import masked_softmax, masked_softmax_attend
 from nsa_jax.layers import rope
 from nsa_jax.nsa.compression import Compressor, compressed_attention
+from nsa_jax.nsa.selection import block_scores_from_cmp, select_blocks
 
 BRANCHES = ("cmp", "slc", "win")
+MODES = ("train", "prefill", "decode")
+# Per-layer decode state in the `cache` collection (layout: nsa_jax/inference/cache.py).
+CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp")
+# Smallest number of compressed tokens a decode step reads (then doubling up to the cache's).
+CMP_BUCKET = 64
 
 
 def gate_stats(g_BxTxHx3: jax.Array, idx_BxTxKxN: jax.Array, lp: int, w: int) -> dict[str, jax.Array]:
@@ -38,13 +53,37 @@ def gate_stats(g_BxTxHx3: jax.Array, idx_BxTxKxN: jax.Array, lp: int, w: int) ->
     }
 
 
+def combine_branches(g_BxTxHx3: jax.Array, outputs: dict[str, jax.Array], branches) -> jax.Array:
+    """sum over the used branches of gate * branch output [B, T, H, Dv], in fp32."""
+    B, T, H, Dv = next(iter(outputs.values())).shape
+    o = jnp.zeros((B, T, H, Dv), jnp.float32)
+    for i, name in enumerate(BRANCHES):
+        if name in branches:
+            o = o + g_BxTxHx3[..., i : i + 1] * outputs[name].astype(jnp.float32)
+    return o
+
+
 class NSAAttention(nn.Module):
-    """x[B, T, D] -> NSA attention output [B, T, D]."""
+    """x[B, T, D] -> NSA attention output [B, T, D].
+
+    `mode`: "train" (the forward), "prefill" (the forward, and writes the cache
+    of the first pos_B[b] tokens of each row) or "decode" (T = 1: the token of
+    row b sits at position pos_B[b]). Prefill and decode need `layer` (index
+    into the cache's layer axis) and `pos_B`.
+    """
 
     cfg: ModelConfig
+    mode: str = "train"
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_T: jax.Array | None = None,
+        *,
+        layer: jax.Array | None = None,
+        pos_B: jax.Array | None = None,
+    ) -> jax.Array:
         cfg, a = self.cfg, self.cfg.nsa
         B, T, D = x_BxTxD.shape
         H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
@@ -52,17 +91,28 @@ class NSAAttention(nn.Module):
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         positions_T = jnp.arange(T, dtype=jnp.int32) if positions_T is None else positions_T
+        if self.mode not in MODES:
+            raise ValueError(f"NSAAttention mode must be one of {MODES}, got {self.mode!r}")
+        decode = self.mode == "decode"
+        if self.mode != "train" and (layer is None or pos_B is None):
+            raise ValueError(f"NSAAttention mode={self.mode!r} needs `layer` and `pos_B`")
+        if decode and T != 1:
+            raise ValueError(f"decode feeds one token per row, got {T}")
 
         def proj(name, heads, dim):
             y = nn.Dense(heads * dim, use_bias=False, dtype=dtype, kernel_init=init, name=name)(x_BxTxD)
             return y.reshape(B, T, heads, dim)
 
-        q = rope(proj("q", H, Dk), positions_T, cfg.rope_theta)
-        k_cmp = rope(proj("k_cmp", K, Dk), positions_T, cfg.rope_theta)
+        def roped(y):
+            # Decode: each row sits at its own position.
+            return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, positions_T, cfg.rope_theta)
+
+        q = roped(proj("q", H, Dk))
+        k_cmp = roped(proj("k_cmp", K, Dk))
         v_cmp = proj("v_cmp", K, Dv)
-        k_slc = rope(proj("k_slc", K, Dk), positions_T, cfg.rope_theta)
+        k_slc = roped(proj("k_slc", K, Dk))
         v_slc = proj("v_slc", K, Dv)
-        k_win = rope(proj("k_win", K, Dk), positions_T, cfg.rope_theta)
+        k_win = roped(proj("k_win", K, Dk))
         v_win = proj("v_win", K, Dv)
 
         gh = nn.Dense(a.gate_hidden, dtype=dtype, kernel_init=init, name="gate_fc1")(x_BxTxD)
@@ -71,6 +121,16 @@ class NSAAttention(nn.Module):
 
         def compressor(name):
             return Compressor(a.l, a.d, a.cmp_phi, a.cmp_mlp_hidden, dtype=dtype, init_std=cfg.init_std, name=name)
+
+        out_proj = nn.Dense(D, use_bias=False, dtype=dtype, kernel_init=out_init, name="o")
+        if decode:
+            cache = {n: self.variable("cache", n, _missing_cache, n) for n in CACHE_NAMES}
+            kv = {"kcmp": k_cmp, "vcmp": v_cmp, "kslc": k_slc, "vslc": v_slc, "kwin": k_win, "vwin": v_win}
+            outputs = decode_branches(
+                cfg, cache, layer, pos_B, q[:, 0], {k: x[:, 0] for k, x in kv.items()}, compressor
+            )
+            o = combine_branches(g_BxTxHx3, {k: x[:, None] for k, x in outputs.items()}, a.branches)
+            return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
 
         with jax.named_scope("nsa_cmp"):
             kc = compressor("cmp_k")(k_cmp)
@@ -86,7 +146,7 @@ class NSAAttention(nn.Module):
                 lp=a.lp,
                 query_chunk=a.query_chunk,
                 impl=a.attention_impl,
-                select_n=a.n,
+                select_n=a.n if "slc" in a.branches else None,
                 t_T=positions_T - positions_T[0],
             )
         outputs = {"cmp": o_cmp}
@@ -103,13 +163,203 @@ class NSAAttention(nn.Module):
                     q, k_win, v_win, a.w, impl=a.attention_impl, query_chunk=a.query_chunk
                 )
 
-        o = jnp.zeros((B, T, H, Dv), jnp.float32)
-        for i, name in enumerate(BRANCHES):
-            if name in a.branches:
-                o = o + g_BxTxHx3[..., i : i + 1] * outputs[name].astype(jnp.float32)
+        o = combine_branches(g_BxTxHx3, outputs, a.branches)
+        if self.mode == "prefill":
+            cache = {n: self.variable("cache", n, _missing_cache, n) for n in CACHE_NAMES}
+            kv = {"kcmp": k_cmp, "vcmp": v_cmp, "kslc": k_slc, "vslc": v_slc, "kwin": k_win, "vwin": v_win}
+            fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
         if idx is not None:
             self.sow("intermediates", "block_idx", idx)
             self.sow("aux", "stats", gate_stats(g_BxTxHx3, idx, a.lp, a.w))
         self.sow("intermediates", "gates", g_BxTxHx3)
         o = o.astype(dtype).reshape(B, T, H * Dv)
-        return nn.Dense(D, use_bias=False, dtype=dtype, kernel_init=out_init, name="o")(o)
+        return out_proj(o)
+
+
+# ---------------------------------------------------------------------------
+# decode: cache slot arithmetic, prefill fill, one-token step
+
+
+def _missing_cache(name: str):
+    raise ValueError(
+        f"NSA prefill/decode found no cache variable {name!r}: pass variables "
+        "{'params': ..., 'cache': nsa_jax.inference.init_cache(...).variables()} with mutable=['cache']"
+    )
+
+
+def rope_rows(y_BxTxHxD: jax.Array, pos_B: jax.Array, theta: float) -> jax.Array:
+    """RoPE with row b's tokens at positions pos_B[b] + 0..T-1."""
+    T = y_BxTxHxD.shape[1]
+    return jax.vmap(lambda yb, tb: rope(yb[None], tb + jnp.arange(T, dtype=jnp.int32), theta)[0])(y_BxTxHxD, pos_B)
+
+
+def ring_positions(last_B: jax.Array, size: int) -> jax.Array:
+    """[B, size]: the position held by each ring slot once positions <= last are written.
+
+    Slot s holds p = last - ((last - s) mod size), the latest p <= last with
+    p = s (mod size); p < 0 means the slot was never written.
+    """
+    s = jnp.arange(size, dtype=jnp.int32)
+    last = last_B.astype(jnp.int32)[:, None]
+    return last - jnp.mod(last - s[None, :], size)
+
+
+def compressed_visible(t_B: jax.Array, Tc: int, l: int, d: int) -> jax.Array:
+    """[B, Tc]: compressed token i is visible to query t iff its block ended: i*d + l - 1 <= t."""
+    end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
+    return end_Tc[None, :] <= t_B[:, None]
+
+
+def _gather_rows(x_BxTxKxD: jax.Array, pos_BxN: jax.Array) -> jax.Array:
+    """x[b, pos[b, j]] -> [B, N, K, D], zero where pos < 0."""
+    g = jnp.take_along_axis(x_BxTxKxD, jnp.maximum(pos_BxN, 0)[:, :, None, None], axis=1)
+    return jnp.where((pos_BxN >= 0)[:, :, None, None], g, jnp.zeros((), g.dtype))
+
+
+def fill_cache(cfg: ModelConfig, cache: dict, layer: jax.Array, lengths_B: jax.Array, kv: dict, kc, vc) -> None:
+    """Writes layer `layer` of the cache from a prefill of a right-padded prompt [B, P].
+
+    `kv` holds the forward's RoPE'd keys and values of every branch [B, P, K, D]
+    (kcmp/vcmp: the raw compression inputs), kc/vc its compressed tokens
+    [B, Tc(P), K, D]. Row b keeps its first lengths_B[b] positions; the rest is
+    zeroed (raw, compressed) or never gathered (rings).
+    """
+    a = cfg.nsa
+    B, P = kv["kslc"].shape[:2]
+    S, R, Tc = cache["kslc"].value.shape[2], cache["kwin"].value.shape[2], cache["kcmp"].value.shape[2]
+    lengths_B = lengths_B.astype(jnp.int32)
+    live_BxP = jnp.arange(P, dtype=jnp.int32)[None, :] < lengths_B[:, None]
+
+    def put(name, x_BxNxKxD, n):
+        x = jnp.pad(x_BxNxKxD, [(0, 0), (0, n - x_BxNxKxD.shape[1]), (0, 0), (0, 0)])
+        v = cache[name].value
+        cache[name].value = v.at[layer].set(x.astype(v.dtype))
+
+    for name in ("kslc", "vslc"):
+        put(name, jnp.where(live_BxP[:, :, None, None], kv[name], jnp.zeros((), kv[name].dtype)), S)
+    win_pos = ring_positions(lengths_B - 1, R)
+    tail_pos = ring_positions(lengths_B - 1, a.l)
+    for name in ("kwin", "vwin"):
+        put(name, _gather_rows(kv[name], win_pos), R)
+    for name, src in (("ktail", "kcmp"), ("vtail", "vcmp")):
+        put(name, _gather_rows(kv[src], tail_pos), a.l)
+    for name, x in (("kcmp", kc), ("vcmp", vc)):
+        Tp = min(x.shape[1], Tc)
+        done = compressed_visible(lengths_B - 1, Tp, a.l, a.d)[:, :, None, None]
+        put(name, jnp.where(done, x[:, :Tp], jnp.zeros((), x.dtype)), Tc)
+
+
+def cmp_buckets(Tc: int) -> tuple[int, ...]:
+    """Static sizes a decode step may read of Tc compressed slots: CMP_BUCKET, doubling, then Tc."""
+    sizes = []
+    n = CMP_BUCKET
+    while n < Tc:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, Tc)
+
+
+def _compressed_step(qg_BxKxGxDk, kcmp, vcmp, layer, t_B, a, n_blocks: int, scale: float):
+    """Compressed attention of one query per row, and its selection-block scores [B, K, Nb].
+
+    Reads only a prefix of the compressed slots: the smallest bucket that holds
+    every compressed token visible to some row. Slots beyond are invisible to
+    every row, so the result equals the read of all Tc slots.
+    """
+    B, Tc, K, Dv = vcmp.shape[1], vcmp.shape[2], vcmp.shape[3], vcmp.shape[4]
+    G = qg_BxKxGxDk.shape[2]
+
+    def attend(Tb):
+        def run():
+            kc = jax.lax.dynamic_slice(kcmp, (layer, 0, 0, 0, 0), (1, B, Tb, K, kcmp.shape[4]))[0]
+            vc = jax.lax.dynamic_slice(vcmp, (layer, 0, 0, 0, 0), (1, B, Tb, K, Dv))[0]
+            s = jnp.einsum("bkgd,bikd->bkgi", qg_BxKxGxDk, kc, preferred_element_type=jnp.float32) * scale
+            p = masked_softmax(s, compressed_visible(t_B, Tb, a.l, a.d)[:, None, None, :])
+            o = jnp.einsum("bkgi,bikd->bkgd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+            # GQA sharing (Eq. 10); blocks past Tb overlap only zero-probability tokens.
+            scores = block_scores_from_cmp(jnp.sum(p, axis=2), n_blocks, a.l, a.d, a.lp)
+            return o, scores
+
+        return run
+
+    sizes = cmp_buckets(Tc)
+    if len(sizes) == 1:
+        return attend(Tc)()
+    need = jnp.max(jnp.where(t_B + 1 >= a.l, (t_B + 1 - a.l) // a.d + 1, 0))
+    branch = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < need)
+    o, scores = jax.lax.switch(branch, [attend(n) for n in sizes])
+    assert o.shape == (B, K, G, Dv)
+    return o, scores
+
+
+def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: dict, compressor) -> dict:
+    """One decode step of every branch; writes position t_B[b] of each row into the cache first.
+
+    `new` holds the token's RoPE'd keys/values per branch [B, K, D]; `compressor`
+    builds the layer's Compressor submodules by name. Returns branch outputs [B, H, Dv].
+    """
+    a = cfg.nsa
+    B, H, Dk = q_BxHxDk.shape
+    K, Dv = cfg.n_kv_heads, cfg.v_head_dim
+    G = H // K
+    scale = Dk**-0.5
+    S, R, Tc = cache["kslc"].value.shape[2], cache["kwin"].value.shape[2], cache["kcmp"].value.shape[2]
+    b_B = jnp.arange(B)
+    t_B = t_B.astype(jnp.int32)
+
+    def write(name, slot_B, x_BxKxD, keep_B=None):
+        v = cache[name].value
+        x = x_BxKxD.astype(v.dtype)
+        if keep_B is not None:
+            x = jnp.where(keep_B[:, None, None], x, v[layer, b_B, slot_B])
+        # Scatter into the scan carry: in place.
+        cache[name].value = v.at[layer, b_B, slot_B].set(x)
+
+    for name in ("kslc", "vslc"):
+        write(name, t_B, new[name])
+    for name in ("kwin", "vwin"):
+        write(name, t_B % R, new[name])
+    write("ktail", t_B % a.l, new["kcmp"])
+    write("vtail", t_B % a.l, new["vcmp"])
+
+    qg_BxKxGxDk = q_BxHxDk.reshape(B, K, G, Dk)
+    outputs = {}
+    if "cmp" in a.branches or "slc" in a.branches:
+        # Compression block (t + 1 - l) / d completes at t: compress its l raw K/V (the tail
+        # ring) with the layer's compressor and store it before attending, so the query at t
+        # sees it, as in the forward (i*d + l - 1 <= t).
+        emit_B = (t_B + 1 >= a.l) & (jnp.mod(t_B + 1 - a.l, a.d) == 0)
+        ci_B = jnp.clip((t_B + 1 - a.l) // a.d, 0, Tc - 1)
+        slots_Bxl = jnp.mod(t_B[:, None] + 1 - a.l + jnp.arange(a.l, dtype=jnp.int32)[None, :], a.l)
+        for name, tail, cname in (("kcmp", "ktail", "cmp_k"), ("vcmp", "vtail", "cmp_v")):
+            tail_BxlxKxD = jnp.take_along_axis(cache[tail].value[layer], slots_Bxl[:, :, None, None], axis=1)
+            write(name, ci_B, compressor(cname)(tail_BxlxKxD)[:, 0], emit_B)
+        o_cmp, scores_BxKxNb = _compressed_step(
+            qg_BxKxGxDk, cache["kcmp"].value, cache["vcmp"].value, layer, t_B, a, S // a.lp, scale
+        )
+        outputs["cmp"] = o_cmp.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
+
+    if "slc" in a.branches:
+        # Rows as select_blocks' query axis, so each row gets its own position.
+        idx_BxKxN = select_blocks(scores_BxKxNb[None], a.lp, a.n, t_B)[0]
+        used = idx_BxKxN >= 0
+        pos_BxKxNxLp = jnp.where(used, idx_BxKxN, 0)[..., None] * a.lp + jnp.arange(a.lp, dtype=jnp.int32)
+        vis = (used[..., None] & (pos_BxKxNxLp <= t_B[:, None, None, None])).reshape(B, K, 1, a.n * a.lp)
+        pos_BxKxM = pos_BxKxNxLp.reshape(B, K, a.n * a.lp)
+        k_idx = jnp.arange(K)[None, :, None]
+        # Gather only the selected blocks from the full buffer (no per-layer copy of it).
+        kg = cache["kslc"].value[layer, b_B[:, None, None], pos_BxKxM, k_idx]
+        vg = cache["vslc"].value[layer, b_B[:, None, None], pos_BxKxM, k_idx]
+        s = jnp.einsum("bkgd,bkmd->bkgm", qg_BxKxGxDk, kg, preferred_element_type=jnp.float32) * scale
+        o = masked_softmax_attend(s, vis, vg, "bkgm,bkmd->bkgd")
+        outputs["slc"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
+
+    if "win" in a.branches:
+        wp_BxR = ring_positions(t_B, R)
+        # Ring slots hold positions in (t - R, t]; R <= w, so only never-written slots are masked.
+        vis = ((wp_BxR >= 0) & (wp_BxR > t_B[:, None] - a.w))[:, None, None, :]
+        kw, vw = cache["kwin"].value[layer], cache["vwin"].value[layer]
+        s = jnp.einsum("bkgd,brkd->bkgr", qg_BxKxGxDk, kw, preferred_element_type=jnp.float32) * scale
+        o = masked_softmax_attend(s, vis, vw, "bkgr,brkd->bkgd")
+        outputs["win"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
+    return outputs
