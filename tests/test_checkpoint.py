@@ -320,6 +320,7 @@ def _restore(env, out, warnings):
         ck.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", [0.05, 0.3, 0.5, 0.7, 0.95])
 def test_corrupted_array_bytes_fall_back_to_the_previous_checkpoint(env, reference, tmp_path, where):
     out = _copy(reference, tmp_path / "run")
@@ -337,6 +338,7 @@ def test_corrupted_array_bytes_fall_back_to_the_previous_checkpoint(env, referen
     assert [p.name.split("-")[0] for p in (out / C.CORRUPT_DIR).iterdir()] == ["8"]
 
 
+@pytest.mark.slow
 def test_checksum_mismatch_names_the_array_and_the_items(env, reference, tmp_path):
     # A changed value that still parses: only the checksums can tell.
     out = _copy(reference, tmp_path / "run")
@@ -387,6 +389,7 @@ def test_failed_background_save_stops_the_run_and_keeps_the_last_checkpoint(env,
     assert exact(rows(out)) == exact(rows(reference))
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_known_before_compiling(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     r = env["train"](out)

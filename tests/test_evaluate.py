@@ -86,6 +86,7 @@ def test_evaluator_matches_host_reference_on_two_devices():
     assert abs(Evaluator.finish(ev.dispatch(other))["val_loss"] - m["val_loss"]) > 1e-4
 
 
+@pytest.mark.slow
 def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
     cfg = load_config(
         None,

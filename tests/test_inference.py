@@ -172,6 +172,7 @@ def _decode_max_err(cfg, params, tokens, ref, lengths, P, max_len, T_end):
     return err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("branches", [("cmp",), ("slc",), ("win",), ("cmp", "slc"), ("cmp", "win"), ("slc", "win")])
 def test_decode_matches_forward_for_every_branch_subset(branches):
     """Each subset of branches (all three: the tests above): decode == the forward's logits,

@@ -13,6 +13,8 @@ import statistics
 import sys
 import time
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -40,6 +42,7 @@ TINY = [
 EXTRA_S = 1.0
 
 
+@pytest.mark.slow
 def test_eval_and_save_time_is_not_charged_to_the_steps(tmp_path, monkeypatch):
     finish, save = evaluate.Evaluator.finish, C.Checkpointer.save
 

@@ -20,6 +20,7 @@ def _run(cfg, params, tokens):
     return logits, inter["block_idx"][0], inter["gates"][0]
 
 
+@pytest.mark.slow
 def test_model_is_causal():
     """Changing tokens after t changes no logit, selected index or gate at positions <= t."""
     cfg = tiny_model_cfg(G=2, K=2, n=3, lp=8, l=8, d=4, w=10)
@@ -70,6 +71,7 @@ def test_scan_and_unrolled_layers_agree():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_params_and_logits():
     cfg = tiny_model_cfg(G=2, K=1)
     cfg16 = cfg.__class__(**{**cfg.__dict__, "dtype": "bfloat16"})

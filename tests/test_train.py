@@ -192,6 +192,7 @@ def test_lr_reaches_floor_at_last_optimizer_step_with_accumulation(host_state, b
     assert len(adam) == 1 and int(adam[0].count) == t.steps
 
 
+@pytest.mark.slow
 def test_state_is_donated(host_state, batches):
     cfg, mesh, step = compiled_step(2)
     state = jax.device_put(host_state, S.replicated(mesh))
