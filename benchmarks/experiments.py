@@ -226,16 +226,19 @@ def plot(runs: list[dict], metrics: list[str], path: str) -> None:
 
     metrics = [m for m in metrics if any(e.get(m) is not None for r in runs for e in r["curve"])]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
+    names = list(dict.fromkeys(r["variant"] for r in runs))
+    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}  # one colour per variant in every panel
     for ax, metric in zip(axes[0], metrics):
         for name, rows in summarise(runs, metric).items():
-            rows = [r for r in rows if not math.isnan(r[1])]
+            # Step 0 (the untrained model) would squash the loss axis.
+            rows = [r for r in rows if not math.isnan(r[1]) and (r[0] > 0 or metric != "val_loss")]
             if not rows:
                 continue
             s = np.array([r[0] for r in rows])
             m = np.array([r[1] for r in rows])
             se = np.nan_to_num(np.array([r[2] for r in rows]))
-            ax.plot(s, m, label=f"{name} (n={rows[-1][3]})")
-            ax.fill_between(s, m - se, m + se, alpha=0.2)
+            ax.plot(s, m, color=colors[name], label=f"{name} (n={rows[-1][3]})")
+            ax.fill_between(s, m - se, m + se, color=colors[name], alpha=0.2)
         ax.set_xlabel("step")
         ax.set_title(f"{metric} (mean +- s.e.)")
         ax.grid(alpha=0.3)
