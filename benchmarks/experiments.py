@@ -215,6 +215,8 @@ def print_table(runs: list[dict], metric: str) -> None:
                 m, se = by[s]
                 cells.append(f"{m:.3f}" if math.isnan(se) else f"{m:.3f} +- {se:.3f}")
         n_seeds = max((n for *_, n in rows), default=0)
+        if n_seeds == 0:  # the metric does not apply to this variant (no selection branch)
+            continue
         print(f"| {name} | {n_seeds} | " + " | ".join(cells) + " |")
 
 
