@@ -24,7 +24,9 @@ from reference import (
     window_mask,
 )
 
+from benchmarks.experiments import pair_positions
 from nsa_jax.config import ConfigError, load_config
+from nsa_jax.data.kv_recall import make_kv_batch, pair_len
 from nsa_jax.nsa.layer import NSAAttention, scale_selection_values, selection_warmup_scale
 from nsa_jax.train import step as S
 
@@ -219,3 +221,13 @@ def test_train_step_warmup_one_compilation_and_no_selection_at_step_0():
     assert losses[0] == pytest.approx(float(want), rel=1e-5)
     with_slc, _ = S.loss_and_stats(params0, jnp.asarray(batches[0][0]), cfg=cfg)
     assert abs(float(with_slc) - float(want)) > 1e-6  # the branch does change the loss when on
+
+
+@pytest.mark.parametrize("fmt", ["split", "fused"])
+def test_experiments_pair_positions_match_the_generator(fmt):
+    # The harness recovers, from the tokens alone, where each queried pair lies (for the
+    # selection recall); the generator knows it.
+    batch = make_kv_batch(np.random.default_rng(3), 4, 128, 256, 32, 8, 8, placement="random", fmt=fmt)
+    qpos, tpos = pair_positions(batch.tokens_BxT1, 256, fmt)
+    np.testing.assert_array_equal(qpos, batch.query_key_pos_BxQ)
+    np.testing.assert_array_equal(tpos, batch.pair_key_pos_BxQ + pair_len(fmt) - 1)
