@@ -28,6 +28,10 @@ class ConfigError(ValueError):
     """A config problem, phrased as one line that names the key and how to fix it."""
 
 
+# The NSA branches, in the order of the gate's outputs (the run files name their columns after them).
+BRANCHES = ("cmp", "slc", "win")
+
+
 @dataclasses.dataclass(frozen=True)
 class NSAConfig:
     """Native Sparse Attention hyper-parameters (docs/NSA.md "Shapes")."""
@@ -40,9 +44,22 @@ class NSAConfig:
     cmp_phi: Literal["mlp", "avg"] = "mlp"  # block -> one key/value map
     cmp_mlp_hidden: int = 128  # hidden width of the mlp phi (weights shared across heads)
     gate_hidden: int = 64  # hidden width of the gate MLP
+    # Learning remedies (docs/NSA.md "Learning options"); every default leaves the forward math unchanged.
+    # Initial bias of the last gate Dense per branch [cmp, slc, win] (sigmoid(b) is the start gate);
+    # empty: zero biases, every gate starts near 0.5.
+    gate_bias_init: tuple[float, ...] = ()
+    # Zero kernel for the last gate Dense: every gate starts at exactly sigmoid(bias), for every token.
+    gate_zero_kernel: bool = False
+    # Straight-through top-n: the selection output of each selected block is multiplied by
+    # (1 + s - stop_gradient(s)) of its normalised block score s, so the forward is unchanged and
+    # the compressed keys and queries get a gradient from the selection branch.
+    slc_straight_through: bool = False
+    # Selection warm-up: the selection branch's output is scaled by min(1, step / N) in the train
+    # step (0 at step 0, full from step N); 0 disables it.
+    slc_warmup_steps: int = 0
     # Branches whose output enters the gated sum; others are dropped (ablations).
     # Selection still scores blocks with the compressed keys when cmp is off.
-    branches: tuple[str, ...] = ("cmp", "slc", "win")
+    branches: tuple[str, ...] = BRANCHES
     # Selection and window kernels: auto = pallas on GPU, xla elsewhere.
     attention_impl: Literal["auto", "pallas", "xla"] = "auto"
     # Query chunk of the XLA path: bounds the live memory of every branch.
@@ -310,8 +327,17 @@ def validate(cfg: Config) -> Config:
     need(a.n >= 3, f"model.nsa.n must be >= 3 (block 0, the current and the previous block are forced), got {a.n}")
     need(len(a.branches) > 0, "model.nsa.branches must name at least one of cmp, slc, win")
     for b in a.branches:
-        need(b in ("cmp", "slc", "win"), f"model.nsa.branches has {b!r}; use a subset of cmp, slc, win")
+        need(b in BRANCHES, f"model.nsa.branches has {b!r}; use a subset of cmp, slc, win")
     need(len(set(a.branches)) == len(a.branches), f"model.nsa.branches repeats a branch: {list(a.branches)}")
+    need(
+        len(a.gate_bias_init) in (0, 3),
+        f"model.nsa.gate_bias_init must be empty or three numbers [cmp, slc, win], got {list(a.gate_bias_init)}",
+    )
+    need(a.slc_warmup_steps >= 0, f"model.nsa.slc_warmup_steps must be >= 0 (0 disables it), got {a.slc_warmup_steps}")
+    need(
+        not (a.slc_warmup_steps and cfg.parallel.strategy == "pmap"),
+        "model.nsa.slc_warmup_steps needs a strategy other than parallel.strategy=pmap (dp, gspmd, zero1, fsdp)",
+    )
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
 
     for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):

@@ -29,8 +29,7 @@ import os
 import pathlib
 from typing import Any, Iterable, TextIO
 
-# The NSA branches, in the order of the gate's outputs.
-BRANCHES = ("cmp", "slc", "win")
+from nsa_jax.config import BRANCHES
 
 TRAINING_CSV = "training.csv"
 VAL_CSV = "val.csv"

@@ -25,14 +25,12 @@ import numpy as np
 import pytest
 from reference import reference_block_scores, reference_block_selection
 
-from nsa_jax.kernels import block_scores_pallas as bsp
 from nsa_jax.kernels.block_scores_pallas import (
     BlockSelectSizes,
     compressed_attention_scores_pallas,
     compressed_attention_select_pallas,
     select_blocks_pallas,
 )
-from nsa_jax.nsa import selection
 from nsa_jax.nsa.compression import compressed_attention
 from nsa_jax.nsa.selection import select_blocks
 
@@ -49,10 +47,6 @@ def random_qkv(rng, b, t, g, kvh, dk, l, d, dtype):
 
 # ---------------------------------------------------------------------------
 # top-n over a given score tensor: bitwise select_blocks
-
-
-def test_ranking_constants_match_select_blocks():
-    assert bsp.FORCED == selection._FORCED and bsp.EXCLUDED == selection._EXCLUDED
 
 
 def score_patterns(rng, t, kvh, nb):

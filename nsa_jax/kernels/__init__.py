@@ -18,8 +18,12 @@ from nsa_jax.kernels.block_scores_pallas import compressed_attention_scores_pall
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.pallas_common import is_tile_size
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
-from nsa_jax.kernels.xla import compressed_attention_xla, selection_attention_xla, window_attention_xla
-from nsa_jax.nsa.selection import select_blocks
+from nsa_jax.kernels.xla import (
+    compressed_attention_xla,
+    select_blocks,
+    selection_attention_xla,
+    window_attention_xla,
+)
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:

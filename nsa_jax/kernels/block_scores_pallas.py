@@ -74,10 +74,8 @@ from nsa_jax.kernels.pallas_common import (
     padded_dim,
     scores_log2,
 )
+from nsa_jax.kernels.xla import EXCLUDED, FORCED  # the ranking values of select_blocks, shared
 
-# Ranking values of select_blocks (nsa.selection._FORCED / _EXCLUDED; a test checks they agree).
-FORCED = 1e9
-EXCLUDED = -1e9
 # Below every ranking value: empty slots of the running top-n and blocks past the last one.
 _EMPTY = -3e38
 _NO_BLOCK = 2**30

@@ -21,14 +21,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nsa_jax.config import ModelConfig
+from nsa_jax.config import BRANCHES, ModelConfig
 from nsa_jax.kernels import selection_attention, window_attention
 from nsa_jax.kernels.xla import masked_softmax, masked_softmax_attend
 from nsa_jax.layers import rope
 from nsa_jax.nsa.compression import Compressor, compressed_attention
-from nsa_jax.nsa.selection import block_scores_from_cmp, select_blocks
+from nsa_jax.nsa.selection import block_scores_from_cmp, select_blocks, straight_through_delta
 
-BRANCHES = ("cmp", "slc", "win")
 MODES = ("train", "prefill", "decode")
 # Per-layer decode state in the `cache` collection (layout: nsa_jax/inference/cache.py).
 CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp")
@@ -61,6 +60,44 @@ def combine_branches(g_BxTxHx3: jax.Array, outputs: dict[str, jax.Array], branch
         if name in branches:
             o = o + g_BxTxHx3[..., i : i + 1] * outputs[name].astype(jnp.float32)
     return o
+
+
+def gate_bias_init(biases: tuple[float, ...], n_heads: int):
+    """Bias initialiser of the last gate Dense: `biases` = [cmp, slc, win] for every head; () gives zeros.
+
+    The Dense's 3H outputs are read as [H, 3] (head-major), so branch i of head h is output 3h + i.
+    """
+    if not biases:
+        return nn.initializers.zeros
+
+    def init(key, shape, dtype=jnp.float32):
+        return jnp.tile(jnp.asarray(biases, dtype), n_heads).reshape(shape)
+
+    return init
+
+
+def selection_warmup_scale(step: jax.Array, warmup_steps: int) -> jax.Array:
+    """min(1, step / warmup_steps): 0 at step 0, 1 from step warmup_steps on (1 when warmup_steps is 0)."""
+    if warmup_steps <= 0:
+        return jnp.float32(1.0)
+    return jnp.minimum(jnp.asarray(step, jnp.float32) / warmup_steps, 1.0)
+
+
+def scale_selection_values(tree, scale: jax.Array):
+    """`tree` (params or their gradients) with every `v_slc` leaf multiplied by `scale`.
+
+    The selection branch's output is linear in its values and v_slc has no bias, so
+    params with v_slc scaled by r give exactly the model whose selection output is
+    multiplied by r (the warm-up, model.nsa.slc_warmup_steps); the gradient of the
+    unscaled v_slc is the scaled one's times r (chain rule). The train step applies it;
+    this way the step is a traced argument of the compiled step, not a model input.
+    """
+
+    def f(path, leaf):
+        names = {getattr(p, "key", None) for p in path}
+        return leaf * scale.astype(leaf.dtype) if "v_slc" in names else leaf
+
+    return jax.tree_util.tree_map_with_path(f, tree)
 
 
 class NSAAttention(nn.Module):
@@ -116,7 +153,13 @@ class NSAAttention(nn.Module):
         v_win = proj("v_win", K, Dv)
 
         gh = nn.Dense(a.gate_hidden, dtype=dtype, kernel_init=init, name="gate_fc1")(x_BxTxD)
-        g = nn.Dense(3 * H, dtype=dtype, kernel_init=init, name="gate_fc2")(nn.silu(gh))
+        g = nn.Dense(
+            3 * H,
+            dtype=dtype,
+            kernel_init=nn.initializers.zeros if a.gate_zero_kernel else init,
+            bias_init=gate_bias_init(a.gate_bias_init, H),
+            name="gate_fc2",
+        )(nn.silu(gh))
         g_BxTxHx3 = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, T, H, 3)
 
         def compressor(name):
@@ -157,6 +200,11 @@ class NSAAttention(nn.Module):
                 outputs["slc"] = selection_attention(
                     q, k_slc, v_slc, idx, a.lp, impl=a.attention_impl, query_chunk=a.query_chunk
                 )
+                if a.slc_straight_through:
+                    delta = straight_through_delta(
+                        q, kc, k_slc, v_slc, idx, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk
+                    )
+                    outputs["slc"] = outputs["slc"] + delta.astype(outputs["slc"].dtype)
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):
                 outputs["win"] = window_attention(

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.nsa.layer import scale_selection_values, selection_warmup_scale
 from nsa_jax.train import strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.state import TrainState, init_state
@@ -212,7 +213,13 @@ def make_train_step(
         grad_fn = make_grad_fn(plan)
 
         def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-            grads, loss, stats = grad_fn(state.params, tokens_AxBxT1)
+            warmup = plan.cfg.model.nsa.slc_warmup_steps
+            if warmup:  # selection warm-up: the step scales the selection output (layer.scale_selection_values)
+                r = selection_warmup_scale(state.step, warmup)
+                grads, loss, stats = grad_fn(scale_selection_values(state.params, r), tokens_AxBxT1)
+                grads = scale_selection_values(grads, r)
+            else:
+                grads, loss, stats = grad_fn(state.params, tokens_AxBxT1)
             # zero1: the replicated params sliced to the gradient's shard (no communication);
             # a no-op for the other strategies, whose params already live like their grads.
             params = lax.with_sharding_constraint(state.params, plan.grads)
