@@ -103,6 +103,7 @@ def test_layer_matches_reference_gradients(G, K, T):
         assert rel_err(g, r) < 1e-4, jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_branch_ablation_matches_reference():
     cfg = tiny_model_cfg(G=2, K=1, branches=("slc", "win"))
     x, params = _setup(cfg, 33)

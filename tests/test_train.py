@@ -172,6 +172,7 @@ def test_accumulation_equals_one_big_batch(host_state, batches):
     assert_params_close(acc.params, big.params, 1e-5)
 
 
+@pytest.mark.slow
 def test_lr_reaches_floor_at_last_optimizer_step_with_accumulation(host_state, batches):
     extra = (f"train.global_batch={B // 2}", "train.accumulate=2")
     state, metrics = run_steps(2, host_state, batches, *extra, accumulate=2)
