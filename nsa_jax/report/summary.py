@@ -116,7 +116,7 @@ class Run:
 def resolve_run_dir(path: str | os.PathLike) -> pathlib.Path:
     """The run directory a command-line path names (a training.csv names its directory)."""
     p = pathlib.Path(path)
-    if p.is_file() and p.name == "training.csv":
+    if p.is_file() and p.name == rf.TRAINING_CSV:
         return p.parent
     if not p.exists():
         raise RunPathError(f"no such run directory: {p}")
@@ -195,11 +195,11 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
             env = json.loads(env_path.read_text(errors="replace"))
             run.env = env if isinstance(env, dict) else None
             if run.env is None:
-                run.problems.append("env.json: not a JSON object; ignored")
+                run.problems.append(f"{rf.ENV_JSON}: not a JSON object; ignored")
         except json.JSONDecodeError as e:
-            run.problems.append(f"env.json: not valid JSON ({e.msg} at line {e.lineno}); ignored")
+            run.problems.append(f"{rf.ENV_JSON}: not valid JSON ({e.msg} at line {e.lineno}); ignored")
     else:
-        run.missing.append("env.json")
+        run.missing.append(rf.ENV_JSON)
 
     def disabled(key: str) -> bool:
         return run.config("logging", key, True) is False
@@ -208,9 +208,9 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
         run.columns, run.rows = read_csv(run.csv_path, run.problems)
         run.series_path = run.csv_path
         if not run.rows:
-            run.problems.append("training.csv: no complete step rows yet")
+            run.problems.append(f"{rf.TRAINING_CSV}: no complete step rows yet")
     else:
-        run.missing.append("training.csv (off: logging.csv=false)" if disabled("csv") else "training.csv")
+        run.missing.append(f"{rf.TRAINING_CSV} (off: logging.csv=false)" if disabled("csv") else rf.TRAINING_CSV)
 
     for f in sorted(root.glob(rf.HEARTBEAT_GLOB)):
         rank = rf.heartbeat_rank(f.name)
@@ -219,17 +219,17 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     expected = run.env.get("process_count") if run.env else None
     if not run.heartbeats:
         run.missing.append(
-            "heartbeat_rank*.jsonl (off: logging.heartbeat=false)" if disabled("heartbeat") else "heartbeat_rank*.jsonl"
+            f"{rf.HEARTBEAT_GLOB} (off: logging.heartbeat=false)" if disabled("heartbeat") else rf.HEARTBEAT_GLOB
         )
     elif isinstance(expected, int):
-        run.missing.extend(f"heartbeat_rank{r}.jsonl" for r in range(expected) if r not in run.heartbeats)
+        run.missing.extend(rf.heartbeat_name(r) for r in range(expected) if r not in run.heartbeats)
 
     if not run.rows and run.heartbeats.get(0):
         rows = _rows_from_heartbeats(run.heartbeats[0])
         if rows:
             run.rows = rows
             run.columns = ["step", "loss", "lr", "step_time_s", "toks_per_s"]
-            run.series_path = root / "heartbeat_rank0.jsonl"
+            run.series_path = root / rf.heartbeat_name(0)
 
     val_path = root / rf.VAL_CSV
     if val_path.is_file():
@@ -237,9 +237,9 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
         key = next((k for k in ("val_loss", "loss") if any(r.get(k) is not None for r in vrows)), None)
         if key:
             run.val = [(int(r["step"]), r[key]) for r in vrows if r.get(key) is not None]
-            run.val_source = "val.csv"
+            run.val_source = rf.VAL_CSV
         else:
-            run.problems.append("val.csv: no val_loss or loss values")
+            run.problems.append(f"{rf.VAL_CSV}: no val_loss or loss values")
     if not run.val:
         steps, vals = run.series("val_loss")
         if steps:
@@ -620,7 +620,7 @@ def _heartbeat_health(run: Run, th: Thresholds, fig: dict) -> Criterion:
     if not run.heartbeats:
         if run.config("logging", "heartbeat", True) is False:
             return Criterion("heartbeats", NA, "off (logging.heartbeat=false)")
-        return Criterion("heartbeats", NO_GO, "no heartbeat_rank*.jsonl")
+        return Criterion("heartbeats", NO_GO, f"no {rf.HEARTBEAT_GLOB}")
     issues, parts, worst = [], [], 0.0
     expected = run.env.get("process_count") if run.env else None
     if isinstance(expected, int):
