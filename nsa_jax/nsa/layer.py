@@ -166,9 +166,10 @@ class NSAAttention(nn.Module):
             return Compressor(a.l, a.d, a.cmp_phi, a.cmp_mlp_hidden, dtype=dtype, init_std=cfg.init_std, name=name)
 
         out_proj = nn.Dense(D, use_bias=False, dtype=dtype, kernel_init=out_init, name="o")
-        if decode:
+        if self.mode != "train":  # prefill fills the cache, decode reads and advances it
             cache = {n: self.variable("cache", n, _missing_cache, n) for n in CACHE_NAMES}
             kv = {"kcmp": k_cmp, "vcmp": v_cmp, "kslc": k_slc, "vslc": v_slc, "kwin": k_win, "vwin": v_win}
+        if decode:
             outputs = decode_branches(
                 cfg, cache, layer, pos_B, q[:, 0], {k: x[:, 0] for k, x in kv.items()}, compressor
             )
@@ -213,8 +214,6 @@ class NSAAttention(nn.Module):
 
         o = combine_branches(g_BxTxHx3, outputs, a.branches)
         if self.mode == "prefill":
-            cache = {n: self.variable("cache", n, _missing_cache, n) for n in CACHE_NAMES}
-            kv = {"kcmp": k_cmp, "vcmp": v_cmp, "kslc": k_slc, "vslc": v_slc, "kwin": k_win, "vwin": v_win}
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
         if idx is not None:
             self.sow("intermediates", "block_idx", idx)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import math
 import os
 import pathlib
@@ -50,7 +49,7 @@ from nsa_jax.runfiles import BRANCHES, HALT_FILE
 from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.evaluate import Evaluator, format_eval
-from nsa_jax.train.state import TrainState, init_state
+from nsa_jax.train.state import TrainState
 
 
 def fmt_duration(seconds: float) -> str:
@@ -271,7 +270,7 @@ class Trainer:
         The step is lowered against the state's shapes, so XLA compiles it in a
         worker thread while the main thread builds (compiles and runs) the init.
         """
-        abstract = self.state if self.state is not None else jax.eval_shape(functools.partial(init_state, self.cfg))
+        abstract = self.state if self.state is not None else self.plan.state_shapes
         lowered = self.train_step.lower(abstract, batch)
 
         def timed_compile():
