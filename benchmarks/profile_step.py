@@ -12,10 +12,13 @@ window, gates, MLP, embedding/head, optimizer):
     python -m benchmarks.profile_step --layer --config a100_pcie --seq-len 32768 --steps 1
     python -m benchmarks.profile_step --layer --backward --seq-len 8192 --top 15 --json prof.json
 
-On the CPU backend the instructions of one step run one after another on the
-calling thread or fan out over the intra-op pool; "op ms" is their summed
-duration per step, so it can exceed the step's wall time when work runs in
-parallel. The share column is of the summed op time.
+On a GPU the time is the kernels' on the device tracks, each attributed to the
+instruction its `hlo_op` trace argument names (Pallas kernels to their custom-call),
+so "op ms" is device time, comparable with the wall time per step; the gap is time
+the device sat idle (launch and host overhead). On the CPU backend the
+instructions of one step run one after another on the calling thread or fan out
+over the intra-op pool; "op ms" is their summed duration per step, so it can
+exceed the step's wall time when work runs in parallel. The share column is of the summed op time.
 """
 
 from __future__ import annotations
@@ -118,6 +121,43 @@ def trace_events(trace_dir: pathlib.Path) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def device_pids(events: list[dict]) -> set:
+    """Process ids of the accelerator tracks ('/device:GPU:0 ...'); empty on a CPU-only trace."""
+    return {
+        e.get("pid")
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and re.search(r"/device:(GPU|TPU)", str(e.get("args", {}).get("name", "")))
+    }
+
+
+def instruction_times(events: list[dict], sources: dict) -> tuple[collections.Counter, collections.Counter, str]:
+    """(ms per HLO instruction, calls per instruction, where the time was read) from trace events.
+
+    On a GPU the time that counts is the kernels' on the device tracks; a kernel's
+    event is named after the CUDA/Triton kernel, and its `hlo_op` argument names the
+    instruction that launched it (several kernels may share one). The host tracks
+    then carry only the launch of each thunk, so they are ignored. On the CPU the
+    instruction events themselves, named after the instruction, are the work.
+    """
+    per_instr, calls = collections.Counter(), collections.Counter()
+    devices = device_pids(events)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if devices:
+            if e.get("pid") not in devices:
+                continue
+            name = (e.get("args") or {}).get("hlo_op", e.get("name"))
+        else:
+            name = e.get("name")
+        if name in sources and sources[name]["opcode"] not in CONTAINERS:
+            per_instr[name] += float(e.get("dur", 0.0)) / 1e3  # us -> ms
+            calls[name] += 1
+    return per_instr, calls, "device kernels" if devices else "host instruction events"
+
+
 def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -> dict:
     """Traces `steps` calls of run_once (which blocks); returns per-instruction totals per step."""
     sources = instruction_sources(compiled_text)
@@ -126,13 +166,7 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
         for _ in range(steps):
             run_once()
     wall_s = (time.perf_counter() - t0) / steps
-    per_instr = collections.Counter()
-    calls = collections.Counter()
-    for e in trace_events(trace_dir):
-        name = e.get("name")
-        if e.get("ph") == "X" and name in sources and sources[name]["opcode"] not in CONTAINERS:
-            per_instr[e["name"]] += float(e.get("dur", 0.0)) / 1e3  # us -> ms
-            calls[e["name"]] += 1
+    per_instr, calls, read_from = instruction_times(trace_events(trace_dir), sources)
     if not per_instr:
         raise SystemExit("error: the trace has no XLA instruction events; this jax/XLA build does not emit them")
     total = sum(per_instr.values())
@@ -160,6 +194,7 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
         return [{key: k, "ms_per_step": ms, "share": ms / per_step} for k, ms in acc.most_common()]
 
     return {
+        "read_from": read_from,
         "wall_ms_per_step": 1e3 * wall_s,
         "op_ms_per_step": per_step,
         "rows": rows,
@@ -245,7 +280,10 @@ def main(argv=None) -> None:
     res = profile(run_once, compiled.as_text(), opts.steps, trace_dir)
 
     print(f"{opts.config}, {what}, attention_impl {cfg.model.nsa.attention_impl}, {opts.steps} traced calls")
-    print(f"wall {res['wall_ms_per_step']:.1f} ms per call (traced); summed op time {res['op_ms_per_step']:.1f} ms")
+    print(
+        f"wall {res['wall_ms_per_step']:.1f} ms per call (traced); summed op time {res['op_ms_per_step']:.1f} ms "
+        f"({res['read_from']})"
+    )
     for key in ("part", "kind"):
         print(f"\n{'by ' + key:<16} {'op ms':>9} {'share':>6}")
         for p in res[key + "s"]:
@@ -267,6 +305,7 @@ def main(argv=None) -> None:
         trace_dir=str(trace_dir),
         wall_ms_per_step=res["wall_ms_per_step"],
         op_ms_per_step=res["op_ms_per_step"],
+        read_from=res["read_from"],
         parts=res["parts"],
         kinds=res["kinds"],
     )

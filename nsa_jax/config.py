@@ -57,6 +57,10 @@ class NSAConfig:
     # Selection warm-up: the selection branch's output is scaled by min(1, step / N) in the train
     # step (0 at step 0, full from step N); 0 disables it.
     slc_warmup_steps: int = 0
+    # Block-scorer distillation: adds weight * KL(dense selection attention per block || compressed
+    # block scores) over the free block choices to the loss; its gradient reaches only the compressed
+    # keys (nsa/selection.score_distill_kl). 0 disables it.
+    slc_score_distill: float = 0.0
     # Branches whose output enters the gated sum; others are dropped (ablations).
     # Selection still scores blocks with the compressed keys when cmp is off.
     branches: tuple[str, ...] = BRANCHES
@@ -332,6 +336,10 @@ def validate(cfg: Config) -> Config:
     need(
         len(a.gate_bias_init) in (0, 3),
         f"model.nsa.gate_bias_init must be empty or three numbers [cmp, slc, win], got {list(a.gate_bias_init)}",
+    )
+    need(
+        a.slc_score_distill >= 0,
+        f"model.nsa.slc_score_distill must be >= 0 (0 disables it), got {a.slc_score_distill}",
     )
     need(a.slc_warmup_steps >= 0, f"model.nsa.slc_warmup_steps must be >= 0 (0 disables it), got {a.slc_warmup_steps}")
     need(

@@ -183,6 +183,41 @@ def test_profile_instruction_sources_name_ops_and_kinds():
     assert profile_step.part_of("jit(step)/something/else") == "other"
 
 
+def test_profile_attributes_device_kernels_by_hlo_op():
+    """On a GPU trace the device kernels count, each under the instruction its hlo_op names.
+
+    The trace is written by hand in the trace-viewer layout (process_name metadata,
+    kernel events named after the CUDA kernel with hlo_op/hlo_module arguments, host
+    thunk events named after the instruction); a CPU trace has no device track.
+    """
+    sources = {
+        "fusion.3": {"opcode": "fusion"},
+        "custom-call.7": {"opcode": "custom-call"},
+        "while.2": {"opcode": "while"},
+    }
+    gpu = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0 (NVIDIA H100)"}},
+        # host: the thunk launches, named after the instruction (not device time)
+        {"ph": "X", "pid": 1, "name": "fusion.3", "dur": 5.0, "args": {"hlo_op": "fusion.3"}},
+        {"ph": "X", "pid": 1, "name": "custom-call.7", "dur": 4.0},
+        # device: two kernels of one custom call (a Pallas forward, say) and one fusion
+        {"ph": "X", "pid": 7, "name": "nsa_sel_fwd", "dur": 3000.0, "args": {"hlo_op": "custom-call.7"}},
+        {"ph": "X", "pid": 7, "name": "nsa_sel_fwd", "dur": 1000.0, "args": {"hlo_op": "custom-call.7"}},
+        {"ph": "X", "pid": 7, "name": "loop_fusion_3", "dur": 500.0, "args": {"hlo_op": "fusion.3"}},
+        {"ph": "X", "pid": 7, "name": "while_cond", "dur": 9000.0, "args": {"hlo_op": "while.2"}},
+        {"ph": "X", "pid": 7, "name": "memcpy", "dur": 70.0, "args": {}},
+    ]
+    ms, calls, where = profile_step.instruction_times(gpu, sources)
+    assert where == "device kernels"
+    assert ms == {"custom-call.7": 4.0, "fusion.3": 0.5}
+    assert calls == {"custom-call.7": 2, "fusion.3": 1}
+    cpu = [e for e in gpu if e.get("pid") == 1]
+    ms, calls, where = profile_step.instruction_times(cpu, sources)
+    assert where == "host instruction events"
+    assert ms == {"fusion.3": 0.005, "custom-call.7": 0.004}
+
+
 @pytest.mark.slow
 def test_profile_step_cli_writes_json(tmp_path):
     out = tmp_path / "profile.json"

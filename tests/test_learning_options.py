@@ -231,3 +231,96 @@ def test_experiments_pair_positions_match_the_generator(fmt):
     qpos, tpos = pair_positions(batch.tokens_BxT1, 256, fmt)
     np.testing.assert_array_equal(qpos, batch.query_key_pos_BxQ)
     np.testing.assert_array_equal(tpos, batch.pair_key_pos_BxQ + pair_len(fmt) - 1)
+
+
+def _distill_reference(q, kc, k, l, d, lp):
+    """float64 per-token KL(target || scorer) over the free blocks 1 .. t//lp - 2 (docs/NSA.md)."""
+    q, kc, k = (np.asarray(x, np.float64) for x in (q, kc, k))
+    B, T, H, Dk = q.shape
+    Tc, K = kc.shape[1], kc.shape[2]
+    G, Nb, scale = H // K, math.ceil(T / lp), Dk**-0.5
+    kls = []
+    for b in range(B):
+        for t in range(T):
+            free = list(range(1, t // lp - 1))
+            if len(free) < 2:
+                continue
+            for kv in range(K):
+                target, scorer = np.zeros(Nb), np.zeros(Nb)
+                for h in range(kv * G, (kv + 1) * G):
+                    s = q[b, t, h] @ k[b, : t + 1, kv].T * scale
+                    p = np.exp(s - s.max())
+                    p /= p.sum()
+                    for pos in range(t + 1):
+                        target[pos // lp] += p[pos] / G
+                    vis = [i for i in range(Tc) if i * d + l - 1 <= t]
+                    sc = np.array([q[b, t, h] @ kc[b, i, kv] * scale for i in vis])
+                    pc = np.exp(sc - sc.max())
+                    pc /= pc.sum()
+                    for i, pi in zip(vis, pc):
+                        for j in range(Nb):
+                            if i * d < (j + 1) * lp and i * d + l > j * lp:
+                                scorer[j] += pi
+                tf, sf = target[free] / target[free].sum(), scorer[free] / scorer[free].sum()
+                kls.append(np.sum(tf * np.log(tf / sf)))
+    return float(np.mean(kls))
+
+
+def test_score_distill_kl_matches_reference_and_trains_only_the_compressed_keys():
+    from nsa_jax.nsa.selection import score_distill_kl
+
+    B, T, H, K, Dk, l, d, lp = 2, 45, 4, 2, 8, 8, 4, 8
+    keys = jax.random.split(jax.random.PRNGKey(4), 3)
+    q = jax.random.normal(keys[0], (B, T, H, Dk)) * 1.5
+    kc = jax.random.normal(keys[1], (B, (T - l) // d + 1, K, Dk)) * 1.5
+    k = jax.random.normal(keys[2], (B, T, K, Dk)) * 1.5
+
+    def kl(q, kc, k):
+        return score_distill_kl(q, kc, k, l=l, d=d, lp=lp, query_chunk=16)
+
+    ref = _distill_reference(q, kc, k, l, d, lp)
+    assert ref > 0.01  # random keys disagree: the check below is not 0 == 0
+    assert abs(float(kl(q, kc, k)) - ref) < 1e-4 * max(ref, 1.0)
+    g_q, g_kc, g_k = jax.grad(kl, argnums=(0, 1, 2))(q, kc, k)
+    assert np.all(np.asarray(g_q) == 0) and np.all(np.asarray(g_k) == 0)
+    # The compressed keys' gradient: a central difference of the float64 reference.
+    direction = jax.random.normal(jax.random.PRNGKey(5), kc.shape)
+    eps = 1e-3
+    fd = (
+        _distill_reference(q, kc + eps * direction, k, l, d, lp)
+        - _distill_reference(q, kc - eps * direction, k, l, d, lp)
+    ) / (2 * eps)
+    assert abs(float(jnp.sum(g_kc * direction)) - fd) < 2e-3 * max(abs(fd), 1.0)
+
+
+def test_score_distill_adds_to_the_loss_and_is_off_by_default():
+    base = [
+        "model.n_layers=2",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.d_ff=32",
+        "train.seq_len=64",
+        "model.nsa.l=8",
+        "model.nsa.d=4",
+        "model.nsa.lp=8",
+        "model.nsa.n=3",
+        "model.nsa.w=8",
+        "model.vocab_size=64",
+        "data.dataset=synthetic",
+    ]
+    cfg_off = load_config("cpu_tiny", base)
+    cfg_on = load_config("cpu_tiny", [*base, "model.nsa.slc_score_distill=0.5"])
+    assert cfg_off.model.nsa.slc_score_distill == 0.0
+    from nsa_jax.model import init_params
+
+    params = init_params(cfg_off.model, jax.random.PRNGKey(0), 64)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 65), 0, 64)
+    loss_off, stats_off = S.loss_and_stats(params, tokens, cfg=cfg_off)
+    loss_on, stats_on = S.loss_and_stats(params, tokens, cfg=cfg_on)
+    assert "distill_kl" not in stats_off
+    np.testing.assert_allclose(float(stats_on["ce"]), float(loss_off), rtol=1e-6)
+    assert float(stats_on["distill_kl"]) > 0
+    np.testing.assert_allclose(float(loss_on), float(loss_off) + 0.5 * float(stats_on["distill_kl"]), rtol=1e-6)
+    with pytest.raises(ConfigError, match="slc_score_distill"):
+        load_config("cpu_tiny", [*base, "model.nsa.slc_score_distill=-1"])

@@ -26,7 +26,7 @@ from nsa_jax.kernels import selection_attention, window_attention
 from nsa_jax.kernels.xla import masked_softmax, masked_softmax_attend
 from nsa_jax.layers import rope
 from nsa_jax.nsa.compression import Compressor, compressed_attention
-from nsa_jax.nsa.selection import block_scores_from_cmp, select_blocks, straight_through_delta
+from nsa_jax.nsa.selection import block_scores_from_cmp, score_distill_kl, select_blocks, straight_through_delta
 
 MODES = ("train", "prefill", "decode")
 # Per-layer decode state in the `cache` collection (layout: nsa_jax/inference/cache.py).
@@ -206,6 +206,10 @@ class NSAAttention(nn.Module):
                         q, kc, k_slc, v_slc, idx, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk
                     )
                     outputs["slc"] = outputs["slc"] + delta.astype(outputs["slc"].dtype)
+                if a.slc_score_distill > 0 and self.mode == "train":
+                    # The train step adds weight * this to the loss (step.loss_and_stats).
+                    kl = score_distill_kl(q, kc, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
+                    self.sow("aux", "distill_kl", kl)
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):
                 outputs["win"] = window_attention(

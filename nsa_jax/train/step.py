@@ -132,16 +132,39 @@ def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
 
 
+def distill_kl(aux: dict, cfg: Config) -> jax.Array | None:
+    """Mean over layers of the block-scorer KL the layers sow (model.nsa.slc_score_distill), or None."""
+    if cfg.model.scan_layers:
+        kl = aux.get("layers", {}).get("attn", {}).get("distill_kl")
+        return jnp.mean(kl[0]) if kl else None
+    per_layer = [aux.get(f"layer_{i}", {}).get("attn", {}).get("distill_kl") for i in range(cfg.model.n_layers)]
+    return jnp.mean(jnp.stack([k[0] for k in per_layer])) if all(per_layer) else None
+
+
 def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.Array, dict]:
-    """Mean next-token loss of one micro-batch (over loss_mask), and its aux statistics when enabled."""
+    """Loss of one micro-batch and its aux statistics when enabled.
+
+    The loss is the mean next-token loss (over loss_mask), plus slc_score_distill times
+    the block-scorer KL when that is on; then stats carry `ce` (the next-token loss
+    alone) and `distill_kl`.
+    """
     model = NSALM(cfg.model)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    if cfg.logging.aux_stats:
+    distill = cfg.model.nsa.slc_score_distill if "slc" in cfg.model.nsa.branches else 0.0
+    stats = {}
+    if cfg.logging.aux_stats or distill:
         logits_BxTxV, variables = model.apply({"params": params}, inputs_BxT, mutable=["aux"])
-        stats = layer_stats(variables.get("aux", {}), cfg)
+        aux = variables.get("aux", {})
+        if cfg.logging.aux_stats:
+            stats = layer_stats(aux, cfg)
     else:
-        logits_BxTxV, stats = model.apply({"params": params}, inputs_BxT), {}
-    return cross_entropy(logits_BxTxV, targets_BxT, loss_mask(tokens_BxT1, cfg)), stats
+        logits_BxTxV = model.apply({"params": params}, inputs_BxT)
+    loss = cross_entropy(logits_BxTxV, targets_BxT, loss_mask(tokens_BxT1, cfg))
+    if distill:
+        kl = distill_kl(aux, cfg)
+        stats = {**stats, "ce": loss, "distill_kl": kl}
+        loss = loss + distill * kl
+    return loss, stats
 
 
 # ---------------------------------------------------------------------------
