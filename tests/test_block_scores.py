@@ -232,3 +232,23 @@ def test_select_lowers_to_triton_for_cuda_at_production_shape():
         # No per-query probability or score tensor: nothing with a T axis and a T_cmp or T/lp axis.
         assert not re.search(rf"\b{t}x({tc}|{tc + 1}|{t // lp})x", text)
         assert f"{b}x{t}x{kvh}x{n}xi32" in text or f"{b}x{kvh}x{t}x{n}xi32" in text
+
+
+def test_scoring_tiles_fit_the_a100_budget_or_say_so():
+    from nsa_jax.kernels.block_scores_pallas import BlockSelectSizes, fit_select_sizes, select_smem_estimates
+    from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
+
+    default = BlockSelectSizes()
+    # fp32 with a 256-wide head: the default tiles are over budget, so they shrink until they fit.
+    assert select_smem_estimates(default, 256, 4)["nsa_block_scores"] > SMEM_BUDGET_BYTES
+    fitted = fit_select_sizes(None, 256, 4)
+    assert select_smem_estimates(fitted, 256, 4)["nsa_block_scores"] <= SMEM_BUDGET_BYTES
+    assert fitted.block_blocks < default.block_blocks
+    assert fit_select_sizes(None, 64, 2) == default  # the production case keeps the default
+    # An explicit tiling over budget is refused at trace time, naming the kernel and the knobs.
+    q = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    kc = jnp.zeros((1, 7, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"nsa_block_scores.*A100.*block_pos / block_blocks"):
+        compressed_attention_select_pallas(
+            q, kc, kc, l=16, d=8, lp=16, n=2, interpret=True, select_sizes=BlockSelectSizes(512, 512)
+        )

@@ -65,7 +65,10 @@ from jax.experimental import pallas as pl
 from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, cmp_layout, compressed_attention_lse_pallas
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
+    MIN_DOT_DIM,
+    SMEM_BUDGET_BYTES,
     KeyLayout,
+    check_smem,
     check_tile_size,
     compiler_params,
     layout_visible,
@@ -73,6 +76,7 @@ from nsa_jax.kernels.pallas_common import (
     pad_axis,
     padded_dim,
     scores_log2,
+    smem_estimate,
 )
 from nsa_jax.kernels.xla import EXCLUDED, FORCED  # the ranking values of select_blocks, shared
 
@@ -388,9 +392,26 @@ def _block_select_bwd(lay, l, d, lp, n, scale, interpret, bsz, res, ct):
 _block_select.defvjp(_block_select_fwd, _block_select_bwd)
 
 
-def _check_select_sizes(bsz: BlockSelectSizes):
+def select_smem_estimates(bsz: BlockSelectSizes, dk: int, itemsize: int) -> dict[str, int]:
+    """Shared-memory bytes of the scoring kernel: a query tile and a key tile per matmul of the block loop."""
+    looped = (bsz.block_pos * dk, bsz.block_blocks * dk)
+    return {"nsa_block_scores": smem_estimate(looped=looped, num_stages=bsz.num_stages, itemsize=itemsize)}
+
+
+def fit_select_sizes(bsz: BlockSelectSizes | None, dk: int, itemsize: int) -> BlockSelectSizes:
+    """The tiling to use: the default halved (larger tile first) until it fits the A100 budget, or
+    the given one, which must fit (one clear error otherwise)."""
+    if bsz is None:
+        bsz = BlockSelectSizes()
+        while select_smem_estimates(bsz, dk, itemsize)["nsa_block_scores"] > SMEM_BUDGET_BYTES:
+            name = "block_blocks" if bsz.block_blocks >= bsz.block_pos else "block_pos"
+            if getattr(bsz, name) <= MIN_DOT_DIM:
+                break
+            bsz = dataclasses.replace(bsz, **{name: getattr(bsz, name) // 2})
     check_tile_size("block_pos", bsz.block_pos)
     check_tile_size("block_blocks", bsz.block_blocks)
+    check_smem(select_smem_estimates(bsz, dk, itemsize), "block_pos / block_blocks (BlockSelectSizes), num_stages")
+    return bsz
 
 
 def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes):
@@ -421,8 +442,7 @@ def compressed_attention_scores_pallas(
     probabilities (no gradient). No [B, K, T, Tc] probability tensor exists.
     """
     _check_geometry(l, d, lp)
-    ssz = BlockSelectSizes() if select_sizes is None else select_sizes
-    _check_select_sizes(ssz)
+    ssz = fit_select_sizes(select_sizes, padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize)
     o, lse, lay, scale = _attention_and_lse(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes)
     sg = lax.stop_gradient
     s = _block_scores(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, lay, l, d, lp, scale, bool(interpret), ssz)
@@ -463,8 +483,7 @@ def compressed_attention_select_pallas(
     _check_geometry(l, d, lp)
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
-    ssz = BlockSelectSizes() if select_sizes is None else select_sizes
-    _check_select_sizes(ssz)
+    ssz = fit_select_sizes(select_sizes, padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize)
     t = q_BxTxHxDk.shape[1]
     t_T = jnp.arange(t, dtype=jnp.int32) if t_T is None else t_T
     if t_T.shape != (t,):
@@ -488,7 +507,8 @@ def select_blocks_pallas(
     if lp < 1 or n < 1:
         raise ValueError(f"lp={lp} and n={n} must be >= 1")
     bsz = BlockSelectSizes() if select_sizes is None else select_sizes
-    _check_select_sizes(bsz)
+    check_tile_size("block_pos", bsz.block_pos)  # no matmul here: only the tile rule
+    check_tile_size("block_blocks", bsz.block_blocks)
     b, t, kvh, nb = scores_BxTxKxNb.shape
     t_T = jnp.arange(t, dtype=jnp.int32) if t_T is None else t_T
     if t_T.shape != (t,):
