@@ -5,7 +5,11 @@ heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with the
 n=16 selected blocks, as the layer runs it: on the Pallas path one kernel scores
 and selects the blocks):
 
-* ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas),
+* ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas; for
+  the selection branch the gather kernel, selection_pallas),
+* ``blocksparse`` (selection branch only): the block-sparse flash kernel
+  (blocksparse_pallas), which ``kernels.selection_attention`` runs instead of the
+  gather kernel when T <= 2 n lp (2048 here),
 * ``xla``: the plain-XLA chunked path (nsa_jax.kernels.xla),
 * ``dense``: full causal ``jax.nn.dot_product_attention`` (the cost NSA avoids),
 
@@ -32,6 +36,7 @@ import numpy as np
 
 from benchmarks.common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json
 from nsa_jax.kernels import compressed_attention
+from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
@@ -44,6 +49,8 @@ except ImportError:  # the reference path is optional for this script
 PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512, cmp_l=32, cmp_d=16)
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
+# Kernels that only the interpreter runs without a GPU (skipped there).
+PALLAS_IMPLS = ("pallas", "blocksparse")
 
 
 def with_backward(fn):
@@ -72,6 +79,11 @@ def candidates(branch, interpret=False, positions=1):
         impls["pallas"] = no_aux(
             lambda q, k, v, idx: selection_attention_pallas(
                 q, k, v, idx, p["block_size"], interpret=interpret, block_sizes=SelectionBlockSizes(positions=positions)
+            )
+        )
+        impls["blocksparse"] = no_aux(
+            lambda q, k, v, idx: selection_attention_blocksparse_pallas(
+                q, k, v, idx, p["block_size"], interpret=interpret
             )
         )
         if xla_kernels is not None:
@@ -191,7 +203,7 @@ def main(argv=None):
                 row = dict(seq=seq, branch=branch, mode=mode)
                 for name, fn in impls.items():
                     skip = None
-                    if name == "pallas" and not gpu:
+                    if name in PALLAS_IMPLS and not gpu:
                         skip = "no GPU"
                     elif name == "dense" and seq > opts.dense_max_seq:
                         skip = f"T > --dense-max-seq {opts.dense_max_seq}"
@@ -218,11 +230,13 @@ def main(argv=None):
                 for other in ("xla", "dense"):
                     a, b = row.get("pallas_ms"), row.get(f"{other}_ms")
                     row[f"speedup_vs_{other}"] = (b / a) if a and b else None
+                a, b = row.get("blocksparse_ms"), row.get("dense_ms")
+                row["blocksparse_speedup_vs_dense"] = (b / a) if a and b else None
                 rows.append(row)
 
     header = (
-        f"{'T':>6} {'branch':<10} {'mode':<7} {'pallas ms':>9} "
-        f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9}"
+        f"{'T':>6} {'branch':<10} {'mode':<7} {'pallas ms':>9} {'bsp ms':>9} "
+        f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9} {'dense/bsp':>9}"
     )
     print()
     print(header)
@@ -230,10 +244,11 @@ def main(argv=None):
     for r in rows:
         print(
             f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} "
-            f"{fmt(r.get('pallas_ms'))} {fmt(r.get('xla_ms'))} "
+            f"{fmt(r.get('pallas_ms'))} {fmt(r.get('blocksparse_ms'))} {fmt(r.get('xla_ms'))} "
             f"{fmt(r.get('dense_ms'))} "
             f"{fmt(r.get('speedup_vs_xla'), '{:8.2f}x')} "
-            f"{fmt(r.get('speedup_vs_dense'), '{:8.2f}x')}"
+            f"{fmt(r.get('speedup_vs_dense'), '{:8.2f}x')} "
+            f"{fmt(r.get('blocksparse_speedup_vs_dense'), '{:8.2f}x')}"
         )
     notes = sorted({(k[:-5], r[k]) for r in rows for k in r if k.endswith("_note")})
     for name, note in notes:

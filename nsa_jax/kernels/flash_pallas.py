@@ -1,12 +1,15 @@
 """Pallas (Triton backend) flash-attention kernels over a key layout.
 
-This module owns the flash engine that serves two NSA branches:
+This module owns the flash engine that serves the NSA branches:
 ``banded_attention`` runs a fused forward, a dQ kernel and a dK/dV kernel
 under ``jax.custom_vjp`` for keys placed by a ``KeyLayout``
-(``pallas_common``). ``window_attention_pallas`` is the sliding-window entry
-point: query ``t`` attends to the positions ``[max(0, t - w + 1), t]`` (docs
-"Sliding-window branch"). The compressed branch (``compressed_pallas``)
-calls ``banded_attention`` with its own layout.
+(``pallas_common``), optionally under a per-row block mask.
+``window_attention_pallas`` is the sliding-window entry point: query ``t``
+attends to the positions ``[max(0, t - w + 1), t]`` (docs "Sliding-window
+branch"). The compressed branch (``compressed_pallas``) calls
+``banded_attention`` with its own layout, and the selection branch at short T
+(``blocksparse_pallas``) with the causal layout and its selected blocks as the
+mask.
 
 Why a windowed flash kernel and not the selection kernels
 ---------------------------------------------------------
@@ -41,6 +44,18 @@ compressed branch (``compressed_pallas``) reuses the same kernels with
 ``stride=d, offset=l-1`` (a compressed token is visible once its last raw
 token is) and a window longer than the sequence. Loop bounds follow from the
 layout, so every program only visits the key (or query) tiles it can see.
+
+Block mask
+----------
+With ``idx`` [B, T, K, n] and ``select_block`` = lp, row ``t*G + g`` also
+needs key ``i``'s block ``i // lp`` among query t's selected blocks (-1: an
+unused slot). Key tiles are at most lp keys, so a tile lies in one block and
+its mask is one comparison of the rows' n block ids with the tile's block.
+The kernels gather each row's ids (``[R, n]``, padded to a power of two with
+-1) next to its q row and skip (``lax.cond``, no K/V or q/dO load) a tile
+that no valid row selected by its position: forward and dQ per key tile,
+dK/dV per row tile, whose mask is recomputed from the ids instead of a reverse
+index. Without ``idx`` the kernels are exactly the layout-only ones.
 """
 
 from __future__ import annotations
