@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import random_block_indices, reference_attention, selection_visible
+from reference import random_block_indices, reference_attention, selection_visible, window_visible
 
 from nsa_jax import kernels
 from nsa_jax.kernels import blocksparse_pallas, flash_pallas
@@ -182,6 +182,36 @@ def test_tiles_no_row_selected_are_never_loaded():
     check_all(results, reference, jnp.float32)
 
 
+@pytest.mark.parametrize(
+    "g,splits,dtype",
+    [(6, 1, jnp.float32), (6, 4, jnp.float32), (1, 3, jnp.bfloat16), (16, None, jnp.float32)],
+    ids=["G6-one-program", "G6-4-splits", "G1-3-splits-bf16", "G16-default-splits"],
+)
+def test_dkv_splits_match_the_reference(g, splits, dtype):
+    # dK/dV programs per key tile: one (in place), several (fp32 parts summed afterwards; runs of
+    # row tiles that do not divide evenly, and empty runs for the last key tiles), the default (G).
+    b, t, d, lp, n = 1, 50, 32, 16, 2
+    kvh = 2 if g < 16 else 1
+    rng = np.random.default_rng(300 + g)
+    idx = random_block_indices(rng, b, t, kvh, n, lp)
+    bsz = FlashBlockSizes(16, 16, 16, 16, dkv_splits=splits)
+    check_against_reference(b, t, g, kvh, d, lp, n, dtype, idx, bsz=bsz, seed=g)
+
+
+def test_window_takes_dkv_splits_too():
+    # The layout-only engine (window branch) with split dK/dV programs: same contract.
+    b, t, g, kvh, d, w = 1, 45, 3, 1, 32, 9
+    rng = np.random.default_rng(12)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
+    bsz = FlashBlockSizes(16, 16, 16, 16, dkv_splits=3)
+    fn = lambda q, k, v: flash_pallas.window_attention_pallas(  # noqa: E731
+        q, k, v, w, interpret=INTERPRET, block_sizes=bsz
+    )
+    results = run_with_grads(fn, q, k, v, do)
+    reference = reference_attention(*as_f32(q, k, v, do), window_visible(w), d**-0.5)
+    check_all(results, reference, jnp.float32)
+
+
 # ---------------------------------------------------------------------------
 # Dispatch
 # ---------------------------------------------------------------------------
@@ -273,6 +303,20 @@ def test_blocksparse_lowers_to_triton_for_cuda_at_production_shapes():
     assert _export_text(_grad(fwd128), *_prod_args()).count(TRITON_TARGET) == 3
 
 
+@pytest.mark.parametrize(
+    "t,h,kvh,d,n,lp,dtype",
+    [(300, 2, 2, 32, 1, 16, jnp.float32), (100, 16, 1, 48, 3, 32, jnp.float32), (999, 6, 1, 128, 5, 16, jnp.bfloat16)],
+    ids=["G1-n1-f32", "G16-d48-f32", "G6-d128-ragged-bf16"],
+)
+def test_blocksparse_lowers_at_other_shapes(t, h, kvh, d, n, lp, dtype):
+    # One slot (an [R, 1] id tile), a head dim padded to 64, ragged T, tiles shrunk for d = 128.
+    sds = jax.ShapeDtypeStruct
+    args = [sds((1, t, h, d), dtype), sds((1, t, kvh, d), dtype), sds((1, t, kvh, d), dtype)]
+    args.append(sds((1, t, kvh, n), jnp.int32))
+    fwd = lambda q, k, v, i: selection_attention_blocksparse_pallas(q, k, v, i, lp)  # noqa: E731
+    assert _export_text(_grad(fwd), *args).count(TRITON_TARGET) == 3
+
+
 @pytest.mark.parametrize("t,kernel_name", [(2048, "nsa_selection_bsp"), (4096, "nsa_selection_dkv")])
 def test_dispatch_lowers_the_chosen_kernel(monkeypatch, t, kernel_name):
     monkeypatch.setattr(kernels, "interpret_pallas", lambda: False)  # Triton lowering, not the interpreter
@@ -302,6 +346,10 @@ def test_oversized_or_misfit_tiles_are_refused_with_a_clear_message():
         )
     with pytest.raises(ValueError, match=r"block_size=24 must be a power of two"):
         selection_attention_blocksparse_pallas(q, k, k, idx, 24, interpret=INTERPRET)
+    with pytest.raises(ValueError, match=r"dkv_splits=0 must be >= 1"):
+        selection_attention_blocksparse_pallas(
+            q, k, k, idx, 16, interpret=INTERPRET, block_sizes=FlashBlockSizes(dkv_splits=0)
+        )
     with pytest.raises(ValueError, match=r"block indices"):
         selection_attention_blocksparse_pallas(q, k, k, idx[:, :16], 16, interpret=INTERPRET)
 

@@ -35,6 +35,11 @@ layout), the engine the window and compressed branches use:
 * dK/dV: a program holds a key tile and walks the row tiles from its first
   position on, recomputing each row's mask from ``idx`` and skipping row tiles
   that did not select the block: no reverse index, no atomics, deterministic.
+  The flattened rows are G times the positions, so by default each key tile's
+  rows are cut into G runs, one program each (``FlashBlockSizes.dkv_splits``),
+  whose fp32 partial dK/dV are summed in a fixed order: B*H*T/C programs, as
+  many as a per-head flash backward, instead of B*K*T/C (64 at T = 2048, K = 2,
+  C = 64, with block 0's program walking all T*G rows).
 * ``jax.custom_vjp`` with the forward's log-sum-exp saved for the backward.
 
 Long sequences keep the gather kernel: there the block mask would still walk

@@ -56,6 +56,15 @@ The kernels gather each row's ids (``[R, n]``, padded to a power of two with
 that no valid row selected by its position: forward and dQ per key tile,
 dK/dV per row tile, whose mask is recomputed from the ids instead of a reverse
 index. Without ``idx`` the kernels are exactly the layout-only ones.
+
+Split dK/dV
+-----------
+``FlashBlockSizes.dkv_splits = S > 1`` cuts the row tiles each key tile walks
+into S equal runs, one program each (grid axis 0 = key tile * S + run),
+writing fp32 partial dK/dV ``[S, B, Tk, K, D]`` that are added in run order
+afterwards (elementwise adds: the same sum on every run). It buys parallelism
+where B*K*Tk/C programs cannot fill the GPU, at the cost of the parts' memory
+(``S * 4`` bytes per element of K and V) and one pass over them.
 """
 
 from __future__ import annotations
@@ -103,6 +112,15 @@ class FlashBlockSizes:
       block_keys: keys per inner step of the forward / dQ loop.
       block_keys_dkv: keys per dK/dV program.
       block_rows_dkv: flattened rows per inner step of the dK/dV loop.
+      dkv_splits: dK/dV programs per key tile. The row tiles a key tile can see
+        are cut into this many equal runs, one program each, whose fp32 partial
+        dK/dV are summed in a fixed order afterwards. The flattened rows are G
+        times the positions, so one program per key tile walks up to G times
+        more steps than the longest forward program, in B*K*T/block_keys_dkv
+        programs (64 at T = 2048, K = 2): too few to fill a GPU at short T.
+        None: 1 for layout-only calls (window, compressed), G for a block mask
+        (the selection branch at short T), which restores the B*H*T/C programs
+        of a per-head flash backward.
       num_warps: Triton warps per program (None: pick from the head dim).
       num_stages: Triton software-pipelining depth.
     """
@@ -111,6 +129,7 @@ class FlashBlockSizes:
     block_keys: int | None = None
     block_keys_dkv: int | None = None
     block_rows_dkv: int | None = None
+    dkv_splits: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
 
@@ -330,11 +349,12 @@ def _win_dkv_kernel(
     scale,
     scale_log2,
     select_block,
+    splits,
 ):
     # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
-    #   lse / delta [Rp], dk [C, Dk], dv [C, Dv].
+    #   lse / delta [Rp], dk [C, Dk], dv [C, Dv] (this split's part when splits > 1).
     idx_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _split_refs(refs, select_block)
-    start = pl.program_id(0) * block_keys
+    start = lax.div(pl.program_id(0), splits) * block_keys
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     k_CxDk = k_ref[pl.ds(start, block_keys), :]
@@ -363,6 +383,10 @@ def _win_dkv_kernel(
         return _maybe(live, step, carry)
 
     lo, hi = _row_tile_range(start, seq=seq, group=group, lay=lay, block_keys=block_keys, block_rows=block_rows)
+    if splits > 1:  # this program's run of the row tiles
+        run = lax.div(jnp.maximum(hi - lo, 0) + splits - 1, splits)
+        lo = lo + lax.rem(pl.program_id(0), splits) * run
+        hi = jnp.minimum(lo + run, hi)
     init = (
         jnp.zeros((block_keys, k_ref.shape[-1]), jnp.float32),
         jnp.zeros((block_keys, v_ref.shape[-1]), jnp.float32),
@@ -525,23 +549,39 @@ def _banded_backward(q, k, v, idx, o, lse, do, lay: KeyLayout, scale, interpret,
     dq = _ungroup_rows(dq_rows, d, q.shape[-1])
 
     c = bsz.block_keys_dkv
+    splits = bsz.dkv_splits
     full_stat = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, 0))
-    dk_p, dv_p = pl.pallas_call(
-        functools.partial(_win_dkv_kernel, block_keys=c, block_rows=bsz.block_rows_dkv, **common),
-        grid=(d.keys_padded // c, d.batch, d.kv_heads),
-        in_specs=[*idx_specs, q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
-        out_specs=[
+    if splits == 1:  # written in place, in the input dtype
+        out_specs = [
             pl.BlockSpec((None, c, None, d.dk), lambda i, b, kv: (b, i, kv, 0)),
             pl.BlockSpec((None, c, None, d.dv), lambda i, b, kv: (b, i, kv, 0)),
-        ],
-        out_shape=[
+        ]
+        out_shape = [
             jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dk), k.dtype),
             jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dv), v.dtype),
-        ],
+        ]
+    else:  # fp32 parts [S, B, Tk, K, D]; program i: key tile i // S, split i % S
+        out_specs = [
+            pl.BlockSpec((None, None, c, None, dim), lambda i, b, kv: (i % splits, b, i // splits, kv, 0))
+            for dim in (d.dk, d.dv)
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, d.batch, d.keys_padded, d.kv_heads, dim), jnp.float32) for dim in (d.dk, d.dv)
+        ]
+    dk_p, dv_p = pl.pallas_call(
+        functools.partial(_win_dkv_kernel, block_keys=c, block_rows=bsz.block_rows_dkv, splits=splits, **common),
+        grid=(d.keys_padded // c * splits, d.batch, d.kv_heads),
+        in_specs=[*idx_specs, q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name=f"{name}_dkv",
     )(*idx_args, q_f, k_p, v_p, do_f, lse, delta)
+    if splits > 1:
+        # Elementwise adds in split order: the same sum on every run (no reduction whose order may vary).
+        dk_p = functools.reduce(jnp.add, [dk_p[i] for i in range(splits)]).astype(k.dtype)
+        dv_p = functools.reduce(jnp.add, [dv_p[i] for i in range(splits)]).astype(v.dtype)
     n_keys = k.shape[1]
     dk = dk_p[:, :n_keys, :, : k.shape[-1]]
     dv = dv_p[:, :n_keys, :, : v.shape[-1]]
@@ -588,6 +628,8 @@ def banded_attention(
                     f"{tile}={getattr(bsz, tile)} is larger than the selection block lp={select_block}: "
                     "a key tile must lie in one block, so set it to at most lp (or leave it None)"
                 )
+    if bsz.dkv_splits is None:
+        bsz = dataclasses.replace(bsz, dkv_splits=q.shape[2] // k.shape[2] if select_block else 1)
     return _banded(q, k, v, idx, lay, scale, interpret, bsz, name, select_block or None)
 
 
@@ -616,6 +658,8 @@ def check_block_sizes(bsz: FlashBlockSizes) -> None:
     for name in _TILES:
         if getattr(bsz, name) is not None:
             check_tile_size(name, getattr(bsz, name))
+    if bsz.dkv_splits is not None and bsz.dkv_splits < 1:
+        raise ValueError(f"dkv_splits={bsz.dkv_splits} must be >= 1 (or None)")
 
 
 def window_attention_pallas(
