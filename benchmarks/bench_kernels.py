@@ -28,6 +28,7 @@ sizes that fit in a short time (T <= 4096 by default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 from benchmarks.common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json
 from nsa_jax.kernels import compressed_attention
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
-from nsa_jax.kernels.flash_pallas import window_attention_pallas
+from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
 
@@ -63,7 +64,7 @@ def with_backward(fn):
     return run
 
 
-def candidates(branch, interpret=False, positions=1):
+def candidates(branch, interpret=False, positions=1, blocksparse_sizes=None):
     """name -> fn(q, k, v, idx) -> (o, aux).
 
     The block indices are an argument, not a closed-over constant: as a constant XLA
@@ -83,7 +84,7 @@ def candidates(branch, interpret=False, positions=1):
         )
         impls["blocksparse"] = no_aux(
             lambda q, k, v, idx: selection_attention_blocksparse_pallas(
-                q, k, v, idx, p["block_size"], interpret=interpret
+                q, k, v, idx, p["block_size"], interpret=interpret, block_sizes=blocksparse_sizes
             )
         )
         if xla_kernels is not None:
@@ -101,6 +102,22 @@ def candidates(branch, interpret=False, positions=1):
             impls["xla"] = no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, p["window"]))
     impls["dense"] = dense_attention("cudnn" if on_gpu() else "xla")
     return impls
+
+
+def parse_block_sizes(text):
+    """``FlashBlockSizes`` from ``name=int,...`` (empty: None, the kernel's defaults); exits on a bad entry."""
+    if not text:
+        return None
+    names = {f.name for f in dataclasses.fields(FlashBlockSizes)}
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in names or not value.strip().isdigit():
+            raise SystemExit(
+                f"error: --blocksparse-block-sizes entry {item!r} is not name=integer with name one of {sorted(names)}"
+            )
+        values[name.strip()] = int(value)
+    return FlashBlockSizes(**values)
 
 
 def compressed_branch(q, kc, vc, idx, *, impl):
@@ -148,6 +165,12 @@ def main(argv=None):
         default=1,
         help="query positions per selection forward / dQ program (SelectionBlockSizes.positions)",
     )
+    parser.add_argument(
+        "--blocksparse-block-sizes",
+        default="",
+        help="FlashBlockSizes of the block-sparse selection kernel, e.g. block_rows=64,block_keys=64,dkv_splits=6 "
+        "(default: the kernel's own choice)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--warmup", type=int, default=2)
@@ -161,6 +184,7 @@ def main(argv=None):
     parser.add_argument("--json", type=str, default=None, help="write the results to this JSON file")
     opts = parser.parse_args(argv)
 
+    blocksparse_sizes = parse_block_sizes(opts.blocksparse_block_sizes)
     gpu = on_gpu()
     if opts.dense_max_seq is None:
         opts.dense_max_seq = 65536 if gpu else 16384
@@ -198,7 +222,7 @@ def main(argv=None):
         tc = (seq - p["cmp_l"]) // p["cmp_d"] + 1
         cmp_args = (q, k[:, :tc], v[:, :tc], idx)
         for branch in branches:
-            impls = candidates(branch, positions=opts.selection_positions)
+            impls = candidates(branch, positions=opts.selection_positions, blocksparse_sizes=blocksparse_sizes)
             for mode in modes:
                 row = dict(seq=seq, branch=branch, mode=mode)
                 for name, fn in impls.items():
@@ -259,6 +283,7 @@ def main(argv=None):
         batch=opts.batch,
         config=PROD,
         selection_positions=opts.selection_positions,
+        blocksparse_block_sizes=opts.blocksparse_block_sizes,
         pallas_skipped=not gpu,
     )
     write_json(opts.json, meta, rows)
