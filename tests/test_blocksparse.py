@@ -114,6 +114,7 @@ CASES = [
     # Key tiles of 16 in blocks of 32: two tiles per block, both masked by the same block id.
     pytest.param(1, 75, 16, 1, 32, 32, 2, jnp.bfloat16, FlashBlockSizes(16, 16, 16, 16), id="G16-d32-lp32-tile16-bf16"),
     pytest.param(1, 53, 1, 2, 64, 32, 2, jnp.bfloat16, FlashBlockSizes(64, 32, 32, 16), id="G1-d64-lp32-bf16"),
+    pytest.param(1, 9, 6, 1, 32, 16, 2, jnp.float32, None, id="G6-T9-shorter-than-a-block-f32"),
 ]
 
 
@@ -122,7 +123,7 @@ def test_blocksparse_matches_reference(b, t, g, kvh, d, lp, n, dtype, bsz):
     # Ragged T (not a multiple of lp nor of the row tiles), -1 slots anywhere, n not a power of two.
     rng = np.random.default_rng(t * 131 + g)
     idx = random_block_indices(rng, b, t, kvh, n, lp)
-    assert (idx == -1).any()
+    assert (idx == -1).any()  # T = 9: one block, the other slot unused
     check_against_reference(b, t, g, kvh, d, lp, n, dtype, idx, bsz=bsz, seed=t + g)
 
 
