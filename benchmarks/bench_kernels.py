@@ -5,7 +5,11 @@ heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with the
 n=16 selected blocks, as the layer runs it: on the Pallas path one kernel scores
 and selects the blocks):
 
-* ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas),
+* ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas; for
+  the selection branch the gather kernel, selection_pallas),
+* ``blocksparse`` (selection branch only): the block-sparse flash kernel
+  (blocksparse_pallas), which ``kernels.selection_attention`` runs instead of the
+  gather kernel when T <= 2 n lp (2048 here),
 * ``xla``: the plain-XLA chunked path (nsa_jax.kernels.xla),
 * ``dense``: full causal ``jax.nn.dot_product_attention`` (the cost NSA avoids),
 
@@ -24,6 +28,7 @@ sizes that fit in a short time (T <= 4096 by default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +37,8 @@ import numpy as np
 
 from benchmarks.common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json
 from nsa_jax.kernels import compressed_attention
-from nsa_jax.kernels.flash_pallas import window_attention_pallas
+from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
+from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
 
@@ -44,6 +50,8 @@ except ImportError:  # the reference path is optional for this script
 PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512, cmp_l=32, cmp_d=16)
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
+# Kernels that only the interpreter runs without a GPU (skipped there).
+PALLAS_IMPLS = ("pallas", "blocksparse")
 
 
 def with_backward(fn):
@@ -56,7 +64,7 @@ def with_backward(fn):
     return run
 
 
-def candidates(branch, interpret=False, positions=1):
+def candidates(branch, interpret=False, positions=1, blocksparse_sizes=None):
     """name -> fn(q, k, v, idx) -> (o, aux).
 
     The block indices are an argument, not a closed-over constant: as a constant XLA
@@ -74,6 +82,11 @@ def candidates(branch, interpret=False, positions=1):
                 q, k, v, idx, p["block_size"], interpret=interpret, block_sizes=SelectionBlockSizes(positions=positions)
             )
         )
+        impls["blocksparse"] = no_aux(
+            lambda q, k, v, idx: selection_attention_blocksparse_pallas(
+                q, k, v, idx, p["block_size"], interpret=interpret, block_sizes=blocksparse_sizes
+            )
+        )
         if xla_kernels is not None:
             impls["xla"] = no_aux(
                 lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, p["block_size"])
@@ -89,6 +102,22 @@ def candidates(branch, interpret=False, positions=1):
             impls["xla"] = no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, p["window"]))
     impls["dense"] = dense_attention("cudnn" if on_gpu() else "xla")
     return impls
+
+
+def parse_block_sizes(text):
+    """``FlashBlockSizes`` from ``name=int,...`` (empty: None, the kernel's defaults); exits on a bad entry."""
+    if not text:
+        return None
+    names = {f.name for f in dataclasses.fields(FlashBlockSizes)}
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in names or not value.strip().isdigit():
+            raise SystemExit(
+                f"error: --blocksparse-block-sizes entry {item!r} is not name=integer with name one of {sorted(names)}"
+            )
+        values[name.strip()] = int(value)
+    return FlashBlockSizes(**values)
 
 
 def compressed_branch(q, kc, vc, idx, *, impl):
@@ -136,6 +165,12 @@ def main(argv=None):
         default=1,
         help="query positions per selection forward / dQ program (SelectionBlockSizes.positions)",
     )
+    parser.add_argument(
+        "--blocksparse-block-sizes",
+        default="",
+        help="FlashBlockSizes of the block-sparse selection kernel, e.g. block_rows=64,block_keys=64,dkv_splits=6 "
+        "(default: the kernel's own choice)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--warmup", type=int, default=2)
@@ -149,6 +184,7 @@ def main(argv=None):
     parser.add_argument("--json", type=str, default=None, help="write the results to this JSON file")
     opts = parser.parse_args(argv)
 
+    blocksparse_sizes = parse_block_sizes(opts.blocksparse_block_sizes)
     gpu = on_gpu()
     if opts.dense_max_seq is None:
         opts.dense_max_seq = 65536 if gpu else 16384
@@ -186,12 +222,12 @@ def main(argv=None):
         tc = (seq - p["cmp_l"]) // p["cmp_d"] + 1
         cmp_args = (q, k[:, :tc], v[:, :tc], idx)
         for branch in branches:
-            impls = candidates(branch, positions=opts.selection_positions)
+            impls = candidates(branch, positions=opts.selection_positions, blocksparse_sizes=blocksparse_sizes)
             for mode in modes:
                 row = dict(seq=seq, branch=branch, mode=mode)
                 for name, fn in impls.items():
                     skip = None
-                    if name == "pallas" and not gpu:
+                    if name in PALLAS_IMPLS and not gpu:
                         skip = "no GPU"
                     elif name == "dense" and seq > opts.dense_max_seq:
                         skip = f"T > --dense-max-seq {opts.dense_max_seq}"
@@ -218,11 +254,13 @@ def main(argv=None):
                 for other in ("xla", "dense"):
                     a, b = row.get("pallas_ms"), row.get(f"{other}_ms")
                     row[f"speedup_vs_{other}"] = (b / a) if a and b else None
+                a, b = row.get("blocksparse_ms"), row.get("dense_ms")
+                row["blocksparse_speedup_vs_dense"] = (b / a) if a and b else None
                 rows.append(row)
 
     header = (
-        f"{'T':>6} {'branch':<10} {'mode':<7} {'pallas ms':>9} "
-        f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9}"
+        f"{'T':>6} {'branch':<10} {'mode':<7} {'pallas ms':>9} {'bsp ms':>9} "
+        f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9} {'dense/bsp':>9}"
     )
     print()
     print(header)
@@ -230,10 +268,11 @@ def main(argv=None):
     for r in rows:
         print(
             f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} "
-            f"{fmt(r.get('pallas_ms'))} {fmt(r.get('xla_ms'))} "
+            f"{fmt(r.get('pallas_ms'))} {fmt(r.get('blocksparse_ms'))} {fmt(r.get('xla_ms'))} "
             f"{fmt(r.get('dense_ms'))} "
             f"{fmt(r.get('speedup_vs_xla'), '{:8.2f}x')} "
-            f"{fmt(r.get('speedup_vs_dense'), '{:8.2f}x')}"
+            f"{fmt(r.get('speedup_vs_dense'), '{:8.2f}x')} "
+            f"{fmt(r.get('blocksparse_speedup_vs_dense'), '{:8.2f}x')}"
         )
     notes = sorted({(k[:-5], r[k]) for r in rows for k in r if k.endswith("_note")})
     for name, note in notes:
@@ -244,6 +283,7 @@ def main(argv=None):
         batch=opts.batch,
         config=PROD,
         selection_positions=opts.selection_positions,
+        blocksparse_block_sizes=opts.blocksparse_block_sizes,
         pallas_skipped=not gpu,
     )
     write_json(opts.json, meta, rows)

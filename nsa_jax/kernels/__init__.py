@@ -7,6 +7,12 @@ compressed_pallas with block_scores_pallas, selection_pallas, flash_pallas;
 interpreted when the backend is not a GPU), or `auto` (pallas on GPU, xla elsewhere; the selection branch also
 stays on xla when its block length lp is not a power of two >= 16, which its kernel
 needs: `pallas` asked for explicitly raises instead).
+
+The selection branch has two Pallas kernels. With `pallas` (or `auto` on a GPU) a
+short sequence, T <= blocksparse_pallas.BLOCKSPARSE_MAX_SEQ_RATIO * n * lp (2 n lp; n = idx.shape[-1]),
+runs blocksparse_pallas, a causal flash attention under the selected-block mask
+whose cost is at most dense causal attention's; a longer one runs selection_pallas,
+which gathers each query's n blocks. `xla` is the same at every T.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.kernels.block_scores_pallas import compressed_attention_scores_pallas, compressed_attention_select_pallas
+from nsa_jax.kernels.blocksparse_pallas import (
+    prefers_blocksparse,
+    selection_attention_blocksparse_pallas,
+)
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.pallas_common import is_tile_size
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
@@ -66,9 +76,22 @@ def interpret_pallas() -> bool:
     return jax.default_backend() not in ("gpu", "cuda")
 
 
+def selection_kernel(impl: str, seq: int, slots: int, block_size: int, backend: str | None = None) -> str:
+    """Which selection kernel runs: `blocksparse` (T <= BLOCKSPARSE_MAX_SEQ_RATIO * n * lp), `gather` or `xla`."""
+    if _resolve_selection(impl, block_size, backend) != "pallas":
+        return "xla"
+    return "blocksparse" if prefers_blocksparse(seq, slots, block_size) else "gather"
+
+
 def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512):
-    """Selection attention through the chosen implementation (contract: docs/NSA.md, the kernels section)."""
-    if _resolve_selection(impl, block_size) == "pallas":
+    """Selection attention through the chosen implementation (contract: docs/NSA.md, the kernels section).
+
+    On the Pallas path the kernel follows `selection_kernel`: block-sparse flash at short T, gather above.
+    """
+    kernel = selection_kernel(impl, q.shape[1], idx.shape[-1], block_size)
+    if kernel == "blocksparse":
+        return selection_attention_blocksparse_pallas(q, k, v, idx, block_size, scale, interpret=interpret_pallas())
+    if kernel == "gather":
         return selection_attention_pallas(q, k, v, idx, block_size, scale, interpret=interpret_pallas())
     return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk)
 

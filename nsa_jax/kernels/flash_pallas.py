@@ -1,12 +1,15 @@
 """Pallas (Triton backend) flash-attention kernels over a key layout.
 
-This module owns the flash engine that serves two NSA branches:
+This module owns the flash engine that serves the NSA branches:
 ``banded_attention`` runs a fused forward, a dQ kernel and a dK/dV kernel
 under ``jax.custom_vjp`` for keys placed by a ``KeyLayout``
-(``pallas_common``). ``window_attention_pallas`` is the sliding-window entry
-point: query ``t`` attends to the positions ``[max(0, t - w + 1), t]`` (docs
-"Sliding-window branch"). The compressed branch (``compressed_pallas``)
-calls ``banded_attention`` with its own layout.
+(``pallas_common``), optionally under a per-row block mask.
+``window_attention_pallas`` is the sliding-window entry point: query ``t``
+attends to the positions ``[max(0, t - w + 1), t]`` (docs "Sliding-window
+branch"). The compressed branch (``compressed_pallas``) calls
+``banded_attention`` with its own layout, and the selection branch at short T
+(``blocksparse_pallas``) with the causal layout and its selected blocks as the
+mask.
 
 Why a windowed flash kernel and not the selection kernels
 ---------------------------------------------------------
@@ -41,6 +44,27 @@ compressed branch (``compressed_pallas``) reuses the same kernels with
 ``stride=d, offset=l-1`` (a compressed token is visible once its last raw
 token is) and a window longer than the sequence. Loop bounds follow from the
 layout, so every program only visits the key (or query) tiles it can see.
+
+Block mask
+----------
+With ``idx`` [B, T, K, n] and ``select_block`` = lp, row ``t*G + g`` also
+needs key ``i``'s block ``i // lp`` among query t's selected blocks (-1: an
+unused slot). Key tiles are at most lp keys, so a tile lies in one block and
+its mask is one comparison of the rows' n block ids with the tile's block.
+The kernels gather each row's ids (``[R, n]``, padded to a power of two with
+-1) next to its q row and skip (``lax.cond``, no K/V or q/dO load) a tile
+that no valid row selected by its position: forward and dQ per key tile,
+dK/dV per row tile, whose mask is recomputed from the ids instead of a reverse
+index. Without ``idx`` the kernels are exactly the layout-only ones.
+
+Split dK/dV
+-----------
+``FlashBlockSizes.dkv_splits = S > 1`` cuts the row tiles each key tile walks
+into S equal runs, one program each (grid axis 0 = key tile * S + run),
+writing fp32 partial dK/dV ``[S, B, Tk, K, D]`` that are added in run order
+afterwards (elementwise adds: the same sum on every run). It buys parallelism
+where B*K*Tk/C programs cannot fill the GPU, at the cost of the parts' memory
+(``S * 4`` bytes per element of K and V) and one pass over them.
 """
 
 from __future__ import annotations
@@ -63,6 +87,7 @@ from nsa_jax.kernels.pallas_common import (
     check_tile_size,
     compiler_params,
     layout_visible,
+    next_pow2,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
@@ -87,6 +112,15 @@ class FlashBlockSizes:
       block_keys: keys per inner step of the forward / dQ loop.
       block_keys_dkv: keys per dK/dV program.
       block_rows_dkv: flattened rows per inner step of the dK/dV loop.
+      dkv_splits: dK/dV programs per key tile. The row tiles a key tile can see
+        are cut into this many equal runs, one program each, whose fp32 partial
+        dK/dV are summed in a fixed order afterwards. The flattened rows are G
+        times the positions, so one program per key tile walks up to G times
+        more steps than the longest forward program, in B*K*T/block_keys_dkv
+        programs (64 at T = 2048, K = 2): too few to fill a GPU at short T.
+        None: 1 for layout-only calls (window, compressed), G for a block mask
+        (the selection branch at short T), which restores the B*H*T/C programs
+        of a per-head flash backward.
       num_warps: Triton warps per program (None: pick from the head dim).
       num_stages: Triton software-pipelining depth.
     """
@@ -95,6 +129,7 @@ class FlashBlockSizes:
     block_keys: int | None = None
     block_keys_dkv: int | None = None
     block_rows_dkv: int | None = None
+    dkv_splits: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
 
@@ -116,10 +151,16 @@ def smem_estimates(bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int) -> dic
     }
 
 
-def fit_block_sizes(bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int) -> FlashBlockSizes:
-    """``bsz`` with every None tile chosen; raises when the tiles exceed the A100 budget."""
+def fit_block_sizes(
+    bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int, max_keys: int | None = None
+) -> FlashBlockSizes:
+    """``bsz`` with every None tile chosen; raises when the tiles exceed the A100 budget.
+
+    ``max_keys``: a cap on the chosen key tiles (the selection block lp of a block-masked call).
+    """
     auto = [name for name in _TILES if getattr(bsz, name) is None]
-    bsz = dataclasses.replace(bsz, **{name: _DEFAULT_TILE for name in auto})
+    key_tile = _DEFAULT_TILE if max_keys is None else min(_DEFAULT_TILE, max_keys)
+    bsz = dataclasses.replace(bsz, **{name: key_tile if "keys" in name else _DEFAULT_TILE for name in auto})
     # Shrink the chosen tiles of the kernel over budget, larger tile first (keys on a tie).
     pairs = {"flash fwd": ("block_keys", "block_rows"), "flash dq": ("block_keys", "block_rows")}
     pairs["flash dkv"] = ("block_rows_dkv", "block_keys_dkv")
@@ -171,13 +212,46 @@ def _row_tile_range(start, *, seq, group, lay: KeyLayout, block_keys, block_rows
     return lo, hi
 
 
+def _split_refs(refs, select_block):
+    """(idx_ref or None, the other refs): a block-masked call passes the block ids [T, Np] first."""
+    return (refs[0], refs[1:]) if select_block else (None, refs)
+
+
+def _rows_selecting(idx_RxN, blk):
+    """[R] bool: the row's query selected block ``blk`` (any slot equal; -1 never is)."""
+    # A sum of 0/1, not jnp.any: a boolean reduction has no Triton lowering.
+    return jnp.sum(jnp.where(idx_RxN == blk, 1, 0), axis=1) > 0
+
+
+def _any_row(x_R):
+    return jnp.sum(jnp.where(x_R, 1, 0)) > 0
+
+
+def _tile_selection(idx_RxN, start, t_R, valid_R, select_block):
+    """(sel_R, live) of the key tile at ``start`` for a block-masked call, (None, None) otherwise.
+
+    ``sel_R``: the row's query selected the tile's block (a key tile lies in one
+    block: its size divides ``select_block``); ``live``: some valid row selected
+    it and the block has begun by that row's position, so the tile is loaded.
+    """
+    if idx_RxN is None:
+        return None, None
+    sel_R = _rows_selecting(idx_RxN, lax.div(start, select_block))
+    return sel_R, _any_row(sel_R & valid_R & (t_R >= start))
+
+
+def _visible(t_R, valid_R, i_C, lay: KeyLayout, sel_R):
+    vis_RxC = layout_visible(t_R, valid_R, i_C, lay)
+    return vis_RxC if sel_R is None else vis_RxC & sel_R[:, None]
+
+
+def _maybe(live, step, carry):
+    """``step(carry)``, or under ``lax.cond`` when ``live`` says whether the tile is needed at all."""
+    return step(carry) if live is None else lax.cond(live, step, lambda c: c, carry)
+
+
 def _win_fwd_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    lse_ref,
-    *,
+    *refs,
     seq,
     num_heads,
     group,
@@ -186,20 +260,28 @@ def _win_fwd_kernel(
     block_keys,
     num_key_tiles,
     scale_log2,
+    select_block,
 ):
-    # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], o [R, Dv], lse [R].
+    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], o [R, Dv], lse [R].
+    idx_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = _split_refs(refs, select_block)
     f0 = pl.program_id(0) * block_rows
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
     q_RxDk = q_ref[row_R, :]
+    idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
 
     def body(kt, carry):
         start = kt * block_keys
-        k_CxDk = k_ref[pl.ds(start, block_keys), :]
-        v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = layout_visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
-        return online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2)
+        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block)
+
+        def step(carry):
+            k_CxDk = k_ref[pl.ds(start, block_keys), :]
+            v_CxDv = v_ref[pl.ds(start, block_keys), :]
+            vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R)
+            return online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2)
+
+        return _maybe(live, step, carry)
 
     lo, hi = _key_tile_range(
         f0, block_rows, seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles
@@ -211,14 +293,7 @@ def _win_fwd_kernel(
 
 
 def _win_dq_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dq_ref,
-    *,
+    *refs,
     seq,
     num_heads,
     group,
@@ -228,9 +303,11 @@ def _win_dq_kernel(
     num_key_tiles,
     scale,
     scale_log2,
+    select_block,
 ):
-    # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
+    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
     #   lse / delta [R], dq [R, Dk].
+    idx_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = _split_refs(refs, select_block)
     f0 = pl.program_id(0) * block_rows
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
@@ -239,14 +316,20 @@ def _win_dq_kernel(
     do_RxDv = do_ref[row_R, :]
     lse_R = lse_ref[...]
     delta_R = delta_ref[...]
+    idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
 
     def body(kt, dq_RxDk):
         start = kt * block_keys
-        k_CxDk = k_ref[pl.ds(start, block_keys), :]
-        v_CxDv = v_ref[pl.ds(start, block_keys), :]
-        vis_RxC = layout_visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay)
-        _, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
-        return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
+        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block)
+
+        def step(dq_RxDk):
+            k_CxDk = k_ref[pl.ds(start, block_keys), :]
+            v_CxDv = v_ref[pl.ds(start, block_keys), :]
+            vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R)
+            _, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
+            return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
+
+        return _maybe(live, step, dq_RxDk)
 
     lo, hi = _key_tile_range(
         f0, block_rows, seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles
@@ -256,15 +339,7 @@ def _win_dq_kernel(
 
 
 def _win_dkv_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
+    *refs,
     seq,
     num_heads,
     group,
@@ -273,10 +348,13 @@ def _win_dkv_kernel(
     block_rows,
     scale,
     scale_log2,
+    select_block,
+    splits,
 ):
-    # Refs: q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
-    #   lse / delta [Rp], dk [C, Dk], dv [C, Dv].
-    start = pl.program_id(0) * block_keys
+    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
+    #   lse / delta [Rp], dk [C, Dk], dv [C, Dv] (this split's part when splits > 1).
+    idx_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _split_refs(refs, select_block)
+    start = lax.div(pl.program_id(0), splits) * block_keys
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     k_CxDk = k_ref[pl.ds(start, block_keys), :]
@@ -284,20 +362,31 @@ def _win_dkv_kernel(
     i_C = start + lax.iota(jnp.int32, block_keys)
 
     def body(rt, carry):
-        dk_CxDk, dv_CxDv = carry
         f0 = rt * block_rows
         t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-        q_RxDk = q_ref[row_R, :]
-        do_RxDv = do_ref[row_R, :]
-        lse_R = lse_ref[pl.ds(f0, block_rows)]
-        delta_R = delta_ref[pl.ds(f0, block_rows)]
-        vis_RxC = layout_visible(t_R, valid_R, i_C, lay)
-        p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
-        dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
-        dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
-        return dk_CxDk, dv_CxDv
+        # The block mask is recomputed per row tile from the block ids: no reverse index.
+        idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
+        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block)
+
+        def step(carry):
+            dk_CxDk, dv_CxDv = carry
+            q_RxDk = q_ref[row_R, :]
+            do_RxDv = do_ref[row_R, :]
+            lse_R = lse_ref[pl.ds(f0, block_rows)]
+            delta_R = delta_ref[pl.ds(f0, block_rows)]
+            vis_RxC = _visible(t_R, valid_R, i_C, lay, sel_R)
+            p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
+            dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
+            dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
+            return dk_CxDk, dv_CxDv
+
+        return _maybe(live, step, carry)
 
     lo, hi = _row_tile_range(start, seq=seq, group=group, lay=lay, block_keys=block_keys, block_rows=block_rows)
+    if splits > 1:  # this program's run of the row tiles
+        run = lax.div(jnp.maximum(hi - lo, 0) + splits - 1, splits)
+        lo = lo + lax.rem(pl.program_id(0), splits) * run
+        hi = jnp.minimum(lo + run, hi)
     init = (
         jnp.zeros((block_keys, k_ref.shape[-1]), jnp.float32),
         jnp.zeros((block_keys, v_ref.shape[-1]), jnp.float32),
@@ -368,11 +457,25 @@ def _in_specs(d: _WinDims):
     return q_spec, k_spec, v_spec, do_spec
 
 
-def _banded_forward(q, k, v, lay: KeyLayout, scale, interpret, bsz, name):
+def _idx_spec(d: _WinDims, slots: int):
+    return pl.BlockSpec((None, d.seq, None, slots), lambda i, b, kv: (b, 0, kv, 0))
+
+
+def _prep_idx(idx, select_block):
+    """The leading kernel arguments: () without a block mask, else the block ids with slots padded to a power of
+    two with -1 (a Triton tile dimension)."""
+    if not select_block:
+        return ()
+    return (pad_axis(idx.astype(jnp.int32), 3, next_pow2(idx.shape[-1]), value=-1),)
+
+
+def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, select_block):
     """(o [B, T, H, Dv], lse [B, K, Rp] base 2 in the flattened-row layout)."""
     d = _win_dims(q, k, v, bsz)
     q_f, k_p, v_p = _prep(q, k, v, d)
     q_spec, k_spec, v_spec, _ = _in_specs(d)
+    idx_args = _prep_idx(idx, select_block)
+    idx_specs = [_idx_spec(d, x.shape[-1]) for x in idx_args]
     r = bsz.block_rows
     kernel = functools.partial(
         _win_fwd_kernel,
@@ -384,11 +487,12 @@ def _banded_forward(q, k, v, lay: KeyLayout, scale, interpret, bsz, name):
         block_keys=bsz.block_keys,
         num_key_tiles=d.keys_padded // bsz.block_keys,
         scale_log2=scale * LOG2E,
+        select_block=select_block,
     )
     o_rows, lse = pl.pallas_call(
         kernel,
         grid=(d.rows_padded // r, d.batch, d.kv_heads),
-        in_specs=[q_spec, k_spec, v_spec],
+        in_specs=[*idx_specs, q_spec, k_spec, v_spec],
         out_specs=[
             pl.BlockSpec((None, None, r, d.dv), lambda i, b, kv: (b, kv, i, 0)),
             pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i)),
@@ -400,19 +504,29 @@ def _banded_forward(q, k, v, lay: KeyLayout, scale, interpret, bsz, name):
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name=f"{name}_fwd",
-    )(q_f, k_p, v_p)
+    )(*idx_args, q_f, k_p, v_p)
     return _ungroup_rows(o_rows, d, v.shape[-1]), lse
 
 
-def _banded_backward(q, k, v, o, lse, do, lay: KeyLayout, scale, interpret, bsz, name):
+def _banded_backward(q, k, v, idx, o, lse, do, lay: KeyLayout, scale, interpret, bsz, name, select_block):
     d = _win_dims(q, k, v, bsz)
     q_f, k_p, v_p = _prep(q, k, v, d)
     do_f = pad_axis(do, 3, d.dv).reshape(d.batch, d.seq * d.heads, d.dv)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = _group_rows_stat(delta, d)
     q_spec, k_spec, v_spec, do_spec = _in_specs(d)
+    idx_args = _prep_idx(idx, select_block)
+    idx_specs = [_idx_spec(d, x.shape[-1]) for x in idx_args]
     params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
-    common = dict(seq=d.seq, num_heads=d.heads, group=d.group, lay=lay, scale=scale, scale_log2=scale * LOG2E)
+    common = dict(
+        seq=d.seq,
+        num_heads=d.heads,
+        group=d.group,
+        lay=lay,
+        scale=scale,
+        scale_log2=scale * LOG2E,
+        select_block=select_block,
+    )
 
     r = bsz.block_rows
     stat_spec = pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i))
@@ -425,40 +539,68 @@ def _banded_backward(q, k, v, o, lse, do, lay: KeyLayout, scale, interpret, bsz,
             **common,
         ),
         grid=(d.rows_padded // r, d.batch, d.kv_heads),
-        in_specs=[q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
+        in_specs=[*idx_specs, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
         out_specs=pl.BlockSpec((None, None, r, d.dk), lambda i, b, kv: (b, kv, i, 0)),
         out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dk), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name=f"{name}_dq",
-    )(q_f, k_p, v_p, do_f, lse, delta)
+    )(*idx_args, q_f, k_p, v_p, do_f, lse, delta)
     dq = _ungroup_rows(dq_rows, d, q.shape[-1])
 
     c = bsz.block_keys_dkv
+    splits = bsz.dkv_splits
     full_stat = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, 0))
-    dk_p, dv_p = pl.pallas_call(
-        functools.partial(_win_dkv_kernel, block_keys=c, block_rows=bsz.block_rows_dkv, **common),
-        grid=(d.keys_padded // c, d.batch, d.kv_heads),
-        in_specs=[q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
-        out_specs=[
+    if splits == 1:  # written in place, in the input dtype
+        out_specs = [
             pl.BlockSpec((None, c, None, d.dk), lambda i, b, kv: (b, i, kv, 0)),
             pl.BlockSpec((None, c, None, d.dv), lambda i, b, kv: (b, i, kv, 0)),
-        ],
-        out_shape=[
+        ]
+        out_shape = [
             jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dk), k.dtype),
             jax.ShapeDtypeStruct((d.batch, d.keys_padded, d.kv_heads, d.dv), v.dtype),
-        ],
+        ]
+    else:  # fp32 parts [S, B, Tk, K, D]; program i: key tile i // S, split i % S
+        out_specs = [
+            pl.BlockSpec((None, None, c, None, dim), lambda i, b, kv: (i % splits, b, i // splits, kv, 0))
+            for dim in (d.dk, d.dv)
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, d.batch, d.keys_padded, d.kv_heads, dim), jnp.float32) for dim in (d.dk, d.dv)
+        ]
+    dk_p, dv_p = pl.pallas_call(
+        functools.partial(_win_dkv_kernel, block_keys=c, block_rows=bsz.block_rows_dkv, splits=splits, **common),
+        grid=(d.keys_padded // c * splits, d.batch, d.kv_heads),
+        in_specs=[*idx_specs, q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name=f"{name}_dkv",
-    )(q_f, k_p, v_p, do_f, lse, delta)
+    )(*idx_args, q_f, k_p, v_p, do_f, lse, delta)
+    if splits > 1:
+        # Elementwise adds in split order: the same sum on every run (no reduction whose order may vary).
+        dk_p = functools.reduce(jnp.add, [dk_p[i] for i in range(splits)]).astype(k.dtype)
+        dv_p = functools.reduce(jnp.add, [dv_p[i] for i in range(splits)]).astype(v.dtype)
     n_keys = k.shape[1]
     dk = dk_p[:, :n_keys, :, : k.shape[-1]]
     dv = dv_p[:, :n_keys, :, : v.shape[-1]]
     return dq, dk, dv
 
 
-def banded_attention(q, k, v, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str):
+def banded_attention(
+    q,
+    k,
+    v,
+    lay: KeyLayout,
+    scale: float,
+    interpret: bool,
+    bsz: FlashBlockSizes,
+    name: str,
+    *,
+    idx=None,
+    select_block: int | None = None,
+):
     """(o [B, T, H, Dv], lse [B, K, Rp]) of attention over keys placed by ``lay``.
 
     Differentiable in q, k, v through o; lse (base 2, flattened-row layout: row
@@ -466,27 +608,47 @@ def banded_attention(q, k, v, lay: KeyLayout, scale: float, interpret: bool, bsz
     recompute probabilities, and its cotangent is ignored: use it under
     stop_gradient only. ``bsz``'s None tiles are chosen to fit the shared-memory
     budget, and an explicit tiling over it is refused here, at trace time.
+
+    Block mask (``select_block`` = lp, with ``idx`` [B, T, K, n] int32): query t
+    of KV head kv also needs key i's block ``i // lp`` among ``idx[b, t, kv]``
+    (-1: unused slot), on top of the layout; a key tile no row of the program
+    selected is skipped. Key tiles must lie in one block (``block_keys`` and
+    ``block_keys_dkv`` at most lp; the default tiles are capped there). No
+    gradient flows to ``idx``.
     """
+    if (idx is None) != (not select_block):
+        raise ValueError("banded_attention: idx and select_block go together")
     check_block_sizes(bsz)
     itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q, k, v))
-    bsz = fit_block_sizes(bsz, q.shape[-1], v.shape[-1], itemsize)
-    return _banded(q, k, v, lay, scale, interpret, bsz, name)
+    bsz = fit_block_sizes(bsz, q.shape[-1], v.shape[-1], itemsize, max_keys=select_block or None)
+    if select_block:
+        for tile in ("block_keys", "block_keys_dkv"):
+            if getattr(bsz, tile) > select_block:
+                raise ValueError(
+                    f"{tile}={getattr(bsz, tile)} is larger than the selection block lp={select_block}: "
+                    "a key tile must lie in one block, so set it to at most lp (or leave it None)"
+                )
+    if bsz.dkv_splits is None:
+        bsz = dataclasses.replace(bsz, dkv_splits=q.shape[2] // k.shape[2] if select_block else 1)
+    return _banded(q, k, v, idx, lay, scale, interpret, bsz, name, select_block or None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _banded(q, k, v, lay, scale, interpret, bsz, name):
-    return _banded_forward(q, k, v, lay, scale, interpret, bsz, name)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _banded(q, k, v, idx, lay, scale, interpret, bsz, name, select_block):
+    return _banded_forward(q, k, v, idx, lay, scale, interpret, bsz, name, select_block)
 
 
-def _banded_vjp_fwd(q, k, v, lay, scale, interpret, bsz, name):
-    o, lse = _banded_forward(q, k, v, lay, scale, interpret, bsz, name)
-    return (o, lse), (q, k, v, o, lse)
+def _banded_vjp_fwd(q, k, v, idx, lay, scale, interpret, bsz, name, select_block):
+    o, lse = _banded_forward(q, k, v, idx, lay, scale, interpret, bsz, name, select_block)
+    return (o, lse), (q, k, v, idx, o, lse)
 
 
-def _banded_vjp_bwd(lay, scale, interpret, bsz, name, res, cts):
-    q, k, v, o, lse = res
+def _banded_vjp_bwd(lay, scale, interpret, bsz, name, select_block, res, cts):
+    q, k, v, idx, o, lse = res
     do, _ = cts  # lse is a statistic: see banded_attention
-    return _banded_backward(q, k, v, o, lse, do, lay, scale, interpret, bsz, name)
+    dq, dk, dv = _banded_backward(q, k, v, idx, o, lse, do, lay, scale, interpret, bsz, name, select_block)
+    # idx (int block ids, or None) takes no gradient.
+    return dq, dk, dv, None
 
 
 _banded.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
@@ -496,6 +658,8 @@ def check_block_sizes(bsz: FlashBlockSizes) -> None:
     for name in _TILES:
         if getattr(bsz, name) is not None:
             check_tile_size(name, getattr(bsz, name))
+    if bsz.dkv_splits is not None and bsz.dkv_splits < 1:
+        raise ValueError(f"dkv_splits={bsz.dkv_splits} must be >= 1 (or None)")
 
 
 def window_attention_pallas(
