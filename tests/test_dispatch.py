@@ -34,6 +34,13 @@ def test_auto_keeps_selection_on_xla_when_the_kernel_cannot_take_the_blocks():
     assert describe_impl("pallas", "gpu", block_size=8)["slc"] == "pallas-triton"
 
 
+def test_describe_impl_names_the_selection_kernel_when_it_knows_the_length():
+    # T <= 2 n lp: the block-sparse flash kernel; longer: the gather kernel; xla stays xla.
+    assert describe_impl("auto", "gpu", block_size=64, seq=2048, slots=16)["slc"] == "pallas-triton/blocksparse"
+    assert describe_impl("auto", "gpu", block_size=64, seq=2049, slots=16)["slc"] == "pallas-triton/gather"
+    assert describe_impl("auto", "cpu", block_size=64, seq=2048, slots=16)["slc"] == "xla-chunked"
+
+
 def test_unknown_impl_is_rejected():
     with pytest.raises(ValueError, match="attention_impl"):
         resolve_impl("cuda", "gpu")

@@ -58,8 +58,18 @@ def _resolve_selection(impl: str, block_size: int | None, backend: str | None = 
     return chosen
 
 
-def describe_impl(impl: str, backend: str | None = None, block_size: int | None = None) -> dict[str, str]:
-    """What each branch runs, for env.json and the boot heartbeat (`block_size`: the selection lp)."""
+def describe_impl(
+    impl: str,
+    backend: str | None = None,
+    block_size: int | None = None,
+    seq: int | None = None,
+    slots: int | None = None,
+) -> dict[str, str]:
+    """What each branch runs, for env.json and the boot heartbeat.
+
+    `block_size`: the selection lp; with `seq` (T) and `slots` (n) as well, a Pallas
+    selection also names its kernel (`pallas-triton/blocksparse` or `.../gather`).
+    """
     backend = jax.default_backend() if backend is None else backend
 
     def kind(chosen: str) -> str:
@@ -68,7 +78,10 @@ def describe_impl(impl: str, backend: str | None = None, block_size: int | None 
         return "xla-chunked"
 
     chosen = kind(resolve_impl(impl, backend))
-    return {"cmp": chosen, "slc": kind(_resolve_selection(impl, block_size, backend)), "win": chosen}
+    slc = kind(_resolve_selection(impl, block_size, backend))
+    if slc != "xla-chunked" and None not in (block_size, seq, slots):
+        slc += "/" + selection_kernel(impl, seq, slots, block_size, backend)
+    return {"cmp": chosen, "slc": slc, "win": chosen}
 
 
 def interpret_pallas() -> bool:

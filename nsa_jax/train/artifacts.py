@@ -159,7 +159,9 @@ def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None) -> dict[s
             "shape": dict(mesh.shape),
             "devices": [str(d) for d in mesh.devices.flat],
         },
-        "attention_impl": describe_impl(cfg.model.nsa.attention_impl, block_size=cfg.model.nsa.lp),
+        "attention_impl": describe_impl(
+            cfg.model.nsa.attention_impl, block_size=cfg.model.nsa.lp, seq=cfg.train.seq_len, slots=cfg.model.nsa.n
+        ),
         "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
         "nsa_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NSA_")},
         "nccl_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_")},
