@@ -12,6 +12,8 @@
 #   selection  the selection kernels with 1 and 2 query positions per forward / dQ program
 #              (SelectionBlockSizes.positions), fwd and fwd+bwd (counting-sort reverse index
 #              included), one JSON each
+#   shortseq   the selection kernels at short T (2048-8192: block-sparse flash vs gather vs dense),
+#              fwd+bwd, with dK/dV split over 1, 2 and G (default) runs of query tiles
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
 #   layer      python -m benchmarks.export_report (largest tensor and kernel count of the layer's
 #              fwd+bwd lowered for CUDA, T=LAYER_SEQ_LEN) then bench_attention fwd+bwd at
@@ -62,7 +64,8 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         ;;
     tests)
         run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kernels_pallas.py \
-            tests/test_pallas_model.py tests/test_nsa_layer.py tests/test_block_scores.py -k "not lowers"
+            tests/test_pallas_model.py tests/test_nsa_layer.py tests/test_block_scores.py tests/test_blocksparse.py \
+            -k "not lowers"
         ;;
     kernels)
         run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward \
@@ -73,6 +76,13 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             run_part "selection_p$positions" 420 "$PY" -m benchmarks.bench_kernels --backward \
                 --branches selection --selection-positions "$positions" \
                 --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/selection_p$positions.json"
+        done
+        ;;
+    shortseq)
+        for splits in 1 2 default; do
+            sizes=(); [ "$splits" != default ] && sizes=(--blocksparse-block-sizes "dkv_splits=$splits")
+            run_part "shortseq_s$splits" 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection \
+                --seq-lens "${SHORT_SEQ_LENS:-2048,4096,8192}" "${sizes[@]}" --json "$out/shortseq_s$splits.json"
         done
         ;;
     attention)
