@@ -275,13 +275,14 @@ def test_score_distill_kl_matches_reference_and_trains_only_the_compressed_keys(
     kc = jax.random.normal(keys[1], (B, (T - l) // d + 1, K, Dk)) * 1.5
     k = jax.random.normal(keys[2], (B, T, K, Dk)) * 1.5
 
+    @jax.jit
     def kl(q, kc, k):
         return score_distill_kl(q, kc, k, l=l, d=d, lp=lp, query_chunk=16)
 
     ref = _distill_reference(q, kc, k, l, d, lp)
     assert ref > 0.01  # random keys disagree: the check below is not 0 == 0
     assert abs(float(kl(q, kc, k)) - ref) < 1e-4 * max(ref, 1.0)
-    g_q, g_kc, g_k = jax.grad(kl, argnums=(0, 1, 2))(q, kc, k)
+    g_q, g_kc, g_k = jax.jit(jax.grad(kl, argnums=(0, 1, 2)))(q, kc, k)
     assert np.all(np.asarray(g_q) == 0) and np.all(np.asarray(g_k) == 0)
     # The compressed keys' gradient: a central difference of the float64 reference.
     direction = jax.random.normal(jax.random.PRNGKey(5), kc.shape)
@@ -293,6 +294,7 @@ def test_score_distill_kl_matches_reference_and_trains_only_the_compressed_keys(
     assert abs(float(jnp.sum(g_kc * direction)) - fd) < 2e-3 * max(abs(fd), 1.0)
 
 
+@pytest.mark.slow
 def test_score_distill_adds_to_the_loss_and_is_off_by_default():
     base = [
         "model.n_layers=2",
@@ -316,8 +318,8 @@ def test_score_distill_adds_to_the_loss_and_is_off_by_default():
 
     params = init_params(cfg_off.model, jax.random.PRNGKey(0), 64)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 65), 0, 64)
-    loss_off, stats_off = S.loss_and_stats(params, tokens, cfg=cfg_off)
-    loss_on, stats_on = S.loss_and_stats(params, tokens, cfg=cfg_on)
+    loss_off, stats_off = jax.jit(functools.partial(S.loss_and_stats, cfg=cfg_off))(params, tokens)
+    loss_on, stats_on = jax.jit(functools.partial(S.loss_and_stats, cfg=cfg_on))(params, tokens)
     assert "distill_kl" not in stats_off
     np.testing.assert_allclose(float(stats_on["ce"]), float(loss_off), rtol=1e-6)
     assert float(stats_on["distill_kl"]) > 0
