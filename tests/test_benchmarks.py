@@ -272,3 +272,25 @@ def test_kv_recall_ablation_cli_variant_overrides(tmp_path):
     (row,) = data["rows"]
     assert row["variant"] == "win model.nsa.w=512" and row["branches"] == "win"
     assert row["answers"] == 8 * 4 and 0.0 <= row["accuracy"] <= 1.0
+
+
+def test_selection_diagnosis_measures_on_constructed_attention():
+    """Zero queries attend uniformly; a query equal to (a large multiple of) the pair token's key finds it."""
+    from benchmarks.selection_diagnosis import diagnose, free_blocks
+
+    B, T, H, K, D, l, d, lp = 1, 64, 2, 1, 8, 8, 4, 8
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(B, T, K, D))
+    kc = rng.normal(size=(B, (T - l) // d + 1, K, D))
+    qpos, tpos = np.array([[60, 63]]), np.array([[20, 13]])
+    uniform = diagnose(np.zeros((B, T, H, D)), kc, k, qpos, tpos, l=l, d=d, lp=lp)
+    assert uniform["answers"] == 2
+    assert uniform["pair-token mass"] == pytest.approx(np.mean([1 / 61, 1 / 64]))
+    assert uniform["target on block"] == pytest.approx(np.mean([1 / len(free_blocks(t, lp)) for t in (60, 63)]))
+    assert uniform["uniform"] == pytest.approx(uniform["target on block"])
+    q = np.zeros((B, T, H, D))
+    for t, p in zip(qpos[0], tpos[0]):
+        k[0, p, 0] *= 4.0 / np.linalg.norm(k[0, p, 0])  # longer than any other key (norm ~ sqrt(D))
+        q[0, t, :] = 20.0 * k[0, p, 0]
+    sharp = diagnose(q, kc, k, qpos, tpos, l=l, d=d, lp=lp)
+    assert sharp["pair-token mass"] > 0.99 and sharp["target on block"] > 0.99
