@@ -91,8 +91,12 @@ rows = list(csv.DictReader(open(out / "training.csv"))) if (out / "training.csv"
 if rows:
     last = rows[-50:]
     toks = [float(r["toks_per_s"]) for r in last]
+    secs = [float(r["step_time_s"]) for r in last]
+    # As launch.report: total tokens / total step time, and the median step (a mean of
+    # per-step rates overweights the fast steps).
+    rate = sum(t * s for t, s in zip(toks, secs)) / max(sum(secs), 1e-9)
     line = f"{out}: steps {rows[0]['step']}..{rows[-1]['step']}, toks_per_s last {len(toks)}: " \
-           f"mean {st.mean(toks):,.0f} stdev {st.pstdev(toks):,.0f}, loss {float(rows[-1]['loss']):.4f}"
+           f"{rate:,.0f} (median step {st.median(toks):,.0f}), loss {float(rows[-1]['loss']):.4f}"
     if rows[-1].get("gate_entropy"):
         line += ", gate_entropy " + rows[-1]["gate_entropy"] + ", sel_far_frac " + rows[-1]["sel_far_frac"]
     print(line)
