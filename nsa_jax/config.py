@@ -57,6 +57,11 @@ class NSAConfig:
     # Selection warm-up: the selection branch's output is scaled by min(1, step / N) in the train
     # step (0 at step 0, full from step N); 0 disables it.
     slc_warmup_steps: int = 0
+    # Dense selection warm-up: for the first N steps the train step runs the model with n = every
+    # block of train.seq_len, so the selection branch sees every earlier key while (with
+    # slc_score_distill) the block scorer learns where that attention goes; top-n from step N on.
+    # Evaluation and decode always use n. 0 disables it.
+    slc_dense_warmup_steps: int = 0
     # Block-scorer distillation: adds weight * KL(dense selection attention per block || compressed
     # block scores) over the free block choices to the loss; its gradient reaches only the compressed
     # keys (nsa/selection.score_distill_kl). 0 disables it.
@@ -343,9 +348,14 @@ def validate(cfg: Config) -> Config:
     )
     need(a.slc_warmup_steps >= 0, f"model.nsa.slc_warmup_steps must be >= 0 (0 disables it), got {a.slc_warmup_steps}")
     need(
-        not (a.slc_warmup_steps and cfg.parallel.strategy == "pmap"),
-        "model.nsa.slc_warmup_steps needs a strategy other than parallel.strategy=pmap (dp, gspmd, zero1, fsdp)",
+        a.slc_dense_warmup_steps >= 0,
+        f"model.nsa.slc_dense_warmup_steps must be >= 0 (0 disables it), got {a.slc_dense_warmup_steps}",
     )
+    for key in ("slc_warmup_steps", "slc_dense_warmup_steps"):
+        need(
+            not (getattr(a, key) and cfg.parallel.strategy == "pmap"),
+            f"model.nsa.{key} needs a strategy other than parallel.strategy=pmap (dp, gspmd, zero1, fsdp)",
+        )
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
 
     for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):

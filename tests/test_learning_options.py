@@ -54,6 +54,10 @@ def test_config_validation():
         load_config("cpu_tiny", ["model.nsa.slc_warmup_steps=-1"])
     with pytest.raises(ConfigError, match="pmap"):
         load_config("cpu_tiny", ["model.nsa.slc_warmup_steps=5", "parallel.strategy=pmap"])
+    with pytest.raises(ConfigError, match="slc_dense_warmup_steps"):
+        load_config("cpu_tiny", ["model.nsa.slc_dense_warmup_steps=-1"])
+    with pytest.raises(ConfigError, match="slc_dense_warmup_steps needs a strategy"):
+        load_config("cpu_tiny", ["model.nsa.slc_dense_warmup_steps=5", "parallel.strategy=pmap"])
     cfg = load_config("cpu_tiny", ["model.nsa.gate_bias_init=-2,-2,2"])
     assert cfg.model.nsa.gate_bias_init == (-2.0, -2.0, 2.0)
 
@@ -221,6 +225,73 @@ def test_train_step_warmup_one_compilation_and_no_selection_at_step_0():
     assert losses[0] == pytest.approx(float(want), rel=1e-5)
     with_slc, _ = S.loss_and_stats(params0, jnp.asarray(batches[0][0]), cfg=cfg)
     assert abs(float(with_slc) - float(want)) > 1e-6  # the branch does change the loss when on
+
+
+def test_dense_warmup_trains_every_block_then_top_n():
+    """Steps < N train the model with n = every block (an n override, the plain step), later steps the
+    configured n; one compilation, and the two models' losses differ on these rows."""
+    overrides = [
+        "model.vocab_size=32",
+        "model.d_model=24",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.head_dim=8",
+        "model.v_head_dim=8",
+        "model.d_ff=32",
+        "model.nsa.l=8",
+        "model.nsa.d=4",
+        "model.nsa.lp=8",
+        "model.nsa.n=3",  # T = 32: 4 blocks, the 3 forced ones leave block 1 out for the last block's queries
+        "model.nsa.w=8",
+        "model.nsa.query_chunk=16",
+        "train.seq_len=32",
+        "train.global_batch=2",
+        "parallel.grad_reduce_dtype=float32",
+        "model.nsa.slc_score_distill=0.5",
+    ]
+    cfg = load_config(None, [*overrides, "model.nsa.slc_dense_warmup_steps=2"])
+    sparse = load_config(None, overrides)
+    dense = load_config(None, [*overrides, "model.nsa.n=4"])
+    assert S.dense_selection_config(cfg).model.nsa.n == 4
+    mesh = S.make_mesh(cfg)
+    state = S.create_state(cfg, mesh)
+    step = S.make_train_step(cfg, mesh)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        tokens = rng.integers(0, 32, size=(1, 2, 33), dtype=np.int32)
+        params = jax.device_get(state.params)
+        want_dense, _ = S.loss_and_stats(params, jnp.asarray(tokens[0]), cfg=dense)
+        want_sparse, _ = S.loss_and_stats(params, jnp.asarray(tokens[0]), cfg=sparse)
+        assert abs(float(want_dense) - float(want_sparse)) > 1e-5  # the test can tell the two apart
+        state, metrics = step(state, S.put_batch(tokens, mesh))
+        want = want_dense if i < 2 else want_sparse
+        assert float(metrics["loss"]) == pytest.approx(float(want), rel=1e-5), i
+    assert step._cache_size() == 1
+
+
+def test_score_distill_in_the_layer_trains_only_the_scorer_keys():
+    # The layer's KL moves the k_cmp projection and the key compressor, and nothing below
+    # the layer (its input) nor any other weight: the distillation cannot pull on the
+    # residual stream the LM loss trains.
+    cfg = _with(tiny_model_cfg(G=2, K=2), slc_score_distill=1.0)
+    x, params = _setup(cfg, 48)
+
+    def kl(params, x):
+        _, state = NSAAttention(cfg).apply({"params": params}, x, mutable=["aux"])
+        return state["aux"]["distill_kl"][0]
+
+    value = float(kl(params, x))
+    g_params, g_x = jax.grad(kl, argnums=(0, 1))(params, x)
+    assert value > 0
+    assert float(jnp.max(jnp.abs(g_x))) == 0.0
+    norms = {name: float(optax_norm(g)) for name, g in g_params.items()}
+    assert norms.pop("k_cmp") > 0 and norms.pop("cmp_k") > 0, norms
+    assert all(v == 0.0 for v in norms.values()), norms
+
+
+def optax_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(tree)))
 
 
 @pytest.mark.parametrize("fmt", ["split", "fused"])

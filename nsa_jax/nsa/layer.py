@@ -145,7 +145,8 @@ class NSAAttention(nn.Module):
             return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, positions_T, cfg.rope_theta)
 
         q = roped(proj("q", H, Dk))
-        k_cmp = roped(proj("k_cmp", K, Dk))
+        k_cmp_dense = nn.Dense(K * Dk, use_bias=False, dtype=dtype, kernel_init=init, name="k_cmp")
+        k_cmp = roped(k_cmp_dense(x_BxTxD).reshape(B, T, K, Dk))
         v_cmp = proj("v_cmp", K, Dv)
         k_slc = roped(proj("k_slc", K, Dk))
         v_slc = proj("v_slc", K, Dv)
@@ -177,7 +178,8 @@ class NSAAttention(nn.Module):
             return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
 
         with jax.named_scope("nsa_cmp"):
-            kc = compressor("cmp_k")(k_cmp)
+            cmp_k = compressor("cmp_k")
+            kc = cmp_k(k_cmp)
             vc = compressor("cmp_v")(v_cmp)
             # Block indices straight from the compressed branch: on the Pallas path one kernel
             # scores and selects, with no probability or block-score tensor.
@@ -208,7 +210,12 @@ class NSAAttention(nn.Module):
                     outputs["slc"] = outputs["slc"] + delta.astype(outputs["slc"].dtype)
                 if a.slc_score_distill > 0 and self.mode == "train":
                     # The train step adds weight * this to the loss (step.loss_and_stats).
-                    kl = score_distill_kl(q, kc, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
+                    # The scorer's keys again, from a detached layer input: the KL trains the
+                    # k_cmp projection and phi only, never the residual stream below (as DSA
+                    # detaches its indexer's input), so it cannot pull on what the LM loss learns.
+                    x_sg = jax.lax.stop_gradient(x_BxTxD)
+                    kc_scorer = cmp_k(roped(k_cmp_dense(x_sg).reshape(B, T, K, Dk)))
+                    kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
                     self.sow("aux", "distill_kl", kl)
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):

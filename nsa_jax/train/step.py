@@ -23,6 +23,7 @@ Nothing here does I/O; the loop (loop.py) owns files, clocks and printing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -171,15 +172,30 @@ def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.
 # steps
 
 
-def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> Callable:
+def dense_selection_config(cfg: Config) -> Config:
+    """`cfg` with model.nsa.n = every selection block of train.seq_len (model.nsa.slc_dense_warmup_steps).
+
+    Block 0, the current and the previous block are forced and the other slots take the
+    best-scored earlier blocks, so with n >= ceil(T / lp) every query selects every
+    block up to its own: the selection branch is causal attention over all keys. The
+    parameters do not depend on n, so both models share them.
+    """
+    a = cfg.model.nsa
+    n_all = max(a.n, -(-cfg.train.seq_len // a.lp))
+    nsa = dataclasses.replace(a, n=n_all)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, nsa=nsa))
+
+
+def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None, *, cfg: Config | None = None) -> Callable:
     """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy.
 
     Grads are placed as plan.grads (replicated, or sharded for zero1/fsdp); traced
     inside the step's jit. pmap has no separate gradient function (its whole step
-    runs per device).
+    runs per device). `cfg`: the loss's config when it differs from the plan's in the
+    model's n only (dense_selection_config); default plan.cfg.
     """
     plan = as_plan(plan, mesh)
-    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg)
+    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg if cfg is None else cfg)
     if plan.strategy == "dp":
         return strategies.make_dp_grad_fn(plan, loss_fn)
     if plan.strategy == "pmap":
@@ -233,16 +249,27 @@ def make_train_step(
     if plan.strategy == "pmap":
         train_step = strategies.make_pmap_step(plan, functools.partial(loss_and_stats, cfg=plan.cfg), update)
     else:
-        grad_fn = make_grad_fn(plan)
+        a = plan.cfg.model.nsa
+        sparse_grad_fn = make_grad_fn(plan)
+        if a.slc_dense_warmup_steps and "slc" in a.branches:
+            # Dense selection warm-up: both models are compiled into the step, and the step
+            # counter (part of the state, so a resumed run picks the same one) chooses.
+            dense_grad_fn = make_grad_fn(plan, cfg=dense_selection_config(plan.cfg))
+
+            def grad_fn(params, tokens_AxBxT1, step):
+                dense = step < a.slc_dense_warmup_steps
+                return lax.cond(dense, dense_grad_fn, sparse_grad_fn, params, tokens_AxBxT1)
+        else:
+            grad_fn = lambda params, tokens_AxBxT1, step: sparse_grad_fn(params, tokens_AxBxT1)  # noqa: E731
 
         def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-            warmup = plan.cfg.model.nsa.slc_warmup_steps
+            warmup = a.slc_warmup_steps
             if warmup:  # selection warm-up: the step scales the selection output (layer.scale_selection_values)
                 r = selection_warmup_scale(state.step, warmup)
-                grads, loss, stats = grad_fn(scale_selection_values(state.params, r), tokens_AxBxT1)
+                grads, loss, stats = grad_fn(scale_selection_values(state.params, r), tokens_AxBxT1, state.step)
                 grads = scale_selection_values(grads, r)
             else:
-                grads, loss, stats = grad_fn(state.params, tokens_AxBxT1)
+                grads, loss, stats = grad_fn(state.params, tokens_AxBxT1, state.step)
             # zero1: the replicated params sliced to the gradient's shard (no communication);
             # a no-op for the other strategies, whose params already live like their grads.
             params = lax.with_sharding_constraint(state.params, plan.grads)
