@@ -68,6 +68,25 @@ def keys_per_query(cfg: ModelConfig, T: int) -> dict[str, float]:
     return out
 
 
+LEARNING_OPTIONS = (
+    "gate_bias_init",
+    "gate_zero_kernel",
+    "slc_straight_through",
+    "slc_warmup_steps",
+    "slc_dense_warmup_steps",
+    "slc_score_distill",
+)
+
+
+def learning_options(cfg: Config) -> str:
+    """The model.nsa learning options (docs/NSA.md) that differ from their defaults, as `name=value` pairs."""
+    a, default = cfg.model.nsa, type(cfg.model.nsa)()
+    on = [name for name in LEARNING_OPTIONS if getattr(a, name) != getattr(default, name)]
+    return " ".join(
+        f"{name}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for name in on for v in [getattr(a, name)]
+    )
+
+
 def describe(cfg: Config) -> str:
     """The text `launch.info` prints."""
     m, a = cfg.model, cfg.model.nsa
@@ -78,6 +97,7 @@ def describe(cfg: Config) -> str:
         f"dtype={m.dtype}",
         f"nsa: l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} phi={a.cmp_phi} branches={','.join(a.branches)} "
         f"attention_impl={a.attention_impl}",
+        f"nsa learning options: {learning_options(cfg) or 'none'}",
         f"parameters: {counts['total']:,} total",
     ]
     for part, n in counts.items():

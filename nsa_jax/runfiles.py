@@ -266,6 +266,7 @@ EVENTS = {
     "checkpoint_start": "a checkpoint save started (save_s: how long the loop was blocked)",
     "checkpoint": "a checkpoint step was committed on disk (msg: its path)",
     "checkpoint_failed": "a checkpoint save failed (msg: the cause); the run stops",
+    "selection_top_n": "the dense selection warm-up (model.nsa.slc_dense_warmup_steps) is over: top-n from this step",
     "anomaly": "a non-finite loss or gradient (anomaly_type)",
     "halt": "the run stops early (.HALT file, SIGTERM)",
     "watchdog_dump": "stacks were dumped (reason: sigusr1 or stall)",

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from nsa_jax.config import ConfigError, load_config, to_dict
-from nsa_jax.info import keys_per_query, parameter_counts
+from nsa_jax.info import describe, keys_per_query, learning_options, parameter_counts
 
 
 def test_shipped_configs_load():
@@ -92,6 +92,15 @@ def test_keys_per_query_matches_the_papers_decode_budget():
     # Mean over positions stays below the per-step bound T_cmp + n*lp + w (5632 at 64k).
     assert k["nsa_total"] < 4095 + 16 * 64 + 512
     assert k["dense"] == pytest.approx((65536 + 1) / 2)
+
+
+def test_learning_options_names_what_is_on():
+    assert learning_options(load_config("cpu_tiny")) == ""
+    cfg = load_config(
+        "cpu_tiny", ["model.nsa.slc_dense_warmup_steps=500", "model.nsa.gate_bias_init=-2,2,-2", "model.nsa.n=5"]
+    )
+    assert learning_options(cfg) == "gate_bias_init=-2.0,2.0,-2.0 slc_dense_warmup_steps=500"
+    assert "nsa learning options: gate_bias_init=-2.0,2.0,-2.0 slc_dense_warmup_steps=500" in describe(cfg)
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ import numpy as np
 from nsa_jax import checkpoint as ckpt
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
+from nsa_jax.info import learning_options
 from nsa_jax.ops.health import Health, agree_any, write_halt
 from nsa_jax.runfiles import BRANCHES, HALT_FILE
 from nsa_jax.train import step as S
@@ -203,6 +204,12 @@ class Trainer:
             f"per-device batch {cfg.train.global_batch // n_dev} x accumulate {cfg.train.accumulate}, "
             f"{self.tokens_per_step:,} tokens/step -> {self.out}"
         )
+        if learning_options(cfg):
+            self.say(f"nsa learning options: {learning_options(cfg)}")
+        self._dense_until = cfg.model.nsa.slc_dense_warmup_steps if "slc" in cfg.model.nsa.branches else 0
+        if int(state.step if state is not None else 0) < self._dense_until:
+            n = cfg.model.nsa.n
+            self.say(f"selection: every block for steps 1-{self._dense_until}, then top-{n} (evaluation: top-{n})")
         self.art.event(
             "boot", 0, "boot", devices=n_dev, processes=jax.process_count(), tokens_per_step=self.tokens_per_step
         )
@@ -477,6 +484,9 @@ class Trainer:
             val, eval_s = self._evaluate()
             val["eval_s"] = eval_s
             self._last_done = time.perf_counter()
+        if p.step == self._dense_until + 1 and p.step > 1:
+            self.say(f"selection: dense warm-up over; top-{cfg.model.nsa.n} from step {p.step}")
+            self.art.event("selection_top_n", p.step, f"dense selection warm-up over, top-{cfg.model.nsa.n}")
         loss, lr = float(m["loss"]), float(m["lr"])
         aux = _aux_means(m)
         row = {
