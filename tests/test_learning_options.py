@@ -30,6 +30,27 @@ from nsa_jax.data.kv_recall import make_kv_batch, pair_len
 from nsa_jax.nsa.layer import NSAAttention, scale_selection_values, selection_warmup_scale
 from nsa_jax.train import step as S
 
+# A model and batch small enough for whole train steps in a test.
+STEP_OVERRIDES = [
+    "model.vocab_size=32",
+    "model.d_model=24",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=8",
+    "model.v_head_dim=8",
+    "model.d_ff=32",
+    "model.nsa.l=8",
+    "model.nsa.d=4",
+    "model.nsa.lp=8",
+    "model.nsa.n=3",
+    "model.nsa.w=8",
+    "model.nsa.query_chunk=16",
+    "train.seq_len=32",
+    "train.global_batch=2",
+    "parallel.grad_reduce_dtype=float32",
+]
+
 
 def _with(cfg, **nsa):
     return dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, **nsa))
@@ -188,25 +209,7 @@ def test_scaled_values_scale_the_selection_output():
 
 
 def test_train_step_warmup_one_compilation_and_no_selection_at_step_0():
-    overrides = [
-        "model.vocab_size=32",
-        "model.d_model=24",
-        "model.n_layers=2",
-        "model.n_heads=2",
-        "model.n_kv_heads=1",
-        "model.head_dim=8",
-        "model.v_head_dim=8",
-        "model.d_ff=32",
-        "model.nsa.l=8",
-        "model.nsa.d=4",
-        "model.nsa.lp=8",
-        "model.nsa.n=3",
-        "model.nsa.w=8",
-        "model.nsa.query_chunk=16",
-        "train.seq_len=32",
-        "train.global_batch=2",
-        "parallel.grad_reduce_dtype=float32",
-    ]
+    overrides = STEP_OVERRIDES
     cfg = load_config(None, [*overrides, "model.nsa.slc_warmup_steps=4"])
     mesh = S.make_mesh(cfg)
     state = S.create_state(cfg, mesh)
@@ -230,26 +233,8 @@ def test_train_step_warmup_one_compilation_and_no_selection_at_step_0():
 def test_dense_warmup_trains_every_block_then_top_n():
     """Steps < N train the model with n = every block (an n override, the plain step), later steps the
     configured n; one compilation, and the two models' losses differ on these rows."""
-    overrides = [
-        "model.vocab_size=32",
-        "model.d_model=24",
-        "model.n_layers=2",
-        "model.n_heads=2",
-        "model.n_kv_heads=1",
-        "model.head_dim=8",
-        "model.v_head_dim=8",
-        "model.d_ff=32",
-        "model.nsa.l=8",
-        "model.nsa.d=4",
-        "model.nsa.lp=8",
-        "model.nsa.n=3",  # T = 32: 4 blocks, the 3 forced ones leave block 1 out for the last block's queries
-        "model.nsa.w=8",
-        "model.nsa.query_chunk=16",
-        "train.seq_len=32",
-        "train.global_batch=2",
-        "parallel.grad_reduce_dtype=float32",
-        "model.nsa.slc_score_distill=0.5",
-    ]
+    # T = 32: 4 blocks; n = 3 forced ones leave block 1 out for the last block's queries.
+    overrides = [*STEP_OVERRIDES, "model.nsa.slc_score_distill=0.5"]
     cfg = load_config(None, [*overrides, "model.nsa.slc_dense_warmup_steps=2"])
     sparse = load_config(None, overrides)
     dense = load_config(None, [*overrides, "model.nsa.n=4"])
