@@ -66,6 +66,9 @@ class NSAConfig:
     # block scores) over the free block choices to the loss; its gradient reaches only the compressed
     # keys (nsa/selection.score_distill_kl). 0 disables it.
     slc_score_distill: float = 0.0
+    # Steps the distillation runs for: 0 every step; N only the first N (e.g. the dense warm-up,
+    # so the dense target's cost ends with it).
+    slc_score_distill_steps: int = 0
     # Branches whose output enters the gated sum; others are dropped (ablations).
     # Selection still scores blocks with the compressed keys when cmp is off.
     branches: tuple[str, ...] = BRANCHES
@@ -351,7 +354,11 @@ def validate(cfg: Config) -> Config:
         a.slc_dense_warmup_steps >= 0,
         f"model.nsa.slc_dense_warmup_steps must be >= 0 (0 disables it), got {a.slc_dense_warmup_steps}",
     )
-    for key in ("slc_warmup_steps", "slc_dense_warmup_steps"):
+    need(
+        a.slc_score_distill_steps >= 0,
+        f"model.nsa.slc_score_distill_steps must be >= 0 (0: every step), got {a.slc_score_distill_steps}",
+    )
+    for key in ("slc_warmup_steps", "slc_dense_warmup_steps", "slc_score_distill_steps"):
         need(
             not (getattr(a, key) and cfg.parallel.strategy == "pmap"),
             f"model.nsa.{key} needs a strategy other than parallel.strategy=pmap (dp, gspmd, zero1, fsdp)",

@@ -75,6 +75,7 @@ LEARNING_OPTIONS = (
     "slc_warmup_steps",
     "slc_dense_warmup_steps",
     "slc_score_distill",
+    "slc_score_distill_steps",
 )
 
 

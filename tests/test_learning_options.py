@@ -79,6 +79,8 @@ def test_config_validation():
         load_config("cpu_tiny", ["model.nsa.slc_dense_warmup_steps=-1"])
     with pytest.raises(ConfigError, match="slc_dense_warmup_steps needs a strategy"):
         load_config("cpu_tiny", ["model.nsa.slc_dense_warmup_steps=5", "parallel.strategy=pmap"])
+    with pytest.raises(ConfigError, match="slc_score_distill_steps"):
+        load_config("cpu_tiny", ["model.nsa.slc_score_distill_steps=-2"])
     cfg = load_config("cpu_tiny", ["model.nsa.gate_bias_init=-2,-2,2"])
     assert cfg.model.nsa.gate_bias_init == (-2.0, -2.0, 2.0)
 
@@ -230,28 +232,37 @@ def test_train_step_warmup_one_compilation_and_no_selection_at_step_0():
     assert abs(float(with_slc) - float(want)) > 1e-6  # the branch does change the loss when on
 
 
-def test_dense_warmup_trains_every_block_then_top_n():
-    """Steps < N train the model with n = every block (an n override, the plain step), later steps the
-    configured n; one compilation, and the two models' losses differ on these rows."""
-    # T = 32: 4 blocks; n = 3 forced ones leave block 1 out for the last block's queries.
-    overrides = [*STEP_OVERRIDES, "model.nsa.slc_score_distill=0.5"]
-    cfg = load_config(None, [*overrides, "model.nsa.slc_dense_warmup_steps=2"])
-    sparse = load_config(None, overrides)
-    dense = load_config(None, [*overrides, "model.nsa.n=4"])
-    assert S.dense_selection_config(cfg).model.nsa.n == 4
+def test_dense_warmup_and_distill_steps_train_each_phase_model():
+    """Steps 0-1: every block selected (an n override) with the distillation; step 2: top-n with
+    it; steps 3-4: top-n without it. Each step's loss is the plain loss of that config on the
+    params before it; one compilation, and the phases' losses differ on these rows."""
+    # T = 48: 6 blocks; n = 3 forced ones leave blocks out, and late queries have free candidates.
+    overrides = [*STEP_OVERRIDES, "train.seq_len=48", "model.init_std=0.3", "model.nsa.slc_score_distill=0.5"]
+    cfg = load_config(None, [*overrides, "model.nsa.slc_dense_warmup_steps=2", "model.nsa.slc_score_distill_steps=3"])
+    phases = {
+        "dense": load_config(None, [*overrides, "model.nsa.n=6"]),
+        "sparse": load_config(None, overrides),
+        "plain": load_config(None, [*STEP_OVERRIDES, "train.seq_len=48", "model.init_std=0.3"]),
+    }
+    assert S.dense_selection_config(cfg).model.nsa.n == 6
+    assert [start for start, _ in S.training_phases(cfg)] == [0, 2, 3]
     mesh = S.make_mesh(cfg)
     state = S.create_state(cfg, mesh)
     step = S.make_train_step(cfg, mesh)
     rng = np.random.default_rng(0)
-    for i in range(4):
-        tokens = rng.integers(0, 32, size=(1, 2, 33), dtype=np.int32)
+    for i, phase in enumerate(["dense", "dense", "sparse", "plain", "plain"]):
+        tokens = rng.integers(0, 32, size=(1, 2, 49), dtype=np.int32)
         params = jax.device_get(state.params)
-        want_dense, _ = S.loss_and_stats(params, jnp.asarray(tokens[0]), cfg=dense)
-        want_sparse, _ = S.loss_and_stats(params, jnp.asarray(tokens[0]), cfg=sparse)
-        assert abs(float(want_dense) - float(want_sparse)) > 1e-5  # the test can tell the two apart
+        want = {k: S.loss_and_stats(params, jnp.asarray(tokens[0]), cfg=c) for k, c in phases.items()}
+        assert abs(float(want["dense"][0]) - float(want["sparse"][0])) > 1e-5  # n changes the loss
         state, metrics = step(state, S.put_batch(tokens, mesh))
-        want = want_dense if i < 2 else want_sparse
-        assert float(metrics["loss"]) == pytest.approx(float(want), rel=1e-5), i
+        loss, stats = want[phase]
+        assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5), i
+        # The KL tells the phases with and without the distillation apart (a small part of the loss).
+        kl = stats.get("distill_kl", 0.0)
+        assert float(metrics["distill_kl"]) == pytest.approx(float(kl), rel=1e-3, abs=0.0), i
+        assert (float(kl) > 0) == (phase != "plain")
+        assert float(metrics["ce"]) == pytest.approx(float(stats.get("ce", loss)), rel=1e-5), i
     assert step._cache_size() == 1
 
 

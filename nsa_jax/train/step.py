@@ -203,6 +203,64 @@ def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None, *, cfg: 
     return strategies.make_partitioned_grad_fn(plan, loss_fn)
 
 
+def training_phases(cfg: Config) -> list[tuple[int, Config]]:
+    """[(first step, loss config)] of the phases the step counter walks through, in order.
+
+    One phase unless the dense selection warm-up (model.nsa.slc_dense_warmup_steps) or a
+    limited distillation (model.nsa.slc_score_distill_steps) is on: before its step
+    the model runs with every block selected (dense_selection_config), or with the
+    distillation on; from it on, as configured without them. Both change only what the
+    loss computes, never the parameters.
+    """
+    a = cfg.model.nsa
+    if "slc" not in a.branches:
+        return [(0, cfg)]
+    dense_until = a.slc_dense_warmup_steps
+    distill_until = a.slc_score_distill_steps if a.slc_score_distill else 0
+    phases = []
+    for start in sorted({0, dense_until, distill_until}):
+        c = dense_selection_config(cfg) if start < dense_until else cfg
+        if distill_until and start >= distill_until:
+            c = dataclasses.replace(
+                c, model=dataclasses.replace(c.model, nsa=dataclasses.replace(c.model.nsa, slc_score_distill=0.0))
+            )
+        phases.append((start, c))
+    return phases
+
+
+def make_phased_grad_fn(plan: ShardingPlan) -> Callable:
+    """(params, tokens_AxBxT1, step) -> make_grad_fn's result for the phase `step` is in (training_phases).
+
+    Every phase is compiled into the one step and the step counter (part of the state,
+    so a resumed run continues in its phase) chooses with lax.switch. A phase without
+    the configured distillation reports ce = loss and distill_kl = 0, so every phase
+    returns the same metrics.
+    """
+    phases = training_phases(plan.cfg)
+    distill = plan.cfg.model.nsa.slc_score_distill if "slc" in plan.cfg.model.nsa.branches else 0.0
+
+    def phase_fn(cfg):
+        fn = make_grad_fn(plan, cfg=cfg)
+        if not distill or cfg.model.nsa.slc_score_distill:
+            return fn
+
+        def without_distill(params, tokens_AxBxT1):
+            grads, loss, stats = fn(params, tokens_AxBxT1)
+            return grads, loss, {**stats, "ce": loss, "distill_kl": jnp.zeros((), jnp.float32)}
+
+        return without_distill
+
+    fns = [phase_fn(c) for _, c in phases]
+    if len(fns) == 1:
+        return lambda params, tokens_AxBxT1, step: fns[0](params, tokens_AxBxT1)
+    starts = jnp.asarray([s for s, _ in phases[1:]], jnp.int32)
+
+    def grad_fn(params, tokens_AxBxT1, step):
+        return lax.switch(jnp.sum(step >= starts), fns, params, tokens_AxBxT1)
+
+    return grad_fn
+
+
 def make_update(cfg: Config) -> Callable:
     """(state, grads, loss, stats[, params]) -> (new state, metrics): clip, Adam, decay, LR, skip.
 
@@ -250,17 +308,7 @@ def make_train_step(
         train_step = strategies.make_pmap_step(plan, functools.partial(loss_and_stats, cfg=plan.cfg), update)
     else:
         a = plan.cfg.model.nsa
-        sparse_grad_fn = make_grad_fn(plan)
-        if a.slc_dense_warmup_steps and "slc" in a.branches:
-            # Dense selection warm-up: both models are compiled into the step, and the step
-            # counter (part of the state, so a resumed run picks the same one) chooses.
-            dense_grad_fn = make_grad_fn(plan, cfg=dense_selection_config(plan.cfg))
-
-            def grad_fn(params, tokens_AxBxT1, step):
-                dense = step < a.slc_dense_warmup_steps
-                return lax.cond(dense, dense_grad_fn, sparse_grad_fn, params, tokens_AxBxT1)
-        else:
-            grad_fn = lambda params, tokens_AxBxT1, step: sparse_grad_fn(params, tokens_AxBxT1)  # noqa: E731
+        grad_fn = make_phased_grad_fn(plan)
 
         def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
             warmup = a.slc_warmup_steps
