@@ -301,6 +301,9 @@ def run(opts) -> tuple[dict, list[dict]]:
         f"Dv={cfg.v_head_dim} | NSA l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} branches={','.join(a.branches)} "
         f"kernels cmp/slc/win={impl['cmp']}/{impl['slc']}/{impl['win']} query_chunk={a.query_chunk}"
     )
+    by_len = {T: describe_impl(a.attention_impl, block_size=a.lp, seq=T, slots=a.n)["slc"] for T in seq_lens}
+    if len(set(by_len.values())) > 1 or by_len[seq_lens[0]] != impl["slc"]:
+        print("selection kernel by T: " + ", ".join(f"{T} {k.split('/')[-1]}" for T, k in by_len.items()))
     print(
         f"dtype {dtype}, batch {opts.batch}, warmup {opts.warmup}, median of {opts.iters} calls "
         f"(fewer once a program's timed calls pass {opts.max_seconds:g} s); "

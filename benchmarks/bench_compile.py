@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     base = load_config(opts.config, [f"train.seq_len={opts.seq_len}", *opts.set])
     depths = parse_ints(opts.n_layers) if opts.n_layers else [base.model.n_layers]
     m, t = base.model, base.train
-    impl = describe_impl(m.nsa.attention_impl, block_size=m.nsa.lp)
+    impl = describe_impl(m.nsa.attention_impl, block_size=m.nsa.lp, seq=t.seq_len, slots=m.nsa.n)
     print(
         f"config {opts.config}: L={m.n_layers} D={m.d_model} H={m.n_heads} K={m.n_kv_heads} F={m.d_ff} "
         f"V={m.vocab_size} dtype={m.dtype} | T={t.seq_len} micro-batch B={t.global_batch} "
