@@ -21,7 +21,8 @@ Measured at every evaluation (on the same held-out rows for every variant):
 
 --json accumulates: runs (variant, seed) already in the file are skipped, so variants can
 be run one process at a time and summarised together; --report-only prints the table and
-draws the PNG from the file without training.
+draws the PNG from the file without training. --paired NAME adds each variant's difference
+from NAME taken seed by seed at the last common evaluation (mean +- s.e. of the differences).
 """
 
 from __future__ import annotations
@@ -220,6 +221,47 @@ def print_table(runs: list[dict], metric: str) -> None:
         print(f"| {name} | {n_seeds} | " + " | ".join(cells) + " |")
 
 
+def paired(runs: list[dict], ref: str, metric: str) -> list[tuple[str, int, list[tuple[int, float]], float, float]]:
+    """[(variant, step, [(seed, variant - ref)], mean, s.e.)] at the last step both evaluated, per variant.
+
+    Differences are taken seed by seed (the same rows and init seed for both), so the
+    spread between seeds that both variants share drops out of the standard error.
+    """
+    by = {(r["variant"], r["seed"]): {e["step"]: e.get(metric) for e in r["curve"]} for r in runs}
+    out = []
+    for name in dict.fromkeys(r["variant"] for r in runs):
+        seeds = sorted(s for v, s in by if v == name and (ref, s) in by)
+        if name == ref or not seeds:
+            continue
+        steps = set.intersection(*(set(by[name, s]) & set(by[ref, s]) for s in seeds))
+        if not steps:
+            continue
+        step = max(steps)
+        diffs = [
+            (s, by[name, s][step] - by[ref, s][step])
+            for s in seeds
+            if by[name, s][step] is not None and by[ref, s][step] is not None
+        ]
+        if diffs:
+            m, se = mean_se([d for _, d in diffs])
+            out.append((name, step, diffs, m, se))
+    return out
+
+
+def print_paired(runs: list[dict], ref: str) -> None:
+    if not any(r["variant"] == ref for r in runs):
+        print(f"\n--paired {ref}: no run of that variant in the results")
+        return
+    print(f"\npaired differences, variant - {ref}, seed by seed at the last step both evaluated")
+    print("| variant | metric | step | per seed | mean +- s.e. |")
+    print("| --- | --- | ---: | --- | ---: |")
+    for metric in ("accuracy", "val_loss"):
+        for name, step, diffs, m, se in paired(runs, ref, metric):
+            per_seed = ", ".join(f"{d:+.3f}" for _, d in diffs)
+            spread = f"{m:+.3f}" if math.isnan(se) else f"{m:+.3f} +- {se:.3f}"
+            print(f"| {name} | {metric} | {step} | {per_seed} | {spread} |")
+
+
 def plot(runs: list[dict], metrics: list[str], path: str) -> None:
     import matplotlib
 
@@ -262,6 +304,9 @@ def main() -> None:
     ap.add_argument("--json", help="accumulate runs here (runs already in it are skipped)")
     ap.add_argument("--png", help="learning-curve plot")
     ap.add_argument("--report-only", action="store_true", help="summarise --json without training")
+    ap.add_argument(
+        "--paired", action="append", default=[], help="also print every variant minus this one, seed by seed"
+    )
     args = ap.parse_args()
 
     runs: list[dict] = []
@@ -293,6 +338,8 @@ def main() -> None:
                         json.dump({"runs": runs}, f, indent=1)
     for metric in ("accuracy", "sel_recall", "val_loss"):
         print_table(runs, metric)
+    for ref in args.paired:
+        print_paired(runs, ref)
     if args.png and runs:
         plot(runs, ["accuracy", "sel_recall", "val_loss"], args.png)
 

@@ -294,3 +294,25 @@ def test_selection_diagnosis_measures_on_constructed_attention():
         q[0, t, :] = 20.0 * k[0, p, 0]
     sharp = diagnose(q, kc, k, qpos, tpos, l=l, d=d, lp=lp)
     assert sharp["pair-token mass"] > 0.99 and sharp["target on block"] > 0.99
+
+
+def test_experiments_paired_differences_seed_by_seed():
+    from benchmarks.experiments import paired
+
+    def run(variant, seed, accs):
+        return {"variant": variant, "seed": seed, "curve": [{"step": s, "accuracy": a} for s, a in accs]}
+
+    runs = [
+        run("ref", 1, [(0, 0.0), (10, 0.2), (20, 0.3)]),
+        run("ref", 2, [(0, 0.0), (10, 0.1), (20, 0.5)]),
+        run("ref", 3, [(0, 0.0), (10, 0.1)]),  # no partner seed 3 below
+        run("b", 1, [(0, 0.0), (10, 0.6), (20, 0.4)]),
+        run("b", 2, [(0, 0.0), (10, 0.3), (20, 0.9)]),
+        run("c", 4, [(0, 0.0), (10, 0.9)]),  # no seed in common with ref: left out
+    ]
+    (name, step, diffs, m, se), *rest = paired(runs, "ref", "accuracy")
+    assert not rest and name == "b" and step == 20
+    assert [s for s, _ in diffs] == [1, 2]
+    np.testing.assert_allclose([d for _, d in diffs], [0.1, 0.4])
+    np.testing.assert_allclose(m, 0.25)
+    np.testing.assert_allclose(se, np.std([0.1, 0.4], ddof=1) / np.sqrt(2))
