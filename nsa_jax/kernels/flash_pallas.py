@@ -83,14 +83,12 @@ from nsa_jax.kernels.pallas_common import (
     MIN_DOT_DIM,
     SMEM_BUDGET_BYTES,
     KeyLayout,
+    RowPass,
     check_smem,
     check_tile_size,
     compiler_params,
     layout_visible,
     next_pow2,
-    online_softmax_finish,
-    online_softmax_init,
-    online_softmax_step,
     pad_axis,
     padded_dim,
     smem_estimate,
@@ -250,50 +248,9 @@ def _maybe(live, step, carry):
     return step(carry) if live is None else lax.cond(live, step, lambda c: c, carry)
 
 
-def _win_fwd_kernel(
+def _win_kernel(
     *refs,
-    seq,
-    num_heads,
-    group,
-    lay,
-    block_rows,
-    block_keys,
-    num_key_tiles,
-    scale_log2,
-    select_block,
-):
-    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], o [R, Dv], lse [R].
-    idx_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = _split_refs(refs, select_block)
-    f0 = pl.program_id(0) * block_rows
-    kv = pl.program_id(2)
-    dims = dict(seq=seq, num_heads=num_heads, group=group)
-    t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-    q_RxDk = q_ref[row_R, :]
-    idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
-
-    def body(kt, carry):
-        start = kt * block_keys
-        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block)
-
-        def step(carry):
-            k_CxDk = k_ref[pl.ds(start, block_keys), :]
-            v_CxDv = v_ref[pl.ds(start, block_keys), :]
-            vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R)
-            return online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2)
-
-        return _maybe(live, step, carry)
-
-    lo, hi = _key_tile_range(
-        f0, block_rows, seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles
-    )
-    carry = lax.fori_loop(lo, hi, body, online_softmax_init(block_rows, v_ref.shape[-1]))
-    o_RxDv, lse_R = online_softmax_finish(carry)
-    o_ref[...] = o_RxDv.astype(o_ref.dtype)
-    lse_ref[...] = lse_R
-
-
-def _win_dq_kernel(
-    *refs,
+    backward,
     seq,
     num_heads,
     group,
@@ -305,37 +262,32 @@ def _win_dq_kernel(
     scale_log2,
     select_block,
 ):
-    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
-    #   lse / delta [R], dq [R, Dk].
-    idx_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = _split_refs(refs, select_block)
+    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], then
+    #   forward: o [R, Dv], lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [R, Dk].
+    idx_ref, (q_ref, k_ref, v_ref, *rest) = _split_refs(refs, select_block)
     f0 = pl.program_id(0) * block_rows
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-    q_RxDk = q_ref[row_R, :]
-    do_RxDv = do_ref[row_R, :]
-    lse_R = lse_ref[...]
-    delta_R = delta_ref[...]
+    rows = RowPass(backward, q_ref, rest, row_R, scale=scale, scale_log2=scale_log2)
     idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
 
-    def body(kt, dq_RxDk):
+    def body(kt, carry):
         start = kt * block_keys
         sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block)
 
-        def step(dq_RxDk):
+        def step(carry):
             k_CxDk = k_ref[pl.ds(start, block_keys), :]
             v_CxDv = v_ref[pl.ds(start, block_keys), :]
             vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R)
-            _, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
-            return dq_RxDk + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
+            return rows.step(carry, k_CxDk, v_CxDv, vis_RxC)
 
-        return _maybe(live, step, dq_RxDk)
+        return _maybe(live, step, carry)
 
     lo, hi = _key_tile_range(
         f0, block_rows, seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles
     )
-    dq_RxDk = lax.fori_loop(lo, hi, body, jnp.zeros((block_rows, q_ref.shape[-1]), jnp.float32))
-    dq_ref[...] = (dq_RxDk * scale).astype(dq_ref.dtype)
+    rows.finish(lax.fori_loop(lo, hi, body, rows.init(block_rows)))
 
 
 def _win_dkv_kernel(
@@ -478,7 +430,8 @@ def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, s
     idx_specs = [_idx_spec(d, x.shape[-1]) for x in idx_args]
     r = bsz.block_rows
     kernel = functools.partial(
-        _win_fwd_kernel,
+        _win_kernel,
+        backward=False,
         seq=d.seq,
         num_heads=d.heads,
         group=d.group,
@@ -486,6 +439,7 @@ def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, s
         block_rows=r,
         block_keys=bsz.block_keys,
         num_key_tiles=d.keys_padded // bsz.block_keys,
+        scale=scale,
         scale_log2=scale * LOG2E,
         select_block=select_block,
     )
@@ -532,7 +486,8 @@ def _banded_backward(q, k, v, idx, o, lse, do, lay: KeyLayout, scale, interpret,
     stat_spec = pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i))
     dq_rows = pl.pallas_call(
         functools.partial(
-            _win_dq_kernel,
+            _win_kernel,
+            backward=True,
             block_rows=r,
             block_keys=bsz.block_keys,
             num_key_tiles=d.keys_padded // bsz.block_keys,

@@ -208,3 +208,52 @@ def softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, 
     p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - lse_R[:, None]), 0.0)
     dp_RxC = plgpu_triton.dot(do_RxDv, v_CxDv, trans_b=True)
     return p_RxC, p_RxC * (dp_RxC - delta_R[:, None])
+
+
+class RowPass:
+    """What one forward or dQ program does to its query rows, whichever key tiles it walks.
+
+    The forward and the dQ kernel of a branch walk the same key tiles with the same
+    masks; they differ only in the per-tile update and the outputs, which live here,
+    so each branch writes its tile walk once:
+
+    * forward (``refs`` = o [R, Dv], lse [R]): ``init`` the online softmax, ``step``
+      one tile into it, ``finish`` writes o and the base-2 log-sum-exp;
+    * dQ (``refs`` = do [T*H, Dv], lse [R], delta [R], dq [R, Dk]): ``init`` zeros,
+      ``step`` adds dS K of one tile, ``finish`` writes dq * scale.
+
+    Built inside the kernel: the constructor loads the rows ``row`` of q (and of dO,
+    with lse and delta, for dQ), so the loads come where a kernel would write them.
+    """
+
+    def __init__(self, backward: bool, q_ref, refs, row, *, scale: float, scale_log2: float):
+        self.backward, self.scale, self.scale_log2 = backward, scale, scale_log2
+        self.q_RxDk = q_ref[row, :]
+        if backward:
+            do_ref, lse_ref, delta_ref, self.dq_ref = refs
+            self.do_RxDv = do_ref[row, :]
+            self.lse_R = lse_ref[...]
+            self.delta_R = delta_ref[...]
+        else:
+            self.o_ref, self.lse_ref = refs
+
+    def init(self, rows: int):
+        if self.backward:
+            return jnp.zeros((rows, self.q_RxDk.shape[-1]), jnp.float32)
+        return online_softmax_init(rows, self.o_ref.shape[-1])
+
+    def step(self, carry, k_CxDk, v_CxDv, vis_RxC):
+        if not self.backward:
+            return online_softmax_step(carry, self.q_RxDk, k_CxDk, v_CxDv, vis_RxC, self.scale_log2)
+        _, ds_RxC = softmax_grad_tile(
+            self.q_RxDk, k_CxDk, v_CxDv, self.do_RxDv, self.lse_R, self.delta_R, vis_RxC, self.scale_log2
+        )
+        return carry + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
+
+    def finish(self, carry) -> None:
+        if self.backward:
+            self.dq_ref[...] = (carry * self.scale).astype(self.dq_ref.dtype)
+            return
+        o_RxDv, lse_R = online_softmax_finish(carry)
+        self.o_ref[...] = o_RxDv.astype(self.o_ref.dtype)
+        self.lse_ref[...] = lse_R

@@ -101,13 +101,11 @@ from nsa_jax.kernels.pallas_common import (
     LOG2E,
     MIN_DOT_DIM,
     SMEM_BUDGET_BYTES,
+    RowPass,
     check_smem,
     check_tile_size,
     compiler_params,
     next_pow2,
-    online_softmax_finish,
-    online_softmax_init,
-    online_softmax_step,
     pad_axis,
     padded_dim,
     smem_estimate,
@@ -131,7 +129,7 @@ class SelectionBlockSizes:
       positions: query positions per forward / dQ program (a power of two).
         1: one position's G heads per program, padded to 16 rows. P > 1:
         P consecutive positions x G heads share a program and walk the union
-        of their selections once (``_sel_fwd_multi_kernel``), so G = 6 with
+        of their selections once (``_sel_multi_kernel``), so G = 6 with
         P = 2 fills 12 of 16 rows instead of 6.
     """
 
@@ -172,50 +170,13 @@ def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks):
     return k_SxDk, v_SxDv, vis_1xS
 
 
-def _sel_fwd_kernel(
+def _sel_kernel(
     idx_ref,
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    lse_ref,
-    *,
-    block_size,
-    num_slots,
-    num_blocks,
-    num_heads,
-    group,
-    group_padded,
-    scale_log2,
-):
-    # Refs (leading batch / KV-head dims squeezed by the BlockSpecs):
-    #   idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv],
-    #   o_ref [Gp, Dv], lse_ref [Gp].
-    t = pl.program_id(0)
-    kv = pl.program_id(2)
-    q_GxDk = q_ref[_group_rows(t, kv, num_heads, group, group_padded), :]
-    dv = v_ref.shape[-1]
-
-    def body(s, carry):
-        k_SxDk, v_SxDv, vis_1xS = _slot_tile(s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks)
-        return online_softmax_step(carry, q_GxDk, k_SxDk, v_SxDv, vis_1xS, scale_log2)
-
-    carry = lax.fori_loop(0, num_slots, body, online_softmax_init(group_padded, dv))
-    o_GxDv, lse_G = online_softmax_finish(carry)
-    o_ref[...] = o_GxDv.astype(o_ref.dtype)
-    lse_ref[...] = lse_G
-
-
-def _sel_dq_kernel(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dq_ref,
-    *,
+    *refs,
+    backward,
     block_size,
     num_slots,
     num_blocks,
@@ -225,23 +186,20 @@ def _sel_dq_kernel(
     scale,
     scale_log2,
 ):
-    # Refs: idx [n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], do [T*H, Dv],
-    #   lse / delta [Gp], dq [Gp, Dk].
+    # Refs (leading batch / KV-head dims squeezed by the BlockSpecs):
+    #   idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv], then
+    #   forward: o [Gp, Dv], lse [Gp]; dQ: do [T*H, Dv], lse / delta [Gp], dq [Gp, Dk].
     t = pl.program_id(0)
     kv = pl.program_id(2)
-    rows_G = _group_rows(t, kv, num_heads, group, group_padded)
-    q_GxDk = q_ref[rows_G, :]
-    do_GxDv = do_ref[rows_G, :]
-    lse_G = lse_ref[...]
-    delta_G = delta_ref[...]
+    rows = RowPass(
+        backward, q_ref, refs, _group_rows(t, kv, num_heads, group, group_padded), scale=scale, scale_log2=scale_log2
+    )
 
-    def body(s, dq_GxDk):
+    def body(s, carry):
         k_SxDk, v_SxDv, vis_1xS = _slot_tile(s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks)
-        _, ds_GxS = softmax_grad_tile(q_GxDk, k_SxDk, v_SxDv, do_GxDv, lse_G, delta_G, vis_1xS, scale_log2)
-        return dq_GxDk + plgpu_triton.dot(ds_GxS.astype(k_SxDk.dtype), k_SxDk)
+        return rows.step(carry, k_SxDk, v_SxDv, vis_1xS)
 
-    dq_GxDk = lax.fori_loop(0, num_slots, body, jnp.zeros((group_padded, q_ref.shape[-1]), jnp.float32))
-    dq_ref[...] = (dq_GxDk * scale).astype(dq_ref.dtype)
+    rows.finish(lax.fori_loop(0, num_slots, body, rows.init(group_padded)))
 
 
 def _multi_rows(i, kv, *, positions, group, rows, seq, num_heads):
@@ -286,59 +244,13 @@ def _union_tile(blk, t_R, member_R, k_ref, v_ref, *, block_size, num_blocks):
     return k_SxDk, v_SxDv, member_R[:, None] & (pos_1xS <= t_R[:, None])
 
 
-def _sel_fwd_multi_kernel(
+def _sel_multi_kernel(
     idx_ref,
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    lse_ref,
-    *,
-    block_size,
-    slots,
-    num_blocks,
-    num_heads,
-    group,
-    positions,
-    rows,
-    seq,
-    scale_log2,
-):
-    # Refs: idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], o [R, Dv], lse [R].
-    kv = pl.program_id(2)
-    t_R, valid_R, row_R, p_R = _multi_rows(
-        pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
-    )
-    q_RxDk = q_ref[row_R, :]
-
-    def body(e, carry):
-        blk, live, member_R = _union_entry(e, p_R, idx_ref, slots=slots, num_blocks=num_blocks)
-
-        def step(carry):
-            k_SxDk, v_SxDv, vis_RxS = _union_tile(
-                blk, t_R, member_R & valid_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
-            )
-            return online_softmax_step(carry, q_RxDk, k_SxDk, v_SxDv, vis_RxS, scale_log2)
-
-        # Entries repeating an earlier block (neighbours share most blocks) cost no tile.
-        return lax.cond(live, step, lambda c: c, carry)
-
-    carry = lax.fori_loop(0, positions * slots, body, online_softmax_init(rows, v_ref.shape[-1]))
-    o_RxDv, lse_R = online_softmax_finish(carry)
-    o_ref[...] = o_RxDv.astype(o_ref.dtype)
-    lse_ref[...] = lse_R
-
-
-def _sel_dq_multi_kernel(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dq_ref,
-    *,
+    *refs,
+    backward,
     block_size,
     slots,
     num_blocks,
@@ -350,30 +262,27 @@ def _sel_dq_multi_kernel(
     scale,
     scale_log2,
 ):
-    # Refs: idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], do [T*H, Dv], lse / delta [R], dq [R, Dk].
+    # Refs: idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], then
+    #   forward: o [R, Dv], lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [R, Dk].
     kv = pl.program_id(2)
     t_R, valid_R, row_R, p_R = _multi_rows(
         pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
     )
-    q_RxDk = q_ref[row_R, :]
-    do_RxDv = do_ref[row_R, :]
-    lse_R = lse_ref[...]
-    delta_R = delta_ref[...]
+    pass_ = RowPass(backward, q_ref, refs, row_R, scale=scale, scale_log2=scale_log2)
 
-    def body(e, dq_RxDk):
+    def body(e, carry):
         blk, live, member_R = _union_entry(e, p_R, idx_ref, slots=slots, num_blocks=num_blocks)
 
-        def step(dq_RxDk):
+        def step(carry):
             k_SxDk, v_SxDv, vis_RxS = _union_tile(
                 blk, t_R, member_R & valid_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
             )
-            _, ds_RxS = softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
-            return dq_RxDk + plgpu_triton.dot(ds_RxS.astype(k_SxDk.dtype), k_SxDk)
+            return pass_.step(carry, k_SxDk, v_SxDv, vis_RxS)
 
-        return lax.cond(live, step, lambda c: c, dq_RxDk)
+        # Entries repeating an earlier block (neighbours share most blocks) cost no tile.
+        return lax.cond(live, step, lambda c: c, carry)
 
-    dq_RxDk = lax.fori_loop(0, positions * slots, body, jnp.zeros((rows, q_ref.shape[-1]), jnp.float32))
-    dq_ref[...] = (dq_RxDk * scale).astype(dq_ref.dtype)
+    pass_.finish(lax.fori_loop(0, positions * slots, body, pass_.init(rows)))
 
 
 def _sel_dkv_kernel(
@@ -554,18 +463,19 @@ def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: Selectio
     q_f = _flat_heads(q, d.dk)
     idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
     common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
+    common.update(scale=scale, scale_log2=scale * LOG2E)
     if d.positions == 1:
         kernel = functools.partial(
-            _sel_fwd_kernel, num_slots=d.slots, group_padded=d.group_padded, scale_log2=scale * LOG2E, **common
+            _sel_kernel, backward=False, num_slots=d.slots, group_padded=d.group_padded, **common
         )
     else:
         kernel = functools.partial(
-            _sel_fwd_multi_kernel,
+            _sel_multi_kernel,
+            backward=False,
             slots=next_pow2(d.slots),
             positions=d.positions,
             rows=d.rows_padded,
             seq=d.seq,
-            scale_log2=scale * LOG2E,
             **common,
         )
         idx = _multi_idx(idx, d)
@@ -715,25 +625,20 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
 
     # ---- dQ: query-centric, same walk as the forward.
     common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
+    common.update(scale=scale, scale_log2=scale * LOG2E)
     if d.positions == 1:
         dq_kernel = functools.partial(
-            _sel_dq_kernel,
-            num_slots=d.slots,
-            group_padded=d.group_padded,
-            scale=scale,
-            scale_log2=scale * LOG2E,
-            **common,
+            _sel_kernel, backward=True, num_slots=d.slots, group_padded=d.group_padded, **common
         )
         idx_q = idx
     else:
         dq_kernel = functools.partial(
-            _sel_dq_multi_kernel,
+            _sel_multi_kernel,
+            backward=True,
             slots=next_pow2(d.slots),
             positions=d.positions,
             rows=d.rows_padded,
             seq=d.seq,
-            scale=scale,
-            scale_log2=scale * LOG2E,
             **common,
         )
         idx_q = _multi_idx(idx, d)
