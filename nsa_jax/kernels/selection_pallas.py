@@ -457,28 +457,28 @@ def _common_specs(d: _Dims):
     return idx_spec, q_spec, k_spec, v_spec
 
 
+def _row_kernel(backward: bool, d, idx, block_size, scale):
+    """(kernel, block ids it reads) of the forward (backward=False) or dQ program over d's rows.
+
+    One position's G heads per program (``_sel_kernel``) when d.positions is 1, else P
+    positions over the union of their blocks (``_sel_multi_kernel``, ids laid out per program).
+    """
+    common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
+    common.update(backward=backward, scale=scale, scale_log2=scale * LOG2E)
+    if d.positions == 1:
+        return functools.partial(_sel_kernel, num_slots=d.slots, group_padded=d.group_padded, **common), idx
+    kernel = functools.partial(
+        _sel_multi_kernel, slots=next_pow2(d.slots), positions=d.positions, rows=d.rows_padded, seq=d.seq, **common
+    )
+    return kernel, _multi_idx(idx, d)
+
+
 def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
     d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
     idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
-    common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
-    common.update(scale=scale, scale_log2=scale * LOG2E)
-    if d.positions == 1:
-        kernel = functools.partial(
-            _sel_kernel, backward=False, num_slots=d.slots, group_padded=d.group_padded, **common
-        )
-    else:
-        kernel = functools.partial(
-            _sel_multi_kernel,
-            backward=False,
-            slots=next_pow2(d.slots),
-            positions=d.positions,
-            rows=d.rows_padded,
-            seq=d.seq,
-            **common,
-        )
-        idx = _multi_idx(idx, d)
+    kernel, idx = _row_kernel(False, d, idx, block_size, scale)
     rows_g = d.programs * d.rows_padded
     o_pad, lse = pl.pallas_call(
         kernel,
@@ -624,24 +624,7 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
     stat_spec = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i))
 
     # ---- dQ: query-centric, same walk as the forward.
-    common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
-    common.update(scale=scale, scale_log2=scale * LOG2E)
-    if d.positions == 1:
-        dq_kernel = functools.partial(
-            _sel_kernel, backward=True, num_slots=d.slots, group_padded=d.group_padded, **common
-        )
-        idx_q = idx
-    else:
-        dq_kernel = functools.partial(
-            _sel_multi_kernel,
-            backward=True,
-            slots=next_pow2(d.slots),
-            positions=d.positions,
-            rows=d.rows_padded,
-            seq=d.seq,
-            **common,
-        )
-        idx_q = _multi_idx(idx, d)
+    dq_kernel, idx_q = _row_kernel(True, d, idx, block_size, scale)
     dq_pad = pl.pallas_call(
         dq_kernel,
         grid=(d.programs, d.batch, d.kv_heads),
