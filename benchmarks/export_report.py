@@ -10,7 +10,9 @@ and reads the module text:
 * the per-query score tensors: any tensor with an axis of T and an axis of
   ceil(T/lp) (block scores) or of T_cmp (compressed-attention probabilities);
 * the number of kernel custom calls (Pallas/Triton kernels) and of any other
-  custom call, by target.
+  custom call, by target;
+* a fingerprint of the whole program, Triton kernels included: a kernel refactor
+  that leaves it unchanged compiles to the same GPU program.
 
 Usage:
   python -m benchmarks.export_report [--seq-len 65536] [--config a100_pcie]
@@ -25,6 +27,7 @@ With `--max-tensor-mib` the exit status is 1 when the largest tensor is above it
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import sys
@@ -88,8 +91,22 @@ def compiled_kernels():
         yield
 
 
+def fingerprint(text: str) -> str:
+    """sha256 (16 hex digits) of a module text without its source locations.
+
+    The Triton kernels travel inside the module (their IR in each custom call's
+    backend_config), so two exports with the same fingerprint are the same GPU
+    program: a refactor that keeps it has changed nothing a GPU could time.
+    """
+    lines = [re.sub(r"loc\([^\n]*?\)", "", line) for line in text.splitlines() if not line.startswith("#loc")]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
 def export_layer_text(cfg, seq_len: int, batch: int) -> str:
-    """StableHLO text of the layer's forward+backward exported for CUDA (kernels compiled, not interpreted)."""
+    """StableHLO text of the layer's forward+backward exported for CUDA (kernels compiled, not interpreted).
+
+    Tracebacks are kept out of the locations, so the text does not depend on line numbers.
+    """
     module = NSAAttention(cfg)
     dtype = jnp.dtype(cfg.dtype)
     x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), dtype)
@@ -99,12 +116,17 @@ def export_layer_text(cfg, seq_len: int, batch: int) -> str:
         _, vjp = jax.vjp(lambda pp, xx: module.apply({"params": pp}, xx), p, x_BxTxD)
         return vjp(ct_BxTxD)
 
-    with compiled_kernels():
-        exported = jax.export.export(
-            jax.jit(forward_backward),
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
-        )(params, x, x)
+    limit = jax.config.jax_traceback_in_locations_limit
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    try:
+        with compiled_kernels():
+            exported = jax.export.export(
+                jax.jit(forward_backward),
+                platforms=["cuda"],
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
+            )(params, x, x)
+    finally:
+        jax.config.update("jax_traceback_in_locations_limit", limit)
     return exported.mlir_module()
 
 
@@ -139,6 +161,7 @@ def report(opts) -> dict:
         "kernel_custom_calls": calls.get(TRITON_TARGET, 0),
         "other_custom_calls": {k: v for k, v in calls.items() if k != TRITON_TARGET},
         "module_chars": len(text),
+        "fingerprint": fingerprint(text),
     }
 
 
@@ -151,6 +174,7 @@ def print_report(r: dict) -> None:
     )
     print(f"largest tensor: {fmt_tensor(r['largest']) if r['largest'] else '-'}")
     print(f"kernel custom calls ({TRITON_TARGET}): {r['kernel_custom_calls']}")
+    print(f"fingerprint (the GPU program, kernels included; equal = nothing changed): {r['fingerprint']}")
     others = ", ".join(f"{k} x{v}" for k, v in sorted(r["other_custom_calls"].items())) or "none"
     print(f"other custom calls: {others}")
     print(f"score tensors (an axis of T and one of ceil(T/lp) or T_cmp): {len(r['score_tensors'])}")

@@ -26,6 +26,15 @@ def test_tensor_types_and_custom_calls_from_text():
     assert export_report.custom_calls(text) == {export_report.TRITON_TARGET: 2, "cu_thing": 1}
 
 
+def test_fingerprint_ignores_source_locations_only():
+    body = '%0 = stablehlo.add %a, %b : tensor<4xf32> loc(#loc3)\n%1 = stablehlo.custom_call @k(%0) {ir = "x"}'
+    moved = '%0 = stablehlo.add %a, %b : tensor<4xf32> loc(#loc9)\n%1 = stablehlo.custom_call @k(%0) {ir = "x"}'
+    fp = export_report.fingerprint
+    assert fp(body + '\n#loc3 = loc("a.py":10:2)') == fp(moved + '\n#loc9 = loc("a.py":12:2)')
+    assert fp(body) != fp(body.replace('ir = "x"', 'ir = "y"'))  # a kernel's IR changed
+    assert fp(body) != fp(body.replace("f32", "bf16"))
+
+
 def test_report_pallas_layer_has_no_score_tensor(tmp_path, capsys):
     out = tmp_path / "report.json"
     assert export_report.main(["--seq-len", str(T), "--json", str(out), "--max-tensor-mib", "64"]) == 0
@@ -37,6 +46,7 @@ def test_report_pallas_layer_has_no_score_tensor(tmp_path, capsys):
     # dk/dv needs no reverse index (the gather kernel above that length adds its segment reduction).
     assert r["kernel_custom_calls"] == 10
     assert r["score_tensors"] == []
+    assert len(r["fingerprint"]) == 16 and "fingerprint (the GPU program" in text
     largest = r["largest"]
     assert largest["bytes"] == max(t["bytes"] for t in r["top"]) and largest["bytes"] <= 64 * 2**20
     assert f"{'x'.join(map(str, largest['shape']))}x{largest['dtype']}" in text
