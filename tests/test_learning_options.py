@@ -393,3 +393,41 @@ def test_score_distill_adds_to_the_loss_and_is_off_by_default():
     np.testing.assert_allclose(float(loss_on), float(loss_off) + 0.5 * float(stats_on["distill_kl"]), rtol=1e-6)
     with pytest.raises(ConfigError, match="slc_score_distill"):
         load_config("cpu_tiny", [*base, "model.nsa.slc_score_distill=-1"])
+
+
+_ONE_DEVICE: dict = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_phases_on_two_devices_match_one_device(strategy):
+    # The step switches phase on two devices as on one (the one-device phases are checked
+    # against plain per-config losses above): dp's shard_map and the partitioned
+    # strategies' vmap (fsdp: sharded params too) are the two code paths.
+    overrides = [
+        *STEP_OVERRIDES,
+        "train.seq_len=48",
+        "model.init_std=0.3",
+        "model.nsa.slc_score_distill=0.5",
+        "model.nsa.slc_dense_warmup_steps=2",
+        "model.nsa.slc_score_distill_steps=3",
+    ]
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 32, size=(1, 2, 49), dtype=np.int32) for _ in range(4)]
+
+    def losses(strategy, devices):
+        cfg = load_config(None, [*overrides, f"parallel.strategy={strategy}"])
+        mesh = S.make_mesh(cfg, jax.devices()[:devices])
+        state, step = S.create_state(cfg, mesh), S.make_train_step(cfg, mesh)
+        out = []
+        for b in batches:
+            state, m = step(state, S.put_batch(b, mesh))
+            out.append((float(m["loss"]), float(m["distill_kl"])))
+        return np.asarray(out)
+
+    assert len(jax.devices()) >= 2, "conftest sets --xla_force_host_platform_device_count=2"
+    if "one" not in _ONE_DEVICE:
+        _ONE_DEVICE["one"] = losses("dp", 1)
+    one, two = _ONE_DEVICE["one"], losses(strategy, 2)
+    assert one[3, 1] == 0.0 and np.all(one[:3, 1] > 0)
+    np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-9)

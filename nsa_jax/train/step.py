@@ -191,8 +191,9 @@ def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None, *, cfg: 
 
     Grads are placed as plan.grads (replicated, or sharded for zero1/fsdp); traced
     inside the step's jit. pmap has no separate gradient function (its whole step
-    runs per device). `cfg`: the loss's config when it differs from the plan's in the
-    model's n only (dense_selection_config); default plan.cfg.
+    runs per device). `cfg`: the loss's config where a training phase changes it
+    (training_phases: the model's n, the distillation), never the parameters;
+    default plan.cfg.
     """
     plan = as_plan(plan, mesh)
     loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg if cfg is None else cfg)
