@@ -82,10 +82,12 @@ LEARNING_OPTIONS = (
 def learning_options(cfg: Config) -> str:
     """The model.nsa learning options (docs/NSA.md) that differ from their defaults, as `name=value` pairs."""
     a, default = cfg.model.nsa, type(cfg.model.nsa)()
-    on = [name for name in LEARNING_OPTIONS if getattr(a, name) != getattr(default, name)]
-    return " ".join(
-        f"{name}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for name in on for v in [getattr(a, name)]
-    )
+    pairs = []
+    for name in LEARNING_OPTIONS:
+        value = getattr(a, name)
+        if value != getattr(default, name):
+            pairs.append(f"{name}={','.join(map(str, value)) if isinstance(value, tuple) else value}")
+    return " ".join(pairs)
 
 
 def describe(cfg: Config) -> str:

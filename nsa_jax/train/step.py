@@ -23,7 +23,6 @@ Nothing here does I/O; the loop (loop.py) owns files, clocks and printing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -35,6 +34,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nsa_jax import config
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.model import NSALM, cross_entropy
@@ -181,9 +181,7 @@ def dense_selection_config(cfg: Config) -> Config:
     parameters do not depend on n, so both models share them.
     """
     a = cfg.model.nsa
-    n_all = max(a.n, -(-cfg.train.seq_len // a.lp))
-    nsa = dataclasses.replace(a, n=n_all)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, nsa=nsa))
+    return config.replace(cfg, [f"model.nsa.n={max(a.n, -(-cfg.train.seq_len // a.lp))}"])
 
 
 def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None, *, cfg: Config | None = None) -> Callable:
@@ -222,9 +220,7 @@ def training_phases(cfg: Config) -> list[tuple[int, Config]]:
     for start in sorted({0, dense_until, distill_until}):
         c = dense_selection_config(cfg) if start < dense_until else cfg
         if distill_until and start >= distill_until:
-            c = dataclasses.replace(
-                c, model=dataclasses.replace(c.model, nsa=dataclasses.replace(c.model.nsa, slc_score_distill=0.0))
-            )
+            c = config.replace(c, ["model.nsa.slc_score_distill=0"])
         phases.append((start, c))
     return phases
 
