@@ -206,7 +206,7 @@ class Trainer:
         )
         if learning_options(cfg):
             self.say(f"nsa learning options: {learning_options(cfg)}")
-        self._dense_until = cfg.model.nsa.slc_dense_warmup_steps if "slc" in cfg.model.nsa.branches else 0
+        self._dense_until = S.dense_selection_steps(cfg)
         if int(state.step if state is not None else 0) < self._dense_until:
             n = cfg.model.nsa.n
             self.say(f"selection: every block for steps 1-{self._dense_until}, then top-{n} (evaluation: top-{n})")

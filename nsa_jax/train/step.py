@@ -184,6 +184,12 @@ def dense_selection_config(cfg: Config) -> Config:
     return config.replace(cfg, [f"model.nsa.n={max(a.n, -(-cfg.train.seq_len // a.lp))}"])
 
 
+def dense_selection_steps(cfg: Config) -> int:
+    """Steps of the dense selection warm-up (every block selected): model.nsa.slc_dense_warmup_steps, 0 without slc."""
+    a = cfg.model.nsa
+    return a.slc_dense_warmup_steps if "slc" in a.branches else 0
+
+
 def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None, *, cfg: Config | None = None) -> Callable:
     """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy.
 
@@ -214,7 +220,7 @@ def training_phases(cfg: Config) -> list[tuple[int, Config]]:
     a = cfg.model.nsa
     if "slc" not in a.branches:
         return [(0, cfg)]
-    dense_until = a.slc_dense_warmup_steps
+    dense_until = dense_selection_steps(cfg)
     distill_until = a.slc_score_distill_steps if a.slc_score_distill else 0
     phases = []
     for start in sorted({0, dense_until, distill_until}):
