@@ -316,3 +316,26 @@ def test_experiments_paired_differences_seed_by_seed():
     np.testing.assert_allclose([d for _, d in diffs], [0.1, 0.4])
     np.testing.assert_allclose(m, 0.25)
     np.testing.assert_allclose(se, np.std([0.1, 0.4], ddof=1) / np.sqrt(2))
+
+
+def test_branch_scale_measures_each_branch_tensor():
+    """Scaling the v_slc projection by 3 triples the v_slc figure and leaves every other tensor's as it was."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    from benchmarks.branch_scale import TENSORS, tensor_rms
+    from nsa_jax.config import load_config
+    from nsa_jax.model import NSALM
+
+    cfg = load_config("cpu_tiny", ["model.n_layers=1", "train.seq_len=64"])
+    model = NSALM(cfg.model)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, cfg.model.vocab_size)
+    params = model.init(jax.random.PRNGKey(1), tokens)["params"]
+    before = {k: float(v) for k, v in tensor_rms(model, params, tokens).items()}
+    assert sorted(before) == sorted(TENSORS) and all(v > 0 for v in before.values())
+    flat = flatten_dict(params)
+    scaled = {k: v * 3.0 if "v_slc" in k else v for k, v in flat.items()}
+    assert sum("v_slc" in k for k in flat) == 1
+    after = {k: float(v) for k, v in tensor_rms(model, unflatten_dict(scaled), tokens).items()}
+    for name in TENSORS:
+        want = before[name] * (3.0 if name == "v_slc" else 1.0)
+        assert after[name] == pytest.approx(want, rel=1e-5), name
