@@ -99,7 +99,11 @@ TRAIN_COLUMNS = (
 )
 # Layer means of the NSA statistics (logging.aux_stats); per-layer values go to TensorBoard.
 GATE_COLUMNS = tuple(f"gate_{b}" for b in BRANCHES)
-AUX_COLUMNS = (*GATE_COLUMNS, "gate_entropy", "sel_far_frac")
+# cmp_*_ratio: RMS of the compressed keys (values) over the selection branch's, largest layer.
+# Above CMP_SCALE_WARN the loop warns once (event branch_scale): on kv_recall the MLP compressor's
+# output grew to 30-180x and stopped the lookup (docs/EXPERIMENTS.md, fourth round).
+CMP_SCALE_WARN = 10.0
+AUX_COLUMNS = (*GATE_COLUMNS, "gate_entropy", "sel_far_frac", "cmp_k_ratio", "cmp_v_ratio")
 VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl", "retrieval_acc", "answers", "elapsed_s", "eval_s")
 # The torch trainer's header-less training.csv.
 LEGACY_COLUMNS = ("step", "loss", "lr", "toks_per_s")
@@ -267,6 +271,7 @@ EVENTS = {
     "checkpoint": "a checkpoint step was committed on disk (msg: its path)",
     "checkpoint_failed": "a checkpoint save failed (msg: the cause); the run stops",
     "selection_top_n": "the dense selection warm-up (model.nsa.slc_dense_warmup_steps) is over: top-n from this step",
+    "branch_scale": "compressed keys or values first above CMP_SCALE_WARN x the selection branch's (ratio, layer)",
     "anomaly": "a non-finite loss or gradient (anomaly_type)",
     "halt": "the run stops early (.HALT file, SIGTERM)",
     "watchdog_dump": "stacks were dumped (reason: sigusr1 or stall)",

@@ -90,7 +90,12 @@ def compress_ref(x_BxTxKxD, p, l, d, phi):
         blk = blk + p["pos"][None, :, None, :]
         flat = jnp.transpose(blk, (0, 2, 1, 3)).reshape(B, K, l * D)
         h = jax.nn.gelu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"])
-        outs.append(h @ p["fc2"]["kernel"])
+        out = h @ p["fc2"]["kernel"]  # [B, K, D]
+        if phi == "mlp_norm":  # each output vector gets the RMS of its raw block (before pos)
+            raw = x_BxTxKxD[:, i * d : i * d + l]
+            target = jnp.sqrt(jnp.mean(raw**2, axis=(1, 3)))  # [B, K]
+            out = out / jnp.linalg.norm(out, axis=-1, keepdims=True) * jnp.sqrt(D) * target[..., None]
+        outs.append(out)
     if not outs:
         return jnp.zeros((B, 0, K, D), x_BxTxKxD.dtype)
     return jnp.stack(outs, axis=1)

@@ -65,6 +65,8 @@ EXACT = (
     "gate_win",
     "gate_entropy",
     "sel_far_frac",
+    "cmp_k_ratio",
+    "cmp_v_ratio",
 )
 
 # Runs launch.train after arranging a deterministic interruption (CKPT_TEST_MODE):

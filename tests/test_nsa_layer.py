@@ -30,7 +30,7 @@ def _apply(cfg, params, x):
 
 @pytest.mark.parametrize(
     "G,K,T,phi",
-    [(1, 2, 40, "mlp"), (6, 1, 64, "mlp"), (6, 1, 37, "avg"), (2, 2, 53, "mlp")],
+    [(1, 2, 40, "mlp"), (6, 1, 64, "mlp"), (6, 1, 37, "avg"), (2, 2, 53, "mlp"), (2, 2, 53, "mlp_norm")],
 )
 def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
     cfg = tiny_model_cfg(G=G, K=K, cmp_phi=phi)
@@ -145,3 +145,61 @@ def test_long_sequence_runs_without_dense_scores():
     mem = compiled.memory_analysis()
     dense_scores_bytes = T * T * cfg.n_heads * 4
     assert mem.temp_size_in_bytes < dense_scores_bytes / 4
+
+
+@pytest.mark.parametrize("scale", [1.0, 3000.0])
+def test_mlp_norm_compressor_matches_reference_and_keeps_block_scale(scale):
+    """`mlp_norm`: forward and gradients against compress_ref, and every compressed
+    token's RMS equals that of the raw block it summarises, however large the MLP's
+    weights grow (scale multiplies fc2; kv_recall training grows the output that much)."""
+    from reference import compress_ref
+
+    from nsa_jax.nsa.compression import Compressor
+
+    l, d, D, K = 8, 4, 6, 2
+    comp = Compressor(l, d, "mlp_norm", hidden=16)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 29, K, D)) * 0.3
+    params = comp.init(jax.random.PRNGKey(1), x)["params"]
+    params = jax.tree_util.tree_map_with_path(lambda p, v: v * scale if "fc2" in jax.tree_util.keystr(p) else v, params)
+    out = comp.apply({"params": params}, x)
+    ref = compress_ref(x, params, l, d, "mlp_norm")
+    assert out.shape == ref.shape == (2, (29 - l) // d + 1, K, D)
+    assert rel_err(out, ref) < 1e-5
+    raw_rms = np.stack(
+        [np.sqrt(np.mean(np.asarray(x[:, i * d : i * d + l]) ** 2, axis=(1, 3))) for i in range(out.shape[1])], 1
+    )
+    np.testing.assert_allclose(np.sqrt(np.mean(np.asarray(out) ** 2, axis=-1)), raw_rms, rtol=1e-5)
+    # The unnormalised MLP output is far smaller (scale 1) or far larger (scale 3000).
+    plain = compress_ref(x, params, l, d, "mlp")
+    ratio = float(np.sqrt(np.mean(np.asarray(plain) ** 2)) / np.sqrt(np.mean(raw_rms**2)))
+    assert ratio < 0.5 or ratio > 2, ratio
+
+    cot = jax.random.normal(jax.random.PRNGKey(2), out.shape)
+    g = jax.grad(lambda p, xx: jnp.sum(comp.apply({"params": p}, xx) * cot), argnums=(0, 1))(params, x)
+    r = jax.grad(lambda p, xx: jnp.sum(compress_ref(xx, p, l, d, "mlp_norm") * cot), argnums=(0, 1))(params, x)
+    for gl, rl in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r), strict=True):
+        assert np.linalg.norm(np.asarray(rl)) > 0
+        assert rel_err(gl, rl) < 1e-4
+
+
+def test_scale_stats_follow_the_compressed_values():
+    """cmp_v_ratio is RMS(compressed values) / RMS(selection values): the MLP phi is linear in
+    fc2, so scaling cmp_v's fc2 by c scales the ratio by c and leaves the keys' ratio alone."""
+    cfg = tiny_model_cfg(G=2, K=2)
+    x, params = _setup(cfg, 40)
+
+    def stats(p):
+        _, state = NSAAttention(cfg).apply({"params": p}, x, mutable=["aux"])
+        st = state["aux"]["stats"][0]
+        return {k: float(st[k]) for k in ("cmp_k_ratio", "cmp_v_ratio")}
+
+    s1 = stats(params)
+    c = 37.0
+    scaled = jax.tree_util.tree_map_with_path(
+        lambda path, v: v * c if "cmp_v" in jax.tree_util.keystr(path) and "fc2" in jax.tree_util.keystr(path) else v,
+        params,
+    )
+    s2 = stats(scaled)
+    assert s1["cmp_v_ratio"] > 0 and s1["cmp_k_ratio"] > 0
+    np.testing.assert_allclose(s2["cmp_v_ratio"], c * s1["cmp_v_ratio"], rtol=1e-4)
+    np.testing.assert_allclose(s2["cmp_k_ratio"], s1["cmp_k_ratio"], rtol=1e-6)

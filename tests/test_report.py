@@ -173,6 +173,8 @@ def write_run(
                 "gate_win": 0.6,
                 "gate_entropy": 1.08,
                 "sel_far_frac": 0.3,
+                "cmp_k_ratio": 0.8,
+                "cmp_v_ratio": 0.5 + 0.01 * s,
             }
             lines.append(",".join(str(row[c]) for c in cols))
         (d / "training.csv").write_text("\n".join(lines) + "\n")
@@ -434,6 +436,10 @@ def test_memory_growth_gates_and_step_time_follow_their_flags(tmp_path):
     assert s.figures["mem_growth"][0] == pytest.approx((np.mean(w[10:]) - np.mean(w[:10])) / np.mean(w[:10]))
     loose = judge(d, max_mem_growth=0.5, max_step_cv=10, min_gate_entropy=0.05, max_gate_mean=0.99)
     assert set(status(loose).values()) == {"GO"}
+    # The compressed/selection scale is reported (the largest in the window: step 40's 0.9x), not judged.
+    assert loose.figures["cmp_v_ratio_max"] == pytest.approx(0.9) and loose.figures["cmp_k_ratio_max"] == 0.8
+    gates = next(c for c in loose.criteria if c.name == "gates")
+    assert "keys 0.80x, values 0.90x" in gates.detail and "above" not in gates.detail
     assert judge(d, max_mem_gib=1.0).criteria[4].status == "NO-GO"
     assert status(judge(d, min_toks_per_s=5000))["throughput"] == "NO-GO"
 

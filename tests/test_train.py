@@ -230,6 +230,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_moments():
     assert floats and {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
     assert metrics["gate_mean"].shape == (cfg.model.n_layers, 3)
     assert metrics["gate_entropy"].shape == metrics["sel_far_frac"].shape == (cfg.model.n_layers,)
+    assert metrics["cmp_k_ratio"].shape == metrics["cmp_v_ratio"].shape == (cfg.model.n_layers,)
 
 
 def test_aux_stats_can_be_switched_off():
@@ -309,3 +310,15 @@ def test_a_step_that_cannot_fit_is_refused_naming_the_figure_and_the_knobs():
         check_fits(cfg, mem, jax.devices()[0])
     check_fits(cfg, {**mem, "temp_size_in_bytes": 2**20}, jax.devices()[0])  # fits: no error
     check_fits(cfg, None, jax.devices()[0])  # no memory analysis: nothing to judge
+
+
+def test_branch_scale_warning_names_the_largest_ratio_above_the_limit():
+    from nsa_jax.runfiles import CMP_SCALE_WARN, EVENTS
+    from nsa_jax.train.loop import _branch_scale_warning
+
+    assert "branch_scale" in EVENTS
+    below = {"cmp_k_ratio": np.array([0.5, CMP_SCALE_WARN]), "cmp_v_ratio": np.array([1.0, 2.0])}
+    assert _branch_scale_warning(below) is None
+    assert _branch_scale_warning({"gate_mean": np.zeros((2, 3))}) is None  # aux stats without a selection branch
+    above = {"cmp_k_ratio": np.array([12.0, 3.0]), "cmp_v_ratio": np.array([1.0, 40.0])}
+    assert _branch_scale_warning(above) == (40.0, "values", 1)

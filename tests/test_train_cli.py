@@ -81,7 +81,16 @@ def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
         rows = list(csv.reader(f))
     header, body = rows[0], rows[1:]
     assert header[:6] == ["step", "loss", "lr", "toks_per_s", "grad_norm", "step_time_s"]
-    assert {"gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_frac", "val_loss"} <= set(header)
+    assert {
+        "gate_cmp",
+        "gate_slc",
+        "gate_win",
+        "gate_entropy",
+        "sel_far_frac",
+        "cmp_k_ratio",
+        "cmp_v_ratio",
+        "val_loss",
+    } <= set(header)
     assert [int(r[0]) for r in body] == [1, 2, 3]
     col = {name: i for i, name in enumerate(header)}
     for row in body:

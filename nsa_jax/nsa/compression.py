@@ -1,6 +1,6 @@
 """The compressed branch (docs/NSA.md "Compressed branch").
 
-Owns phi (block of l keys/values -> one token, `mlp` or `avg`), and causal
+Owns phi (block of l keys/values -> one token, `mlp`, `mlp_norm` or `avg`), and causal
 attention over the compressed tokens, which also yields the selection-block
 scores of every KV group from the same probabilities.
 """
@@ -26,7 +26,9 @@ class Compressor(nn.Module):
     """phi: l consecutive keys (or values) -> one, per KV head, weights shared across heads.
 
     `mlp` (the paper's choice): add a learned intra-block position embedding,
-    flatten the block, two-layer MLP. `avg`: mean pooling, no parameters.
+    flatten the block, two-layer MLP. `mlp_norm`: the same MLP, its output rescaled
+    per compressed token to the RMS of the l raw tokens it summarises. `avg`: mean
+    pooling, no parameters.
     """
 
     l: int
@@ -51,7 +53,16 @@ class Compressor(nn.Module):
         h = nn.gelu(h)
         # No output bias: a bias on compressed keys shifts every score of a query
         # equally, which softmax ignores, so it could never learn.
-        return nn.Dense(D, use_bias=False, dtype=self.dtype, kernel_init=init, name="fc2")(h)
+        out_BxTcxKxD = nn.Dense(D, use_bias=False, dtype=self.dtype, kernel_init=init, name="fc2")(h)
+        if self.phi == "mlp_norm":
+            # The MLP picks the direction, the projections set the size: unbounded, its
+            # output starts 20x below the keys it summarises and on kv_recall grows to
+            # 30-180x above them (docs/EXPERIMENTS.md, fourth round).
+            out = out_BxTcxKxD.astype(jnp.float32)
+            blk_rms = jnp.sqrt(jnp.mean(jnp.square(blocks_BxTcxLxKxD.astype(jnp.float32)), axis=(2, 4)))
+            out_rms = jnp.sqrt(jnp.mean(jnp.square(out), axis=-1) + 1e-12)
+            out_BxTcxKxD = (out * (blk_rms / out_rms)[..., None]).astype(out_BxTcxKxD.dtype)
+        return out_BxTcxKxD
 
 
 def compressed_attention(

@@ -4,7 +4,8 @@ Owns the projections (shared Q, per-branch K/V), RoPE, the three branches, the
 sigmoid gates and the output projection. Branch math lives in compression.py,
 selection.py and kernels/; this module wires them and reports statistics:
 `intermediates` (block indices, gates; for tests) and `aux` (gate means, gate
-entropy, share of selected blocks beyond the window; for training logs).
+entropy, share of selected blocks beyond the window, compressed vs selection
+key/value scale; for training logs).
 
 It also owns decoding (NSA_SPEC.md "Decode (inference)") through the same
 submodules: `mode="prefill"` runs the training path over a right-padded prompt
@@ -49,6 +50,26 @@ def gate_stats(g_BxTxHx3: jax.Array, idx_BxTxKxN: jax.Array, lp: int, w: int) ->
         "gate_mean": jnp.mean(g, axis=(0, 1, 2)),
         "gate_entropy": jnp.mean(entropy),
         "sel_far_frac": jnp.sum(far) / jnp.maximum(jnp.sum(used), 1),
+    }
+
+
+def scale_stats(
+    kc_BxTcxKxDk: jax.Array, vc_BxTcxKxDv: jax.Array, k_slc_BxTxKxDk: jax.Array, v_slc_BxTxKxDv: jax.Array
+) -> dict[str, jax.Array]:
+    """RMS of the compressed keys (values) over the selection keys' (values'); 0 with no compressed token.
+
+    The MLP compressor's output can grow far past the projections' (docs/EXPERIMENTS.md,
+    fourth round); the training loop warns when it does.
+    """
+
+    def rms(x):
+        return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+
+    if kc_BxTcxKxDk.shape[1] == 0:
+        return {"cmp_k_ratio": jnp.zeros(()), "cmp_v_ratio": jnp.zeros(())}
+    return {
+        "cmp_k_ratio": rms(kc_BxTcxKxDk) / jnp.maximum(rms(k_slc_BxTxKxDk), 1e-9),
+        "cmp_v_ratio": rms(vc_BxTcxKxDv) / jnp.maximum(rms(v_slc_BxTxKxDv), 1e-9),
     }
 
 
@@ -228,7 +249,7 @@ class NSAAttention(nn.Module):
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
         if idx is not None:
             self.sow("intermediates", "block_idx", idx)
-            self.sow("aux", "stats", gate_stats(g_BxTxHx3, idx, a.lp, a.w))
+            self.sow("aux", "stats", {**gate_stats(g_BxTxHx3, idx, a.lp, a.w), **scale_stats(kc, vc, k_slc, v_slc)})
         self.sow("intermediates", "gates", g_BxTxHx3)
         o = o.astype(dtype).reshape(B, T, H * Dv)
         return out_proj(o)

@@ -558,12 +558,19 @@ def _gates(run: Run, rows: list[dict], th: Thresholds, fig: dict) -> Criterion:
     branch = ", ".join(f"{b} {v:.3f}" for b, v in g.items())
     sel = f"; selected blocks beyond the window {fig['sel_far_frac']:.1%}" if far else ""
     bad = f"; {n_bad} non-finite values" if n_bad else ""
+    ratios = {c: _finite(r.get(c) for r in rows) for c in ("cmp_k_ratio", "cmp_v_ratio")}
+    scale = ""
+    if all(ratios.values()):
+        rk, rv = max(ratios["cmp_k_ratio"]), max(ratios["cmp_v_ratio"])
+        fig.update(cmp_k_ratio_max=rk, cmp_v_ratio_max=rv)
+        big = f" (above {rf.CMP_SCALE_WARN:g}: see the branch_scale event)" if max(rk, rv) > rf.CMP_SCALE_WARN else ""
+        scale = f"; compressed / selection RMS up to keys {rk:.2f}x, values {rv:.2f}x{big}"
     return Criterion(
         "gates",
         GO if ok else NO_GO,
         f"window means {branch}; entropy {e:.3f} nats (max ln3 = {math.log(3):.3f}; "
         f"floor {th.min_gate_entropy:g}, --min-gate-entropy); largest mean {gmax:.3f} "
-        f"(limit {th.max_gate_mean:g}, --max-gate-mean){sel}{bad}",
+        f"(limit {th.max_gate_mean:g}, --max-gate-mean){sel}{scale}{bad}",
     )
 
 

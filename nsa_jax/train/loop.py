@@ -46,7 +46,7 @@ from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.ops.health import Health, agree_any, write_halt
-from nsa_jax.runfiles import BRANCHES, HALT_FILE
+from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, HALT_FILE
 from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.evaluate import Evaluator, format_eval
@@ -207,6 +207,7 @@ class Trainer:
         if learning_options(cfg):
             self.say(f"nsa learning options: {learning_options(cfg)}")
         self._dense_until = S.dense_selection_steps(cfg)
+        self._scale_warned = False
         if int(state.step if state is not None else 0) < self._dense_until:
             n = cfg.model.nsa.n
             self.say(f"selection: every block for steps 1-{self._dense_until}, then top-{n} (evaluation: top-{n})")
@@ -462,6 +463,20 @@ class Trainer:
         self.summary.update(halted="checkpoint_failed", error=msg)
         self.art.event("checkpoint_failed", e.step, msg, cause=e.cause, committed_step=last)
 
+    def _check_branch_scale(self, step: int, m: dict[str, Any]) -> None:
+        """Warn once when the compressed keys or values outgrow the selection branch's."""
+        if self._scale_warned or (found := _branch_scale_warning(m)) is None:
+            return
+        self._scale_warned = True
+        ratio, what, layer = found
+        msg = (
+            f"the compressed {what} of layer {layer} are {ratio:.0f}x the selection branch's (RMS); "
+            f"the compressed branch may swamp the others (docs/NSA.md, cmp_phi): "
+            f"consider model.nsa.cmp_phi=mlp_norm or avg, or a lower train.lr"
+        )
+        self.say(f"warning: {msg}")
+        self.art.event("branch_scale", step, msg, ratio=ratio, layer=layer)
+
     def _evaluate(self) -> tuple[dict[str, Any], float]:
         """Held-out metrics of the current state, waited for; (metrics, seconds)."""
         t0 = time.perf_counter()
@@ -489,6 +504,7 @@ class Trainer:
             self.art.event("selection_top_n", p.step, f"dense selection warm-up over, top-{cfg.model.nsa.n}")
         loss, lr = float(m["loss"]), float(m["lr"])
         aux = _aux_means(m)
+        self._check_branch_scale(p.step, m)
         row = {
             "step": p.step,
             "loss": loss,
@@ -560,6 +576,18 @@ class Trainer:
         return True
 
 
+def _branch_scale_warning(m: dict[str, Any]) -> tuple[float, str, int] | None:
+    """(ratio, 'keys'/'values', layer) of the largest compressed/selection scale above CMP_SCALE_WARN, else None."""
+    if "cmp_k_ratio" not in m:
+        return None
+    worst = max(
+        (float(r), what, i)
+        for key, what in (("cmp_k_ratio", "keys"), ("cmp_v_ratio", "values"))
+        for i, r in enumerate(np.asarray(m[key]))
+    )
+    return worst if worst[0] > CMP_SCALE_WARN else None
+
+
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0][:500]
 
@@ -571,6 +599,8 @@ def _aux_means(m: dict[str, Any]) -> dict[str, float]:
     out = {f"gate_{b}": float(g[i]) for i, b in enumerate(BRANCHES)}
     out["gate_entropy"] = float(np.mean(m["gate_entropy"]))
     out["sel_far_frac"] = float(np.mean(m["sel_far_frac"]))
+    for k in ("cmp_k_ratio", "cmp_v_ratio"):  # the largest layer's: the warning signal
+        out[k] = float(np.max(m[k]))
     return out
 
 
@@ -582,6 +612,8 @@ def _aux_per_layer(m: dict[str, Any]) -> dict[str, float]:
         out.update({f"layer{i}/gate_{b}": float(g[j]) for j, b in enumerate(BRANCHES)})
         out[f"layer{i}/gate_entropy"] = float(m["gate_entropy"][i])
         out[f"layer{i}/sel_far_frac"] = float(m["sel_far_frac"][i])
+        out[f"layer{i}/cmp_k_ratio"] = float(m["cmp_k_ratio"][i])
+        out[f"layer{i}/cmp_v_ratio"] = float(m["cmp_v_ratio"][i])
     return out
 
 

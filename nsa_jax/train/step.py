@@ -45,7 +45,7 @@ from nsa_jax.train.state import TrainState, init_state
 from nsa_jax.train.strategies import ShardingPlan, make_plan, per_device_batch  # noqa: F401 (public API here too)
 
 AXIS = strategies.AXIS
-AUX_KEYS = ("gate_mean", "gate_entropy", "sel_far_frac")
+AUX_KEYS = ("gate_mean", "gate_entropy", "sel_far_frac", "cmp_k_ratio", "cmp_v_ratio")
 
 
 # ---------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> Train
 
 
 def layer_stats(aux: dict, cfg: Config) -> dict[str, jax.Array]:
-    """The `aux` collection -> {'gate_mean': [L, 3], 'gate_entropy': [L], 'sel_far_frac': [L]}.
+    """The `aux` collection -> {'gate_mean': [L, 3], and [L] each of the other AUX_KEYS}.
 
     Empty when the model sows nothing (no selection branch).
     """
@@ -302,7 +302,7 @@ def make_train_step(
     State in and out is placed by plan.state (parallel.strategy). metrics:
     loss, grad_norm (before clipping), lr (used by this update), skipped (1 when loss
     or gradient was not finite and the update was dropped), and with
-    logging.aux_stats gate_mean [L, 3], gate_entropy [L], sel_far_frac [L].
+    logging.aux_stats gate_mean [L, 3], gate_entropy [L], sel_far_frac [L], cmp_k_ratio [L], cmp_v_ratio [L].
     """
     plan = as_plan(plan, mesh)
     update = make_update(plan.cfg)
