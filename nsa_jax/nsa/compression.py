@@ -1,6 +1,6 @@
 """The compressed branch (docs/NSA.md "Compressed branch").
 
-Owns phi (block of l keys/values -> one token, `mlp`, `mlp_norm` or `avg`), and causal
+Owns phi (block of l keys/values -> one token: `mlp`, `mlp_norm`, `avg_mlp` or `avg`), and causal
 attention over the compressed tokens, which also yields the selection-block
 scores of every KV group from the same probabilities.
 """
@@ -27,8 +27,9 @@ class Compressor(nn.Module):
 
     `mlp` (the paper's choice): add a learned intra-block position embedding,
     flatten the block, two-layer MLP. `mlp_norm`: the same MLP, its output rescaled
-    per compressed token to the RMS of the l raw tokens it summarises. `avg`: mean
-    pooling, no parameters.
+    per compressed token to the RMS of the l raw tokens it summarises. `avg_mlp`: mean
+    pooling plus that MLP (its output layer starts at zero, so phi starts as the mean),
+    the sum rescaled as in `mlp_norm`. `avg`: mean pooling, no parameters.
     """
 
     l: int
@@ -53,8 +54,13 @@ class Compressor(nn.Module):
         h = nn.gelu(h)
         # No output bias: a bias on compressed keys shifts every score of a query
         # equally, which softmax ignores, so it could never learn.
-        out_BxTcxKxD = nn.Dense(D, use_bias=False, dtype=self.dtype, kernel_init=init, name="fc2")(h)
-        if self.phi == "mlp_norm":
+        # avg_mlp: the MLP is a correction to the mean, absent at init, so block scores
+        # mean something from step 0 (a random MLP's do not).
+        fc2_init = nn.initializers.zeros if self.phi == "avg_mlp" else init
+        out_BxTcxKxD = nn.Dense(D, use_bias=False, dtype=self.dtype, kernel_init=fc2_init, name="fc2")(h)
+        if self.phi == "avg_mlp":
+            out_BxTcxKxD = out_BxTcxKxD + jnp.mean(blocks_BxTcxLxKxD, axis=2).astype(out_BxTcxKxD.dtype)
+        if self.phi in ("mlp_norm", "avg_mlp"):
             # The MLP picks the direction, the projections set the size: unbounded, its
             # output starts 20x below the keys it summarises and on kv_recall grows to
             # 30-180x above them (docs/EXPERIMENTS.md, fourth round).
