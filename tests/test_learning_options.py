@@ -159,8 +159,8 @@ def test_straight_through_gradient_reaches_compressed_keys():
     def loss(c, p):
         return jnp.sum(NSAAttention(c).apply({"params": p}, x) * w)
 
-    g_off = jax.grad(functools.partial(loss, cfg))(params)
-    g_on = jax.grad(functools.partial(loss, _with(cfg, slc_straight_through=True)))(params)
+    g_off = jax.jit(jax.grad(functools.partial(loss, cfg)))(params)
+    g_on = jax.jit(jax.grad(functools.partial(loss, _with(cfg, slc_straight_through=True))))(params)
     g_ref = jax.grad(lambda p: jnp.sum(_st_reference(p, x, cfg, np.asarray(idx)) * w))(params)
     for name in ("fc1", "fc2", "pos"):
         leaf = lambda g: np.asarray(g["cmp_k"][name]["kernel"] if name != "pos" else g["cmp_k"]["pos"])  # noqa: E731
@@ -250,10 +250,11 @@ def test_dense_warmup_and_distill_steps_train_each_phase_model():
     state = S.create_state(cfg, mesh)
     step = S.make_train_step(cfg, mesh)
     rng = np.random.default_rng(0)
+    plain_loss = {k: jax.jit(functools.partial(S.loss_and_stats, cfg=c)) for k, c in phases.items()}
     for i, phase in enumerate(["dense", "dense", "sparse", "plain", "plain"]):
         tokens = rng.integers(0, 32, size=(1, 2, 49), dtype=np.int32)
         params = jax.device_get(state.params)
-        want = {k: S.loss_and_stats(params, jnp.asarray(tokens[0]), cfg=c) for k, c in phases.items()}
+        want = {k: f(params, jnp.asarray(tokens[0])) for k, f in plain_loss.items()}
         assert abs(float(want["dense"][0]) - float(want["sparse"][0])) > 1e-5  # n changes the loss
         state, metrics = step(state, S.put_batch(tokens, mesh))
         loss, stats = want[phase]
@@ -277,8 +278,8 @@ def test_score_distill_in_the_layer_trains_only_the_scorer_keys():
         _, state = NSAAttention(cfg).apply({"params": params}, x, mutable=["aux"])
         return state["aux"]["distill_kl"][0]
 
-    value = float(kl(params, x))
-    g_params, g_x = jax.grad(kl, argnums=(0, 1))(params, x)
+    value = float(jax.jit(kl)(params, x))
+    g_params, g_x = jax.jit(jax.grad(kl, argnums=(0, 1)))(params, x)
     assert value > 0
     assert float(jnp.max(jnp.abs(g_x))) == 0.0
     norms = {name: float(optax_norm(g)) for name, g in g_params.items()}
