@@ -20,7 +20,9 @@ Measured at every evaluation (on the same held-out rows for every variant):
   gates       gate mean per branch [cmp, slc, win] over all layers, heads and tokens
 
 --json accumulates: runs (variant, seed) already in the file are skipped, so variants can
-be run one process at a time and summarised together; --report-only prints the table and
+be run one process at a time and summarised together (each run records its package
+versions; the summary warns when a file mixes environments, whose numerics differ: the
+same seed need not give the same curve after a reinstall); --report-only prints the table and
 draws the PNG from the file without training. --paired NAME adds each variant's difference
 from NAME taken seed by seed at the last common evaluation (mean +- s.e. of the differences).
 """
@@ -292,6 +294,36 @@ def plot(runs: list[dict], metrics: list[str], path: str) -> None:
     print(f"wrote {path}")
 
 
+SOFTWARE = ("jax", "jaxlib", "flax", "optax", "numpy")
+
+
+def software() -> dict[str, str]:
+    """The package versions that decide a run's numerics (stored with every run)."""
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for name in SOFTWARE:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def environments_warning(runs: list[dict]) -> str | None:
+    """A warning naming each environment's runs when `runs` come from more than one, else None."""
+    groups: dict[str, list[str]] = {}
+    for r in runs:
+        sw = r.get("software")
+        key = " ".join(f"{k} {sw[k]}" for k in sorted(sw)) if sw else "versions not recorded"
+        groups.setdefault(key, []).append(f"{r['variant']}/{r['seed']}")
+    if len(groups) < 2:
+        return None
+    lines = [f"warning: these runs come from {len(groups)} software environments; compare runs within one:"]
+    lines += [f"  {key}: {', '.join(names)}" for key, names in groups.items()]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="cpu_tiny")
@@ -331,11 +363,13 @@ def main() -> None:
                     print(f"skip {name} seed {seed}: in {args.json}")
                     continue
                 run = run_one(args.config, args.overrides, v, seed, args)
-                run.update(steps=args.steps, config=args.config, base_overrides=args.overrides)
+                run.update(steps=args.steps, config=args.config, base_overrides=args.overrides, software=software())
                 runs.append(run)
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump({"runs": runs}, f, indent=1)
+    if warning := environments_warning(runs):
+        print(warning)
     for metric in ("accuracy", "sel_recall", "val_loss"):
         print_table(runs, metric)
     for ref in args.paired:

@@ -318,6 +318,22 @@ def test_experiments_paired_differences_seed_by_seed():
     np.testing.assert_allclose(se, np.std([0.1, 0.4], ddof=1) / np.sqrt(2))
 
 
+def test_experiments_warn_when_runs_mix_software_environments():
+    import importlib.metadata as md
+
+    from benchmarks.experiments import environments_warning, software
+
+    here = software()
+    assert here["jax"] == md.version("jax") and here["numpy"] == md.version("numpy")
+    other = {**here, "numpy": "0.0.1"}
+    same = [{"variant": "a", "seed": 1, "software": here}, {"variant": "b", "seed": 1, "software": dict(here)}]
+    assert environments_warning(same) is None
+    mixed = [*same, {"variant": "c", "seed": 2, "software": other}, {"variant": "d", "seed": 3}]
+    text = environments_warning(mixed)
+    assert text.startswith("warning: these runs come from 3 software environments")
+    assert "a/1, b/1" in text and "numpy 0.0.1" in text and "versions not recorded: d/3" in text
+
+
 def test_branch_scale_measures_each_branch_tensor():
     """Scaling the v_slc projection by 3 triples the v_slc figure and leaves every other tensor's as it was."""
     from flax.traverse_util import flatten_dict, unflatten_dict
