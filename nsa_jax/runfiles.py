@@ -103,7 +103,8 @@ GATE_COLUMNS = tuple(f"gate_{b}" for b in BRANCHES)
 # Above CMP_SCALE_WARN the loop warns once (event branch_scale): on kv_recall the MLP compressor's
 # output grew to 30-180x and stopped the lookup (docs/EXPERIMENTS.md, fourth round).
 CMP_SCALE_WARN = 10.0
-AUX_COLUMNS = (*GATE_COLUMNS, "gate_entropy", "sel_far_frac", "cmp_k_ratio", "cmp_v_ratio")
+SCALE_COLUMNS = ("cmp_k_ratio", "cmp_v_ratio")
+AUX_COLUMNS = (*GATE_COLUMNS, "gate_entropy", "sel_far_frac", *SCALE_COLUMNS)
 VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl", "retrieval_acc", "answers", "elapsed_s", "eval_s")
 # The torch trainer's header-less training.csv.
 LEGACY_COLUMNS = ("step", "loss", "lr", "toks_per_s")

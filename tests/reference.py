@@ -83,15 +83,14 @@ def compress_ref(x_BxTxKxD, p, l, d, phi):
     Tc = 0 if T < l else (T - l) // d + 1
     outs = []
     for i in range(Tc):
-        blk = x_BxTxKxD[:, i * d : i * d + l]  # [B, l, K, D]
+        raw = x_BxTxKxD[:, i * d : i * d + l]  # [B, l, K, D]
         if phi == "avg":
-            outs.append(jnp.mean(blk, axis=1))
+            outs.append(jnp.mean(raw, axis=1))
             continue
-        blk = blk + p["pos"][None, :, None, :]
+        blk = raw + p["pos"][None, :, None, :]
         flat = jnp.transpose(blk, (0, 2, 1, 3)).reshape(B, K, l * D)
         h = jax.nn.gelu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"])
         out = h @ p["fc2"]["kernel"]  # [B, K, D]
-        raw = x_BxTxKxD[:, i * d : i * d + l]
         if phi == "avg_mlp":  # the MLP corrects the block mean
             out = out + jnp.mean(raw, axis=1)
         if phi in ("mlp_norm", "avg_mlp"):  # each output vector gets the RMS of its raw block (before pos)

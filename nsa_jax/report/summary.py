@@ -558,7 +558,7 @@ def _gates(run: Run, rows: list[dict], th: Thresholds, fig: dict) -> Criterion:
     branch = ", ".join(f"{b} {v:.3f}" for b, v in g.items())
     sel = f"; selected blocks beyond the window {fig['sel_far_frac']:.1%}" if far else ""
     bad = f"; {n_bad} non-finite values" if n_bad else ""
-    ratios = {c: _finite(r.get(c) for r in rows) for c in ("cmp_k_ratio", "cmp_v_ratio")}
+    ratios = {c: _finite(r.get(c) for r in rows) for c in rf.SCALE_COLUMNS}
     scale = ""
     if all(ratios.values()):
         rk, rv = max(ratios["cmp_k_ratio"]), max(ratios["cmp_v_ratio"])

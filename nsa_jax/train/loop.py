@@ -46,7 +46,7 @@ from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.ops.health import Health, agree_any, write_halt
-from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, HALT_FILE
+from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, HALT_FILE, SCALE_COLUMNS
 from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.evaluate import Evaluator, format_eval
@@ -578,11 +578,11 @@ class Trainer:
 
 def _branch_scale_warning(m: dict[str, Any]) -> tuple[float, str, int] | None:
     """(ratio, 'keys'/'values', layer) of the largest compressed/selection scale above CMP_SCALE_WARN, else None."""
-    if "cmp_k_ratio" not in m:
+    if SCALE_COLUMNS[0] not in m:
         return None
     worst = max(
         (float(r), what, i)
-        for key, what in (("cmp_k_ratio", "keys"), ("cmp_v_ratio", "values"))
+        for key, what in zip(SCALE_COLUMNS, ("keys", "values"), strict=True)
         for i, r in enumerate(np.asarray(m[key]))
     )
     return worst if worst[0] > CMP_SCALE_WARN else None
@@ -599,7 +599,7 @@ def _aux_means(m: dict[str, Any]) -> dict[str, float]:
     out = {f"gate_{b}": float(g[i]) for i, b in enumerate(BRANCHES)}
     out["gate_entropy"] = float(np.mean(m["gate_entropy"]))
     out["sel_far_frac"] = float(np.mean(m["sel_far_frac"]))
-    for k in ("cmp_k_ratio", "cmp_v_ratio"):  # the largest layer's: the warning signal
+    for k in SCALE_COLUMNS:  # the largest layer's: the warning signal
         out[k] = float(np.max(m[k]))
     return out
 
@@ -612,8 +612,7 @@ def _aux_per_layer(m: dict[str, Any]) -> dict[str, float]:
         out.update({f"layer{i}/gate_{b}": float(g[j]) for j, b in enumerate(BRANCHES)})
         out[f"layer{i}/gate_entropy"] = float(m["gate_entropy"][i])
         out[f"layer{i}/sel_far_frac"] = float(m["sel_far_frac"][i])
-        out[f"layer{i}/cmp_k_ratio"] = float(m["cmp_k_ratio"][i])
-        out[f"layer{i}/cmp_v_ratio"] = float(m["cmp_v_ratio"][i])
+        out.update({f"layer{i}/{k}": float(m[k][i]) for k in SCALE_COLUMNS})
     return out
 
 
