@@ -41,7 +41,7 @@ class NSAConfig:
     lp: int = 64  # selection block length (the paper's l')
     n: int = 16  # selected blocks per query, the 3 forced ones included
     w: int = 512  # sliding window
-    cmp_phi: Literal["mlp", "mlp_norm", "avg_mlp", "avg"] = "mlp"  # block -> one key/value map
+    cmp_phi: Literal["mlp", "mlp_norm", "avg_mlp", "avg"] = "avg"  # block -> one key/value map (docs/NSA.md)
     cmp_mlp_hidden: int = 128  # hidden width of the mlp phi (weights shared across heads)
     gate_hidden: int = 64  # hidden width of the gate MLP
     # Learning remedies (docs/NSA.md "Learning options"); every default leaves the forward math unchanged.

@@ -11,7 +11,10 @@ from nsa_jax.train import optimizer as O
 
 def tiny_model_cfg(T_hint: int = 64, G: int = 2, K: int = 1, **nsa):
     """A model config small enough for per-token references."""
-    base = {"l": 8, "d": 4, "lp": 8, "n": 3, "w": 12, "cmp_mlp_hidden": 16, "gate_hidden": 8, "query_chunk": 16}
+    # The paper's MLP compressor: the per-token references exercise its weights (the configs'
+    # default, mean pooling, is asked for by name where a test wants it).
+    base = {"l": 8, "d": 4, "lp": 8, "n": 3, "w": 12, "cmp_phi": "mlp", "cmp_mlp_hidden": 16}
+    base.update({"gate_hidden": 8, "query_chunk": 16})
     base.update(nsa)
     overrides = [
         "model.vocab_size=32",

@@ -15,7 +15,7 @@ def test_shipped_configs_load():
     prod = load_config("a100_pcie")
     assert (prod.model.d_model, prod.model.n_layers, prod.model.n_heads, prod.model.n_kv_heads) == (768, 12, 12, 2)
     nsa = prod.model.nsa
-    assert (nsa.l, nsa.d, nsa.lp, nsa.n, nsa.w, nsa.cmp_phi) == (32, 16, 64, 16, 512, "mlp")
+    assert (nsa.l, nsa.d, nsa.lp, nsa.n, nsa.w, nsa.cmp_phi) == (32, 16, 64, 16, 512, "avg")
     t = prod.train
     assert (t.seq_len, t.global_batch, t.accumulate, t.lr, t.warmup, t.steps) == (2048, 2, 2, 2e-4, 2000, 50000)
     assert load_config("cpu_tiny").model.n_layers > 0 and load_config("cpu_small").model.d_model == 384
@@ -74,7 +74,9 @@ def _expected_params(m) -> int:
     a = m.nsa
     proj = D * H * Dk + 3 * (D * K * Dk + D * K * Dv) + H * Dv * D
     gates = D * a.gate_hidden + a.gate_hidden + a.gate_hidden * 3 * H + 3 * H
-    comp = sum(a.l * dim + a.l * dim * a.cmp_mlp_hidden + a.cmp_mlp_hidden + a.cmp_mlp_hidden * dim for dim in (Dk, Dv))
+    h = a.cmp_mlp_hidden
+    mlp_phi = sum(a.l * dim + a.l * dim * h + h + h * dim for dim in (Dk, Dv))
+    comp = 0 if a.cmp_phi == "avg" else mlp_phi  # mean pooling has no weights
     block = proj + gates + comp + 3 * D * F + 2 * D
     return V * D + L * block + D + (0 if m.tie_embeddings else D * V)
 
@@ -82,7 +84,10 @@ def _expected_params(m) -> int:
 def test_a100_pcie_parameter_count_is_pinned():
     m = load_config("a100_pcie").model
     counts = parameter_counts(m)
-    assert counts["total"] == _expected_params(m) == 85_428_144
+    assert counts["total"] == _expected_params(m) == 78_887_856
+    # The paper's MLP compressor adds 2 x (l Dk + l Dk h + h + h Dk) = 545,024 weights per layer.
+    m_mlp = load_config("a100_pcie", ["model.nsa.cmp_phi=mlp"]).model
+    assert parameter_counts(m_mlp)["total"] == _expected_params(m_mlp) == 85_428_144
     assert counts["mlp"] == 12 * 3 * 768 * 2048
 
 
@@ -108,7 +113,7 @@ def test_info_cli():
     out = subprocess.run(
         [sys.executable, "-m", "launch.info", "--config", "a100_pcie"], capture_output=True, text=True, check=True
     )
-    assert "85,428,144" in out.stdout
+    assert "78,887,856" in out.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "launch.info", "--config", "cpu_tiny", "--set", "model.nsa.n=1"],
         capture_output=True,

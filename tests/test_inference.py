@@ -28,7 +28,8 @@ MAX_LEN = int(PROMPT_LENS.max()) + T - 1
 NEW_TOKENS = MAX_LEN - int(PROMPT_LENS.max())
 CONFIGS = {
     # l=8, d=4, lp=8, w=12 with T=70: 16 compressed tokens, 9 selection blocks, well past the window.
-    "G1K2n5": dict(G=1, K=2, n=5),
+    # One config per compressor: mean pooling (the configs' default) and the paper's MLP.
+    "G1K2n5avg": dict(G=1, K=2, n=5, cmp_phi="avg"),
     "G3K1n4": dict(G=3, K=1, n=4),
 }
 _CAPTURE = ("k_win", "k_cmp", "cmp_k", "cmp_v")
