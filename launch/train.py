@@ -15,6 +15,9 @@ Environment variables (the torch runbooks' names):
 Multi-process (one process per host): --coordinator/--num-processes/--process-id, or
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM (nsa_jax/ops/distributed.py);
 python -m launch.spawn --nproc N -- python -m launch.train ... starts N local processes.
+One trainer per out dir (nsa_jax/runlock.py): the run holds an exclusive lock on
+<out_dir>/.lock until it exits (the OS drops it on any death, SIGKILL included); a second
+trainer on a held folder exits 2 at once, naming the holder, and changes nothing in it.
 Out dir policy (nsa_jax/resume.py), decided before XLA starts: a folder holding checkpoints
 is resumed from its newest complete one (training.csv and the heartbeats continue), or,
 when that step is train.steps already, nothing runs (exit 0); a .HALT in it stops the
@@ -41,7 +44,7 @@ import os
 import sys
 
 from launch.cli import Parser
-from nsa_jax import resume
+from nsa_jax import resume, runlock
 from nsa_jax import runfiles as rf
 from nsa_jax.config import Config, ConfigError, load_config
 from nsa_jax.data import FILE_DATASETS, make_tokenizer
@@ -169,9 +172,15 @@ def xla_flags_with_bucket(flags: str, bucket_mb: float) -> str:
 
 
 def prepare_out_dir(
-    out_dir: str, overwrite: bool, *, overwrite_checkpoints: bool = False, cfg: Config | None = None
+    out_dir: str,
+    overwrite: bool,
+    *,
+    overwrite_checkpoints: bool = False,
+    cfg: Config | None = None,
+    apply: bool = True,
 ) -> resume.Plan:
-    """Decides what this launch does with `out_dir` (nsa_jax/resume.py) and carries it out.
+    """Decides what this launch does with `out_dir` (nsa_jax/resume.py) and carries it out
+    (apply=False: decides only; `apply_out_dir_plan` later).
 
     Returns the plan (its action: fresh, resume, restart, overwrite, finished, halted);
     ConfigError when the folder is refused, OutDirError when it cannot be written.
@@ -179,10 +188,22 @@ def prepare_out_dir(
     cfg = cfg or Config()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out_dir)))
     plan = resume.plan_out_dir(cfg, overwrite=overwrite, overwrite_checkpoints=overwrite_checkpoints)
+    if apply:
+        apply_out_dir_plan(plan)
+    return plan
+
+
+def apply_out_dir_plan(plan: resume.Plan) -> None:
     moved = resume.apply_plan(plan)
     if moved is not None:
         plan.message += f" ({moved})"
-    return plan
+
+
+def lock_out_dir(out_dir: str, spec: dist.DistSpec | None) -> None:
+    """One trainer per out_dir (nsa_jax/runlock.py): process 0 locks it for the run's lifetime;
+    OutDirLocked when another trainer holds it."""
+    if spec is None or spec.process_id == 0:
+        runlock.acquire(out_dir, command=" ".join([os.path.basename(sys.executable), *sys.argv]))
 
 
 def compile_cache_dir(flag: str | None, environ: dict[str, str]) -> str | None:
@@ -220,8 +241,16 @@ def main(argv: list[str] | None = None) -> int:
         if vocab_note:
             print(vocab_note, flush=True)
         spec = dist.resolve(args.coordinator, args.num_processes, args.process_id)
+        # Before anything is read, moved or written in the folder, and before XLA starts.
+        lock_out_dir(cfg.train.out_dir, spec)
+        # Processes other than 0 change the folder only once they have joined process 0 (which holds the lock).
+        joined_later = spec is not None and spec.process_id != 0
         plan = prepare_out_dir(
-            cfg.train.out_dir, args.overwrite, overwrite_checkpoints=args.overwrite_checkpoints, cfg=cfg
+            cfg.train.out_dir,
+            args.overwrite,
+            overwrite_checkpoints=args.overwrite_checkpoints,
+            cfg=cfg,
+            apply=not joined_later,
         )
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -244,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - jax raises several kinds; one line says it
             print(f"error: jax.distributed did not start ({spec.describe()}): {e}".splitlines()[0], file=sys.stderr)
             return rf.EXIT_FAILED
+        if joined_later:
+            try:
+                apply_out_dir_plan(plan)
+            except OSError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return rf.EXIT_USAGE
 
     # jax loads here, after XLA_FLAGS is final.
     from nsa_jax.train.loop import Trainer, WontFitError, enable_compile_cache
