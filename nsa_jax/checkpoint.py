@@ -60,6 +60,9 @@ Failed saves: a save that fails in the background (disk full, permission) is see
 `Checkpointer.poll` at the next step (one process) or the next save at the latest, as
 one CheckpointSaveError line naming the cause; the loop then stops (nsa_jax/train/loop.py).
 orbax deletes old steps only after a new one commits, so the last committed one stays.
+The writes of a failed save that were still in flight end later on an event loop orbax
+has closed; their `Event loop is closed` tracebacks are dropped (`_is_closed_loop_callback`),
+so a full disk reads as the one line that says so.
 
 The directory inspection and the out_dir policy live in nsa_jax/resume.py (no jax), so
 the launcher decides before XLA starts; they are re-exported here.
@@ -78,6 +81,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -283,6 +287,42 @@ class _OrbaxErrorTrap(logging.Filter):
         return True
 
 
+def _is_closed_loop_callback(exc: BaseException | None, tb) -> bool:
+    """A write of a failed save finishing after orbax closed that save's event loop.
+
+    orbax runs a save's writes as one asyncio.gather on a loop of its own and closes
+    the loop as soon as the first write fails (a full disk); the writes still in flight
+    in tensorstore finish afterwards, and each one's completion callback then raises
+    `RuntimeError: Event loop is closed` from `call_soon_threadsafe`, printed as a
+    traceback (hundreds on a large state). Nothing is lost: the failure itself is
+    reported once, as a CheckpointSaveError.
+    """
+    if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+        return False
+    frames = [f.f_code.co_name for f, _ in traceback.walk_tb(tb)]
+    return bool(frames) and frames[0] == "call_soon_threadsafe"
+
+
+def _silence_closed_loop_callbacks() -> None:
+    """Drops the tracebacks of `_is_closed_loop_callback` (process-wide, idempotent): they are
+    printed through sys.excepthook (a callback error inside tensorstore) or sys.unraisablehook,
+    and can arrive until the process exits, after the manager is closed."""
+    if getattr(sys.excepthook, "_nsa_quiet", False):
+        return
+    prev_except, prev_unraisable = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, exc, tb):
+        if not _is_closed_loop_callback(exc, tb):
+            prev_except(kind, exc, tb)
+
+    def unraisablehook(u):
+        if not _is_closed_loop_callback(u.exc_value, u.exc_traceback):
+            prev_unraisable(u)
+
+    excepthook._nsa_quiet = True
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
 _ERRNO_CAUSES = {
     errno.ENOSPC: "disk full",
     errno.EDQUOT: "disk quota exceeded",
@@ -391,6 +431,7 @@ class Checkpointer:
         self._unreported: list[int] = []  # committed steps that save() saw before a poll could report them
         self._trap = _OrbaxErrorTrap()
         logging.getLogger("absl").addFilter(self._trap)
+        _silence_closed_loop_callbacks()
         if cfg.checkpoint.enabled:
             # Opening the manager takes seconds: done at boot, not in the first save.
             self._manager()

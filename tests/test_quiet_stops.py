@@ -1,0 +1,102 @@
+"""A stop for a full disk says so in its own line and nothing else; the same command then resumes.
+
+The disk-full run writes into a small tmpfs (mounting needs root; skipped otherwise), so
+orbax fails for real, with writes still in flight when it gives up on the save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from nsa_jax import checkpoint as C
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=128",
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "checkpoint.save_every=2",
+    "checkpoint.max_to_keep=10",
+    "logging.tensorboard=false",
+    "model.nsa.branches=[cmp]",
+]
+
+
+def _closed_loop_error() -> tuple[BaseException, object]:
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        return e, e.__traceback__.tb_next  # as a C callback sees it: from call_soon_threadsafe on
+    raise AssertionError("a closed loop accepted a callback")
+
+
+def test_only_the_closed_loop_callbacks_of_a_failed_save_are_dropped():
+    exc, tb = _closed_loop_error()
+    assert C._is_closed_loop_callback(exc, tb)
+    assert not C._is_closed_loop_callback(RuntimeError("Event loop is closed"), None)  # raised elsewhere
+    try:
+        raise RuntimeError("something else")
+    except RuntimeError as e:
+        assert not C._is_closed_loop_callback(e, e.__traceback__)
+    assert not C._is_closed_loop_callback(ValueError("Event loop is closed"), tb)
+
+
+def _mount(path: pathlib.Path, size: str, remount: bool = False) -> bool:
+    opts = f"remount,size={size}" if remount else f"size={size}"
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root")
+def test_disk_full_stop_is_one_line_and_the_same_command_resumes(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # One checkpoint of this model takes about 0.9 MB: three fit, the fourth does not.
+    if not _mount(disk, "3300k"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = disk / "run"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC"))}
+        env.update(
+            PYTHONPATH=str(ROOT),
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        )
+        sets = [a for s in TINY for a in ("--set", s)]
+        cmd = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "12", "--out-dir", str(out)]
+        r = subprocess.run([*cmd, *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        lines = r.stderr.splitlines()
+        print(f"disk-full stop: exit {r.returncode}, {len(lines)} stderr line(s)")
+        assert r.returncode == 74, r.stderr[-3000:]
+        assert len(lines) <= 3, r.stderr[-3000:]
+        assert lines[0].startswith("error: checkpoint step ") and "disk full" in lines[0], lines
+        committed = C.complete_steps(C.checkpoint_dir(out))
+        assert committed and f"newest committed checkpoint is step {committed[-1]}" in lines[0]
+        # The operator frees space; the same command resumes from the newest committed step.
+        assert _mount(disk, "20m", remount=True)
+        again = subprocess.run([*cmd, *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resume: step {committed[-1]} from" in again.stdout, again.stdout[-2000:]
+        assert again.stderr == "", again.stderr[-3000:]
+        assert C.complete_steps(C.checkpoint_dir(out))[-1] == 12
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
