@@ -3,8 +3,10 @@
 Layout, one orbax `CheckpointManager` step per saved optimizer step:
 
   <out_dir>/checkpoints/<step>/state    TrainState (step, params, opt_state, rng): arrays (OCDBT)
-  <out_dir>/checkpoints/<step>/data     JSON: the data position of every process
-                                        {"format", "process_count", "devices", "processes": [{"train", "val"}]}
+  <out_dir>/checkpoints/<step>/data     JSON: the data position {"format": 2, "process_count", "devices",
+                                        "global": {"train", "val"}} (streams numbered over the whole run),
+                                        or "processes": [{"train", "val"}] one per process (file streams;
+                                        format 1, written before global positions, always)
   <out_dir>/checkpoints/<step>/config   JSON: Config.to_dict() of the run that saved it
   <out_dir>/checkpoints/<step>/checksums JSON: {"format", "state": {array path: uint32}, "data", "config"}
 
@@ -45,10 +47,15 @@ the epoch.
 Restore onto another mesh: arrays are restored with the new mesh's shardings
 (those of parallel.strategy, nsa_jax/train/strategies.py: replicated, or sharded
 over `data` for zero1/fsdp), so a run saved on 2 devices resumes on 1 or 8, and
-under another strategy. The data position is per process; with the same process count it carries
-over unchanged; with a different one it cannot (each process reads its own shard
-of the stream) and the restore stops with an error, unless
-`checkpoint.restore_data=false` restarts the data stream on purpose.
+under another strategy. The data position of the synthetic and kv_recall streams is global
+(rows consumed of the whole stream, nsa_jax/data/stream.py GlobalRowStream), so it carries
+over to any process and device count with the same rows per optimizer step
+(train.global_batch x train.accumulate; the Trainer adjusts the split of those into
+micro-batches, nsa_jax/resume.py `elastic_batch`). File streams keep one position per
+process (each reads its own shard of the files): with another process count the restore
+stops with an error, unless `checkpoint.restore_data=false` restarts the data stream on
+purpose. Checkpoints of format 1 (one position per process) resume with their own process
+count, a synthetic or kv_recall one at the same global row.
 
 Preemption (SIGTERM): `PreemptionGuard` turns the signal into a flag; the loop stops
 at the next step boundary, saves, and the launcher exits 0. With several processes
@@ -113,7 +120,7 @@ from nsa_jax.train import strategies
 CHECKPOINT_DIR = rf.CHECKPOINT_DIR
 CORRUPT_DIR = rf.CORRUPT_DIR
 ITEMS = ("state", "data", "config", "checksums")
-DATA_FORMAT = 1
+DATA_FORMAT = 2  # 1: one position per process only (read back with the same process count)
 CHECKSUM_FORMAT = 1
 
 
@@ -457,7 +464,7 @@ class Checkpointer:
         placed = strategies.state_shardings(self.cfg, self.mesh, shapes)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, placed)
 
-    def _restore_step(self, mngr, step: int, target) -> Restored:
+    def _restore_step(self, mngr, step: int, target, saved: dict | None = None) -> Restored:
         """One step, verified against its checksums; raises on anything that does not read back."""
         step_dir = self.dir / str(step)
         sums = read_checksums(step_dir) if self.verify else None
@@ -479,7 +486,8 @@ class Checkpointer:
             if sums.get("config") != json_checksum(saved_config(step_dir)):
                 raise ChecksumError("checksum mismatch in the config item")
         verify_s = time.perf_counter() - t0
-        train_data, val_data = self._data_for_this_process(out.data, step)
+        micro_rows = (saved or {}).get("train", {}).get("global_batch")
+        train_data, val_data = self._data_for_this_process(out.data, step, micro_rows)
         return Restored(step, state, train_data, val_data, step_dir, sums is not None, verify_s)
 
     def restore_latest(self) -> Restored | None:
@@ -511,7 +519,7 @@ class Checkpointer:
                     "resume with the settings it was saved with, or start this run in another out_dir"
                 )
             try:
-                restored = self._restore_step(mngr, step, target)
+                restored = self._restore_step(mngr, step, target, saved)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
@@ -548,21 +556,32 @@ class Checkpointer:
         self.last_step = self.committed = restored.step
         return restored
 
-    def _data_for_this_process(self, data: dict, step: int) -> tuple[dict | None, dict | None]:
+    def _data_for_this_process(
+        self, data: dict, step: int, micro_rows: int | None = None
+    ) -> tuple[dict | None, dict | None]:
+        """This process's data states: the global position (format 2, any process count), or its own
+        entry of a per-process list (the same process count only). `micro_rows`: train.global_batch
+        of the saved run, which turns a per-process micro-batch count into global rows."""
         if not self.cfg.checkpoint.restore_data:
             return None, None
-        if not isinstance(data, dict) or data.get("format") != DATA_FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in (1, DATA_FORMAT):
             raise ValueError("data item has an unknown format")
+        if "global" in data:
+            return data["global"].get("train"), data["global"].get("val")
         saved_pc, pc = int(data["process_count"]), jax.process_count()
         if saved_pc != pc:
             raise CheckpointError(
-                f"checkpoint step {step} was saved by {saved_pc} process(es) and this run has {pc}: each process's "
-                "data position belongs to its own shard of the stream and cannot be carried over; resume with "
+                f"checkpoint step {step} was saved by {saved_pc} process(es) and this run has {pc}, and its data "
+                f"position is one per process ({self.cfg.data.dataset} streams read a shard of the files per process, "
+                "or the checkpoint predates global positions); resume with "
                 f"{saved_pc} process(es), or set checkpoint.restore_data=false to restore weights, optimizer and step "
                 "and restart the data stream from its beginning"
             )
         mine = data["processes"][jax.process_index()]
-        return mine.get("train"), mine.get("val")
+        train = mine.get("train")
+        if isinstance(train, dict) and "position" in train and "rows" not in train and micro_rows:
+            train = {**train, "micro_rows": int(micro_rows)}
+        return train, mine.get("val")
 
     # -- save -----------------------------------------------------------------
 
@@ -579,11 +598,16 @@ class Checkpointer:
         self._unreported += self.poll(block=True)
         t0 = time.perf_counter()
         processes = _allgather_json({"train": train_data, "val": val_data})
+        # A position that every process shares is the global one (GlobalRowStream): stored once, and
+        # read back on any process count. Streams that read a shard per process keep one per process.
+        shared = all(isinstance(p["train"], dict) and "rows" in p["train"] for p in processes) and all(
+            p == processes[0] for p in processes
+        )
         data = {
             "format": DATA_FORMAT,
             "process_count": jax.process_count(),
             "devices": self.mesh.size,
-            "processes": processes,
+            **({"global": processes[0]} if shared else {"processes": processes}),
         }
         config = self.cfg.to_dict()
         t1 = time.perf_counter()

@@ -38,8 +38,10 @@ TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's suffix of a step directory not y
 # Model keys that only change how the same weights are computed; everything else in
 # `model` changes the parameters' shapes or the function they define.
 NUMERICS_ONLY = ("model.dtype", "model.remat", "model.nsa.attention_impl", "model.nsa.query_chunk")
-# Keys that give the saved data position its meaning: the stream, its row shape, the
-# rows per optimizer step, and the seed of synthetic streams and shuffles.
+# Keys that give the saved data position its meaning: the stream, its row shape, and
+# the seed of synthetic streams and shuffles. The rows per optimizer step
+# (train.global_batch x train.accumulate) count too, as a product: how they split into
+# micro-batches may change on resume (`elastic_batch`).
 DATA_POSITION_KEYS = (
     "data.dataset",
     "data.path",
@@ -50,10 +52,9 @@ DATA_POSITION_KEYS = (
     "data.kv_placement",
     "data.kv_format",
     "train.seq_len",
-    "train.global_batch",
-    "train.accumulate",
     "train.seed",
 )
+ROWS_PER_STEP = "train.global_batch x train.accumulate"
 # Zero vs non-zero adds or removes a link of the optax chain, i.e. changes the
 # optimizer state's structure.
 OPTIMIZER_STRUCTURE_KEYS = ("train.grad_clip", "train.weight_decay")
@@ -129,6 +130,9 @@ def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], lis
     defaults = _flatten(to_dict(Config()))
     missing = object()
     blocking, other = [], []
+    rows = [d.get("train.global_batch", 0) * d.get("train.accumulate", 1) for d in (old, now)]
+    if rows[0] != rows[1] and cfg.checkpoint.restore_data:
+        blocking.append(f"{ROWS_PER_STEP} (rows per optimizer step) {rows[0]} -> {rows[1]}")
     for key in sorted(set(old) | set(now)):
         a, b = old.get(key, missing), now.get(key, missing)
         if a == b or key in NOT_REPORTED:
@@ -145,6 +149,58 @@ def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], lis
         else:
             other.append(line)
     return blocking, other
+
+
+def saved_devices(step_dir: str | os.PathLike) -> int | None:
+    """The device count a step was saved on (its data item), None when unreadable."""
+    try:
+        data = json.loads((pathlib.Path(step_dir) / "data" / "metadata").read_text())
+        return int(data["devices"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def elastic_batch(cfg: Config, n_devices: int) -> tuple[Config, str | None]:
+    """`cfg` with train.global_batch / train.accumulate (and train.eval_batches) split anew for
+    `n_devices` when the run resumes from a checkpoint saved on another layout; a note saying so.
+
+    The rows per optimizer step R = global_batch x accumulate never change (they define the
+    data position and the update). The micro-batch per device may shrink but not grow past
+    the one the checkpoint ran with (it fitted in memory); when the configured split would
+    grow it or not divide over the devices, the largest micro-batch G' that divides R, is a
+    multiple of `n_devices` and keeps G' / n_devices within the saved one is taken, and
+    accumulate becomes R / G'. Evaluation keeps its number of rows where it divides.
+    """
+    steps = complete_steps(checkpoint_dir(cfg.train.out_dir))
+    if not steps or not cfg.checkpoint.restore_data:
+        return cfg, None
+    step_dir = checkpoint_dir(cfg.train.out_dir) / str(steps[-1])
+    try:
+        saved = saved_config(step_dir)["train"]
+        s_G, s_A = int(saved["global_batch"]), int(saved["accumulate"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg, None  # the restore reports an unreadable checkpoint
+    s_dev = saved_devices(step_dir)
+    t = cfg.train
+    R = t.global_batch * t.accumulate
+    if s_dev is None or s_G * s_A != R or s_G % s_dev:
+        return cfg, None
+    per_dev = s_G // s_dev
+    if t.global_batch % n_devices == 0 and t.global_batch // n_devices <= per_dev:
+        return cfg, None
+    fits = [g for g in range(n_devices, R + 1, n_devices) if R % g == 0 and g // n_devices <= per_dev]
+    if not fits:
+        return cfg, None  # the batch split check names the problem
+    G = max(fits)
+    A = R // G
+    eval_rows = t.eval_batches * t.global_batch
+    evals = eval_rows // G if eval_rows % G == 0 else t.eval_batches
+    note = (
+        f"train.global_batch {t.global_batch} -> {G}, train.accumulate {t.accumulate} -> {A} "
+        f"(checkpoint step {steps[-1]} ran {per_dev} rows per device on {s_dev} device(s); {R} rows per step kept)"
+    )
+    train = dataclasses.replace(t, global_batch=G, accumulate=A, eval_batches=evals)
+    return dataclasses.replace(cfg, train=train), note
 
 
 def quarantine(step_dir: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:

@@ -39,7 +39,7 @@ def test_synthetic_shapes_range_and_json_state():
     assert tokens_BxT1.shape == (2, 65) and tokens_BxT1.dtype == np.int32
     assert tokens_BxT1.min() >= 0 and tokens_BxT1.max() < 100
     state = json.loads(json.dumps(ds.get_state()))
-    assert state["position"] == 1
+    assert state["rows"] == 6  # global: the whole micro-batch of 6 rows was consumed, 2 of them here
 
 
 def test_synthetic_deterministic_random_access_and_resume():
@@ -51,14 +51,49 @@ def test_synthetic_deterministic_random_access_and_resume():
     # Random access: the batch at position i does not depend on what was read before.
     np.testing.assert_array_equal(make_dataset(cfg).batch_at(3), batches[3])
     c = make_dataset(cfg)
-    c.set_state(json.loads(json.dumps({**a.get_state(), "position": 2})))
+    c.set_state(json.loads(json.dumps({**a.get_state(), "rows": 2 * 4})))
     np.testing.assert_array_equal(next(c), batches[2])
+    # A state of the per-process layout (micro-batches of one process) still restores.
+    d = make_dataset(cfg)
+    d.set_state({"kind": "synthetic", "split": "train", "process_index": 0, "position": 3})
+    np.testing.assert_array_equal(next(d), batches[3])
     # A different seed, process or split gives different data.
     other_seed = make_dataset(cfg_with("train.seq_len=32", "train.global_batch=4", "train.seed=7"))
     assert not np.array_equal(next(other_seed), batches[0])
     p1 = make_dataset(cfg_with("train.seq_len=32", "train.global_batch=8"), process_index=1, process_count=2)
     assert not np.array_equal(next(p1), batches[0])
     assert not np.array_equal(next(make_dataset(cfg, split="val")), batches[0])
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "kv_recall"])
+def test_rows_of_a_step_do_not_depend_on_processes_or_micro_batches(kind):
+    # 8 rows per optimizer step, read as 1 x 8, 2 x 4 or 4 x 2 micro-batches by 1, 2 or 4
+    # processes, and restored mid-stream from another layout's state: the same rows in order.
+    extra = ["data.dataset=kv_recall", "model.vocab_size=64", "model.nsa.w=8"] if kind == "kv_recall" else []
+
+    def step_rows(G, A, P, steps, state=None):
+        cfg = cfg_with("train.seq_len=64", f"train.global_batch={G}", f"train.accumulate={A}", *extra)
+        streams = [make_dataset(cfg, process_index=p, process_count=P) for p in range(P)]
+        for ds in streams:
+            if state is not None:
+                ds.set_state(json.loads(json.dumps(state)))
+        out = [np.concatenate([np.concatenate([next(ds) for ds in streams]) for _ in range(A)]) for _ in range(steps)]
+        states = {json.dumps(ds.get_state(), sort_keys=True) for ds in streams}
+        assert len(states) == 1  # one global state, the same on every process
+        return out, json.loads(states.pop())
+
+    ref, _ = step_rows(8, 1, 1, 4)
+    assert not np.array_equal(ref[0], ref[1])
+    for G, A, P in [(8, 1, 2), (4, 2, 2), (2, 4, 1), (4, 2, 4)]:
+        first, state = step_rows(G, A, P, 2)
+        assert state["rows"] == 16
+        for G2, A2, P2 in [(8, 1, 1), (2, 4, 2)]:
+            rest, _ = step_rows(G2, A2, P2, 2, state)
+            for got, want in zip(first + rest, ref):
+                np.testing.assert_array_equal(got, want)
+    cfg = cfg_with("train.seq_len=64", "train.global_batch=8", "train.accumulate=2", *extra)
+    with pytest.raises(ValueError, match="rows per optimizer step"):
+        make_dataset(cfg).set_state(state)
 
 
 def test_synthetic_is_learnable():
@@ -492,7 +527,7 @@ def test_kv_recall_dataset():
     a = take(ds, 3)
     assert a[0].shape == (4, 81) and a[0].dtype == np.int32
     ds2 = make_dataset(cfg)
-    ds2.set_state(json.loads(json.dumps({**ds.get_state(), "position": 1})))
+    ds2.set_state(json.loads(json.dumps({**ds.get_state(), "rows": 4})))
     np.testing.assert_array_equal(next(ds2), a[1])
     assert kv_recall.answer_mask_from_tokens(a[0], 128).sum() == 16
     assert not np.array_equal(next(make_dataset(cfg, "val")), a[0])

@@ -63,13 +63,17 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
         return SyntheticDataset(
             vocab_size=cfg.model.vocab_size,
             seed=cfg.train.seed,
-            batch=batch,
+            batch=cfg.train.global_batch,
             seq_len=cfg.train.seq_len,
             split=split,
             process_index=process_index,
+            process_count=process_count,
+            block_rows=cfg.train.global_batch * cfg.train.accumulate,
         )
     if kind == "kv_recall":
-        return KVRecallDataset.from_config(cfg, batch=batch, split=split, process_index=process_index)
+        return KVRecallDataset.from_config(
+            cfg, batch=cfg.train.global_batch, split=split, process_index=process_index, process_count=process_count
+        )
     # grain imports jax (seconds): the file datasets are imported on use, so `import nsa_jax.data`
     # stays light for launch.train's config checks (before XLA_FLAGS is set) and prepare_data.
     if kind in FILE_DATASETS:

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from nsa_jax.data.stream import BatchStream, check_state, split_id
+from nsa_jax.data.stream import GlobalRowStream, split_id
 
 MIN_VOCAB = 16
 
@@ -187,7 +187,7 @@ def retrieval_accuracy(
     return correct / scored if scored else float("nan")
 
 
-class KVRecallDataset(BatchStream):
+class KVRecallDataset(GlobalRowStream):
     """`dataset: kv_recall`: random access by position, like the synthetic stream."""
 
     kind = "kv_recall"
@@ -205,17 +205,24 @@ class KVRecallDataset(BatchStream):
         process_index: int,
         placement: str = "random",
         fmt: str = "split",
+        process_count: int = 1,
+        block_rows: int | None = None,
     ):
+        """`batch`: rows of one micro-batch over all processes (train.global_batch); `block_rows`:
+        rows per optimizer step (train.global_batch x train.accumulate; default `batch`)."""
         self.placement, self.fmt = placement, fmt
         self.vocab_size, self.window = int(vocab_size), int(window)
         self.n_pairs, self.n_queries = int(n_pairs), int(n_queries)
-        self.seed, self.batch, self.seq_len = int(seed), int(batch), int(seq_len)
-        self.split, self.process_index = split, int(process_index)
-        self.position = 0
+        self.seed, self.seq_len = int(seed), int(seq_len)
+        self.split = split
+        self._init_rows(batch, process_index, process_count, block_rows or batch)
         self.kv_batch_at(0)  # validates the layout now rather than at the first step
 
     @classmethod
-    def from_config(cls, cfg: Any, batch: int, split: str, process_index: int) -> KVRecallDataset:
+    def from_config(
+        cls, cfg: Any, batch: int, split: str, process_index: int, process_count: int = 1
+    ) -> KVRecallDataset:
+        """`batch`: train.global_batch, the rows of one micro-batch over all processes."""
         return cls(
             cfg.model.vocab_size,
             cfg.model.nsa.w,
@@ -228,16 +235,16 @@ class KVRecallDataset(BatchStream):
             process_index,
             cfg.data.kv_placement,
             cfg.data.kv_format,
+            process_count=process_count,
+            block_rows=cfg.train.global_batch * cfg.train.accumulate,
         )
 
-    def kv_batch_at(self, position: int) -> KVBatch:
-        """The batch at `position` with its answer mask (for evaluation)."""
-        rng = np.random.default_rng(
-            [self.seed % 2**32, split_id(self.split), self.process_index, int(position), 0x4B56]
-        )
+    def _make_block(self, k: int) -> KVBatch:
+        # The third seed word was the process index when every process drew its own rows.
+        rng = np.random.default_rng([self.seed % 2**32, split_id(self.split), 0, int(k), 0x4B56])
         return make_kv_batch(
             rng,
-            self.batch,
+            self.block_rows,
             self.seq_len,
             self.vocab_size,
             self.window,
@@ -247,17 +254,12 @@ class KVRecallDataset(BatchStream):
             self.fmt,
         )
 
+    def kv_batch_at(self, position: int) -> KVBatch:
+        """This process's rows of micro-batch `position` with their answer mask (for evaluation)."""
+        return self.local_rows_at(position)
+
     def next_kv_batch(self) -> KVBatch:
-        out = self.kv_batch_at(self.position)
-        self.position += 1
-        return out
+        return self._next_local()
 
     def __next__(self) -> np.ndarray:
         return self.next_kv_batch().tokens_BxT1
-
-    def get_state(self) -> dict[str, Any]:
-        return {"kind": self.kind, "split": self.split, "process_index": self.process_index, "position": self.position}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        check_state(self, state)
-        self.position = int(state["position"])

@@ -7,17 +7,17 @@ copied span per row. The chain gives a next-token entropy far below log(V), so a
 short run shows the loss falling; the copied span rewards attention that looks back
 (an induction-style pattern) rather than only at the previous token.
 
-The batch at position i is a pure function of (seed, split, process_index, i), so
-resuming needs no replay: the state is just the position.
+Rows are numbered over the whole run (`GlobalRowStream`): the rows of optimizer step s
+are a pure function of (seed, split, s), whatever the number of processes and devices
+that read them, so resuming needs no replay and works on another layout: the state is
+the global row count.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from nsa_jax.data.stream import BatchStream, check_state, split_id
+from nsa_jax.data.stream import GlobalRowStream, split_id
 
 # Successor probabilities of the Markov chain. Each token gets its own random set
 # of successors, but the probabilities are shared so the per-step choice can be drawn
@@ -73,33 +73,39 @@ class MarkovCopyGenerator:
         return tokens_BxT
 
 
-class SyntheticDataset(BatchStream):
-    """`dataset: synthetic`: [batch, seq_len + 1] int32 batches, random access by position."""
+class SyntheticDataset(GlobalRowStream):
+    """`dataset: synthetic`: [batch, seq_len + 1] int32 batches, random access by global row."""
 
     kind = "synthetic"
 
-    def __init__(self, vocab_size: int, seed: int, batch: int, seq_len: int, split: str, process_index: int):
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int,
+        batch: int,
+        seq_len: int,
+        split: str,
+        process_index: int,
+        process_count: int = 1,
+        block_rows: int | None = None,
+    ):
+        """`batch`: rows of one micro-batch over all processes (train.global_batch); `block_rows`:
+        rows per optimizer step (train.global_batch x train.accumulate; default `batch`)."""
         self.gen = MarkovCopyGenerator(vocab_size, seed)
         self.seed = int(seed)
-        self.batch = int(batch)
         self.seq_len = int(seq_len)
         self.split = split
-        self.process_index = int(process_index)
-        self.position = 0
+        self._init_rows(batch, process_index, process_count, block_rows or batch)
+
+    def _make_block(self, k: int) -> np.ndarray:
+        # The third seed word was the process index when every process drew its own rows;
+        # 0 keeps a one-process run's rows what they were then (for accumulate 1).
+        rng = np.random.default_rng([self.seed % 2**32, split_id(self.split), 0, int(k)])
+        return self.gen.sample(rng, self.block_rows, self.seq_len + 1)
 
     def batch_at(self, position: int) -> np.ndarray:
-        """The batch at `position`; a pure function of (seed, split, process, position)."""
-        rng = np.random.default_rng([self.seed % 2**32, split_id(self.split), self.process_index, int(position)])
-        return self.gen.sample(rng, self.batch, self.seq_len + 1)
+        """This process's rows of micro-batch `position`; a pure function of (seed, split, layout, position)."""
+        return self.local_rows_at(position)
 
     def __next__(self) -> np.ndarray:
-        tokens_BxT1 = self.batch_at(self.position)
-        self.position += 1
-        return tokens_BxT1
-
-    def get_state(self) -> dict[str, Any]:
-        return {"kind": self.kind, "split": self.split, "process_index": self.process_index, "position": self.position}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        check_state(self, state)
-        self.position = int(state["position"])
+        return self._next_local()

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from nsa_jax import checkpoint as ckpt
+from nsa_jax import resume
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
@@ -179,6 +180,11 @@ class Trainer:
         self.lead = jax.process_index() == 0
         self._print = print_fn
         self.mesh = S.make_mesh(cfg, devices)
+        # A checkpoint saved on another device count: the same rows per step, split anew into micro-batches.
+        elastic = None
+        if state is None and data_state is None:
+            cfg, elastic = resume.elastic_batch(cfg, self.mesh.size)
+            self.cfg = cfg
         # Strategy, shardings and the batch split, derived and checked once for the run.
         self.plan = S.make_plan(cfg, self.mesh)
         n_dev = self.plan.n_devices
@@ -203,6 +209,7 @@ class Trainer:
             f"boot: {jax.process_count()} process(es), {n_dev} {jax.default_backend()} device(s) on the data axis, "
             f"per-device batch {cfg.train.global_batch // n_dev} x accumulate {cfg.train.accumulate}, "
             f"{self.tokens_per_step:,} tokens/step -> {self.out}"
+            + (f" (resized on resume: {elastic})" if elastic else "")
         )
         if learning_options(cfg):
             self.say(f"nsa learning options: {learning_options(cfg)}")
