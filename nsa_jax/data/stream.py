@@ -1,9 +1,11 @@
 """The batch-stream interface every dataset implements, and its shared checks.
 
 A stream is an iterator of int32 [batch, seq_len + 1] arrays with a JSON-serialisable
-`get_state()` and an exact `set_state()`. The state records the dataset kind, split and
-process index, so restoring a state from a different stream fails loudly instead of
-silently reading other data.
+`get_state()` and an exact `set_state()`. The state records the dataset kind and split
+(and, for streams that read a shard per process, the process index), so restoring a
+state from a different stream fails loudly instead of silently reading other data.
+`GlobalRowStream` (synthetic, kv_recall) numbers rows over the whole run, so its state
+is the same on every process and carries over to another process count.
 """
 
 from __future__ import annotations
