@@ -131,6 +131,13 @@ def test_second_trainer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path):
         # The second never wrote a heartbeat: every line of the one heartbeat file is the first's.
         pids = {line.split('"pid": ')[1].split(",")[0] for line in (out / "heartbeat_rank0.jsonl").open()}
         assert pids == {str(first.pid)}
+        # Readers do not take the lock: the report and the watchdog read the folder while it is held.
+        for reader in (["launch.report", str(out)], ["launch.watchdog", "--dir", str(out), "--once"]):
+            cmd_r = [sys.executable, "-m", *reader]
+            rr = subprocess.run(cmd_r, cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=120)
+            assert rr.returncode in (0, 1) and "in use by another trainer" not in rr.stdout + rr.stderr, rr.stderr
+            assert f"run: {out}" in rr.stdout or reader[0] == "launch.watchdog", rr.stdout
+        assert runlock.holder(out)["pid"] == first.pid
     finally:
         first.send_signal(signal.SIGKILL)
         first.communicate(timeout=60)
