@@ -197,7 +197,7 @@ def elastic_batch(cfg: Config, n_devices: int) -> tuple[Config, str | None]:
     evals = eval_rows // G if eval_rows % G == 0 else t.eval_batches
     note = (
         f"train.global_batch {t.global_batch} -> {G}, train.accumulate {t.accumulate} -> {A} "
-        f"(checkpoint step {steps[-1]} ran {per_dev} rows per device on {s_dev} device(s); {R} rows per step kept)"
+        f"(checkpoint step {steps[-1]} ran {per_dev} row(s) per device on {s_dev} device(s); {R} rows per step kept)"
     )
     train = dataclasses.replace(t, global_batch=G, accumulate=A, eval_batches=evals)
     return dataclasses.replace(cfg, train=train), note
