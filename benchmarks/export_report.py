@@ -26,24 +26,20 @@ With `--max-tensor-mib` the exit status is 1 when the largest tensor is above it
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
 import sys
 from collections import Counter
 from pathlib import Path
-from unittest import mock
 
 import jax
-import jax.numpy as jnp
 
 from launch.cli import Parser, UsageError
+from nsa_jax.aot import TRITON_TARGET, compiled_kernels, layer_forward_backward
 from nsa_jax.config import ConfigError, load_config
-from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.nsa.selection import num_compressed
 
-TRITON_TARGET = "__gpu$xla.gpu.triton"
 MiB = 1024 * 1024
 # Element widths of the StableHLO types a layer uses (a predicate is stored as a byte).
 _BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "ui64": 8, "i32": 4, "ui32": 4}
@@ -76,21 +72,6 @@ def custom_calls(text: str) -> Counter:
     return Counter(_CUSTOM_CALL.findall(text))
 
 
-@contextlib.contextmanager
-def compiled_kernels():
-    """Pallas kernels lowered for the GPU even on a CPU host.
-
-    The layer asks `interpret_pallas()` (the host backend) whether to interpret its
-    kernels; an export for CUDA needs them compiled whatever the host is, so every
-    loaded project module's reference to it answers False while exporting.
-    """
-    with contextlib.ExitStack() as stack:
-        for name, mod in list(sys.modules.items()):
-            if name.startswith("nsa_jax") and callable(getattr(mod, "interpret_pallas", None)):
-                stack.enter_context(mock.patch.object(mod, "interpret_pallas", lambda: False))
-        yield
-
-
 def fingerprint(text: str) -> str:
     """sha256 (16 hex digits) of a module text without its source locations.
 
@@ -107,14 +88,7 @@ def export_layer_text(cfg, seq_len: int, batch: int) -> str:
 
     Tracebacks are kept out of the locations, so the text does not depend on line numbers.
     """
-    module = NSAAttention(cfg)
-    dtype = jnp.dtype(cfg.dtype)
-    x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), dtype)
-    params = jax.eval_shape(lambda xx: module.init(jax.random.PRNGKey(0), xx)["params"], x)
-
-    def forward_backward(p, x_BxTxD, ct_BxTxD):
-        _, vjp = jax.vjp(lambda pp, xx: module.apply({"params": pp}, xx), p, x_BxTxD)
-        return vjp(ct_BxTxD)
+    forward_backward, args = layer_forward_backward(cfg, seq_len, batch)
 
     limit = jax.config.jax_traceback_in_locations_limit
     jax.config.update("jax_traceback_in_locations_limit", 0)
@@ -124,7 +98,7 @@ def export_layer_text(cfg, seq_len: int, batch: int) -> str:
                 jax.jit(forward_backward),
                 platforms=["cuda"],
                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
-            )(params, x, x)
+            )(*args)
     finally:
         jax.config.update("jax_traceback_in_locations_limit", limit)
     return exported.mlir_module()

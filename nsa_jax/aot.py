@@ -1,0 +1,572 @@
+"""Compiling for a GPU that is not there: target cards, compiles, memory, launches, registers.
+
+jax with the CUDA plugin compiles ahead of time for a card described by an XLA
+`GpuTargetConfigProto`, on a host with no GPU and no driver: XLA's GPU pipeline
+runs (fusion, buffer assignment, command buffers) and the Pallas kernels go
+through Triton and ptxas to cubins. This module owns that route:
+
+* `TARGETS`: the cards (A100 40GB and 80GB PCIe, sm_80; H100 80GB SXM, sm_90) as
+  public specification values, and `GpuTarget.config_text()`, their target config;
+* `target_devices(target, n)`: n devices of that card to place abstract arguments on
+  (`PluginMissing`, one line naming the install, when the plugin is absent);
+* `compile_train_step` / `compile_layer`: the optimizer step of a config (any
+  strategy, any device count) and the NSA layer's forward+backward, compiled for a
+  card with the Pallas kernels (what `attention_impl: auto` runs on a GPU), with an
+  optional XLA dump; `memory_stats` of the result;
+* `read_launches(dump)`: every launch of the compiled program from the dump's thunk
+  sequence, multiplied by the trip counts of the while loops it sits in, in
+  categories (Pallas, gemm, other fusions, copies, collectives); `pallas_kernels(dump)`:
+  each Pallas kernel's grid, threads, shared memory and, from `ptxas -v` on its PTX,
+  registers and spill bytes;
+* `largest_batch`: the most sequences per device whose step fits a card.
+
+Nothing here allocates device memory or runs a program; figures are XLA's plan.
+Without a GPU XLA does not autotune: its own gemm fusions get default tiles, so
+their registers are not the real card's; the Pallas kernels' tiles are ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+from nsa_jax import config
+from nsa_jax.config import Config, ModelConfig
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+INSTALL_HINT = 'pip install -e ".[cuda12]"'
+# jax's default GPU allocator takes this fraction of the card at start-up (XLA_PYTHON_CLIENT_MEM_FRACTION).
+DEFAULT_MEM_FRACTION = 0.75
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+# ---------------------------------------------------------------------------
+# target cards
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """One card, from its public specifications (the fields of XLA's GpuDeviceInfoProto)."""
+
+    name: str
+    description: str  # device_description_str: what jax reports as device_kind
+    compute_capability: tuple[int, int]
+    core_count: int  # SMs
+    fpus_per_core: int
+    shared_memory_per_block_optin: int
+    shared_memory_per_core: int
+    device_memory_size: int
+    memory_bandwidth: int  # bytes / s
+    l2_cache_size: int
+    clock_rate_ghz: float
+    shared_memory_per_block: int = 49152
+    threads_per_block_limit: int = 1024
+    threads_per_warp: int = 32
+    threads_per_core_limit: int = 2048
+    registers_per_core_limit: int = 65536
+    registers_per_block_limit: int = 65536
+
+    @property
+    def arch(self) -> str:
+        """ptxas -arch of the card (sm_90a: the Hopper instructions Triton emits)."""
+        major, minor = self.compute_capability
+        return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+    def usable_bytes(self, fraction: float | None = None) -> int:
+        """Device memory jax's allocator can hand out: `fraction` (default XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75)."""
+        if fraction is None:
+            fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+        return int(self.device_memory_size * fraction)
+
+    def config_text(self) -> str:
+        """The GpuTargetConfigProto in protobuf text form."""
+        major, minor = self.compute_capability
+        fields = {
+            k: getattr(self, k)
+            for k in (
+                "threads_per_block_limit",
+                "threads_per_warp",
+                "shared_memory_per_block",
+                "shared_memory_per_core",
+                "threads_per_core_limit",
+                "core_count",
+                "fpus_per_core",
+                "memory_bandwidth",
+                "l2_cache_size",
+                "clock_rate_ghz",
+                "device_memory_size",
+                "shared_memory_per_block_optin",
+                "registers_per_core_limit",
+                "registers_per_block_limit",
+            )
+        }
+        fields.update(block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535)
+        lines = ["gpu_device_info {"] + [f"  {k}: {v}" for k, v in fields.items()]
+        lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}"]
+        lines += [
+            'platform_name: "CUDA"',
+            "dnn_version_info { major: 9 minor: 8 }",
+            "runtime_version { major: 12 minor: 9 }",
+            f'device_description_str: "{self.description}"',
+        ]
+        return "\n".join(lines) + "\n"
+
+
+_A100 = dict(
+    compute_capability=(8, 0),
+    core_count=108,
+    fpus_per_core=64,
+    shared_memory_per_block_optin=166912,
+    shared_memory_per_core=167936,
+    l2_cache_size=41943040,
+    clock_rate_ghz=1.41,
+)
+TARGETS: dict[str, GpuTarget] = {
+    "a100-40": GpuTarget(
+        "a100-40", "NVIDIA A100-PCIE-40GB", device_memory_size=42331013120, memory_bandwidth=1555200000000, **_A100
+    ),
+    "a100-80": GpuTarget(
+        "a100-80", "NVIDIA A100 80GB PCIe", device_memory_size=85899345920, memory_bandwidth=1935000000000, **_A100
+    ),
+    "h100": GpuTarget(
+        "h100",
+        "NVIDIA H100 80GB HBM3",
+        compute_capability=(9, 0),
+        core_count=132,
+        fpus_per_core=128,
+        shared_memory_per_block_optin=232448,
+        shared_memory_per_core=233472,
+        device_memory_size=85520809984,
+        memory_bandwidth=3352320000000,
+        l2_cache_size=52428800,
+        clock_rate_ghz=1.98,
+    ),
+}
+
+
+class PluginMissing(RuntimeError):
+    """The CUDA plugin that compiles for a GPU target is not installed."""
+
+
+def get_target(name: str) -> GpuTarget:
+    if name not in TARGETS:
+        raise ValueError(f"unknown GPU target {name!r}; choose one of {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def cuda_plugin_available() -> bool:
+    """Whether jax's CUDA plugin (jax[cuda12]) is importable; it compiles for a card without one."""
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _topology(name: str, n_devices: int):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(
+        platform="cuda", target_config=get_target(name).config_text(), topology=f"1x1x{n_devices}"
+    )
+
+
+def target_devices(target: str | GpuTarget, n_devices: int = 1) -> list:
+    """`n_devices` devices of the card, to compile for (nothing runs on them)."""
+    name = target.name if isinstance(target, GpuTarget) else get_target(target).name
+    if not cuda_plugin_available():
+        raise PluginMissing(f"compiling for {name} needs jax's CUDA plugin, which is not installed: {INSTALL_HINT}")
+    try:
+        return list(_topology(name, n_devices).devices)
+    except Exception as e:  # a plugin that cannot load reads like a missing one to the user
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PluginMissing(f"jax's CUDA plugin could not describe {name} ({first}); reinstall: {INSTALL_HINT}") from e
+
+
+# ---------------------------------------------------------------------------
+# compiling
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+    """Pallas kernels lowered for the GPU even on a CPU host.
+
+    The layer asks `interpret_pallas()` (the host backend) whether to interpret its
+    kernels; a compile for a GPU target needs them compiled whatever the host is, so
+    every loaded project module's reference to it answers False meanwhile.
+    """
+    with contextlib.ExitStack() as stack:
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("nsa_jax") and callable(getattr(mod, "interpret_pallas", None)):
+                stack.enter_context(mock.patch.object(mod, "interpret_pallas", lambda: False))
+        yield
+
+
+def for_gpu(cfg: Config) -> Config:
+    """`cfg` with attention_impl as a GPU resolves it: `auto` runs the Pallas kernels there."""
+    from nsa_jax.kernels import resolve_impl
+
+    impl = cfg.model.nsa.attention_impl
+    return config.replace(cfg, [f"model.nsa.attention_impl={resolve_impl(impl, 'cuda')}"])
+
+
+def memory_stats(compiled) -> dict[str, int | None]:
+    """Compiled (static, buffer-assignment) memory of an executable, in bytes.
+
+    `total` = argument + output + temp - alias: what the executable needs at once
+    when donated inputs are reused for outputs. It is what XLA planned, not a
+    measured peak; None fields mean the backend does not report them.
+    """
+    m = compiled.memory_analysis()
+    if m is None:
+        return {k: None for k in ("argument", "output", "alias", "temp", "generated_code", "total")}
+    out = {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "generated_code": int(m.generated_code_size_in_bytes),
+    }
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+@dataclasses.dataclass
+class Compiled:
+    """A program compiled for a card: the executable, its memory plan, seconds and dump folder."""
+
+    target: str
+    executable: Any
+    memory: dict
+    lower_s: float
+    compile_s: float
+    dump_dir: str | None
+
+
+def _compile(target: str, fn: Callable, args, dump_dir: str | None, **jit_kwargs) -> Compiled:
+    options = {}
+    if dump_dir:
+        if Path(dump_dir).exists():
+            shutil.rmtree(dump_dir)  # one program per folder: the parsers read every module in it
+        options["xla_dump_to"] = str(dump_dir)
+    t0 = time.perf_counter()
+    with compiled_kernels():
+        lowered = (fn if hasattr(fn, "lower") else jax.jit(fn, **jit_kwargs)).lower(*args)
+        t1 = time.perf_counter()
+        executable = lowered.compile(compiler_options=options or None)
+    t2 = time.perf_counter()
+    return Compiled(target, executable, memory_stats(executable), t1 - t0, t2 - t1, dump_dir)
+
+
+def train_step_args(cfg: Config, devices: list):
+    """(jitted train step, abstract (state, tokens_AxBxT1)) of `cfg` on a data mesh of `devices`."""
+    from nsa_jax.train.step import make_mesh, make_plan, make_train_step
+
+    plan = make_plan(cfg, make_mesh(cfg, devices))
+    t = cfg.train
+    tokens_AxBxT1 = jax.ShapeDtypeStruct((t.accumulate, t.global_batch, t.seq_len + 1), jnp.int32, sharding=plan.batch)
+    return make_train_step(plan), (plan.abstract_state(), tokens_AxBxT1)
+
+
+def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str | None = None) -> Compiled:
+    """One optimizer step of `cfg` (its parallel.strategy, its batch) for `n_devices` cards; memory is per device."""
+    cfg = for_gpu(cfg)
+    step, args = train_step_args(cfg, target_devices(target, n_devices))
+    return _compile(target, step, args, dump_dir)
+
+
+def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, sharding=None):
+    """(fn, abstract (params, x, ct)): the NSA layer's forward and its VJP w.r.t. parameters and input."""
+    from nsa_jax.nsa.layer import NSAAttention
+
+    module = NSAAttention(cfg)
+    x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
+    params = jax.eval_shape(lambda xx: module.init(jax.random.PRNGKey(0), xx)["params"], x)
+    if sharding is not None:
+        params, x = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), (params, x))
+
+    def forward_backward(p, x_BxTxD, ct_BxTxD):
+        _, vjp = jax.vjp(lambda pp, xx: module.apply({"params": pp}, xx), p, x_BxTxD)
+        return vjp(ct_BxTxD)
+
+    return forward_backward, (params, x, x)
+
+
+def compile_layer(cfg: Config, target: str, seq_len: int, batch: int = 1, dump_dir: str | None = None) -> Compiled:
+    """The NSA layer's forward+backward of `cfg.model` at T=`seq_len` for one card."""
+    cfg = for_gpu(cfg)
+    device = target_devices(target, 1)[0]
+    fn, args = layer_forward_backward(cfg.model, seq_len, batch, jax.sharding.SingleDeviceSharding(device))
+    return _compile(target, fn, args, dump_dir)
+
+
+def largest_batch(fits: Callable[[int], tuple[bool, Any]], limit: int = 4096) -> tuple[int, dict[int, Any]]:
+    """The largest b in [1, limit] with fits(b) true, assuming fitting is monotone: doubling, then bisection.
+
+    `fits(b)` -> (bool, detail); returns (b or 0 when even 1 does not fit, {b: detail} of every probe).
+    """
+    probes: dict[int, Any] = {}
+
+    def probe(b: int) -> bool:
+        ok, probes[b] = fits(b)
+        return ok
+
+    if not probe(1):
+        return 0, probes
+    lo, hi = 1, None
+    while hi is None:
+        b = min(2 * lo, limit)
+        if b == lo:
+            return lo, probes
+        if probe(b):
+            lo = b
+        else:
+            hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+# ---------------------------------------------------------------------------
+# reading the dump: launches and loop trip counts
+
+_THUNK = re.compile(r"^(\s*)(\d+): (k\w+)\s+\[[^\]]*\]\s*(.*)$")
+_KERNEL = re.compile(
+    r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes"
+)
+_TRIP = re.compile(r'%([\w.\-]+) = .*"known_trip_count":\{"n":"(\d+)"\}')
+_TRITON_CALL = re.compile(r'%([\w.\-]+) = .*custom_call_target="__gpu\$xla\.gpu\.triton"')
+_META = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)')
+# Thunks that only order or group others.
+_STRUCTURAL = {"kWhile", "kSequential", "kConditional", "kCommandBuffer"}
+# Kernels (what XLA launches as kernels) by category, then the thunks that copy buffers without a kernel
+# of their own (memcpy, or a fusion addressed at a dynamic offset), then collectives.
+KERNEL_CATEGORIES = ("pallas", "gemm", "fusions", "copies")
+CATEGORIES = KERNEL_CATEGORIES + ("copy_thunks", "collectives")
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch site of the compiled program and how often one call of it runs there."""
+
+    thunk_id: int
+    kind: str  # XLA thunk kind: kCustomKernel (a kernel), kCopy, kDynamicSliceFusion, kAllReduce, ...
+    hlo: str  # the HLO instruction (thunk metadata)
+    kernel: str  # the kernel's name, or the HLO name for thunks that launch no named kernel
+    category: str  # one of CATEGORIES
+    count: int  # static 1 x the trip counts of the enclosing loops (a condition runs trips + 1 times)
+    loops: tuple[str, ...]  # enclosing while loops, outermost first
+    grid: tuple[int, int, int] | None = None
+    threads: tuple[int, int, int] | None = None
+    shared_memory: int | None = None
+
+
+def _module_prefixes(dump_dir: str) -> list[str]:
+    return sorted(p[: -len(".thunk_sequence.txt")] for p in glob.glob(os.path.join(dump_dir, "*.thunk_sequence.txt")))
+
+
+def _hlo_text(prefix: str) -> str:
+    files = glob.glob(prefix + ".sm_*_gpu_after_optimizations.txt")
+    return Path(files[0]).read_text() if files else ""
+
+
+def _category(kind: str, hlo: str, kernel: str, triton: set[str]) -> str:
+    if kind.startswith(("kAll", "kReduceScatter", "kCollective", "kNccl", "kSend", "kRecv")):
+        return "collectives"
+    if hlo in triton:
+        return "pallas"
+    if kind in ("kGemm", "kCublasLtMatmul", "kCuDnn") or kernel.startswith(("gemm_fusion", "cublas")):
+        return "gemm"
+    if kind in ("kCopy", "kMemcpy", "kDeviceToDevice", "kDynamicSliceFusion"):
+        return "copy_thunks"
+    if "dynamic_update_slice" in hlo or "dynamic_slice" in hlo:
+        return "copies"
+    if hlo.startswith("copy") or kernel.startswith(("wrapped_copy", "copy")):
+        return "copies"
+    return "fusions"
+
+
+def read_launches(dump_dir: str) -> list[Launch]:
+    """Every launch site of the program(s) dumped in `dump_dir`, with executions per call.
+
+    From `*.thunk_sequence.txt` (launches in order, while loops nested), the thunk
+    metadata (thunk id -> HLO instruction) and the optimized HLO (`known_trip_count`
+    of each loop, custom calls to Triton = the Pallas kernels). A loop whose trip
+    count XLA does not know counts once.
+    """
+    out = []
+    for prefix in _module_prefixes(dump_dir):
+        hlo_text = _hlo_text(prefix)
+        trips = {m.group(1): int(m.group(2)) for m in _TRIP.finditer(hlo_text)}
+        triton = set(_TRITON_CALL.findall(hlo_text))
+        meta_path = Path(prefix + ".thunk_metadata.txt")
+        meta = {}
+        if meta_path.exists():
+            meta = {int(i): name for name, i in _META.findall(meta_path.read_text())}
+        stack: list[list] = []  # [indent, loop hlo, trips, section]
+        for line in Path(prefix + ".thunk_sequence.txt").read_text().splitlines():
+            stripped = line.strip()
+            if stripped in ("condition:", "body:"):
+                if stack:
+                    stack[-1][3] = stripped[:-1]
+                continue
+            m = _THUNK.match(line)
+            if not m:
+                continue
+            indent, thunk_id, kind, rest = len(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+            while stack and indent <= stack[-1][0]:
+                stack.pop()
+            hlo = meta.get(thunk_id, "")
+            if kind == "kWhile":
+                stack.append([indent, hlo, trips.get(hlo, 1), "body"])
+                continue
+            if kind in _STRUCTURAL:
+                continue
+            count = 1
+            for _, _, n, section in stack:
+                count *= n + 1 if section == "condition" else n
+            k = _KERNEL.search(rest)
+            kernel = k.group(1) if k else (hlo or kind)
+            launch = Launch(
+                thunk_id, kind, hlo, kernel, _category(kind, hlo, kernel, triton), count, tuple(s[1] for s in stack)
+            )
+            if k:
+                launch.grid = tuple(int(x) for x in k.group(2, 3, 4))
+                launch.threads = tuple(int(x) for x in k.group(5, 6, 7))
+                launch.shared_memory = int(k.group(8))
+            out.append(launch)
+    return out
+
+
+def launch_counts(launches: list[Launch]) -> dict[str, int]:
+    """Executions per call by category; `kernels`: the kernel launches (KERNEL_CATEGORIES); `total`: every thunk."""
+    counts = {c: 0 for c in CATEGORIES}
+    for launch in launches:
+        counts[launch.category] += launch.count
+    counts["kernels"] = sum(counts[c] for c in KERNEL_CATEGORIES)
+    counts["total"] = sum(counts[c] for c in CATEGORIES)
+    return counts
+
+
+def loop_trip_counts(dump_dir: str) -> dict[str, int]:
+    """{while loop HLO name: known trip count} of the dumped program(s)."""
+    out = {}
+    for prefix in _module_prefixes(dump_dir):
+        out.update({m.group(1): int(m.group(2)) for m in _TRIP.finditer(_hlo_text(prefix))})
+    return out
+
+
+# ---------------------------------------------------------------------------
+# registers and spills
+
+_PTXAS_FUNC = re.compile(
+    r"Function properties for (\S+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads"
+)
+_PTXAS_USED = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'.*?Used (\d+) registers", re.S)
+_ENTRY = re.compile(r"\.entry (\w+)\(")
+_PTX_TARGET = re.compile(r"^\.target (\w+)", re.M)
+
+
+def ptxas_path() -> str | None:
+    """ptxas from the nvidia-cuda-nvcc wheel jax[cuda12] installs, else the one on PATH."""
+    try:
+        import nvidia.cuda_nvcc as nvcc
+
+        for base in list(getattr(nvcc, "__path__", [])):
+            candidate = os.path.join(base, "bin", "ptxas")
+            if os.access(candidate, os.X_OK):
+                return candidate
+    except ImportError:
+        pass
+    return shutil.which("ptxas")
+
+
+def ptx_entries(dump_dir: str) -> dict[str, str]:
+    """{kernel entry name: PTX file} of the dumped program(s)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
+        for name in _ENTRY.findall(Path(path).read_text()):
+            out.setdefault(name, path)
+    return out
+
+
+def ptxas_usage(ptx_path: str, arch: str | None = None) -> dict[str, dict]:
+    """{entry: registers, spill_stores, spill_loads, stack_frame, arch} from `ptxas -v` (arch: the PTX's .target)."""
+    text = Path(ptx_path).read_text()
+    if arch is None:
+        m = _PTX_TARGET.search(text)
+        arch = m.group(1) if m else "sm_80"
+    return {k: dict(v) for k, v in _ptxas_log(text, arch).items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _ptxas_log(ptx_text: str, arch: str) -> dict[str, dict]:
+    # Cached on the PTX itself: the same kernel compiled for two cards of one architecture is one ptxas run.
+    exe = ptxas_path()
+    if exe is None:
+        raise PluginMissing(f"ptxas not found (it comes with jax[cuda12]): {INSTALL_HINT}")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx_text)
+        f.flush()
+        res = subprocess.run([exe, f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"ptxas -arch={arch} failed: {res.stderr.strip()[:300]}")
+    log = res.stderr + res.stdout
+    out = {}
+    for name, stack, stores, loads in _PTXAS_FUNC.findall(log):
+        out[name] = dict(stack_frame=int(stack), spill_stores=int(stores), spill_loads=int(loads), arch=arch)
+    for name, used_arch, regs in _PTXAS_USED.findall(log):
+        out.setdefault(name, dict(arch=used_arch))["registers"] = int(regs)
+    return out
+
+
+def pallas_kernels(dump_dir: str, launches: list[Launch] | None = None) -> list[dict]:
+    """One row per Pallas kernel of the dumped program: grid, threads, shared memory, registers, spills, launches."""
+    launches = read_launches(dump_dir) if launches is None else launches
+    entries = ptx_entries(dump_dir)
+    rows: dict[str, dict] = {}
+    for launch in launches:
+        if launch.category != "pallas":
+            continue
+        row = rows.get(launch.kernel)
+        if row is None:
+            row = rows[launch.kernel] = dict(
+                name=launch.kernel,
+                grid=list(launch.grid or ()),
+                threads=launch.threads[0] if launch.threads else None,
+                shared_memory=launch.shared_memory,
+                launches=0,
+            )
+            if launch.kernel in entries:
+                row.update(ptxas_usage(entries[launch.kernel]).get(launch.kernel, {}))
+        row["launches"] += launch.count
+    return sorted(rows.values(), key=lambda r: r["name"])
+
+
+def occupancy_blocks(registers: int, threads: int, shared_memory: int, target: GpuTarget) -> int:
+    """Blocks of `threads` that fit one SM by registers (allocated per warp in units of 256) and shared memory."""
+    warps = -(-threads // target.threads_per_warp)
+    per_warp = -(-registers * target.threads_per_warp // 256) * 256
+    by_regs = target.registers_per_core_limit // max(per_warp * warps, 1)
+    by_threads = target.threads_per_core_limit // threads
+    by_smem = target.shared_memory_per_core // shared_memory if shared_memory else by_threads
+    return max(0, min(by_regs, by_threads, by_smem, 32))
