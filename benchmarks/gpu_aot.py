@@ -124,7 +124,7 @@ def print_report(results: dict, meta: dict) -> None:
     w = max(16, *(len(n) for n in names))
     print(
         f"config {meta['config']} ({meta['strategy']}, {meta['devices']} device(s), T={meta['seq_len']}, "
-        f"micro-batch {meta['global_batch']} x accumulate {meta['accumulate']}), bf16 = {meta['dtype']}, "
+        f"micro-batch {meta['global_batch']} x accumulate {meta['accumulate']}), {meta['dtype']}, "
         f"attention: Pallas kernels"
     )
     print(f"{'':<26}" + _cells(names, w))

@@ -1,4 +1,9 @@
-"""`python -m launch.info --config NAME [--set key=value ...]`: parameter counts and NSA cost."""
+"""`python -m launch.info --config NAME [--set key=value ...] [--target a100-40 [--devices N]]`.
+
+Parameter counts and NSA cost; with `--target`, whether the config's train step fits
+that card (compiled on this host for it: no GPU needed, only jax's CUDA plugin) and
+the largest micro-batch per device that does.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,45 @@ from nsa_jax.config import ConfigError, load_config
 from nsa_jax.info import describe
 
 
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def describe_fit(r: dict, cfg, description: str) -> str:
+    """The fit-check lines `launch.info --target` prints."""
+    from nsa_jax.aot import MiB
+
+    n, t = r["n_devices"], cfg.train
+    m = r["configured"]
+    lines = [
+        f"fit on {r['target']} ({description}), {n} device(s), strategy {cfg.parallel.strategy}, T={t.seq_len}, "
+        f"accumulate {t.accumulate}; jax may use {r['usable_bytes'] / MiB:,.0f} MiB of each card "
+        "(XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)",
+        f"  as configured: {r['configured_rows']} row(s) per device (train.global_batch={t.global_batch}): "
+        f"{m['total'] / MiB:,.0f} MiB per device (arguments {m['argument'] / MiB:,.0f}, temporaries "
+        f"{m['temp'] / MiB:,.0f}, outputs not aliased {(m['output'] - m['alias']) / MiB:,.0f}) -> "
+        + ("fits" if r["configured_fits"] else "does NOT fit"),
+    ]
+    b = r["largest_rows"]
+    if b:
+        lines.append(
+            f"  largest micro-batch that fits: {b} row(s) per device (train.global_batch={b * n}): "
+            f"{r['largest']['total'] / MiB:,.0f} MiB per device"
+        )
+    else:
+        lines.append("  not even 1 row per device fits: shorten train.seq_len, set model.remat=full, or shard (fsdp)")
+    lines.append("  compiled: " + ", ".join(f"{k} -> {v / MiB:,.0f} MiB" for k, v in r["probes"].items()))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.info", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m launch.info", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--target", default=None, help="GPU card to check the step against: a100-40, a100-80, h100")
+    parser.add_argument(
+        "--devices", type=int, default=None, help="cards on the data axis (default parallel.num_devices, else 1)"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -20,7 +60,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(describe(cfg))
-    return 0
+    if args.target is None:
+        return 0
+
+    from nsa_jax import aot
+
+    n = args.devices or cfg.parallel.num_devices or 1
+    try:
+        target = aot.get_target(args.target)
+        if n < 1:
+            raise ValueError(f"--devices {n} must be >= 1")
+        log(f"compiling the train step for {target.name} ...")
+        r = aot.fit_check(cfg, target.name, n, log=log)
+    except (aot.PluginMissing, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(describe_fit(r, cfg, target.description))
+    return 0 if r["configured_fits"] else 1
 
 
 if __name__ == "__main__":

@@ -314,10 +314,17 @@ def compile_layer(cfg: Config, target: str, seq_len: int, batch: int = 1, dump_d
     return _compile(target, fn, args, dump_dir)
 
 
-def largest_batch(fits: Callable[[int], tuple[bool, Any]], limit: int = 4096) -> tuple[int, dict[int, Any]]:
-    """The largest b in [1, limit] with fits(b) true, assuming fitting is monotone: doubling, then bisection.
+def largest_batch(
+    fits: Callable[[int], tuple[bool, Any]],
+    limit: int = 4096,
+    guess: Callable[[dict[int, Any]], int | None] | None = None,
+) -> tuple[int, dict[int, Any]]:
+    """The largest b in [1, limit] with fits(b) true, fitting being monotone in b.
 
-    `fits(b)` -> (bool, detail); returns (b or 0 when even 1 does not fit, {b: detail} of every probe).
+    `fits(b)` -> (bool, detail). Probes 1 and 2, then `guess(probes)` (e.g. an affine
+    extrapolation of the bytes; a right guess costs two more probes: it and the next),
+    then doubling and bisection between the proven bounds. Returns (b, or 0 when even
+    1 does not fit; {b: detail} of every probe).
     """
     probes: dict[int, Any] = {}
 
@@ -327,7 +334,19 @@ def largest_batch(fits: Callable[[int], tuple[bool, Any]], limit: int = 4096) ->
 
     if not probe(1):
         return 0, probes
-    lo, hi = 1, None
+    if limit < 2 or not probe(2):
+        return 1, probes
+    lo, hi = 2, None
+    g = guess(probes) if guess else None
+    if g is not None and lo < g <= limit:
+        if not probe(g):
+            hi = g
+        elif g == limit:
+            return g, probes
+        elif probe(g + 1):
+            lo = g + 1
+        else:
+            return g, probes
     while hi is None:
         b = min(2 * lo, limit)
         if b == lo:
@@ -343,6 +362,62 @@ def largest_batch(fits: Callable[[int], tuple[bool, Any]], limit: int = 4096) ->
         else:
             hi = mid
     return lo, probes
+
+
+def affine_guess(budget: int) -> Callable[[dict[int, dict]], int | None]:
+    """A largest_batch guess from probes whose detail is memory_stats: where the line through b=1, 2 meets `budget`."""
+
+    def guess(probes: dict[int, dict]) -> int | None:
+        per_row = probes[2]["total"] - probes[1]["total"]
+        if per_row <= 0:
+            return None
+        return 1 + (budget - probes[1]["total"]) // per_row
+
+    return guess
+
+
+def with_batch(cfg: Config, rows_per_device: int, n_devices: int) -> Config:
+    """`cfg` with train.global_batch = rows_per_device x n_devices (the micro-batch summed over the data axis)."""
+    return config.replace(cfg, [f"train.global_batch={rows_per_device * n_devices}"])
+
+
+def fit_check(cfg: Config, target: str, n_devices: int, limit: int = 4096, log: Callable | None = None) -> dict:
+    """Whether `cfg`'s step fits `target`, and the most rows per device (micro-batch) that do.
+
+    Compiles the step at the configured batch, then searches the rows per device
+    (largest_batch: 1, 2, an affine guess, doubling, bisection). Fitting means the
+    step's total (argument + output + temp - alias) within jax's share of the card.
+    """
+    from nsa_jax.train.strategies import per_device_batch
+
+    usable = get_target(target).usable_bytes()
+    memo: dict[int, dict] = {}
+
+    def memory(b: int) -> dict:
+        if b not in memo:
+            memo[b] = compile_train_step(with_batch(cfg, b, n_devices), target, n_devices).memory
+            if log:
+                log(f"  {b} row(s) per device: {memo[b]['total'] / MiB:.0f} MiB")
+        return memo[b]
+
+    def fits(b: int) -> tuple[bool, dict]:
+        mem = memory(b)
+        return mem["total"] <= usable, mem
+
+    configured = per_device_batch(cfg, n_devices)
+    mem = memory(configured)
+    largest, _ = largest_batch(fits, limit, affine_guess(usable))
+    return {
+        "target": target,
+        "n_devices": n_devices,
+        "usable_bytes": usable,
+        "configured_rows": configured,
+        "configured": mem,
+        "configured_fits": mem["total"] <= usable,
+        "largest_rows": largest,
+        "largest": memo.get(largest),
+        "probes": {b: m["total"] for b, m in sorted(memo.items())},
+    }
 
 
 # ---------------------------------------------------------------------------
