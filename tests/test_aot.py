@@ -1,0 +1,236 @@
+"""nsa_jax/aot.py: the GPU program compiled on a CPU host for A100 (sm_80) and H100 (sm_90).
+
+Two tiers. The dump readers, the batch search and the fit check's missing-plugin
+line run everywhere. The tests marked `aot` compile for the cards and need jax's
+CUDA plugin (pip install -e ".[cuda12]"); they are skipped, with that reason, without
+it. They fail when a Pallas kernel stops compiling for sm_80 or sm_90 at the
+production shapes, when a kernel spills, when the a100_pcie step no longer fits an
+A100 40GB, or when the layer's forward+backward at T=65536 needs more than 1 GiB
+of temporaries. Each layer compile serves its tests once per process (lru_cache).
+A spill or a size listed under KNOWN_* below (today's figures) xfails naming it; a new
+one, or a larger one, fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import textwrap
+
+import pytest
+
+from launch import info as info_cli
+from nsa_jax import aot
+from nsa_jax.config import load_config
+
+needs_plugin = pytest.mark.skipif(
+    not aot.cuda_plugin_available(), reason=f"jax's CUDA plugin is not installed ({aot.INSTALL_HINT})"
+)
+
+# The production layer (a100_pcie: 12 heads over 2 KV heads, head dim 64, l=32 d=16 lp=64 n=16 w=512) at the
+# runbook's T, the selection kernels' switch-over region, long context, and a T no tile divides.
+PRODUCTION_T = (2048, 8192, 65536, 3000)
+CARDS = ("a100-40", "h100")  # sm_80 and sm_90; the A100 80GB compiles the same kernels as the 40GB
+# Spills ptxas reports today, per (card, kernel): a kernel listed here may spill up to this many bytes
+# (stores + loads) and the test xfails naming it; any other spill, or a larger one, fails.
+# Measured with `python -m benchmarks.gpu_aot` and these tests (docs/PERFORMANCE.md): the fused block scoring +
+# top-n kernel sits at the 255-register cap and spills, on an A100 from T=8192 (2,052 B stored + 2,892 B loaded at
+# T >= 32768; 496 B at the ragged T) and on an H100 at every T (48-124 B; 1,104 B at the ragged T).
+KNOWN_SPILLS: dict[tuple[str, str], int] = {("a100-40", "nsa_block_select"): 4944, ("h100", "nsa_block_select"): 1104}
+LAYER_TEMP_LIMIT = 1 << 30
+# The layer's forward+backward at T=65536 needs 1,116,574,544 B (1,065 MiB) of temporaries today: up to this
+# figure the limit test xfails naming it; more fails.
+KNOWN_LAYER_TEMP = 1116574544
+
+
+# ---------------------------------------------------------------------------
+# dump readers and search: no plugin needed
+
+
+def write_dump(tmp_path):
+    """A dumped program: 2 launches before a loop of 3 trips whose body holds a loop of 4 trips."""
+    prefix = tmp_path / "module_0001.jit_f"
+    (tmp_path / "module_0001.jit_f.thunk_sequence.txt").write_text(
+        textwrap.dedent(
+            """\
+            001: kCustomKernel [source | next=002 (1) ] gemm_fusion_dot grid: [10, 1, 1] threads: [64, 1, 1]  shared_memory: 6144 bytes
+            002: kCopy         [prev=001 (1)  | next=003 (1) ] kCopy
+            003: kWhile        [prev=002 (1)  | sink ]
+            condition:
+                004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+              body:
+                005: kCustomKernel [source | next=006 (1) ] my_kernel grid: [192, 1, 2] threads: [128, 1, 1]  shared_memory: 24576 bytes
+                006: kWhile        [prev=005 (1)  | sink ]
+            condition:
+                    007: kCustomKernel [source | sink] loop_compare_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+                  body:
+                    008: kCustomKernel [source | next=009 (1) ] loop_dynamic_update_slice_fusion grid: [16, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+                    009: kDynamicSliceFusion [prev=008 (1) | sink ] params=1, results=1
+                010: kCustomKernel [prev=006 (1) | sink ] loop_add_fusion grid: [4, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+            011: kAllReduce    [prev=003 (1)  | sink ] kAllReduce
+            """  # noqa: E501
+        )
+    )
+    names = {
+        1: "gemm_fusion_dot",
+        2: "copy.1",
+        3: "while.1",
+        4: "loop_compare_fusion",
+        5: "pallas_call.3",
+        6: "while.2",
+        7: "loop_compare_fusion.1",
+        8: "loop_dynamic_update_slice_fusion",
+        9: "loop_dynamic_slice_fusion.2",
+        10: "loop_add_fusion",
+        11: "all-reduce-start",
+    }
+    meta = "".join(
+        f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n    thunk_id: {i}\n  }}\n}}\n'
+        for i, n in names.items()
+    )
+    (tmp_path / "module_0001.jit_f.thunk_metadata.txt").write_text(meta)
+    (tmp_path / "module_0001.jit_f.sm_8.0_gpu_after_optimizations.txt").write_text(
+        '  %while.1 = (s32[]) while(%t), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"3"}}\n'
+        '  %while.2 = (s32[]) while(%u), condition=%c2, body=%b2, backend_config={"known_trip_count":{"n":"4"}}\n'
+        '  %pallas_call.3 = f32[8]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"\n'
+    )
+    return prefix
+
+
+def test_read_launches_multiplies_by_loop_trip_counts(tmp_path):
+    write_dump(tmp_path)
+    launches = {x.thunk_id: x for x in aot.read_launches(str(tmp_path))}
+    assert set(launches) == {1, 2, 4, 5, 7, 8, 9, 10, 11}  # loops themselves launch nothing
+    # outside: once; the outer condition runs trips + 1 = 4 times, its body 3; the inner body 3 x 4.
+    assert [launches[i].count for i in (1, 2, 4, 5, 7, 8, 9, 10, 11)] == [1, 1, 4, 3, 3 * 5, 12, 12, 3, 1]
+    assert launches[8].loops == ("while.1", "while.2") and launches[10].loops == ("while.1",)
+    assert launches[5].grid == (192, 1, 2) and launches[5].threads == (128, 1, 1)
+    assert launches[5].shared_memory == 24576
+    cats = {i: launches[i].category for i in launches}
+    assert cats == {
+        1: "gemm",
+        2: "copy_thunks",
+        4: "fusions",
+        5: "pallas",
+        7: "fusions",
+        8: "copies",
+        9: "copy_thunks",
+        10: "fusions",
+        11: "collectives",
+    }
+    counts = aot.launch_counts(list(launches.values()))
+    assert counts["pallas"] == 3 and counts["gemm"] == 1 and counts["copies"] == 12
+    assert counts["fusions"] == 4 + 15 + 3 and counts["copy_thunks"] == 13 and counts["collectives"] == 1
+    assert counts["kernels"] == 3 + 1 + 12 + 22 and counts["total"] == counts["kernels"] + 14
+    assert aot.loop_trip_counts(str(tmp_path)) == {"while.1": 3, "while.2": 4}
+
+
+@pytest.mark.parametrize("largest", [0, 1, 2, 3, 7, 11, 64, 100])
+@pytest.mark.parametrize("guess", [None, 5, 11, 12, 90])
+def test_largest_batch_finds_the_boundary(largest, guess):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= largest, b
+
+    found, probes = aot.largest_batch(fits, limit=100, guess=(lambda p: guess) if guess else None)
+    assert found == largest
+    assert sorted(probes) == sorted(set(calls)) and len(calls) == len(set(calls))
+    assert len(calls) <= 2 + 2 + 2 * 7  # 1, 2, guess and next, doubling and bisection over 100
+
+
+def test_largest_batch_right_guess_costs_two_compiles():
+    calls = []
+    mem = {b: 1000 + 300 * b for b in range(1, 100)}
+
+    def fits(b):
+        calls.append(b)
+        return mem[b] <= 4000, {"total": mem[b]}
+
+    found, _ = aot.largest_batch(fits, limit=99, guess=aot.affine_guess(4000))
+    assert found == 10 and calls == [1, 2, 10, 11]
+
+
+def test_target_config_text_states_the_card():
+    text = aot.TARGETS["h100"].config_text()
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in text
+    assert "shared_memory_per_block_optin: 232448" in text and "core_count: 132" in text
+    assert aot.TARGETS["a100-40"].arch == "sm_80" and aot.TARGETS["h100"].arch == "sm_90a"
+    assert aot.TARGETS["a100-40"].usable_bytes(0.5) == 42331013120 // 2
+
+
+def test_occupancy_by_registers():
+    a100 = aot.TARGETS["a100-40"]
+    # 128 threads = 4 warps; 255 registers -> 8192 per warp, 32768 per block: 2 blocks of 65536.
+    assert aot.occupancy_blocks(255, 128, 0, a100) == 2
+    assert aot.occupancy_blocks(128, 128, 0, a100) == 4
+    assert aot.occupancy_blocks(64, 128, 90112, a100) == 1  # shared memory binds first
+
+
+def test_fit_check_without_plugin_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(aot, "cuda_plugin_available", lambda: False)
+    assert info_cli.main(["--config", "a100_pcie", "--target", "a100-40"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and 'pip install -e ".[cuda12]"' in err[0]
+
+
+def test_fit_check_unknown_target(capsys):
+    assert info_cli.main(["--config", "a100_pcie", "--target", "v100"]) == 2
+    assert "unknown GPU target 'v100'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# compiled for the cards: the `aot` tier
+
+
+@functools.lru_cache(maxsize=None)
+def layer_compile(card: str, seq_len: int, dump_root: str) -> dict:
+    cfg = load_config("a100_pcie")
+    dump = f"{dump_root}/{card}_{seq_len}"
+    c = aot.compile_layer(cfg, card, seq_len, dump_dir=dump)
+    return {"memory": c.memory, "kernels": aot.pallas_kernels(dump)}
+
+
+@pytest.fixture(scope="module")
+def dump_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("aot"))
+
+
+def aot_case(card, T):
+    marks = [pytest.mark.aot, pytest.mark.slow, needs_plugin]
+    return pytest.param(card, T, marks=marks, id=f"{card}-T{T}")
+
+
+@pytest.mark.parametrize("card,T", [aot_case(c, T) for c in CARDS for T in PRODUCTION_T])
+def test_pallas_kernels_compile_without_spills(card, T, dump_root):
+    r = layer_compile(card, T, dump_root)  # raises when a kernel does not compile (e.g. shared memory)
+    names = {k["name"] for k in r["kernels"]}
+    # Every branch runs a kernel forward and backward: compression, block selection, selection, window.
+    for stem in ("nsa_cmp_", "nsa_block_select", "nsa_selection", "nsa_window_"):
+        assert any(n.startswith(stem) for n in names), f"no {stem}* kernel compiled among {sorted(names)}"
+    assert all("registers" in k for k in r["kernels"]), "ptxas reported no registers for a kernel"
+    spills = {k["name"]: k["spill_stores"] + k["spill_loads"] for k in r["kernels"] if k["spill_stores"]}
+    known = {n: b for n, b in spills.items() if b <= KNOWN_SPILLS.get((card, n), -1)}
+    if spills and spills == known:
+        pytest.xfail(f"known spills on {card} at T={T} (bytes stored + loaded): {spills}")
+    assert not spills, f"kernels spill on {card} at T={T} (bytes stored + loaded): {spills}"
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+def test_layer_temporaries_at_64k_within_1gib(dump_root):
+    temp = layer_compile("a100-40", 65536, dump_root)["memory"]["temp"]
+    if LAYER_TEMP_LIMIT < temp <= KNOWN_LAYER_TEMP:
+        pytest.xfail(f"known: layer fwd+bwd at T=65536 needs {temp / aot.MiB:.0f} MiB of temporaries (limit 1024)")
+    assert temp <= LAYER_TEMP_LIMIT, f"layer fwd+bwd at T=65536 needs {temp / aot.MiB:.0f} MiB of temporaries"
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+def test_a100_pcie_step_fits_a100_40gb():
+    cfg = load_config("a100_pcie")
+    c = aot.compile_train_step(cfg, "a100-40", 2)
+    usable = aot.TARGETS["a100-40"].usable_bytes(aot.DEFAULT_MEM_FRACTION)
+    assert 0 < c.memory["total"] <= usable, f"{c.memory['total'] / aot.MiB:.0f} MiB per device"
