@@ -50,7 +50,7 @@ def measure_step(cfg, target: str, n_devices: int, dump_dir: str) -> dict:
         "compile_s": c.lower_s + c.compile_s,
         "launches": aot.launch_counts(launches),
         "loop_trip_counts": aot.loop_trip_counts(dump_dir),
-        "kernels": aot.pallas_kernels(dump_dir, launches),
+        "kernels": with_occupancy(aot.pallas_kernels(dump_dir, launches), target),
     }
 
 
@@ -69,8 +69,17 @@ def measure_layer(cfg, target: str, seq_len: int, dump_dir: str) -> dict:
         "fits": c.memory["total"] <= usable,
         "compile_s": c.lower_s + c.compile_s,
         "launches": aot.launch_counts(launches),
-        "kernels": aot.pallas_kernels(dump_dir, launches),
+        "kernels": with_occupancy(aot.pallas_kernels(dump_dir, launches), target),
     }
+
+
+def with_occupancy(rows: list[dict], target: str) -> list[dict]:
+    """Kernel rows with `blocks_per_sm`: blocks one SM holds at once by registers, threads and shared memory."""
+    t = aot.get_target(target)
+    for k in rows:
+        if "registers" in k and k.get("threads"):
+            k["blocks_per_sm"] = aot.occupancy_blocks(k["registers"], k["threads"], k["shared_memory"] or 0, t)
+    return rows
 
 
 def measure(opts, cfg, seq_lens: list[int], dump_root: str) -> dict:
@@ -163,24 +172,25 @@ def print_report(results: dict, meta: dict) -> None:
                     print(f"  {n} T={layer['seq_len']}: {layer['error']}")
 
     print(
-        "\nPallas kernels: grid, threads, shared memory (first card); registers / spill bytes (stores+loads) per card"
+        "\nPallas kernels: grid and threads per block (first card); per card: registers, spill bytes (stores + "
+        "loads), shared memory per block (KiB), blocks per SM (by registers, threads and shared memory)"
     )
     rows0 = kernel_rows(results[names[0]])
     by_key = {n: {(p, k["name"]): k for p, k in kernel_rows(results[n])} for n in names}
-    header = f"  {'program':<8} {'kernel':<28} {'grid':>14} {'thr':>4} {'smem B':>7} "
-    print(header + _cells(names, w))
+    print(f"  {'program':<8} {'kernel':<28} {'grid':>14} {'thr':>4} " + _cells(names, w))
+    print(f"  {'':<8} {'':<28} {'':>14} {'':>4} " + _cells([f"{'reg':>3} {'spill':>5} {'smem':>4} b"] * len(names), w))
     for program, k in rows0:
         cells = []
         for n in names:
-            other = by_key[n].get((program, k["name"]))
-            if other is None or "registers" not in other:
+            o = by_key[n].get((program, k["name"]))
+            if o is None or "registers" not in o:
                 cells.append("-")
             else:
-                cells.append(f"{other['registers']} / {other.get('spill_stores', 0) + other.get('spill_loads', 0)}")
+                spill = o.get("spill_stores", 0) + o.get("spill_loads", 0)
+                smem = f"{(o['shared_memory'] or 0) / 1024:.0f}K"
+                cells.append(f"{o['registers']:>3} {spill:>5} {smem:>4} {o.get('blocks_per_sm', '-')}")
         grid = "x".join(map(str, k["grid"]))
-        print(
-            f"  {program:<8} {k['name']:<28} {grid:>14} {k['threads']:>4} {k['shared_memory']:>7} " + _cells(cells, w)
-        )
+        print(f"  {program:<8} {k['name']:<28} {grid:>14} {k['threads']:>4} " + _cells(cells, w))
     print()
     for n in names:
         wst = results[n].get("worst") or {}

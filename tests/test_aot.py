@@ -18,6 +18,7 @@ import textwrap
 
 import pytest
 
+from benchmarks import gpu_aot
 from launch import info as info_cli
 from nsa_jax import aot
 from nsa_jax.config import load_config
@@ -172,6 +173,47 @@ def test_fit_check_without_plugin_says_how_to_install(monkeypatch, capsys):
     assert info_cli.main(["--config", "a100_pcie", "--target", "a100-40"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and 'pip install -e ".[cuda12]"' in err[0]
+
+
+def test_gpu_aot_without_plugin_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(aot, "cuda_plugin_available", lambda: False)
+    assert gpu_aot.main(["--target", "h100", "--seq-lens", "2k"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and 'pip install -e ".[cuda12]"' in err[-1]
+
+
+def test_gpu_aot_prints_cards_side_by_side(capsys):
+    def kernel(regs, spill, smem):
+        return dict(
+            name="nsa_k",
+            grid=[8, 1, 2],
+            threads=128,
+            shared_memory=smem,
+            registers=regs,
+            spill_stores=spill,
+            spill_loads=spill,
+            launches=24,
+        )
+
+    def card(name, regs, spill, smem):
+        mem = dict(argument=900 * aot.MiB, output=900 * aot.MiB, alias=900 * aot.MiB, temp=2000 * aot.MiB)
+        mem["total"] = 2900 * aot.MiB
+        launches = dict.fromkeys((*aot.CATEGORIES, "kernels", "total"), 7)
+        step = dict(memory=mem, usable_bytes=30000 * aot.MiB, fits=True, launches=launches, kernels=[])
+        step["loop_trip_counts"] = {"while.1": 12}
+        layer = [dict(seq_len=2048, memory=dict(mem, temp=34 * aot.MiB, total=57 * aot.MiB), kernels=[])]
+        layer[0]["kernels"] = gpu_aot.with_occupancy([kernel(regs, spill, smem)], name)
+        r = dict(target=name, device=aot.TARGETS[name].description, arch=aot.TARGETS[name].arch, step=step, layer=layer)
+        r["worst"] = gpu_aot.worst(r)
+        return r
+
+    meta = dict(config="a100_pcie", strategy="dp", devices=2, seq_len=2048, global_batch=2, accumulate=2, dtype="bf16")
+    gpu_aot.print_report({"a100-40": card("a100-40", 255, 10, 90112), "h100": card("h100", 128, 0, 40960)}, meta)
+    out = capsys.readouterr().out
+    assert "sm_80" in out and "sm_90a" in out
+    # registers, spill bytes (stores + loads), shared memory, blocks per SM: each card its own
+    assert "255    20  88K 1" in out and "128     0  40K 4" in out
+    assert "34 / 57" in out and "a100-40: most registers 255 (nsa_k (T=2048)); most spills 10 B stores" in out
 
 
 def test_fit_check_unknown_target(capsys):
