@@ -32,7 +32,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import jax
@@ -40,21 +39,15 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks.common import fmt, fmt_mib, log, memory_stats, parse_ints, print_header, short_error, write_json
+from nsa_jax.aot import train_step_args
 from nsa_jax.config import Config, load_config
 from nsa_jax.kernels import describe_impl
 from nsa_jax.model import NSALM, cross_entropy, init_params
-from nsa_jax.train.state import init_state
-from nsa_jax.train.step import make_mesh, make_train_step
 
 
 def project_step(cfg: Config, n_devices: int):
-    """(jitted step, abstract args) from nsa_jax.train."""
-    mesh = make_mesh(cfg, jax.devices()[:n_devices])
-    step = make_train_step(cfg, mesh)
-    state = jax.eval_shape(functools.partial(init_state, cfg), jax.random.PRNGKey(0))
-    t = cfg.train
-    tokens_AxBxT1 = jax.ShapeDtypeStruct((t.accumulate, t.global_batch, t.seq_len + 1), jnp.int32)
-    return step, (state, tokens_AxBxT1)
+    """(jitted step, abstract args) from nsa_jax.train, on the first `n_devices` local devices."""
+    return train_step_args(cfg, jax.devices()[:n_devices])
 
 
 def minimal_step(cfg: Config):
