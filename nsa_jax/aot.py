@@ -15,10 +15,12 @@ through Triton and ptxas to cubins. This module owns that route:
   optional XLA dump; `memory_stats` of the result;
 * `read_launches(dump)`: every launch of the compiled program from the dump's thunk
   sequence, multiplied by the trip counts of the while loops it sits in, in
-  categories (Pallas, gemm, other fusions, copies, collectives); `pallas_kernels(dump)`:
-  each Pallas kernel's grid, threads, shared memory and, from `ptxas -v` on its PTX,
-  registers and spill bytes;
-* `largest_batch`: the most sequences per device whose step fits a card.
+  categories (Pallas kernels, gemm fusions, other fusions, copy kernels, then copy
+  thunks and collectives); `pallas_kernels(dump)`: each Pallas kernel's grid,
+  threads, shared memory and, from `ptxas -v` on its PTX, registers and spill bytes;
+  `occupancy_blocks`: the blocks per SM those allow;
+* `fit_check` (`largest_batch` over compiles): whether a config's step fits a card
+  and the most rows per device (micro-batch) that do.
 
 Nothing here allocates device memory or runs a program; figures are XLA's plan.
 Without a GPU XLA does not autotune: its own gemm fusions get default tiles, so
