@@ -101,6 +101,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax import runfiles as rf
 from nsa_jax.config import Config, ConfigError
+from nsa_jax.data import FILE_DATASETS
 from nsa_jax.resume import (  # noqa: F401 - the checkpoint directory API, re-exported
     DATA_POSITION_KEYS,
     NUMERICS_ONLY,
@@ -570,12 +571,24 @@ class Checkpointer:
             return data["global"].get("train"), data["global"].get("val")
         saved_pc, pc = int(data["process_count"]), jax.process_count()
         if saved_pc != pc:
+            dataset = self.cfg.data.dataset
+            file_stream = dataset in FILE_DATASETS
+            why = (
+                f"{dataset} streams read a shard of the files per process"
+                if file_stream
+                else "the checkpoint predates global positions"
+            )
+            elastic = (
+                "; for runs that change their process count, prepare the files once with "
+                "`python -m launch.prepare_data` and train with `--dataset tokenized`, whose position is global"
+                if file_stream
+                else ""
+            )
             raise CheckpointError(
                 f"checkpoint step {step} was saved by {saved_pc} process(es) and this run has {pc}, and its data "
-                f"position is one per process ({self.cfg.data.dataset} streams read a shard of the files per process, "
-                "or the checkpoint predates global positions); resume with "
-                f"{saved_pc} process(es), or set checkpoint.restore_data=false to restore weights, optimizer and step "
-                "and restart the data stream from its beginning"
+                f"position is one per process ({why}); resume with {saved_pc} process(es), or set "
+                "checkpoint.restore_data=false to restore weights, optimizer and step and restart the data stream "
+                f"from its beginning{elastic}"
             )
         mine = data["processes"][jax.process_index()]
         train = mine.get("train")

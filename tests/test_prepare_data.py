@@ -240,7 +240,7 @@ def test_output_inside_input_is_not_read_back(tmp_path):
 # the tokenized dataset
 
 
-def test_two_processes_cover_every_train_token_once_per_epoch(prepared, monkeypatch):
+def test_processes_read_one_global_stream_that_covers_every_train_token_once_per_epoch(prepared, monkeypatch):
     docs, out = prepared
     monkeypatch.setattr(tokenized, "CHUNK_TOKENS", 64)  # many chunks of a few documents
     train = [d for d in docs if sources.in_split(d, "train", 0.25)]
@@ -251,25 +251,33 @@ def test_two_processes_cover_every_train_token_once_per_epoch(prepared, monkeypa
             if s["split"] == "train"
         ]
     )
-    got_docs, got_tokens = [], []
-    for p in range(2):
-        ds = make_dataset(tok_cfg(out), process_index=p, process_count=2)
-        assert ds.n_chunks > 8
-        first = next(ds)
-        assert first.shape == (2, 16) and first.dtype == np.int32
-        # One epoch of a process = the first epoch_tokens tokens of its stream (the tail
-        # that does not fill a row continues into the next epoch's first row).
-        two = flat_stream(make_dataset(tok_cfg(out), process_index=p, process_count=2), 2 * ds.epoch_tokens)
-        np.testing.assert_array_equal(two[: first.size], first.reshape(-1))
-        epoch = two[: ds.epoch_tokens]
-        assert epoch[-1] == BYTE.eos_id
-        got_tokens.append(epoch)
-        got_docs.append(collections.Counter(split_docs(epoch)))
-        second = split_docs(two[ds.epoch_tokens :])
-        assert collections.Counter(second) == got_docs[-1] and second != split_docs(epoch)  # new order
-    assert not set(got_docs[0]) & set(got_docs[1])
-    assert got_docs[0] + got_docs[1] == collections.Counter(train)
-    np.testing.assert_array_equal(np.sort(np.concatenate(got_tokens)), np.sort(all_tokens))
+    P, L = 2, 16
+    procs = [make_dataset(tok_cfg(out), process_index=p, process_count=P) for p in range(P)]
+    E = procs[0].epoch_tokens
+    assert procs[0].n_chunks > 8 and E == len(all_tokens)
+    # Micro-batch m is global rows [4m, 4m + 4): process p reads rows 4m + 2p, 4m + 2p + 1.
+    # Two epochs and a row, every process's rows in micro-batch then process order:
+    n_micro = 2 * E // (4 * L) + 1
+    parts = []
+    for _ in range(n_micro):
+        for ds in procs:
+            b = next(ds)
+            assert b.shape == (2, L) and b.dtype == np.int32
+            parts.append(b.reshape(-1))
+    flat = np.concatenate(parts)
+    # The one-process stream is the same rows: the rows of a step do not depend on the layout.
+    np.testing.assert_array_equal(flat_stream(make_dataset(tok_cfg(out)), len(flat)), flat)
+    # One epoch = the first epoch_tokens tokens: every train token once, every document once;
+    # the tail that does not fill a row continues into the next epoch, in a new order.
+    epoch, second = flat[:E], flat[E : 2 * E]
+    np.testing.assert_array_equal(np.sort(epoch), np.sort(all_tokens))
+    assert epoch[-1] == BYTE.eos_id
+    assert collections.Counter(split_docs(epoch)) == collections.Counter(train)
+    assert collections.Counter(split_docs(second)) == collections.Counter(train)
+    assert split_docs(second) != split_docs(epoch)
+    # The state is the global row count, the same on every process.
+    states = [ds.get_state() for ds in procs]
+    assert states[0] == states[1] and states[0]["rows"] == 4 * n_micro
 
 
 def test_deterministic_and_seeded(prepared):
@@ -290,26 +298,68 @@ def test_val_split_is_disjoint_from_train(prepared):
     assert not set(got) & set(shard_docs(out, "train"))
 
 
-@pytest.mark.parametrize("workers,prefetch", [(0, 0), (2, 2)])
-def test_state_round_trip_mid_epoch(prepared, monkeypatch, workers, prefetch):
+def test_state_round_trip_mid_epoch_and_on_another_process_count(prepared, monkeypatch):
     _, out = prepared
     monkeypatch.setattr(tokenized, "CHUNK_TOKENS", 64)
-    cfg = tok_cfg(out, f"data.workers={workers}", f"data.prefetch={prefetch}")
+    cfg = tok_cfg(out)
     a = make_dataset(cfg)
     for _ in range(5):
         next(a)
     state = json.loads(json.dumps(a.get_state()))
-    assert state["kind"] == "tokenized"
+    assert state["kind"] == "tokenized" and state["rows"] == 20 and set(state) == {
+        "kind",
+        "split",
+        "rows",
+        "block_rows",
+        "chunks",
+    }
     expected = [next(a) for _ in range(40)]  # crosses chunk and epoch boundaries
     b = make_dataset(cfg)
     next(b)
     b.set_state(state)
     for x in expected:
         np.testing.assert_array_equal(next(b), x)
-    with pytest.raises(ValueError, match="process count"):
-        make_dataset(tok_cfg(out, "train.global_batch=8"), process_index=0, process_count=2).set_state(state)
-    for ds in (a, b):
-        ds.close()
+    # Saved by one process, resumed by two: each reads its half of the same rows.
+    halves = [make_dataset(cfg, process_index=p, process_count=2) for p in range(2)]
+    for h in halves:
+        h.set_state(state)
+    for x in expected[:10]:
+        np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), x)
+    with pytest.raises(ValueError, match="rows per optimizer step"):
+        make_dataset(tok_cfg(out, "train.global_batch=8")).set_state(state)
+    with pytest.raises(ValueError, match="different corpus"):
+        make_dataset(cfg).set_state({**state, "chunks": "0" * 16})
+
+
+@pytest.mark.parametrize("workers,prefetch", [(0, 0), (2, 2)])
+def test_per_process_state_from_before_global_positions_resumes(prepared, monkeypatch, workers, prefetch):
+    # A checkpoint written before global positions holds the grain state of each process's own
+    # stream; it resumes that stream exactly, with its process count, and keeps it.
+    _, out = prepared
+    monkeypatch.setattr(tokenized, "CHUNK_TOKENS", 64)
+    cfg = tok_cfg(out, f"data.workers={workers}", f"data.prefetch={prefetch}")
+    old = tokenized.PerProcessTokenized(make_dataset(cfg, process_index=1, process_count=2))
+    for _ in range(5):
+        next(old)
+    state = json.loads(json.dumps(old.get_state()))
+    assert state["process_index"] == 1 and state["process_count"] == 2 and "iterator" in state
+    expected = [next(old) for _ in range(40)]
+    ds = make_dataset(cfg, process_index=1, process_count=2)
+    ds.set_state(state)
+    for x in expected[:20]:
+        np.testing.assert_array_equal(next(ds), x)
+    again = json.loads(json.dumps(ds.get_state()))
+    assert "iterator" in again and "rows" not in again  # saved per process again
+    fresh = make_dataset(cfg, process_index=1, process_count=2)
+    fresh.set_state(again)
+    for x in expected[20:]:
+        np.testing.assert_array_equal(next(fresh), x)
+    with pytest.raises(ValueError, match="process_index"):
+        make_dataset(cfg, process_index=0, process_count=2).set_state(state)
+    with pytest.raises(ValueError, match="number of processes"):
+        make_dataset(tok_cfg(out, "train.global_batch=2")).set_state({**state, "process_index": 0})
+    for s in (old, ds, fresh):
+        s.close()
 
 
 def test_tokenized_checks_vocab_tokenizer_version_and_shards(prepared, tmp_path):

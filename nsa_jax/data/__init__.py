@@ -86,7 +86,7 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
         from nsa_jax.data.tokenized import TokenizedDataset
 
         return TokenizedDataset.from_config(
-            cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
+            cfg, batch=cfg.train.global_batch, split=split, process_index=process_index, process_count=process_count
         )
     raise ValueError(
         f"data.dataset is {kind!r}; use one of synthetic, kv_recall, {', '.join(FILE_DATASETS)}, tokenized"

@@ -1,21 +1,30 @@
 """The `tokenized` dataset: batches packed from a folder written by `python -m launch.prepare_data`.
 
-Owns `TokenizedDataset`, the batch stream of one process over the shards of one split
-(format: nsa_jax/data/shards.py). Each shard is cut into chunks of whole documents of
-about CHUNK_TOKENS tokens, the unit that is sharded over processes and shuffled, and
-the chunks go through the same grain stages as the file pipeline
-(pipeline.packed_batches):
+Owns `TokenizedDataset`, the batch stream of one split of the shards (format:
+nsa_jax/data/shards.py), numbered over the whole run like the synthetic stream
+(stream.GlobalRowStream), so its state is one global row count and a checkpoint
+resumes on any process or device count. Each shard is cut into chunks of whole
+documents of about CHUNK_TOKENS tokens, the unit that is shuffled:
 
-  chunks of all shards of the split (same list on every process)
-    -> chunks[process_index::process_count]          (disjoint; every token in one process)
-    -> shuffled anew every epoch; documents of a chunk shuffled
-    -> packed into [batch, seq_len + 1] int32 rows (EOS between documents)
-    -> prefetch; exact get_state/set_state
+  chunks of all shards of the split (the same list on every process)
+    -> epoch e: the chunks in an order drawn from (seed, split, e); the documents of
+       each chunk in an order drawn from (seed, split, e, chunk)
+    -> concatenated: one token stream per epoch of `epoch_tokens` tokens (every token
+       of the split once, each document followed by its EOS), epochs back to back
+    -> cut into rows of seq_len + 1 tokens: global row r is tokens [r (T + 1), (r + 1) (T + 1))
 
-One epoch of a process is the first `epoch_tokens` tokens of its packed stream: each
-token of its chunks exactly once. The tail that does not fill a row is not dropped; it
-continues into a row with the next epoch's first tokens, as in the file pipeline.
-Shards are memory-mapped: only the chunks being read are paged in.
+The tail of an epoch that does not fill a row continues with the next epoch's first
+tokens. A row is found without packing the stream before it: the per-epoch prefix sum
+of the shuffled chunk sizes locates its first token, and only the chunks it covers are
+read (two epoch layouts and a few chunks are cached). Each process reads only its own
+rows of each micro-batch (GlobalRowStream), so processes never read the same row.
+Shards are memory-mapped: only the chunks being read are paged in. data.workers and
+data.prefetch do not apply (a row is a copy out of the page cache).
+
+Checkpoints written before global positions hold one grain iterator state per process
+(chunks[process_index::process_count], packed by pipeline.packed_batches); such a
+state is resumed by the stream it was saved from (`PerProcessTokenized`), with the same
+process count, and the run keeps that stream.
 
 The split comes from the manifest (prepare_data applied the document-hash rule with
 its --val-fraction); data.val_fraction is not used. The manifest's tokenizer must be
@@ -32,11 +41,13 @@ from typing import Any
 import numpy as np
 
 from nsa_jax.data import shards as fmt
-from nsa_jax.data.pipeline import GrainBatchStream
+from nsa_jax.data.pipeline import GrainBatchStream, stream_seed
+from nsa_jax.data.stream import GlobalRowStream, check_state
 from nsa_jax.data.tokenizers import padded_vocab_size
 
 CHUNK_TOKENS = 1 << 16  # tokens per shuffled/sharded chunk (whole documents; a long document is one chunk)
 OPEN_SHARDS = 64  # memory maps kept open per stream (each holds file descriptors)
+CACHED_CHUNKS = 4  # chunks kept read (a row may straddle two; neighbouring processes share the edges)
 
 
 def shard_chunks(doc_ends: np.ndarray, chunk_tokens: int) -> np.ndarray:
@@ -78,8 +89,8 @@ class ShardChunkReader:
         return np.concatenate([block[local_starts[i] : local_ends[i]] for i in order])
 
 
-class TokenizedDataset(GrainBatchStream):
-    """Batches packed from a prepared folder's shards of one split; see the module docstring."""
+class TokenizedDataset(GlobalRowStream):
+    """Global rows packed from a prepared folder's shards of one split; see the module docstring."""
 
     kind = "tokenized"
     what_changed = "the prepared folder at data.path"
@@ -96,9 +107,14 @@ class TokenizedDataset(GrainBatchStream):
         workers: int = 0,
         prefetch: int = 2,
         manifest: dict[str, Any] | None = None,
+        block_rows: int | None = None,
     ):
-        self.split, self.process_index, self.process_count = split, int(process_index), int(process_count)
-        self.batch, self.seq_len = int(batch), int(seq_len)
+        """`batch`: rows of one micro-batch over all processes (train.global_batch); `block_rows`:
+        rows per optimizer step (train.global_batch x train.accumulate; default `batch`).
+        `workers` and `prefetch` serve only a resumed per-process stream."""
+        self.split, self.seq_len, self.seed = split, int(seq_len), int(seed)
+        self._init_rows(batch, process_index, process_count, block_rows or batch)
+        self.workers, self.prefetch = int(workers), int(prefetch)
         self.root = pathlib.Path(path).expanduser()
         self.manifest = manifest if manifest is not None else fmt.read_manifest(path)
         dtype = np.dtype(self.manifest["dtype"])
@@ -134,21 +150,23 @@ class TokenizedDataset(GrainBatchStream):
             chunk_sizes.extend(np.diff(chunk_ends, prepend=0).tolist())
             h.update(repr((s["tokens_file"], n_tokens, n_docs, bounds.tolist())).encode())
             del ends
-        if len(chunks) < process_count:
-            raise ValueError(
-                f"data.path {path} has {len(chunks)} {split} chunks of about {CHUNK_TOKENS} tokens but there are "
-                f"{process_count} processes; prepare more data or run fewer processes"
-            )
-        self.n_chunks = len(chunks)
+        if not chunks:
+            raise ValueError(f"data.path {path} has no {split} documents; {redo}")
+        self.chunks, self.n_chunks = chunks, len(chunks)
+        self.chunk_sizes = np.asarray(chunk_sizes, dtype=np.int64)
         self.tokens = sum(s["tokens"] for s in shards)
+        # One epoch: every token of the split once (every chunk, every document).
+        self.epoch_tokens = int(self.chunk_sizes.sum())
         self.digest = h.hexdigest()
-        mine = chunks[process_index::process_count]
-        # Tokens of this process's chunks: the length of one epoch of its packed stream.
-        self.epoch_tokens = int(sum(chunk_sizes[process_index::process_count]))
-        self._start_packed(mine, ShardChunkReader(self.root, shards), seed, workers, prefetch)
+        self.reader = ShardChunkReader(self.root, shards)
+        self._shuffle_seed = stream_seed(seed, split)
+        self._layout = functools.lru_cache(maxsize=2)(self._epoch_layout)
+        self._chunk = functools.lru_cache(maxsize=CACHED_CHUNKS)(self._read_chunk)
+        self._per_process: PerProcessTokenized | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, batch: int, split: str, process_index: int, process_count: int) -> TokenizedDataset:
+        """`batch`: train.global_batch, the rows of one micro-batch over all processes."""
         d = cfg.data
         m = fmt.read_manifest(d.path)
         tok = m["tokenizer"]
@@ -175,4 +193,89 @@ class TokenizedDataset(GrainBatchStream):
             workers=d.workers,
             prefetch=d.prefetch,
             manifest=m,
+            block_rows=cfg.train.global_batch * cfg.train.accumulate,
         )
+
+    # -- the global token stream ---------------------------------------------------
+
+    def _epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk order of `epoch`, the first token of each of them in the epoch, then epoch_tokens)."""
+        order = np.random.default_rng([self._shuffle_seed, int(epoch)]).permutation(self.n_chunks)
+        starts = np.concatenate([[0], np.cumsum(self.chunk_sizes[order])])
+        return order, starts
+
+    def _read_chunk(self, epoch: int, chunk: int) -> np.ndarray:
+        rng = np.random.default_rng([self._shuffle_seed, int(epoch), int(chunk), 0x444F43])
+        return self.reader(self.chunks[chunk], rng)
+
+    def stream_tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the global token stream (epochs back to back), int32."""
+        out = np.empty((stop - start,), dtype=np.int32)
+        done, E = 0, self.epoch_tokens
+        while start < stop:
+            epoch, offset = divmod(start, E)
+            order, starts = self._layout(epoch)
+            i = int(np.searchsorted(starts, offset, side="right")) - 1
+            tokens = self._chunk(epoch, int(order[i]))
+            lo = offset - int(starts[i])
+            take = min(len(tokens) - lo, stop - start)
+            out[done : done + take] = tokens[lo : lo + take]
+            done += take
+            start += take
+        return out
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Global rows [start, stop): random access, no packing of the rows before them."""
+        L = self.seq_len + 1
+        return self.stream_tokens(start * L, stop * L).reshape(stop - start, L)
+
+    # -- the BatchStream interface ---------------------------------------------------
+
+    def __next__(self) -> np.ndarray:
+        if self._per_process is not None:
+            return next(self._per_process)
+        return self._next_local()
+
+    def get_state(self) -> dict[str, Any]:
+        if self._per_process is not None:
+            return self._per_process.get_state()
+        return {**super().get_state(), "chunks": self.digest}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        check_state(self, state, keys=("kind", "split"))
+        if "iterator" in state:  # one grain state per process, saved before global positions
+            self.close()
+            self._per_process = PerProcessTokenized(self)
+            self._per_process.set_state(state)
+            return
+        if state.get("chunks") != self.digest:
+            raise ValueError(
+                f"data state was saved with a different corpus ({self.what_changed} changed); "
+                "resume with the same data.path"
+            )
+        super().set_state(state)
+
+    def close(self) -> None:
+        if self._per_process is not None:
+            self._per_process.close()
+            self._per_process = None
+
+
+class PerProcessTokenized(GrainBatchStream):
+    """The stream of one process as it was before global positions: its chunks
+    (chunks[process_index::process_count]) shuffled and packed by grain. Kept to resume
+    the checkpoints it wrote, with the process count they were written with."""
+
+    kind = "tokenized"
+    what_changed = TokenizedDataset.what_changed
+
+    def __init__(self, ds: TokenizedDataset):
+        self.split, self.seq_len, self.digest = ds.split, ds.seq_len, ds.digest
+        self.process_index, self.process_count, self.batch = ds.process_index, ds.process_count, ds.batch
+        mine = ds.chunks[self.process_index :: self.process_count]
+        if not mine:
+            raise ValueError(
+                f"data.path {ds.root} has {ds.n_chunks} {ds.split} chunks, fewer than the {self.process_count} "
+                "processes of this per-process data state"
+            )
+        self._start_packed(mine, ds.reader, ds.seed, ds.workers, ds.prefetch)
