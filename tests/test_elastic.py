@@ -110,10 +110,19 @@ def base(tmp_path_factory):
     return d
 
 
-def train(base: pathlib.Path, out: pathlib.Path, *, procs: int = 1, devices: int = 1, tag: str, stop_at: int = 0):
+def train(
+    base: pathlib.Path,
+    out: pathlib.Path,
+    *,
+    procs: int = 1,
+    devices: int = 1,
+    tag: str,
+    stop_at: int = 0,
+    sets: tuple[str, ...] = (),
+):
     """One launch (under launch.spawn when procs > 1); its row log is `<base>/<tag>.rows.<process>`."""
     cmd = [sys.executable, str(base / "driver.py"), "--config", "cpu_tiny", "--steps", str(STEPS)]
-    cmd += ["--out-dir", str(out), *[a for s in TINY for a in ("--set", s)]]
+    cmd += ["--out-dir", str(out), *[a for s in (*TINY, *sets) for a in ("--set", s)]]
     if procs > 1:
         cmd = [sys.executable, "-m", "launch.spawn", "--nproc", str(procs), "--grace", "5", "--", *cmd]
     env = {**_env(base / "cache", devices, base / f"{tag}.rows"), "STOP_AT": str(stop_at)}
@@ -139,15 +148,20 @@ def losses(out: pathlib.Path) -> dict[int, float]:
     return {b["step"]: b["loss"] for b in beats if b["event"] == "step_end"}
 
 
-@pytest.fixture(scope="module")
-def reference(base):
-    out = base / "straight"
-    train(base, out, tag="straight")
-    rows = step_rows(base, "straight")
+def uninterrupted(base: pathlib.Path, tag: str, sets: tuple[str, ...] = ()):
+    """({step: row hashes}, {step: loss}) of one process training STEPS steps without a stop."""
+    out = base / tag
+    train(base, out, tag=tag, sets=sets)
+    rows = step_rows(base, tag)
     assert sorted(rows) == list(range(1, STEPS + 1)) and all(len(r) == 4 for r in rows.values())
     flat = [h for s in sorted(rows) for h in rows[s]]
     assert len(set(flat)) == len(flat)  # no row twice in the uninterrupted run
     return rows, losses(out)
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    return uninterrupted(base, "straight")
 
 
 CASES = {
@@ -162,16 +176,22 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_on_another_layout_trains_on_the_same_rows(base, reference, case):
+    resume_on_another_layout(base, reference, case)
+
+
+def resume_on_another_layout(base, reference, case, sets: tuple[str, ...] = (), tag: str = ""):
+    """Stops CASES[case]'s first layout after step AT, resumes on the second, compares with `reference`."""
     ref_rows, ref_loss = reference
     (p1, d1), (p2, d2), note = CASES[case]
-    out = base / case
-    train(base, out, procs=p1, devices=d1, tag=f"{case}-a", stop_at=AT)
+    out = base / f"{tag}{case}"
+    case = f"{tag}{case}"
+    train(base, out, procs=p1, devices=d1, tag=f"{case}-a", stop_at=AT, sets=sets)
     # SIGTERM is acted on at a step boundary every process agrees on: after step AT or a little later.
     (at,) = C.complete_steps(C.checkpoint_dir(out))
     assert AT <= at <= AT + 2
     data = json.loads((C.checkpoint_dir(out) / str(at) / "data" / "metadata").read_text())
     assert data["global"]["train"]["rows"] == at * 4 and data["process_count"] == p1 and "processes" not in data
-    r = train(base, out, procs=p2, devices=d2, tag=f"{case}-b")
+    r = train(base, out, procs=p2, devices=d2, tag=f"{case}-b", sets=sets)
     boot = next(line for line in r.stdout.splitlines() if "boot:" in line)
     assert f"{p2} process(es), {p2 * d2} cpu device(s)" in boot, boot
     if note:
@@ -190,6 +210,40 @@ def test_resume_on_another_layout_trains_on_the_same_rows(base, reference, case)
     worst = max(abs(got[s] - ref_loss[s]) / abs(ref_loss[s]) for s in got)
     print(f"{case}: stopped after step {at}; same rows in steps 1-{STEPS}; worst relative loss difference {worst:.2e}")
     assert worst < 1e-4
+
+
+# The prepared-shards dataset (launch.prepare_data): a train split of ~1,500 byte tokens in
+# shards of ~200, so 6 steps of 4 rows of 65 tokens (1,560) cross chunks, and the run's rows
+# cross an epoch boundary (the stream repeats the split in a new order).
+TOKENIZED = ("data.dataset=tokenized", "model.vocab_size=320")
+
+
+@pytest.fixture(scope="module")
+def prepared(base):
+    from launch import prepare_data
+
+    docs = base / "docs"
+    docs.mkdir()
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "x"]
+    with open(docs / "corpus.jsonl", "w") as f:
+        for i in range(40):
+            text = f"doc{i}: " + " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(3 + i % 11))
+            f.write(json.dumps({"text": text}) + "\n")
+    out = base / "prepared"
+    args = ["--input", str(docs), "--output", str(out), "--shard-tokens", "200", "--val-fraction", "0.2"]
+    assert prepare_data.main(args) == 0
+    return (*TOKENIZED, f"data.path={out}")
+
+
+@pytest.fixture(scope="module")
+def tokenized_reference(base, prepared):
+    return uninterrupted(base, "tok-straight", prepared)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["2proc-1proc", "1proc-2proc"])
+def test_tokenized_resume_on_another_process_count_trains_on_the_same_rows(base, prepared, tokenized_reference, case):
+    resume_on_another_layout(base, tokenized_reference, case, sets=prepared, tag="tok-")
 
 
 @pytest.mark.slow
