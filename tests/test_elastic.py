@@ -318,3 +318,22 @@ def test_elastic_batch_split(tmp_path, saved_split, saved_devices, now_split, de
         assert (got.train.global_batch, got.train.accumulate) == want
         assert f"train.accumulate {now_split[1]} -> {want[1]}" in note and "checkpoint step 7" in note
         assert got.train.eval_batches * want[0] == now.train.eval_batches * now_split[0]
+
+
+@pytest.mark.parametrize("dataset", ["jsonl", "tokenized"])
+def test_per_process_position_on_another_process_count_is_refused_with_the_way_out(tmp_path, dataset):
+    from types import SimpleNamespace
+
+    from nsa_jax.config import load_config
+
+    cfg = load_config("cpu_tiny", [f"train.out_dir={tmp_path}", f"data.dataset={dataset}"])
+    state = {"kind": dataset, "split": "train", "process_count": 2, "iterator": {}}
+    data = {"format": 2, "process_count": 2, "devices": 2, "processes": [{"train": state, "val": None}] * 2}
+    with pytest.raises(C.CheckpointError) as e:
+        C.Checkpointer._data_for_this_process(SimpleNamespace(cfg=cfg), data, 7)
+    msg = str(e.value)
+    assert "saved by 2 process(es) and this run has 1" in msg and "checkpoint.restore_data=false" in msg
+    if dataset == "jsonl":  # a file stream: the elastic alternative is named
+        assert "python -m launch.prepare_data" in msg and "--dataset tokenized" in msg
+    else:  # a tokenized checkpoint from before global positions
+        assert "predates global positions" in msg and "prepare_data" not in msg
