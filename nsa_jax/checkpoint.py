@@ -4,9 +4,10 @@ Layout, one orbax `CheckpointManager` step per saved optimizer step:
 
   <out_dir>/checkpoints/<step>/state    TrainState (step, params, opt_state, rng): arrays (OCDBT)
   <out_dir>/checkpoints/<step>/data     JSON: the data position {"format": 2, "process_count", "devices",
-                                        "global": {"train", "val"}} (streams numbered over the whole run),
-                                        or "processes": [{"train", "val"}] one per process (file streams;
-                                        format 1, written before global positions, always)
+                                        "global": {"train", "val"}} (streams numbered over the whole run:
+                                        synthetic, kv_recall, tokenized), or "processes": [{"train", "val"}]
+                                        one per process (fineweb_edu, jsonl, text; format 1, written before
+                                        global positions, always)
   <out_dir>/checkpoints/<step>/config   JSON: Config.to_dict() of the run that saved it
   <out_dir>/checkpoints/<step>/checksums JSON: {"format", "state": {array path: uint32}, "data", "config"}
 
@@ -47,15 +48,19 @@ the epoch.
 Restore onto another mesh: arrays are restored with the new mesh's shardings
 (those of parallel.strategy, nsa_jax/train/strategies.py: replicated, or sharded
 over `data` for zero1/fsdp), so a run saved on 2 devices resumes on 1 or 8, and
-under another strategy. The data position of the synthetic and kv_recall streams is global
-(rows consumed of the whole stream, nsa_jax/data/stream.py GlobalRowStream), so it carries
+under another strategy. The data position of the synthetic, kv_recall and tokenized
+(prepared shards) streams is global (rows consumed of the whole stream, the same on every
+process, nsa_jax/data/stream.py GlobalRowStream; for tokenized also a fingerprint of the
+chunk list, the epoch and packing state following from the row count), so it carries
 over to any process and device count with the same rows per optimizer step
 (train.global_batch x train.accumulate; the Trainer adjusts the split of those into
-micro-batches, nsa_jax/resume.py `elastic_batch`). File streams keep one position per
-process (each reads its own shard of the files): with another process count the restore
-stops with an error, unless `checkpoint.restore_data=false` restarts the data stream on
-purpose. Checkpoints of format 1 (one position per process) resume with their own process
-count, a synthetic or kv_recall one at the same global row.
+micro-batches, nsa_jax/resume.py `elastic_batch`). The raw file streams (fineweb_edu,
+jsonl, text) keep one position per process (each reads its own shard of the files): with
+another process count the restore stops with an error that names
+`checkpoint.restore_data=false` (restart the data stream on purpose) and, for elastic
+runs, launch.prepare_data + `--dataset tokenized`. Checkpoints of format 1 (one position
+per process) resume with their own process count: a synthetic or kv_recall one at the
+same global row, a tokenized one on the per-process stream it was saved from.
 
 Preemption (SIGTERM): `PreemptionGuard` turns the signal into a flag; the loop stops
 at the next step boundary, saves, and the launcher exits 0. With several processes

@@ -10,7 +10,7 @@ Modules: synthetic (Markov + copy stream), kv_recall (long-range recall task),
 tokenizers (byte / tokenizers JSON / tiktoken), sources (parquet, jsonl, txt readers),
 pipeline (grain: sharding, shuffling, tokenising, packing, prefetch), shards (the
 pre-tokenized format `python -m launch.prepare_data` writes) and tokenized (batches
-from those shards).
+from those shards, numbered over the whole run like synthetic and kv_recall).
 Heavy dependencies (grain, pyarrow, tokenizers) are imported only when a file
 dataset or a non-byte tokenizer is requested.
 """

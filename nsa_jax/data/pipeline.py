@@ -18,8 +18,10 @@ the token stream of the oldest chunk still buffered.
 `data.workers` = reader threads (0: chunks are read in the prefetch thread);
 `data.prefetch` = batches buffered ahead (0: built on the caller's thread).
 
-The stages after the chunk list are shared with the pre-tokenized shard dataset
-(nsa_jax/data/tokenized.py) through `packed_batches` and `GrainBatchStream`.
+The state is one per process, so a checkpoint resumes only with the process count that
+wrote it; the prepared-shard dataset (nsa_jax/data/tokenized.py) is the elastic one. It
+reuses the stages after the chunk list (`packed_batches`, `GrainBatchStream`) only to
+resume its per-process checkpoints from before global positions.
 Bad records (sources.py) are dropped, counted in `FileDataset.skips` and logged to
 the `nsa_jax.data` logger; whole-file problems raise when the stream is built.
 """

@@ -4,8 +4,8 @@ A stream is an iterator of int32 [batch, seq_len + 1] arrays with a JSON-seriali
 `get_state()` and an exact `set_state()`. The state records the dataset kind and split
 (and, for streams that read a shard per process, the process index), so restoring a
 state from a different stream fails loudly instead of silently reading other data.
-`GlobalRowStream` (synthetic, kv_recall) numbers rows over the whole run, so its state
-is the same on every process and carries over to another process count.
+`GlobalRowStream` (synthetic, kv_recall, tokenized) numbers rows over the whole run, so
+its state is the same on every process and carries over to another process count.
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ def check_state(
 
 
 class GlobalRowStream(BatchStream):
-    """A stream whose rows are numbered over the whole run, not per process (synthetic, kv_recall).
+    """A stream whose rows are numbered over the whole run, not per process (synthetic, kv_recall, tokenized).
 
     The stream is a sequence of rows 0, 1, 2, ...; block k (rows [k * R, (k + 1) * R),
     R = `block_rows` = train.global_batch x train.accumulate, the rows of one optimizer
-    step) is a pure function of (seed, split, k), drawn by `_make_block`. A micro-batch
+    step) is a pure function of (seed, split, k), drawn by `_make_block` (a stream that
+    reaches any row directly, such as tokenized, overrides `rows` instead). A micro-batch
     is the next train.global_batch rows G of the stream, and process p of P reads rows
     [p * G / P, (p + 1) * G / P) of it; devices then split those in order. So optimizer
     step s consumes rows [s * R, (s + 1) * R) whatever the process count, device count
