@@ -140,7 +140,7 @@ def load_model(args):
     return cfg, params
 
 
-def _check_params(cfg, params) -> dict:
+def check_params(cfg, params) -> dict:
     """Scanned params whose shapes match cfg.model, or a UsageError naming the first mismatch."""
     try:
         params = stack_layers(cfg.model, params)
@@ -188,7 +188,7 @@ def run(args, out=sys.stdout) -> int:
         tok = make_tokenizer(cfg.data)
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    params = _check_params(cfg, params)
+    params = check_params(cfg, params)
     V = cfg.model.vocab_size
     encoded = [tok.encode(p) for p in prompts]
     for p, ids in zip(prompts, encoded):

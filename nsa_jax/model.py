@@ -128,12 +128,17 @@ def init_params(cfg: ModelConfig, rng: jax.Array, seq_len: int = 0):
     return NSALM(cfg).init(rng, jnp.zeros((1, T), jnp.int32))["params"]
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy in fp32."""
+def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Next-token negative log-likelihood per position [B, T], fp32."""
     logits = logits_BxTxV.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
     gold = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-    nll = logz - gold
+    return logz - gold
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy in fp32."""
+    nll = token_nll(logits_BxTxV, targets_BxT)
     if mask_BxT is None:
         return jnp.mean(nll)
     mask = mask_BxT.astype(jnp.float32)

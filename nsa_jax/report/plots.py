@@ -201,3 +201,70 @@ def save_figures(figs: dict[str, Figure], out_dir: pathlib.Path, prefix: str = "
         fig.savefig(path, dpi=_DPI, bbox_inches="tight")
         paths[name] = path
     return paths
+
+
+# ---------------------------------------------------------------------------
+# long-context evaluation (nsa_jax/evaluation): one figure per suite
+
+
+def _eval_figure() -> tuple[Figure, Axes]:
+    fig = Figure(figsize=_SIZE, dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    return fig, ax
+
+
+def needle_figure(result: dict, title: str = "needle retrieval") -> Figure:
+    """Heatmap: one row per length L, one column per depth, greedy exact-match accuracy as colour."""
+    import numpy as np
+
+    acc = np.asarray(result["accuracy"], float)
+    fig, ax = _eval_figure()
+    im = ax.imshow(acc, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(result["depths"])), [f"{100 * d:.0f}" for d in result["depths"]])
+    ax.set_yticks(range(len(result["lengths"])), [str(L) for L in result["lengths"]])
+    ax.set_xlabel("needle depth (% of the haystack)")
+    ax.set_ylabel("context length L (tokens)")
+    for (i, j), v in np.ndenumerate(acc):
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_title(f"{title}: accuracy over {result['samples']} needles per cell")
+    fig.colorbar(im, ax=ax, label="exact match")
+    return fig
+
+
+def _by_length_figure(by_length: dict, key: str, ylabel: str, title: str) -> Figure:
+    fig, ax = _eval_figure()
+    for L, r in by_length.items():
+        edges = r["edges"]
+        if edges and isinstance(edges[0], list):  # [[lo, hi], ...]
+            spans = edges
+        else:
+            spans = list(zip(edges[:-1], edges[1:]))
+        pts = [(max(lo, 1) * (hi / max(lo, 1)) ** 0.5, v) for (lo, hi), v in zip(spans, r[key]) if v is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=f"L={L}")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize="small")
+    return fig
+
+
+def loss_by_position_figure(result: dict) -> Figure:
+    fig = _by_length_figure(result["by_length"], "loss", "mean loss (nats)", "loss by position")
+    fig.axes[0].set_xlabel("target position (log-spaced buckets)")
+    return fig
+
+
+def kv_recall_figure(result: dict) -> Figure:
+    fig = _by_length_figure(result["by_length"], "accuracy", "accuracy", "kv_recall by distance")
+    fig.axes[0].set_xlabel("distance from the pair to its query (tokens)")
+    return fig
+
+
+_EVAL_FIGURES = {"needle": needle_figure, "loss-by-position": loss_by_position_figure, "kv_recall": kv_recall_figure}
+
+
+def evaluation_figures(results: dict) -> dict[str, Figure]:
+    """One figure per suite in `results` (named as the suite, '-' as '_')."""
+    return {s.replace("-", "_"): _EVAL_FIGURES[s](r) for s, r in results.items() if s in _EVAL_FIGURES}

@@ -1,0 +1,96 @@
+"""The model as a scorer: tokens_BxT1 -> (nll_BxT, hit_BxT) through NSALM's own forward.
+
+One program per row length L, compiled ahead of time for a fixed batch of rows
+(`prepare(L)`), so its memory is known before anything runs: `compiled_bytes`
+(argument + output - alias + temporaries of `memory_analysis()`, per device) is
+checked against the device's memory (`nsa_jax.train.loop.device_memory_limit`, or
+a given limit) and an L that does not fit raises `WontFitError` naming the figures.
+The forward is the training forward with the inference settings (scanned layers, no
+remat): Pallas kernels on a GPU, the XLA path elsewhere, whose attention runs in
+query chunks of `model.nsa.query_chunk`, so long rows are processed chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nsa_jax.config import ModelConfig
+from nsa_jax.inference.decode import inference_config
+from nsa_jax.model import NSALM, token_nll
+from nsa_jax.train.loop import WontFitError, device_memory_limit, memory_summary
+
+__all__ = ["ModelScorer", "WontFitError", "make_score_fn"]
+
+
+def make_score_fn(cfg: ModelConfig):
+    """(params, tokens_BxT1) -> (nll_BxT fp32, hit_BxT bool) for targets tokens[:, 1:]."""
+    model = NSALM(inference_config(cfg))
+
+    def score(params, tokens_BxT1):
+        inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+        logits_BxTxV = model.apply({"params": params}, inputs_BxT)
+        return token_nll(logits_BxTxV, targets_BxT), jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
+
+    return score
+
+
+def compiled_bytes(mem: dict[str, int] | None) -> int | None:
+    """Per-device bytes of a compiled program: arguments + outputs - aliased + temporaries."""
+    if not mem:
+        return None
+    return (
+        mem["argument_size_in_bytes"]
+        + mem["output_size_in_bytes"]
+        - mem["alias_size_in_bytes"]
+        + mem["temp_size_in_bytes"]
+    )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e7 else f"{n / 1e6:,.2f} MB"
+
+
+class ModelScorer:
+    """Scores batches of `batch` rows with the model; compiles and checks memory once per L."""
+
+    def __init__(self, cfg: ModelConfig, params: Any, batch: int, device_memory: int | None = None):
+        self.cfg, self.batch = cfg, batch
+        self.params = jax.device_put(params)
+        self.fn = jax.jit(make_score_fn(cfg))
+        device = jax.devices()[0]
+        if device_memory is None:
+            self.limit, self.limit_source = device_memory_limit(device)
+        else:
+            self.limit, self.limit_source = device_memory, "given limit"
+        self.compiled: dict[int, Any] = {}
+        self.bytes: dict[int, int | None] = {}
+
+    def prepare(self, L: int) -> int | None:
+        """Compiles the program for rows of L + 1 tokens; its bytes per device, or WontFitError."""
+        if L in self.compiled:
+            return self.bytes[L]
+        tokens = jax.ShapeDtypeStruct((self.batch, L + 1), jnp.int32)
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
+        compiled = self.fn.lower(params, tokens).compile()
+        need = compiled_bytes(memory_summary(compiled))
+        if need is not None and self.limit is not None and need > self.limit:
+            raise WontFitError(
+                f"L={L} needs {_gb(need)} per device for a batch of {self.batch} rows (compiled forward) and the "
+                f"device has {_gb(self.limit)} ({self.limit_source}); drop L={L} from --lengths or lower --batch-size"
+            )
+        self.compiled[L], self.bytes[L] = compiled, need
+        return need
+
+    def __call__(self, tokens_BxT1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(nll_BxT, hit_BxT) numpy for exactly `batch` rows of one prepared length."""
+        tokens_BxT1 = np.asarray(tokens_BxT1, np.int32)
+        L = tokens_BxT1.shape[1] - 1
+        if tokens_BxT1.shape[0] != self.batch:
+            raise ValueError(f"the scorer takes {self.batch} rows at a time, got {tokens_BxT1.shape[0]}")
+        self.prepare(L)
+        nll, hit = self.compiled[L](self.params, jnp.asarray(tokens_BxT1))
+        return np.asarray(nll), np.asarray(hit)

@@ -1,0 +1,215 @@
+"""The long-context suites: which rows are built, how they are batched through a scorer, what is reported.
+
+A *scorer* is anything with `batch` (rows per call), `prepare(L)` (get ready for
+rows of L + 1 tokens; may refuse) and `__call__(tokens_BxT1) -> (nll_BxT, hit_BxT)`:
+the model (scorer.ModelScorer) or a stub whose answers are known (tests). Rows are
+padded to whole batches with copies of the last row, whose scores are dropped.
+
+Suites (SUITES), each returning a JSON-ready dict:
+  - `loss-by-position`: `text(L, n)` rows of held-out text; scoring.loss_by_position per L;
+  - `needle`: for every L x depth cell, `samples` rows built by data/needle.py, sample s
+    using held-out row s as its haystack and its own pass key (the same at every depth,
+    so depths compare like with like); accuracy = mean exact match, and mean answer
+    log-probability;
+  - `kv_recall`: rows of data/kv_recall.py at length L (the model's vocabulary, window
+    and the config's kv_* settings), accuracy by query - pair distance.
+
+`text(L, n)` is a `TextRows` (held-out rows from the run's validation split through
+the data pipelines, or from text files) or any callable returning int32 [n, L + 1].
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from nsa_jax.config import Config, replace
+from nsa_jax.data import make_dataset, make_tokenizer
+from nsa_jax.data.kv_recall import make_kv_batch
+from nsa_jax.data.needle import answer_mask, make_needle_row, passkey
+from nsa_jax.evaluation import scoring
+
+SUITES = ("needle", "loss-by-position", "kv_recall")
+DEFAULT_DEPTHS = tuple(i / 10 for i in range(11))
+
+Rows = Callable[[int, int], np.ndarray]
+Advance = Callable[[int], None]
+
+
+def _noop(n: int) -> None:
+    pass
+
+
+class TextRows:
+    """Held-out text rows [n, L + 1]: files given (read whole, joined, cut in order) or the run's `val` split."""
+
+    def __init__(self, cfg: Config, files: Sequence[str] = ()):
+        self.cfg = cfg
+        self.tokens: np.ndarray | None = None
+        if files:
+            tok = make_tokenizer(cfg.data)
+            parts = [np.asarray(tok.encode(pathlib.Path(f).read_text(encoding="utf-8")), np.int32) for f in files]
+            sep = np.asarray(tok.encode("\n\n"), np.int32)
+            self.tokens = np.concatenate([x for p in parts for x in (p, sep)])
+            if len(self.tokens) < 2:
+                raise ValueError(f"the text files {', '.join(files)} hold no text")
+        self._cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def __call__(self, L: int, n: int) -> np.ndarray:
+        if (L, n) not in self._cache:
+            self._cache[(L, n)] = self._rows(L, n)
+        return self._cache[(L, n)]
+
+    def _rows(self, L: int, n: int) -> np.ndarray:
+        if self.tokens is not None:
+            # Consecutive windows of the joined text; a short text repeats (the rows stay real text).
+            need = n * (L + 1)
+            reps = -(-need // len(self.tokens))
+            rows = np.tile(self.tokens, reps)[:need].reshape(n, L + 1)
+        else:
+            cfg = replace(self.cfg, [f"train.seq_len={L}", f"train.global_batch={n}", "data.prefetch=0"])
+            ds = make_dataset(cfg, "val")
+            try:
+                rows = np.asarray(next(ds), np.int32)
+            except StopIteration:
+                raise ValueError(f"the validation split of data.path holds fewer than {n} rows of {L + 1} tokens")
+            finally:
+                ds.close()
+        V = self.cfg.model.vocab_size
+        if rows.max() >= V:
+            raise ValueError(f"the held-out text has token id {int(rows.max())}, outside model.vocab_size {V}")
+        return rows.astype(np.int32)
+
+
+def _run_rows(scorer, rows_NxT1: np.ndarray, advance: Advance) -> tuple[np.ndarray, np.ndarray]:
+    """(nll_NxT, hit_NxT) of every row, in batches of scorer.batch (the last padded)."""
+    B, N = scorer.batch, len(rows_NxT1)
+    nll, hit = [], []
+    for start in range(0, N, B):
+        chunk = rows_NxT1[start : start + B]
+        if len(chunk) < B:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], B - len(chunk), axis=0)])
+        n, h = scorer(chunk)
+        take = min(B, N - start)
+        nll.append(np.asarray(n)[:take])
+        hit.append(np.asarray(h)[:take])
+        advance(1)
+    return np.concatenate(nll), np.concatenate(hit)
+
+
+def batches(n_rows: int, batch: int) -> int:
+    return -(-n_rows // batch)
+
+
+def loss_by_position(scorer, text: Rows, lengths: Sequence[int], rows: int, advance: Advance = _noop) -> dict:
+    out = {}
+    for L in lengths:
+        nll, _ = _run_rows(scorer, text(L, rows), advance)
+        out[str(L)] = scoring.loss_by_position(nll)
+    return {"rows": rows, "by_length": out}
+
+
+def needle_rows(text: Rows, tokenizer: Any, L: int, depths: Sequence[float], samples: int, seed: int):
+    """The rows of one length, depth-major: [(depth index, sample, NeedleRow)]."""
+    hay = text(L, samples)
+    keys = [passkey(np.random.default_rng([seed, L, s])) for s in range(samples)]
+    return [
+        (d, s, make_needle_row(hay[s], L, depth, keys[s], tokenizer))
+        for d, depth in enumerate(depths)
+        for s in range(samples)
+    ]
+
+
+def needle(
+    scorer,
+    text: Rows,
+    tokenizer: Any,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    samples: int,
+    seed: int = 0,
+    advance: Advance = _noop,
+) -> dict:
+    """{'lengths', 'depths', 'accuracy' [L][depth], 'logprob' [L][depth], 'samples'}."""
+    acc = np.zeros((len(lengths), len(depths)))
+    logp = np.zeros((len(lengths), len(depths)))
+    for i, L in enumerate(lengths):
+        built = needle_rows(text, tokenizer, L, depths, samples, seed)
+        tokens = np.stack([r.tokens_T1 for _, _, r in built])
+        nll, hit = _run_rows(scorer, tokens, advance)
+        lp_N, exact_N = scoring.answer_scores(nll, hit, np.stack([answer_mask(r) for _, _, r in built]))
+        d_N = np.array([d for d, _, _ in built])
+        for d in range(len(depths)):
+            acc[i, d] = exact_N[d_N == d].mean()
+            logp[i, d] = lp_N[d_N == d].mean()
+    return {
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "samples": samples,
+        "accuracy": acc.tolist(),
+        "logprob": logp.tolist(),
+    }
+
+
+def kv_recall(scorer, cfg: Config, lengths: Sequence[int], rows: int, seed: int = 0, advance: Advance = _noop) -> dict:
+    out = {}
+    for L in lengths:
+        kv = make_kv_batch(
+            np.random.default_rng([seed, L]),
+            rows,
+            L,
+            cfg.model.vocab_size,
+            cfg.model.nsa.w,
+            cfg.data.kv_pairs,
+            cfg.data.kv_queries,
+            "random",
+            cfg.data.kv_format,
+        )
+        _, hit = _run_rows(scorer, kv.tokens_BxT1, advance)
+        out[str(L)] = scoring.kv_by_distance(hit, kv.pair_key_pos_BxQ, kv.query_key_pos_BxQ, L)
+    return {"rows": rows, "by_length": out}
+
+
+def count_batches(
+    suites: Sequence[str], lengths: Sequence[int], depths: Sequence[float], samples: int, rows: int, B: int
+):
+    """Scorer calls the suites will make (the progress bar's total)."""
+    per_length = {
+        "needle": batches(len(depths) * samples, B),
+        "loss-by-position": batches(rows, B),
+        "kv_recall": batches(rows, B),
+    }
+    return sum(per_length[s] for s in suites) * len(lengths)
+
+
+def run_suites(
+    scorer,
+    cfg: Config,
+    suites: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    text: Rows,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    samples: int = 2,
+    rows: int = 4,
+    seed: int = 0,
+    advance: Advance = _noop,
+) -> dict:
+    """{suite: result} for the suites named; every L is prepared (and may be refused) before any runs."""
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)}")
+    for L in lengths:
+        scorer.prepare(L)
+    out: dict[str, Any] = {}
+    for s in suites:
+        if s == "needle":
+            tok = make_tokenizer(cfg.data)
+            out[s] = needle(scorer, text, tok, lengths, depths, samples, seed, advance)
+        elif s == "loss-by-position":
+            out[s] = loss_by_position(scorer, text, lengths, rows, advance)
+        else:
+            out[s] = kv_recall(scorer, cfg, lengths, rows, seed, advance)
+    return out

@@ -1,0 +1,239 @@
+"""Long-context evaluation: the needle format, the scoring, the suites with stub scorers, the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nsa_jax.config import load_config
+from nsa_jax.data.needle import QUESTION, answer_mask, make_needle_row, needle_pieces
+from nsa_jax.data.tokenizers import ByteTokenizer
+from nsa_jax.evaluation import scoring
+from nsa_jax.evaluation.suites import run_suites
+
+ROOT = Path(__file__).resolve().parents[1]
+TOK = ByteTokenizer()
+HAY = "Grass grows. The sky is blue. Water flows downhill and the sun sets in the west. " * 40
+
+
+def text_rows(L, n):
+    """n rows of L + 1 byte tokens of HAY, each starting at its own offset."""
+    ids = np.asarray(TOK.encode(HAY * (2 + (n * (L + 1)) // len(HAY))), np.int32)
+    return np.stack([ids[7 * i : 7 * i + L + 1] for i in range(n)])
+
+
+def needle_at(row_T1):
+    """Index of the needle's first token in a row, found from the tokens alone (None: no needle)."""
+    hits = [m.start() for m in re.finditer(r"The pass key is \d{5}\. Remember", TOK.decode(row_T1))]
+    assert len(hits) <= 1  # byte tokens: a character index is a token index
+    return hits[0] if hits else None
+
+
+class Stub:
+    """A scorer whose answers are known: `retrieves(row) -> bool` says whether it gets a row right.
+
+    Where it retrieves, every target is its argmax with probability 0.9; elsewhere every
+    target has probability 0.01 and is never the argmax.
+    """
+
+    def __init__(self, retrieves, batch=3):
+        self.retrieves, self.batch, self.calls = retrieves, batch, 0
+
+    def prepare(self, L):
+        return 0
+
+    def __call__(self, tokens_BxT1):
+        assert len(tokens_BxT1) == self.batch
+        self.calls += 1
+        ok_B = np.array([self.retrieves(r) for r in tokens_BxT1])
+        T = tokens_BxT1.shape[1] - 1
+        nll = np.where(ok_B[:, None], -np.log(0.9), -np.log(0.01)) * np.ones((1, T))
+        return nll, np.repeat(ok_B[:, None], T, axis=1)
+
+
+CFG = load_config("cpu_tiny", ["data.kv_pairs=4", "data.kv_queries=2", "model.nsa.w=16"])
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_needle_row_layout():
+    L = 300
+    hay = text_rows(L, 1)[0]
+    for depth in (0.0, 0.5, 1.0):
+        row = make_needle_row(hay, L, depth, "12345", TOK)
+        needle, question, answer = needle_pieces(TOK, "12345")
+        n_hay = L + 1 - len(needle) - len(question) - len(answer)
+        assert row.tokens_T1.shape == (L + 1,)
+        assert row.needle_pos == round(depth * n_hay) == needle_at(row.tokens_T1)
+        assert TOK.decode(row.tokens_T1[row.answer_start :]) == "12345"
+        text = TOK.decode(row.tokens_T1)
+        assert text.endswith(QUESTION + "12345") and text.count("The pass key is 12345.") == 1
+        # The answer mask marks the targets (tokens[1:]) that are the answer.
+        assert TOK.decode(row.tokens_T1[1:][answer_mask(row)]) == "12345"
+    with pytest.raises(ValueError, match="needs L >="):
+        make_needle_row(hay, 50, 0.5, "12345", TOK)
+
+
+def test_scoring_by_hand():
+    assert scoring.log2_edges(8) == [0, 1, 2, 4, 8]
+    assert scoring.log2_edges(6) == [0, 1, 2, 4, 6]
+    # nll = position: buckets [0,1) [1,2) [2,4) [4,8) -> 0, 1, 2.5, 5.5
+    r = scoring.loss_by_position(np.tile(np.arange(8.0), (3, 1)))
+    assert r["loss"] == [0.0, 1.0, 2.5, 5.5] and r["tokens"] == [3, 3, 6, 12]
+    nll = np.array([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    hit = np.array([[False, True, True], [True, False, True]])
+    ans = np.array([[False, True, True], [False, True, True]])
+    lp, exact = scoring.answer_scores(nll, hit, ans)
+    assert lp.tolist() == [-5.0, -5.0] and exact.tolist() == [True, False]
+    # kv: queries at key positions 20 and 30, pairs at 18 (distance 2) and 3 (distance 27).
+    hit_BxT = np.zeros((1, 32), bool)
+    hit_BxT[0, 20] = True
+    r = scoring.kv_by_distance(hit_BxT, np.array([[18, 3]]), np.array([[20, 30]]), 32)
+    assert r["edges"] == [[2, 4], [16, 32]] and r["accuracy"] == [1.0, 0.0] and r["mean"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "name, retrieves",
+    [
+        ("always", lambda row: True),
+        ("never", lambda row: False),
+        ("first half", lambda row: needle_at(row) is not None and needle_at(row) < len(row) // 2),
+    ],
+)
+def test_suites_with_stub_scorers(name, retrieves):
+    lengths, samples = [200, 400], 3
+    stub = Stub(retrieves)
+    res = run_suites(stub, CFG, ["needle"], lengths, text=text_rows, depths=DEPTHS, samples=samples)["needle"]
+    acc, logp = np.array(res["accuracy"]), np.array(res["logprob"])
+    assert acc.shape == logp.shape == (2, 5)
+    # Independent expectation of each cell, from the needle positions of freshly built rows.
+    for i, L in enumerate(lengths):
+        for j, depth in enumerate(DEPTHS):
+            oks = [
+                retrieves(make_needle_row(text_rows(L, samples)[s], L, depth, "11111", TOK).tokens_T1)
+                for s in range(samples)
+            ]
+            assert acc[i, j] == pytest.approx(np.mean(oks))
+            n_answer = 5
+            want = np.mean([n_answer * np.log(0.9) if ok else n_answer * np.log(0.01) for ok in oks])
+            assert logp[i, j] == pytest.approx(want)
+    if name == "first half":  # the stub's shape: early depths retrieved, late ones not
+        assert acc[:, 0].tolist() == [1.0, 1.0] and acc[1, -1] == 0.0
+    assert stub.calls == 2 * -(-(5 * samples) // stub.batch)
+
+
+def test_loss_and_kv_suites_with_stubs():
+    res = run_suites(Stub(lambda r: True), CFG, ["loss-by-position", "kv_recall"], [64, 128], text=text_rows, rows=4)
+    for L in ("64", "128"):
+        lbp = res["loss-by-position"]["by_length"][L]
+        assert lbp["edges"][-1] == int(L) and all(v == pytest.approx(-np.log(0.9)) for v in lbp["loss"])
+        assert res["kv_recall"]["by_length"][L]["mean"] == 1.0
+    res = run_suites(Stub(lambda r: False), CFG, ["kv_recall"], [64], text=text_rows, rows=4)
+    kv = res["kv_recall"]["by_length"]["64"]
+    assert kv["mean"] == 0.0 and sum(kv["answers"]) == 4 * 2
+    # Every answered distance lies beyond the window (kv_recall's layout).
+    assert min(lo for lo, _ in kv["edges"]) >= 16 // 2
+
+
+def test_figures_and_json_cells(tmp_path):
+    from nsa_jax.report.plots import evaluation_figures, save_figures
+
+    stub = Stub(lambda row: needle_at(row) is not None and needle_at(row) < len(row) // 2)
+    res = run_suites(stub, CFG, ["needle", "loss-by-position"], [200, 400], text=text_rows, depths=DEPTHS, samples=2)
+    figs = evaluation_figures(res)
+    assert set(figs) == {"needle", "loss_by_position"}
+    # The heatmap's cells are the accuracy grid: row i = lengths[i], column j = depths[j].
+    image = np.asarray(figs["needle"].axes[0].images[0].get_array())
+    np.testing.assert_array_equal(image, np.array(res["needle"]["accuracy"]))
+    labels = [t.get_text() for t in figs["needle"].axes[0].get_yticklabels()]
+    assert labels == ["200", "400"]
+    paths = save_figures(figs, tmp_path)
+    assert all(p.stat().st_size > 1000 for p in paths.values())
+    (tmp_path / "e.json").write_text(json.dumps(res))
+    back = json.loads((tmp_path / "e.json").read_text())
+    assert back["needle"]["accuracy"][0][0] == 1.0 and back["needle"]["accuracy"][1][-1] == 0.0
+
+
+def test_model_scorer_matches_logits(tmp_path):
+    """nll/hit of the compiled scorer against a numpy log-softmax of the model's forward logits."""
+    from nsa_jax.evaluation.scorer import ModelScorer
+    from nsa_jax.inference.decode import inference_config
+    from nsa_jax.model import NSALM, init_params
+
+    cfg = load_config("cpu_tiny", ["model.n_layers=1", "model.d_model=48", "model.d_ff=64"]).model
+    params = jax.jit(lambda k: init_params(cfg, k))(jax.random.PRNGKey(0))
+    tokens = text_rows(96, 2)
+    nll, hit = ModelScorer(cfg, params, 2)(tokens)
+    forward = jax.jit(NSALM(inference_config(cfg)).apply)
+    logits = np.asarray(forward({"params": params}, tokens[:, :-1]), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(nll, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(hit, logits.argmax(-1) == tokens[:, 1:])
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "launch.evaluate", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+TINY = ["--set", "model.n_layers=1", "--set", "model.d_model=48", "--set", "model.d_ff=64"]
+
+
+@pytest.mark.slow
+def test_cli_end_to_end(tmp_path):
+    """A tiny checkpoint directory evaluated by `python -m launch.evaluate`: JSON and PNGs with every cell."""
+    from launch.generate import write_inference_dir
+    from nsa_jax.model import init_params
+
+    cfg = load_config("cpu_tiny", ["model.n_layers=1", "model.d_model=48", "model.d_ff=64", "model.nsa.w=16"])
+    write_inference_dir(tmp_path / "ckpt", cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(0)))
+    text = tmp_path / "hay.txt"
+    text.write_text(HAY)
+    out = tmp_path / "eval"
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--lengths", "128,256", "--depths", "0,0.5,1", "--text", str(text)]
+    proc = _cli(*args, "--samples", "2", "--rows", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "needle accuracy" in proc.stdout and "evaluate" in proc.stderr  # the summary and the progress bar
+    res = json.loads((out / "evaluation.json").read_text())
+    assert res["needle"]["lengths"] == [128, 256] and res["needle"]["depths"] == [0.0, 0.5, 1.0]
+    assert np.array(res["needle"]["accuracy"]).shape == (2, 3)
+    assert list(res["loss-by-position"]["by_length"]) == ["128", "256"]
+    assert res["loss-by-position"]["by_length"]["256"]["edges"][-1] == 256
+    assert set(res["kv_recall"]["by_length"]) == {"128", "256"}
+    assert res["meta"]["compiled_bytes"]["256"] > 0
+    assert {p.name for p in out.glob("*.png")} == {"needle.png", "loss_by_position.png", "kv_recall.png"}
+    # The results are never overwritten.
+    again = _cli(*args, "--out", str(out))
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --out {out} already holds evaluation.json; pass another --out or move it away"
+    ]
+
+
+def test_over_memory_length_is_refused(tmp_path, capsys):
+    from launch.evaluate import main
+
+    text = tmp_path / "hay.txt"
+    text.write_text(HAY)
+    argv = ["--random-init", "--config", "cpu_tiny", *TINY, "--text", str(text), "--no-progress"]
+    argv += ["--suites", "loss-by-position", "--out", str(tmp_path / "eval"), "--batch-size", "1"]
+    # 128 fits in 20 MB, 4096 (logits alone: 4096 x 256 x 4 bytes = 4.2 MB, x several) does not.
+    assert main([*argv, "--lengths", "128,4096", "--device-memory", "4000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: L=4096 needs ") and "4.00 MB (given limit)" in err[0]
+    assert not (tmp_path / "eval").exists()
