@@ -154,6 +154,21 @@ class DataConfig:
     kv_loss_mask: bool = True
 
 
+# Long-context suites (nsa_jax/evaluation, `python -m launch.evaluate`).
+EVAL_SUITES = ("needle", "loss-by-position", "kv_recall")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Long-context suites run with every evaluation (train.eval_every); written to long_eval.csv."""
+
+    suites: tuple[str, ...] = ()  # of EVAL_SUITES; empty: none
+    lengths: tuple[int, ...] = ()  # row lengths L; empty: train.seq_len
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle depths in [0, 1]
+    samples: int = 2  # needles per L x depth cell
+    rows: int = 2  # rows per L for loss-by-position and kv_recall
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the train step is spread over devices and processes."""
@@ -222,6 +237,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     ops: OpsConfig = dataclasses.field(default_factory=OpsConfig)
@@ -260,6 +276,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         (elem,) = typing.get_args(tp)[:1]
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
+            if elem is int:  # "--set eval.lengths=1024,2048"
+                value = [int(v) if v.lstrip("-").isdigit() else v for v in value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config: {key} must be a list, got {value!r}")
         return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
@@ -377,6 +395,12 @@ def validate(cfg: Config) -> Config:
     need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
     need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
     need(cfg.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep must be positive, got {cfg.checkpoint.max_to_keep}")
+    e = cfg.eval
+    for name in e.suites:
+        need(name in EVAL_SUITES, f"eval.suites has {name!r}; use a subset of {', '.join(EVAL_SUITES)}")
+    need(all(L > 0 for L in e.lengths), f"eval.lengths must be positive, got {list(e.lengths)}")
+    need(all(0 <= d <= 1 for d in e.depths) and e.depths, f"eval.depths must lie in [0, 1], got {list(e.depths)}")
+    need(e.samples > 0 and e.rows > 0, f"eval.samples and eval.rows must be positive, got {e.samples}, {e.rows}")
     o = cfg.ops
     need(o.stall_seconds >= 0, f"ops.stall_seconds must be >= 0 (0 disables the watchdog), got {o.stall_seconds}")
     need(o.max_skips >= 0, f"ops.max_skips must be >= 0 (0 = never halt on skips), got {o.max_skips}")

@@ -6,6 +6,7 @@ and the launcher agree on what a run writes without importing each other:
 
   <out_dir>/training.csv             one row per optimizer step: TRAIN_COLUMNS (+ AUX_COLUMNS)
   <out_dir>/val.csv                  one row per evaluation: VAL_COLUMNS
+  <out_dir>/long_eval.csv            with eval.suites: one row per evaluation, long_eval_columns
   <out_dir>/heartbeat_rank<r>.jsonl  one JSON object per line: HEARTBEAT_FIELDS + `event` (EVENTS)
   <out_dir>/env.json                 versions, devices, config, compile statistics
   <out_dir>/tb/                      TensorBoard event files
@@ -33,6 +34,7 @@ from nsa_jax.config import BRANCHES
 
 TRAINING_CSV = "training.csv"
 VAL_CSV = "val.csv"
+LONG_EVAL_CSV = "long_eval.csv"
 ENV_JSON = "env.json"
 TB_DIR = "tb"
 HALT_FILE = ".HALT"
@@ -43,7 +45,7 @@ CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "checkpoints_corrupt"
 PREVIOUS_DIR = "previous"
 # Files of a run, besides the globbed heartbeats and stack dumps and the tb/ folder.
-RUN_FILES = (TRAINING_CSV, VAL_CSV, ENV_JSON, HALT_FILE, ANOMALY_FILE)
+RUN_FILES = (TRAINING_CSV, VAL_CSV, LONG_EVAL_CSV, ENV_JSON, HALT_FILE, ANOMALY_FILE)
 
 
 def heartbeat_name(rank: int) -> str:
@@ -106,6 +108,26 @@ CMP_SCALE_WARN = 10.0
 SCALE_COLUMNS = ("cmp_k_ratio", "cmp_v_ratio")
 AUX_COLUMNS = (*GATE_COLUMNS, "gate_entropy", "sel_far_frac", *SCALE_COLUMNS)
 VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl", "retrieval_acc", "answers", "elapsed_s", "eval_s")
+# long_eval.csv: per suite its figures (nsa_jax/evaluation/suites.scalars), one column per length L:
+# needle accuracy (mean over depths) and answer log-probability, the mean loss and the loss of the
+# last position bucket (the farthest context), kv_recall accuracy.
+LONG_EVAL_METRICS = {
+    "needle": ("needle_acc", "needle_logp"),
+    "loss-by-position": ("loss", "loss_far"),
+    "kv_recall": ("kv_acc",),
+}
+
+
+def long_eval_column(metric: str, length: int) -> str:
+    return f"{metric}_L{length}"
+
+
+def long_eval_columns(suites, lengths) -> tuple[str, ...]:
+    """long_eval.csv's header for these suites and lengths."""
+    cols = [long_eval_column(m, L) for s in suites for m in LONG_EVAL_METRICS[s] for L in lengths]
+    return ("step", "tokens", *cols, "long_eval_s")
+
+
 # The torch trainer's header-less training.csv.
 LEGACY_COLUMNS = ("step", "loss", "lr", "toks_per_s")
 # A header-less file of ours is read in this order.

@@ -237,3 +237,61 @@ def test_over_memory_length_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: L=4096 needs ") and "4.00 MB (given limit)" in err[0]
     assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.slow
+def test_training_runs_the_suites_and_the_report_shows_them(tmp_path):
+    """eval.suites during `launch.train`: long_eval.csv and TensorBoard get the figures, launch.report prints them."""
+    from nsa_jax.report.summary import load_run
+
+    out = tmp_path / "run"
+    sets = [*TINY, "--set", "train.seq_len=128", "--set", "train.global_batch=2", "--set", "train.eval_every=2"]
+    sets += ["--set", "train.eval_batches=1", "--set", "eval.suites=needle,loss-by-position"]
+    sets += ["--set", "eval.lengths=128,256", "--set", "eval.depths=0,1", "--set", "eval.samples=1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cmd = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "2", "--out-dir", str(out)]
+    proc = subprocess.run([*cmd, *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^long eval: step 2 \| needle_acc_L128 \d\.\d{3} ", proc.stdout, re.M), proc.stdout
+    lines = (out / "long_eval.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    assert header == [
+        "step",
+        "tokens",
+        "needle_acc_L128",
+        "needle_acc_L256",
+        "needle_logp_L128",
+        "needle_logp_L256",
+        "loss_L128",
+        "loss_L256",
+        "loss_far_L128",
+        "loss_far_L256",
+        "long_eval_s",
+    ]
+    row = dict(zip(header, lines[1].split(",")))
+    assert len(lines) == 2 and row["step"] == "2" and 0 <= float(row["needle_acc_L256"]) <= 1
+    assert float(row["needle_logp_L128"]) < 0 and float(row["loss_far_L256"]) > 0
+    assert any(b"long/needle_acc_L256" in f.read_bytes() for f in (out / "tb").rglob("*") if f.is_file())
+    assert load_run(out).long_eval["loss_L256"] == pytest.approx(float(row["loss_L256"]), rel=1e-5)
+    report = subprocess.run(
+        [sys.executable, "-m", "launch.report", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert re.search(r"^long eval \(step 2\): needle_acc_L128 \d\.\d{3}, ", report.stdout, re.M), report.stdout
+
+
+def test_scalars_name_the_long_eval_columns(tmp_path):
+    from nsa_jax import runfiles as rf
+    from nsa_jax.evaluation.suites import scalars
+    from nsa_jax.report.summary import load_run, long_eval_line
+
+    res = run_suites(Stub(lambda r: True), CFG, ["needle", "loss-by-position", "kv_recall"], [200], text=text_rows)
+    got = scalars(res)
+    cols = rf.long_eval_columns(["needle", "loss-by-position", "kv_recall"], [200])
+    assert set(got) == set(cols) - {"step", "tokens", "long_eval_s"}
+    assert got["needle_acc_L200"] == 1.0 and got["kv_acc_L200"] == 1.0
+    assert got["loss_far_L200"] == pytest.approx(-np.log(0.9))
+    w = rf.CsvWriter(tmp_path / rf.LONG_EVAL_CSV, cols)
+    w.write({"step": 4, "tokens": 100, **got, "long_eval_s": 1.5})
+    w.close()
+    line = long_eval_line(load_run(tmp_path))
+    assert line.startswith("long eval (step 4): needle_acc_L200 1.000, needle_logp_L200 -0.527, ")

@@ -59,11 +59,11 @@ class ModelScorer:
 
     def __init__(self, cfg: ModelConfig, params: Any, batch: int, device_memory: int | None = None):
         self.cfg, self.batch = cfg, batch
-        self.params = jax.device_put(params)
+        self.device = jax.local_devices()[0]
+        self.params = jax.device_put(params, self.device)
         self.fn = jax.jit(make_score_fn(cfg))
-        device = jax.devices()[0]
         if device_memory is None:
-            self.limit, self.limit_source = device_memory_limit(device)
+            self.limit, self.limit_source = device_memory_limit(self.device)
         else:
             self.limit, self.limit_source = device_memory, "given limit"
         self.compiled: dict[int, Any] = {}
@@ -92,5 +92,5 @@ class ModelScorer:
         if tokens_BxT1.shape[0] != self.batch:
             raise ValueError(f"the scorer takes {self.batch} rows at a time, got {tokens_BxT1.shape[0]}")
         self.prepare(L)
-        nll, hit = self.compiled[L](self.params, jnp.asarray(tokens_BxT1))
+        nll, hit = self.compiled[L](self.params, jax.device_put(tokens_BxT1, self.device))
         return np.asarray(nll), np.asarray(hit)

@@ -25,13 +25,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from nsa_jax.config import Config, replace
+from nsa_jax.config import EVAL_SUITES, Config, replace
 from nsa_jax.data import make_dataset, make_tokenizer
 from nsa_jax.data.kv_recall import make_kv_batch
 from nsa_jax.data.needle import answer_mask, make_needle_row, passkey
 from nsa_jax.evaluation import scoring
+from nsa_jax.runfiles import long_eval_column
 
-SUITES = ("needle", "loss-by-position", "kv_recall")
+SUITES = EVAL_SUITES
 DEFAULT_DEPTHS = tuple(i / 10 for i in range(11))
 
 Rows = Callable[[int, int], np.ndarray]
@@ -212,4 +213,20 @@ def run_suites(
             out[s] = loss_by_position(scorer, text, lengths, rows, advance)
         else:
             out[s] = kv_recall(scorer, cfg, lengths, rows, seed, advance)
+    return out
+
+
+def scalars(results: dict) -> dict[str, float]:
+    """The figures of `run_suites`' results that a run logs (runfiles.LONG_EVAL_METRICS), by column name."""
+    out: dict[str, float] = {}
+    if "needle" in results:
+        r = results["needle"]
+        for L, acc, lp in zip(r["lengths"], r["accuracy"], r["logprob"]):
+            out[long_eval_column("needle_acc", L)] = float(np.mean(acc))
+            out[long_eval_column("needle_logp", L)] = float(np.mean(lp))
+    for L, r in results.get("loss-by-position", {}).get("by_length", {}).items():
+        out[long_eval_column("loss", L)] = r["mean"]
+        out[long_eval_column("loss_far", L)] = next(v for v in reversed(r["loss"]) if v is not None)
+    for L, r in results.get("kv_recall", {}).get("by_length", {}).items():
+        out[long_eval_column("kv_acc", L)] = r["mean"]
     return out

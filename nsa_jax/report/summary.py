@@ -82,6 +82,8 @@ class Run:
     series_path: pathlib.Path | None = None
     val: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     val_source: str | None = None
+    # The last row of long_eval.csv (eval.suites): step and each suite's figures.
+    long_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     heartbeats: dict[int, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
     env: dict[str, Any] | None = None
     halt: str | None = None
@@ -245,6 +247,12 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
         if steps:
             run.val = list(zip(steps, vals))
             run.val_source = "training.csv val_loss"
+
+    long_path = root / rf.LONG_EVAL_CSV
+    if long_path.is_file():
+        _, lrows = read_csv(long_path, run.problems)
+        if lrows:
+            run.long_eval = {k: v for k, v in lrows[-1].items() if v is not None and k != "tokens"}
 
     for name, attr in ((rf.HALT_FILE, "halt"), (rf.ANOMALY_FILE, "anomaly_type")):
         f = root / name
@@ -655,6 +663,14 @@ def _heartbeat_health(run: Run, th: Thresholds, fig: dict) -> Criterion:
 # text
 
 
+def long_eval_line(run: Run) -> str | None:
+    """'long eval (step 400): needle_acc_L1024 0.910, ...' from long_eval.csv's last row."""
+    if not run.long_eval:
+        return None
+    figures = {k: v for k, v in run.long_eval.items() if k not in ("step", "long_eval_s")}
+    return f"long eval (step {int(run.long_eval['step'])}): " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+
+
 def format_summary(s: Summary) -> str:
     run = s.run
     out = [f"run: {run.path} ({s.state})", f"window: {s.window}"]
@@ -664,6 +680,8 @@ def format_summary(s: Summary) -> str:
     width = max(len(c.name) for c in s.criteria)
     for c in s.criteria:
         out.append(f"  {c.status:<6} {c.name:<{width}}  {c.detail}")
+    if long_eval_line(run):
+        out.append(long_eval_line(run))
     fail = s.failing()
     out.append(f"verdict: {s.verdict}" + (f" ({', '.join(fail)})" if fail else ""))
     return "\n".join(out)
@@ -688,6 +706,8 @@ def markdown_summary(s: Summary, images: dict[str, str], skipped: dict[str, str]
     if run.missing:
         lines.append("- missing: " + "; ".join(f"`{m}`" for m in run.missing))
     lines += [f"- problem: {_md_escape(p)}" for p in run.problems]
+    if long_eval_line(run):
+        lines.append(f"- {long_eval_line(run)}")
     lines += ["", "| criterion | verdict | detail |", "|---|---|---|"]
     lines += [f"| {c.name} | {c.status} | {_md_escape(c.detail)} |" for c in s.criteria]
     lines.append("")

@@ -12,6 +12,7 @@ the report and the watchdogs read by too:
   val.csv                 one row per evaluation on the fixed held-out set:
                           step, tokens, val_loss, val_ppl, retrieval_acc (kv_recall), answers,
                           elapsed_s (nsa_jax/train/evaluate.py)
+  long_eval.csv           with eval.suites: the long-context suites' figures per evaluation
   tb/                     tensorboardX event files
 On resume both CSVs keep their rows up to the restored step (rewritten atomically,
 then appended to); later rows are re-run.
@@ -226,6 +227,10 @@ class TbLog:
 
         self.w = SummaryWriter(logdir=str(logdir), flush_secs=30)
 
+    def long_eval_row(self, row: dict[str, Any]) -> None:
+        if self.long_csv is not None:
+            self.long_csv.write(row)
+
     def scalars(self, step: int, values: dict[str, Any]) -> None:
         for k, v in values.items():
             if v is not None and math.isfinite(float(v)):
@@ -266,6 +271,10 @@ class RunArtifacts:
         self.csv = CsvLog(self.out / rf.TRAINING_CSV, csv_columns(cfg), resume_step) if log.csv and lead else None
         self.val_csv = CsvLog(self.out / rf.VAL_CSV, rf.VAL_COLUMNS, resume_step) if log.csv and lead else None
         self.tb = TbLog(self.out / rf.TB_DIR) if log.tensorboard and lead else None
+        self.long_csv = None
+        if log.csv and lead and cfg.eval.suites:
+            cols = rf.long_eval_columns(cfg.eval.suites, cfg.eval.lengths or (cfg.train.seq_len,))
+            self.long_csv = CsvLog(self.out / rf.LONG_EVAL_CSV, cols, resume_step)
 
     def write_env(self, **sections: Any) -> None:
         """(Re)writes env.json atomically, adding `sections` (e.g. compile statistics)."""
@@ -288,11 +297,15 @@ class RunArtifacts:
         if self.val_csv is not None:
             self.val_csv.write(row)
 
+    def long_eval_row(self, row: dict[str, Any]) -> None:
+        if self.long_csv is not None:
+            self.long_csv.write(row)
+
     def scalars(self, step: int, values: dict[str, Any]) -> None:
         if self.tb is not None:
             self.tb.scalars(step, values)
 
     def close(self) -> None:
-        for w in (self.hb, self.csv, self.val_csv, self.tb):
+        for w in (self.hb, self.csv, self.val_csv, self.long_csv, self.tb):
             if w is not None:
                 w.close()

@@ -223,6 +223,7 @@ class Trainer:
         )
         self._first = self._first_batch()
         self.evaluator: Evaluator | None = None  # built at the first evaluation
+        self.long_eval = None  # eval.suites, built at the first evaluation (nsa_jax/evaluation/training.py)
         self.state = state
 
     # -- output ---------------------------------------------------------------
@@ -492,6 +493,17 @@ class Trainer:
         val = Evaluator.finish(self.evaluator.dispatch(self.state.params))
         return val, time.perf_counter() - t0
 
+    def _long_evaluate(self) -> dict[str, float]:
+        """The eval.suites figures of the current state (long_eval.csv columns); {} without suites."""
+        if not self.cfg.eval.suites:
+            return {}
+        t0 = time.perf_counter()
+        if self.long_eval is None:
+            from nsa_jax.evaluation.training import TrainingSuites
+
+            self.long_eval = TrainingSuites(self.cfg)
+        return {**self.long_eval(self.state.params), "long_eval_s": time.perf_counter() - t0}
+
     def _record(self, p: _Pending) -> bool:
         """Reads a finished step's metrics (blocking) and logs them; False stops the run."""
         cfg = self.cfg
@@ -501,10 +513,11 @@ class Trainer:
         step_time = now - max(self._last_done, p.dispatched)
         self._last_done = now
         self._step_s += step_time
-        val, eval_s = None, None
+        val, eval_s, long = None, None, {}
         if p.evaluate:  # the state is still the one after p.step: nothing was dispatched since
             val, eval_s = self._evaluate()
             val["eval_s"] = eval_s
+            long = self._long_evaluate()
             self._last_done = time.perf_counter()
         if p.step == self._dense_until + 1 and p.step > 1:
             self.say(f"selection: dense warm-up over; top-{cfg.model.nsa.n} from step {p.step}")
@@ -541,6 +554,10 @@ class Trainer:
                     "eval/seconds": eval_s,
                 }
             )
+            if long:
+                self.art.long_eval_row({"step": p.step, "tokens": row["tokens"], **long})
+                scalars.update({f"long/{k}": v for k, v in long.items()})
+                self.say(f"long eval: step {p.step} | " + " ".join(f"{k} {v:.3f}" for k, v in long.items()))
         if self.summary["first_loss"] is None:
             self.summary["first_loss"] = loss
         self.summary.update(last_loss=loss, steps_done=p.step)
