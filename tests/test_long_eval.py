@@ -295,3 +295,19 @@ def test_scalars_name_the_long_eval_columns(tmp_path):
     w.close()
     line = long_eval_line(load_run(tmp_path))
     assert line.startswith("long eval (step 4): needle_acc_L200 1.000, needle_logp_L200 -0.527, ")
+
+
+def test_text_rows_from_the_validation_split(tmp_path):
+    """Without files the rows come from the run's val split through the data pipeline, at any length."""
+    from nsa_jax.evaluation.suites import TextRows
+
+    for i in range(4):
+        (tmp_path / f"doc{i}.txt").write_text(f"Document {i}. " + HAY)
+    over = ["data.dataset=text", f"data.path={tmp_path}", "data.val_fraction=0.99", "model.vocab_size=320"]
+    cfg = load_config("cpu_tiny", over)
+    rows = TextRows(cfg)(300, 2)
+    assert rows.shape == (2, 301) and rows.dtype == np.int32
+    assert "Water flows downhill" in TOK.decode(rows[0])
+    # Files given instead: the text itself, cut in order.
+    rows = TextRows(cfg, [str(tmp_path / "doc0.txt")])(100, 2)
+    assert TOK.decode(rows[0]) == ("Document 0. " + HAY)[:101]
