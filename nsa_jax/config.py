@@ -132,7 +132,8 @@ class DataConfig:
 
     # tokenized: a folder written by `python -m launch.prepare_data` (its manifest sets the
     # train/val split, so val_fraction is not used; tokenizer must be the manifest's).
-    dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall", "tokenized"] = "synthetic"
+    # needle: pass-key rows over the text of data.path, loss on the answer (nsa_jax/data/needle.py).
+    dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall", "needle", "tokenized"] = "synthetic"
     path: str = ""
     tokenizer: str = "byte"
     val_fraction: float = 0.01

@@ -311,3 +311,27 @@ def test_text_rows_from_the_validation_split(tmp_path):
     # Files given instead: the text itself, cut in order.
     rows = TextRows(cfg, [str(tmp_path / "doc0.txt")])(100, 2)
     assert TOK.decode(rows[0]) == ("Document 0. " + HAY)[:101]
+
+
+def test_needle_training_source_and_its_loss_mask(tmp_path):
+    """`dataset: needle`: rows in the evaluation's format, the loss on the pass key only, exact state."""
+    from nsa_jax.data import make_dataset
+    from nsa_jax.train.step import loss_mask
+
+    (tmp_path / "hay.txt").write_text(HAY)
+    over = ["data.dataset=needle", f"data.path={tmp_path / 'hay.txt'}", "train.seq_len=200", "train.global_batch=3"]
+    cfg = load_config("cpu_tiny", over)
+    ds = make_dataset(cfg, "train")
+    first = next(ds)
+    assert first.shape == (3, 201) and first.dtype == np.int32
+    for row in first:
+        text = TOK.decode(row)
+        key = text[-5:]
+        assert key.isdigit() and text.endswith(QUESTION + key) and f"The pass key is {key}. Remember" in text
+    mask = np.asarray(loss_mask(first, cfg))
+    assert mask.shape == (3, 200) and mask.sum() == 15 and mask[:, -5:].all()
+    state = ds.get_state()
+    second = next(ds)
+    ds.set_state(state)
+    np.testing.assert_array_equal(next(ds), second)
+    assert not np.array_equal(next(make_dataset(cfg, "val")), first)

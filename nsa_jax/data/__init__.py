@@ -6,7 +6,8 @@ Every dataset yields int32 arrays tokens_BxT1 of shape
 inputs = tokens_BxT1[:, :-1] and targets = tokens_BxT1[:, 1:]. Streams have an exact,
 JSON-serialisable `get_state()` / `set_state()`.
 
-Modules: synthetic (Markov + copy stream), kv_recall (long-range recall task),
+Modules: synthetic (Markov + copy stream), kv_recall (long-range recall task), needle
+(pass-key retrieval in text),
 tokenizers (byte / tokenizers JSON / tiktoken), sources (parquet, jsonl, txt readers),
 pipeline (grain: sharding, shuffling, tokenising, packing, prefetch), shards (the
 pre-tokenized format `python -m launch.prepare_data` writes) and tokenized (batches
@@ -74,6 +75,10 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
         return KVRecallDataset.from_config(
             cfg, batch=cfg.train.global_batch, split=split, process_index=process_index, process_count=process_count
         )
+    if kind == "needle":
+        from nsa_jax.data.needle import NeedleDataset
+
+        return NeedleDataset(cfg, split=split, process_index=process_index, process_count=process_count)
     # grain imports jax (seconds): the file datasets are imported on use, so `import nsa_jax.data`
     # stays light for launch.train's config checks (before XLA_FLAGS is set) and prepare_data.
     if kind in FILE_DATASETS:
@@ -89,7 +94,7 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
             cfg, batch=cfg.train.global_batch, split=split, process_index=process_index, process_count=process_count
         )
     raise ValueError(
-        f"data.dataset is {kind!r}; use one of synthetic, kv_recall, {', '.join(FILE_DATASETS)}, tokenized"
+        f"data.dataset is {kind!r}; use one of synthetic, kv_recall, needle, {', '.join(FILE_DATASETS)}, tokenized"
     )
 
 

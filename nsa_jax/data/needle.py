@@ -17,6 +17,11 @@ row. Digits and ASCII text are in every tokenizer's alphabet. A model retrieves 
 needle when its greedy predictions at the answer targets are the answer (exact
 match; with teacher forcing this is what greedy decoding after the question emits)
 and its log-probability of the answer measures how sure it is.
+
+`dataset: needle` (NeedleDataset) trains on such rows: the haystack is the text of
+`data.path` (text files, a folder of .txt files or a glob) from a random offset, the
+depth uniform in [0, 1], a new pass key per row; the loss counts the answer targets
+only (`answer_len`, the last targets of every row: nsa_jax/train/step.loss_mask).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from nsa_jax.data.stream import GlobalRowStream, split_id
 
 PASSKEY_DIGITS = 5
 NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
@@ -83,3 +90,46 @@ def answer_mask(row: NeedleRow) -> np.ndarray:
     mask = np.zeros(len(row.tokens_T1) - 1, bool)
     mask[row.answer_start - 1 : row.answer_start - 1 + row.answer_len] = True
     return mask
+
+
+def answer_len(tokenizer: Any) -> int:
+    """Tokens of a pass key: the answer targets at the end of every row."""
+    return len(needle_pieces(tokenizer, "9" * PASSKEY_DIGITS)[2])
+
+
+class NeedleDataset(GlobalRowStream):
+    """`dataset: needle`: rows of make_needle_row over a text haystack, numbered over the whole run."""
+
+    kind = "needle"
+
+    def __init__(self, cfg: Any, split: str, process_index: int = 0, process_count: int = 1):
+        from nsa_jax.data.sources import list_files
+        from nsa_jax.data.tokenizers import make_tokenizer
+
+        self.tok = make_tokenizer(cfg.data)
+        files = list_files(cfg.data.path, "text")
+        text = "\n\n".join(open(f, encoding="utf-8").read() for f in files)
+        self.hay = np.asarray(self.tok.encode(text), np.int32)
+        self.seq_len, self.seed, self.split = int(cfg.train.seq_len), int(cfg.train.seed), split
+        if len(self.hay) < 2:
+            raise ValueError(f"data.path {cfg.data.path} holds no text for the needle haystack")
+        if self.hay.max() >= cfg.model.vocab_size:
+            raise ValueError(f"the haystack has token id {int(self.hay.max())}, outside model.vocab_size")
+        if self.seq_len + 1 < min_row_len(self.tok):
+            raise ValueError(f"train.seq_len must be >= {min_row_len(self.tok) - 1} for data.dataset=needle")
+        reps = -(-2 * (self.seq_len + 1) // len(self.hay))
+        self.hay = np.tile(self.hay, max(reps, 1) + 1)
+        t = cfg.train
+        self._init_rows(t.global_batch, process_index, process_count, t.global_batch * t.accumulate)
+
+    def _make_block(self, k: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed % 2**32, split_id(self.split), int(k), 0x4E44])
+        L, rows = self.seq_len, []
+        span = len(self.hay) - (L + 1)
+        for _ in range(self.block_rows):
+            at = int(rng.integers(0, span))
+            rows.append(make_needle_row(self.hay[at : at + L + 1], L, float(rng.random()), passkey(rng), self.tok))
+        return np.stack([r.tokens_T1 for r in rows])
+
+    def __next__(self) -> np.ndarray:
+        return self._next_local()

@@ -41,7 +41,7 @@ def make_eval_fn(cfg: Config):
     Sums, not means, so batches of any split add up exactly.
     """
     model = NSALM(cfg.model)
-    kv = cfg.data.dataset == "kv_recall"
+    kv = cfg.data.dataset in ("kv_recall", "needle")  # answer accuracy: kv_recall's values, the pass key
 
     def eval_fn(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
@@ -53,7 +53,10 @@ def make_eval_fn(cfg: Config):
         if not kv:
             out["correct"] = out["scored"] = jnp.zeros((), jnp.float32)
             return out
-        answer_BxT = kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
+        if cfg.data.dataset == "needle":
+            answer_BxT = mask_BxT
+        else:
+            answer_BxT = kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
         hit_BxT = (logits_BxTxV.argmax(-1) == targets_BxT) & answer_BxT
         out["correct"] = hit_BxT.sum().astype(jnp.float32)
         out["scored"] = answer_BxT.sum().astype(jnp.float32)

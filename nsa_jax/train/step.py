@@ -126,8 +126,15 @@ def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     kv_recall with data.kv_loss_mask: only the answers (target t where input t - 1 is
     the QUERY marker, id vocab_size - 1; nsa_jax/data/kv_recall.py). The rest of
     such a row is uniform noise that no model can predict, whose gradient only
-    drowns the few positions that teach retrieval.
+    drowns the few positions that teach retrieval. needle: only the pass key.
     """
+    if cfg.data.dataset == "needle":  # the pass key: the last answer_len targets of every row
+        from nsa_jax.data.needle import answer_len
+        from nsa_jax.data.tokenizers import make_tokenizer
+
+        T = tokens_BxT1.shape[1] - 1
+        n = answer_len(make_tokenizer(cfg.data))
+        return jnp.broadcast_to(jnp.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
     if cfg.data.dataset != "kv_recall" or not cfg.data.kv_loss_mask:
         return None
     return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
