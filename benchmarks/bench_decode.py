@@ -42,7 +42,7 @@ from nsa_jax.config import ModelConfig, NSAConfig
 from nsa_jax.inference import cache_sizes, decode_step, init_cache
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.info import param_shapes
-from nsa_jax.nsa.selection import num_compressed
+from nsa_jax.kernels.xla import num_compressed
 
 PROD_NSA = NSAConfig(l=32, d=16, lp=64, n=16, w=512, attention_impl="xla")
 TABLE_CONTEXTS = (8192, 16384, 32768, 65536)

@@ -44,7 +44,6 @@ from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
 from nsa_jax.model import NSALM, cross_entropy
-from nsa_jax.nsa.layer import scale_selection_values, selection_warmup_scale
 from nsa_jax.train import step as S
 
 
@@ -85,12 +84,9 @@ def make_evaluator(cfg, val_batches: list[np.ndarray]):
     model = NSALM(cfg.model)
     kv = cfg.data.dataset == "kv_recall"
     slc = "slc" in cfg.model.nsa.branches
-    warmup = cfg.model.nsa.slc_warmup_steps
 
     @jax.jit
-    def forward(params, tokens_BxT1, step):
-        if warmup:  # evaluate the model the train step trains (selection output scaled)
-            params = scale_selection_values(params, selection_warmup_scale(step, warmup))
+    def forward(params, tokens_BxT1):
         logits, inter = model.apply({"params": params}, tokens_BxT1[:, :-1], mutable=["intermediates"])
         inter = inter["intermediates"]
         layers = inter["layers"]["attn"] if cfg.model.scan_layers else None
@@ -109,7 +105,7 @@ def make_evaluator(cfg, val_batches: list[np.ndarray]):
         hits = total = 0
         losses, gates, rec_hits, rec_total = [], [], 0, 0
         for i, tokens in enumerate(val_batches):
-            preds, loss, g, idx = forward(params, tokens, step)
+            preds, loss, g, idx = forward(params, tokens)
             losses.append(float(loss))
             gates.append(np.asarray(g))
             if kv:

@@ -38,7 +38,7 @@ import jax
 from launch.cli import Parser, UsageError
 from nsa_jax.aot import TRITON_TARGET, compiled_kernels, layer_forward_backward
 from nsa_jax.config import ConfigError, load_config
-from nsa_jax.nsa.selection import num_compressed
+from nsa_jax.kernels.xla import num_compressed
 
 MiB = 1024 * 1024
 # Element widths of the StableHLO types a layer uses (a predicate is stored as a byte).

@@ -16,7 +16,7 @@ block (not block 0 nor the two local blocks, which are always selected), per lay
   uniform           1 / number of free blocks, the chance level of the last two
 
     python -m benchmarks.selection_diagnosis $(KV_BASE of docs/EXPERIMENTS.md) --steps 600 \\
-        --set model.nsa.gate_bias_init=-2,2,-2 --set model.nsa.slc_score_distill=1.0
+        --set model.nsa.gate_bias_init=-2,2,-2 --set train.scorer_distill=1.0
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def main() -> None:
 
     nsa_layer.score_distill_kl = catch
     try:
-        diag_cfg = load_config(args.config, [*common, "model.nsa.slc_score_distill=1.0"])
         tokens = val_batches[0]
-        NSALM(diag_cfg.model).apply({"params": state.params}, jnp.asarray(tokens[:, :-1]), mutable=["aux"])
+        # A mutable `losses` collection asks the layers for the distillation (nsa/layer.py).
+        NSALM(cfg.model).apply({"params": state.params}, jnp.asarray(tokens[:, :-1]), mutable=["losses"])
         jax.effects_barrier()
     finally:
         nsa_layer.score_distill_kl = original

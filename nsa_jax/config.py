@@ -13,6 +13,7 @@ Dimension letters used across the project (declared once, here):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pathlib
 import types
@@ -28,6 +29,22 @@ class ConfigError(ValueError):
     """A config problem, phrased as one line that names the key and how to fix it."""
 
 
+# Options that are gone (the evidence: docs/EXPERIMENTS.md "Retired options"): key -> its "off"
+# value, which configs saved before the retirement hold (upgrade_saved drops it there).
+RETIRED = {
+    "model.nsa.slc_straight_through": False,
+    "model.nsa.slc_warmup_steps": 0,
+    "model.nsa.gate_zero_kernel": False,
+}
+RETIRED_VALUES = {"model.nsa.cmp_phi": ("mlp_norm", "avg_mlp")}
+RETIRED_DOC = "docs/EXPERIMENTS.md#retired-options"
+# Training schedules that were model keys: old key -> new key.
+MOVED = {
+    "model.nsa.slc_dense_warmup_steps": "train.dense_selection_steps",
+    "model.nsa.slc_score_distill": "train.scorer_distill",
+    "model.nsa.slc_score_distill_steps": "train.scorer_distill_steps",
+}
+
 # The NSA branches, in the order of the gate's outputs (the run files name their columns after them).
 BRANCHES = ("cmp", "slc", "win")
 
@@ -41,34 +58,12 @@ class NSAConfig:
     lp: int = 64  # selection block length (the paper's l')
     n: int = 16  # selected blocks per query, the 3 forced ones included
     w: int = 512  # sliding window
-    cmp_phi: Literal["mlp", "mlp_norm", "avg_mlp", "avg"] = "avg"  # block -> one key/value map (docs/NSA.md)
+    cmp_phi: Literal["mlp", "avg"] = "avg"  # block -> one key/value map (docs/NSA.md)
     cmp_mlp_hidden: int = 128  # hidden width of the mlp phi (weights shared across heads)
     gate_hidden: int = 64  # hidden width of the gate MLP
-    # Learning remedies (docs/NSA.md "Learning options"); every default leaves the forward math unchanged.
-    # Initial bias of the last gate Dense per branch [cmp, slc, win] (sigmoid(b) is the start gate);
-    # empty: zero biases, every gate starts near 0.5.
+    # Initial bias of the last gate Dense per branch [cmp, slc, win] (sigmoid(b) is the start gate;
+    # docs/NSA.md "Learning options"); empty: zero biases, every gate starts near 0.5.
     gate_bias_init: tuple[float, ...] = ()
-    # Zero kernel for the last gate Dense: every gate starts at exactly sigmoid(bias), for every token.
-    gate_zero_kernel: bool = False
-    # Straight-through top-n: the selection output of each selected block is multiplied by
-    # (1 + s - stop_gradient(s)) of its normalised block score s, so the forward is unchanged and
-    # the compressed keys and queries get a gradient from the selection branch.
-    slc_straight_through: bool = False
-    # Selection warm-up: the selection branch's output is scaled by min(1, step / N) in the train
-    # step (0 at step 0, full from step N); 0 disables it.
-    slc_warmup_steps: int = 0
-    # Dense selection warm-up: for the first N steps the train step runs the model with n = every
-    # block of train.seq_len, so the selection branch sees every earlier key while (with
-    # slc_score_distill) the block scorer learns where that attention goes; top-n from step N on.
-    # Evaluation and decode always use n. 0 disables it.
-    slc_dense_warmup_steps: int = 0
-    # Block-scorer distillation: adds weight * KL(dense selection attention per block || compressed
-    # block scores) over the free block choices to the loss; its gradient reaches only the compressed
-    # keys (nsa/selection.score_distill_kl). 0 disables it.
-    slc_score_distill: float = 0.0
-    # Steps the distillation runs for: 0 every step; N only the first N (e.g. the dense warm-up,
-    # so the dense target's cost ends with it).
-    slc_score_distill_steps: int = 0
     # Branches whose output enters the gated sum; others are dropped (ablations).
     # Selection still scores blocks with the compressed keys when cmp is off.
     branches: tuple[str, ...] = BRANCHES
@@ -124,6 +119,15 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 1337
     out_dir: str = "artifacts/run"
+    # Training schedule of the selection branch (docs/NSA.md "Learning options"; the phases:
+    # nsa_jax/train/schedule.py). Dense selection: for the first N steps every block of seq_len
+    # is selected (evaluation and decode always use model.nsa.n); 0: off.
+    dense_selection_steps: int = 0
+    # Block-scorer distillation: adds weight * KL(dense selection attention per block ||
+    # compressed block scores) to the loss; only the compressed keys learn from it; 0: off.
+    scorer_distill: float = 0.0
+    # Steps the distillation runs for: 0 every step; N only the first N.
+    scorer_distill_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +274,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Checks `value` against the annotation `tp`; returns it in canonical form."""
     origin = typing.get_origin(tp)
     if origin is Literal:
+        if value in RETIRED_VALUES.get(key, ()):
+            raise ConfigError(f"config: {key}={value} was retired; use {_type_name(tp)} (the evidence: {RETIRED_DOC})")
         if value not in typing.get_args(tp):
             raise ConfigError(f"config: {key} is {value!r}; it must be {_type_name(tp)}")
         return value
@@ -317,6 +323,12 @@ def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
+    for name in unknown:
+        key = f"{prefix}{name}"
+        if key in RETIRED:
+            raise ConfigError(f"config: {key} was retired; remove it (the evidence: {RETIRED_DOC})")
+        if key in MOVED:
+            raise ConfigError(f"config: {key} is now {MOVED[key]} (a training schedule); rename it")
     if unknown:
         raise ConfigError(
             f"config: unknown key '{prefix}{unknown[0]}'; valid keys in "
@@ -364,29 +376,19 @@ def validate(cfg: Config) -> Config:
         len(a.gate_bias_init) in (0, 3),
         f"model.nsa.gate_bias_init must be empty or three numbers [cmp, slc, win], got {list(a.gate_bias_init)}",
     )
-    need(
-        a.slc_score_distill >= 0,
-        f"model.nsa.slc_score_distill must be >= 0 (0 disables it), got {a.slc_score_distill}",
-    )
-    need(a.slc_warmup_steps >= 0, f"model.nsa.slc_warmup_steps must be >= 0 (0 disables it), got {a.slc_warmup_steps}")
-    need(
-        a.slc_dense_warmup_steps >= 0,
-        f"model.nsa.slc_dense_warmup_steps must be >= 0 (0 disables it), got {a.slc_dense_warmup_steps}",
-    )
-    need(
-        a.slc_score_distill_steps >= 0,
-        f"model.nsa.slc_score_distill_steps must be >= 0 (0: every step), got {a.slc_score_distill_steps}",
-    )
-    for key in ("slc_warmup_steps", "slc_dense_warmup_steps", "slc_score_distill_steps"):
-        need(
-            not (getattr(a, key) and cfg.parallel.strategy == "pmap"),
-            f"model.nsa.{key} needs a strategy other than parallel.strategy=pmap (dp, gspmd, zero1, fsdp)",
-        )
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
 
     for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):
         need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
     need(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
+    need(t.scorer_distill >= 0, f"train.scorer_distill must be >= 0 (0 disables it), got {t.scorer_distill}")
+    for key in ("dense_selection_steps", "scorer_distill_steps"):
+        need(getattr(t, key) >= 0, f"train.{key} must be >= 0 (0: see docs/NSA.md), got {getattr(t, key)}")
+    for key in ("dense_selection_steps", "scorer_distill_steps"):
+        need(
+            not (getattr(t, key) and cfg.parallel.strategy == "pmap"),
+            f"train.{key} needs a strategy other than parallel.strategy=pmap (dp, gspmd, zero1, fsdp)",
+        )
     need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
@@ -472,6 +474,36 @@ def load_config(name: str | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"config: {path} must hold a mapping of sections (model:, train:, ...)")
     data = apply_overrides(data, list(overrides))
     return validate(from_dict(Config, data))
+
+
+def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
+    """A config dict saved by an earlier version (a checkpoint's, a run's config.yaml) in today's keys.
+
+    Retired options at their "off" value are dropped (a saved config lists every key) and
+    moved schedules take their new names; a retired option that was on stays, so loading
+    it fails with the retirement's one line.
+    """
+    data = copy.deepcopy(data)
+    for old, off in RETIRED.items():
+        *path, name = old.split(".")
+        node = _section(data, path)
+        if node is not None and name in node and node[name] == off:
+            del node[name]
+    for old, new in MOVED.items():
+        *path, name = old.split(".")
+        node = _section(data, path)
+        if node is not None and name in node:
+            *new_path, new_name = new.split(".")
+            target = _section(data, new_path)
+            if target is not None:
+                target.setdefault(new_name, node.pop(name))
+    return data
+
+
+def _section(data: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
+    for part in path:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
 
 
 def replace(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

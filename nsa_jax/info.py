@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import Config, ModelConfig
+from nsa_jax.kernels.xla import num_compressed
 from nsa_jax.model import NSALM
-from nsa_jax.nsa.selection import num_compressed
 
 
 def param_shapes(cfg: ModelConfig):
@@ -68,25 +68,23 @@ def keys_per_query(cfg: ModelConfig, T: int) -> dict[str, float]:
     return out
 
 
+# The learning options (docs/NSA.md "Learning options"): (section, key).
 LEARNING_OPTIONS = (
-    "gate_bias_init",
-    "gate_zero_kernel",
-    "slc_straight_through",
-    "slc_warmup_steps",
-    "slc_dense_warmup_steps",
-    "slc_score_distill",
-    "slc_score_distill_steps",
+    ("model.nsa", "gate_bias_init"),
+    ("train", "dense_selection_steps"),
+    ("train", "scorer_distill"),
+    ("train", "scorer_distill_steps"),
 )
 
 
 def learning_options(cfg: Config) -> str:
-    """The model.nsa learning options (docs/NSA.md) that differ from their defaults, as `name=value` pairs."""
-    a, default = cfg.model.nsa, type(cfg.model.nsa)()
+    """The learning options (docs/NSA.md) that differ from their defaults, as `key=value` pairs."""
+    sections = {"model.nsa": (cfg.model.nsa, type(cfg.model.nsa)()), "train": (cfg.train, type(cfg.train)())}
     pairs = []
-    for name in LEARNING_OPTIONS:
-        value = getattr(a, name)
-        if value != getattr(default, name):
-            pairs.append(f"{name}={','.join(map(str, value)) if isinstance(value, tuple) else value}")
+    for section, name in LEARNING_OPTIONS:
+        now, default = (getattr(obj, name) for obj in sections[section])
+        if now != default:
+            pairs.append(f"{name}={','.join(map(str, now)) if isinstance(now, tuple) else now}")
     return " ".join(pairs)
 
 

@@ -83,7 +83,7 @@ class NSALM(nn.Module):
             # as scanned xs/ys: a scan's ys would rewrite the whole cache every step.
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, "intermediates": 0, "aux": 0},
+                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0},
                 variable_carry="cache",
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast),
@@ -94,7 +94,7 @@ class NSALM(nn.Module):
         elif cfg.scan_layers:
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, "intermediates": 0, "aux": 0},
+                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0},
                 split_rngs={"params": True},
                 length=cfg.n_layers,
             )

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from nsa_jax import runfiles as rf
-from nsa_jax.config import Config, ConfigError, from_dict, to_dict, validate
+from nsa_jax.config import Config, ConfigError, from_dict, to_dict, upgrade_saved, validate
 
 TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's suffix of a step directory not yet committed
 
@@ -105,7 +105,8 @@ def saved_config(step_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    return validate(from_dict(Config, data))
+    """The Config of a saved config dict, written by this version or an earlier one (upgrade_saved)."""
+    return validate(from_dict(Config, upgrade_saved(data)))
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -126,7 +127,7 @@ def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], lis
     position means. Other differences (steps, LR schedule values, logging, cadence,
     parallel layout, ...) are allowed and only reported.
     """
-    old, now = _flatten(saved), _flatten(to_dict(cfg))
+    old, now = _flatten(upgrade_saved(saved)), _flatten(to_dict(cfg))
     defaults = _flatten(to_dict(Config()))
     missing = object()
     blocking, other = [], []

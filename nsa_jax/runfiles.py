@@ -293,7 +293,7 @@ EVENTS = {
     "checkpoint_start": "a checkpoint save started (save_s: how long the loop was blocked)",
     "checkpoint": "a checkpoint step was committed on disk (msg: its path)",
     "checkpoint_failed": "a checkpoint save failed (msg: the cause); the run stops",
-    "selection_top_n": "the dense selection warm-up (model.nsa.slc_dense_warmup_steps) is over: top-n from this step",
+    "selection_top_n": "the dense selection (train.dense_selection_steps) is over: top-n from this step",
     "branch_scale": "compressed keys or values first above CMP_SCALE_WARN x the selection branch's (ratio, layer)",
     "anomaly": "a non-finite loss or gradient (anomaly_type)",
     "halt": "the run stops early (.HALT file, SIGTERM)",

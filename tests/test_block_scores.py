@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 from reference import reference_block_scores, reference_block_selection
 
+from nsa_jax.kernels import compressed_attention
 from nsa_jax.kernels.block_scores_pallas import (
     BlockSelectSizes,
     compressed_attention_scores_pallas,
     compressed_attention_select_pallas,
     select_blocks_pallas,
 )
-from nsa_jax.nsa.compression import compressed_attention
-from nsa_jax.nsa.selection import select_blocks
+from nsa_jax.kernels.xla import select_blocks
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 TRITON_TARGET = "__gpu$xla.gpu.triton"

@@ -9,6 +9,7 @@ import pytest
 
 from nsa_jax.config import ConfigError, load_config, to_dict
 from nsa_jax.info import describe, keys_per_query, learning_options, parameter_counts
+from nsa_jax.resume import config_from_dict, resume_conflicts
 
 
 def test_shipped_configs_load():
@@ -45,6 +46,17 @@ def test_overrides_and_paths(tmp_path):
         (["model.dtype=float16"], "model.dtype"),
         (["train.global_batch=0"], "train.global_batch must be positive"),
         (["nosection"], "section.key=value"),
+        # Retired options name the retirement and its evidence; moved schedules their new key.
+        (["model.nsa.slc_straight_through=false"], "model.nsa.slc_straight_through was retired"),
+        (["model.nsa.slc_warmup_steps=100"], "docs/EXPERIMENTS.md#retired-options"),
+        (["model.nsa.gate_zero_kernel=true"], "model.nsa.gate_zero_kernel was retired"),
+        (["model.nsa.cmp_phi=mlp_norm"], "model.nsa.cmp_phi=mlp_norm was retired"),
+        (["model.nsa.cmp_phi=avg_mlp"], "docs/EXPERIMENTS.md#retired-options"),
+        (["model.nsa.slc_dense_warmup_steps=5"], "model.nsa.slc_dense_warmup_steps is now train.dense_selection_steps"),
+        (["model.nsa.slc_score_distill=1"], "is now train.scorer_distill "),
+        (["model.nsa.slc_score_distill_steps=5"], "is now train.scorer_distill_steps"),
+        (["train.scorer_distill=-1"], "train.scorer_distill must be >= 0"),
+        (["train.dense_selection_steps=5", "parallel.strategy=pmap"], "needs a strategy other than"),
     ],
 )
 def test_bad_config_is_one_clear_error(overrides, needle):
@@ -52,6 +64,47 @@ def test_bad_config_is_one_clear_error(overrides, needle):
         load_config("cpu_tiny", overrides)
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_retired_key_in_a_yaml_file_is_one_error(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("model:\n  nsa:\n    slc_warmup_steps: 0\n")
+    with pytest.raises(ConfigError, match=r"^config: model.nsa.slc_warmup_steps was retired; remove it") as err:
+        load_config(str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_saved_configs_of_earlier_versions_upgrade():
+    # A checkpoint's config lists every key: retired ones at "off" are dropped, schedules move
+    # to train; a retired option that was on still fails with its one line.
+    saved = to_dict(load_config("cpu_tiny"))
+    for key in ("dense_selection_steps", "scorer_distill", "scorer_distill_steps"):
+        del saved["train"][key]
+    saved["model"]["nsa"].update(slc_straight_through=False, slc_warmup_steps=0, gate_zero_kernel=False)
+    saved["model"]["nsa"].update(slc_dense_warmup_steps=7, slc_score_distill=0.5, slc_score_distill_steps=3)
+    cfg = config_from_dict(saved)
+    assert (cfg.train.dense_selection_steps, cfg.train.scorer_distill, cfg.train.scorer_distill_steps) == (7, 0.5, 3)
+    assert "slc_warmup_steps" in saved["model"]["nsa"]  # the caller's dict is left alone
+    saved["model"]["nsa"]["slc_straight_through"] = True
+    with pytest.raises(ConfigError, match="slc_straight_through was retired"):
+        config_from_dict(saved)
+
+
+def test_resume_allows_a_changed_schedule_but_not_a_changed_model():
+    # The training schedules are train keys (like train.warmup), so changing them does not block a
+    # resume; model keys that define the function do. An old checkpoint's config, with the
+    # retired options at "off" and the schedules under model.nsa, resumes as today's.
+    saved = load_config("cpu_tiny")
+    sched = ["train.dense_selection_steps=100", "train.scorer_distill=1.0", "train.scorer_distill_steps=100"]
+    blocking, other = resume_conflicts(to_dict(saved), load_config("cpu_tiny", sched))
+    assert blocking == [] and len(other) == 3, (blocking, other)
+    assert resume_conflicts(to_dict(saved), load_config("cpu_tiny", ["model.nsa.n=5"]))[0]
+    old = to_dict(saved)
+    old["model"]["nsa"].update(slc_warmup_steps=0, slc_straight_through=False, gate_zero_kernel=False)
+    old["model"]["nsa"].update(slc_dense_warmup_steps=0, slc_score_distill=0.0, slc_score_distill_steps=0)
+    for key in ("dense_selection_steps", "scorer_distill", "scorer_distill_steps"):
+        del old["train"][key]
+    assert resume_conflicts(old, saved) == ([], [])
 
 
 def test_unknown_config_name():
@@ -102,10 +155,10 @@ def test_keys_per_query_matches_the_papers_decode_budget():
 def test_learning_options_names_what_is_on():
     assert learning_options(load_config("cpu_tiny")) == ""
     cfg = load_config(
-        "cpu_tiny", ["model.nsa.slc_dense_warmup_steps=500", "model.nsa.gate_bias_init=-2,2,-2", "model.nsa.n=5"]
+        "cpu_tiny", ["train.dense_selection_steps=500", "model.nsa.gate_bias_init=-2,2,-2", "model.nsa.n=5"]
     )
-    assert learning_options(cfg) == "gate_bias_init=-2.0,2.0,-2.0 slc_dense_warmup_steps=500"
-    assert "nsa learning options: gate_bias_init=-2.0,2.0,-2.0 slc_dense_warmup_steps=500" in describe(cfg)
+    assert learning_options(cfg) == "gate_bias_init=-2.0,2.0,-2.0 dense_selection_steps=500"
+    assert "nsa learning options: gate_bias_init=-2.0,2.0,-2.0 dense_selection_steps=500" in describe(cfg)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 from reference import compressed_visible, reference_attention, reference_group_probs
 
 from nsa_jax.kernels import compressed_attention, describe_impl, resolve_impl
-from nsa_jax.nsa.selection import num_compressed
+from nsa_jax.kernels.xla import num_compressed
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,7 @@ from reference import (
     window_visible,
 )
 
-from nsa_jax.kernels.xla import selection_attention_xla, window_attention_xla
-from nsa_jax.nsa.selection import select_blocks
+from nsa_jax.kernels.xla import select_blocks, selection_attention_xla, window_attention_xla
 
 
 def _qkv(B, T, H, K, D, seed=0):

@@ -1,6 +1,6 @@
-"""Learning remedies (model.nsa.gate_bias_init, gate_zero_kernel, slc_straight_through,
-slc_warmup_steps): off they leave the layer as the reference computes it; on, they do
-what docs/NSA.md "Learning options" says, checked against independent float references.
+"""Learning options (model.nsa.gate_bias_init; train.dense_selection_steps, train.scorer_distill,
+train.scorer_distill_steps): off they leave the layer as the reference computes it; on, they
+do what docs/NSA.md "Learning options" says, checked against independent float references.
 """
 
 from __future__ import annotations
@@ -14,20 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import rel_err, tiny_model_cfg
-from reference import (
-    compress_ref,
-    compressed_mask,
-    dense_attention,
-    nsa_layer_ref,
-    rope_ref,
-    selection_mask,
-    window_mask,
-)
+from reference import nsa_layer_ref
 
 from benchmarks.experiments import pair_positions
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data.kv_recall import make_kv_batch, pair_len
-from nsa_jax.nsa.layer import NSAAttention, scale_selection_values, selection_warmup_scale
+from nsa_jax.nsa.distill import score_distill_kl
+from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.train import schedule
 from nsa_jax.train import step as S
 
 # A model and batch small enough for whole train steps in a test.
@@ -71,165 +65,40 @@ def _apply(cfg, params, x):
 def test_config_validation():
     with pytest.raises(ConfigError, match="gate_bias_init"):
         load_config("cpu_tiny", ["model.nsa.gate_bias_init=1,2"])
-    with pytest.raises(ConfigError, match="slc_warmup_steps"):
-        load_config("cpu_tiny", ["model.nsa.slc_warmup_steps=-1"])
-    with pytest.raises(ConfigError, match="pmap"):
-        load_config("cpu_tiny", ["model.nsa.slc_warmup_steps=5", "parallel.strategy=pmap"])
-    with pytest.raises(ConfigError, match="slc_dense_warmup_steps"):
-        load_config("cpu_tiny", ["model.nsa.slc_dense_warmup_steps=-1"])
-    with pytest.raises(ConfigError, match="slc_dense_warmup_steps needs a strategy"):
-        load_config("cpu_tiny", ["model.nsa.slc_dense_warmup_steps=5", "parallel.strategy=pmap"])
-    with pytest.raises(ConfigError, match="slc_score_distill_steps"):
-        load_config("cpu_tiny", ["model.nsa.slc_score_distill_steps=-2"])
+    with pytest.raises(ConfigError, match="train.dense_selection_steps"):
+        load_config("cpu_tiny", ["train.dense_selection_steps=-1"])
+    with pytest.raises(ConfigError, match="train.dense_selection_steps needs a strategy"):
+        load_config("cpu_tiny", ["train.dense_selection_steps=5", "parallel.strategy=pmap"])
+    with pytest.raises(ConfigError, match="train.scorer_distill_steps"):
+        load_config("cpu_tiny", ["train.scorer_distill_steps=-2"])
     cfg = load_config("cpu_tiny", ["model.nsa.gate_bias_init=-2,-2,2"])
     assert cfg.model.nsa.gate_bias_init == (-2.0, -2.0, 2.0)
 
 
-@pytest.mark.parametrize("straight_through", [False, True])
-def test_forward_matches_reference(straight_through):
-    # Off (the defaults) and with the straight-through on, the layer's value is the
-    # spec's: the straight-through term is exactly zero in the forward.
-    cfg = _with(tiny_model_cfg(G=2, K=2), slc_straight_through=straight_through)
+def test_forward_matches_reference():
+    # The defaults (no learning option in the model) give the spec's layer.
+    cfg = tiny_model_cfg(G=2, K=2)
     x, params = _setup(cfg, 53)
     out, idx, _ = _apply(cfg, params, x)
     ref, ref_idx = nsa_layer_ref(params, x, cfg)
     np.testing.assert_array_equal(np.asarray(idx), ref_idx)
     assert rel_err(out, ref) < 1e-5
-    if straight_through:
-        off, _, _ = _apply(_with(cfg, slc_straight_through=False), params, x)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(off), rtol=0, atol=1e-6)
 
 
-def _st_reference(params, x_BxTxD, cfg, idx):
-    """Branches slc + win with the straight-through selection output, from the spec (float64 loops).
-
-    o_slc = sum_j (1 + s_j - sg(s_j)) P_j, P_j = sum over keys p of block j of prob(t, p) v_p,
-    s_j = the group's compressed probabilities summed over the compressed tokens overlapping
-    block j, normalised over the blocks.
-    """
-    a = cfg.nsa
-    B, T, D = x_BxTxD.shape
-    H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
-    G = H // K
-    pos = np.arange(T)
-
-    def lin(name, heads, dim):
-        return (x_BxTxD @ params[name]["kernel"]).reshape(B, T, heads, dim)
-
-    q = rope_ref(lin("q", H, Dk), pos)
-    k_cmp = rope_ref(lin("k_cmp", K, Dk), pos)
-    k_slc, v_slc = rope_ref(lin("k_slc", K, Dk), pos), lin("v_slc", K, Dv)
-    k_win, v_win = rope_ref(lin("k_win", K, Dk), pos), lin("v_win", K, Dv)
-    gh = x_BxTxD @ params["gate_fc1"]["kernel"] + params["gate_fc1"]["bias"]
-    g = jax.nn.sigmoid(jax.nn.silu(gh) @ params["gate_fc2"]["kernel"] + params["gate_fc2"]["bias"]).reshape(B, T, H, 3)
-
-    kc = compress_ref(k_cmp, params["cmp_k"], a.l, a.d, a.cmp_phi)
-    Tc = kc.shape[1]
-    _, p_cmp_BxHxTxTc = dense_attention(q, kc, kc[..., :1], compressed_mask(T, Tc, a.l, a.d)[None, None])
-    n_blocks = math.ceil(T / a.lp)
-    overlap = np.array(
-        [[i * a.d < (j + 1) * a.lp and i * a.d + a.l > j * a.lp for j in range(n_blocks)] for i in range(Tc)]
-    )
-    p_group = p_cmp_BxHxTxTc.reshape(B, K, G, T, Tc).sum(axis=2)  # [B, K, T, Tc]
-    sc = p_group @ jnp.asarray(overlap, jnp.float32)  # [B, K, T, Nb]
-    s = sc / jnp.maximum(sc.sum(-1, keepdims=True), 1e-9)
-    st = 1.0 + s - jax.lax.stop_gradient(s)
-
-    _, p_BxHxTxT = dense_attention(q, k_slc, v_slc, selection_mask(idx, T, a.lp))
-    block_of = np.arange(T) // a.lp
-    onehot_TxNb = jnp.asarray(block_of[:, None] == np.arange(n_blocks)[None, :], jnp.float32)
-    v_rep = jnp.repeat(v_slc, G, axis=2)  # [B, T, H, Dv]
-    P = jnp.einsum("bhts,sj,bshd->bthjd", p_BxHxTxT, onehot_TxNb, v_rep)
-    st_h = jnp.repeat(jnp.moveaxis(st, 1, 2), G, axis=2)  # [B, T, H, Nb]
-    o_slc = jnp.einsum("bthj,bthjd->bthd", st_h, P)
-    o_win, _ = dense_attention(q, k_win, v_win, window_mask(T, a.w)[None, None])
-    o = g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-    return o.reshape(B, T, H * Dv) @ params["o"]["kernel"]
-
-
-def test_straight_through_gradient_reaches_compressed_keys():
-    # Without the compressed branch's output, the compressed keys only choose blocks: no
-    # gradient at all without the straight-through, the reference's gradient with it.
-    cfg = _with(tiny_model_cfg(G=2, K=2, n=3), branches=("slc", "win"))
-    T = 40
-    x, params = _setup(cfg, T, seed=3)
-    w = jax.random.normal(jax.random.PRNGKey(9), (2, T, cfg.d_model))
-    _, idx, _ = _apply(cfg, params, x)
-
-    def loss(c, p):
-        return jnp.sum(NSAAttention(c).apply({"params": p}, x) * w)
-
-    g_off = jax.jit(jax.grad(functools.partial(loss, cfg)))(params)
-    g_on = jax.jit(jax.grad(functools.partial(loss, _with(cfg, slc_straight_through=True))))(params)
-    g_ref = jax.grad(lambda p: jnp.sum(_st_reference(p, x, cfg, np.asarray(idx)) * w))(params)
-    for name in ("fc1", "fc2", "pos"):
-        leaf = lambda g: np.asarray(g["cmp_k"][name]["kernel"] if name != "pos" else g["cmp_k"]["pos"])  # noqa: E731
-        assert np.all(leaf(g_off) == 0.0), name
-        assert np.abs(leaf(g_on)).max() > 0.0, name
-        assert rel_err(leaf(g_on), leaf(g_ref)) < 1e-4, name
-    # The queries get the extra term too; the rest of the gradient is unchanged in kind.
-    assert rel_err(g_on["q"]["kernel"], g_ref["q"]["kernel"]) < 1e-4
-    assert rel_err(g_on["v_slc"]["kernel"], g_off["v_slc"]["kernel"]) < 1e-5
-
-
-@pytest.mark.parametrize("zero_kernel,tol", [(False, 0.01), (True, 1e-6)])
-def test_gate_bias_init_sets_initial_gate_means(zero_kernel, tol):
+def test_gate_bias_init_sets_initial_gate_means():
     biases = (-2.0, -1.0, 2.0)
     # The project's init_std (the tiny test config's 0.3 would swamp the biases with noise).
     cfg = dataclasses.replace(tiny_model_cfg(G=2, K=2), init_std=0.02)
-    cfg = _with(cfg, gate_bias_init=biases, gate_zero_kernel=zero_kernel)
+    cfg = _with(cfg, gate_bias_init=biases)
     x, params = _setup(cfg, 32)
     _, _, gates_BxTxHx3 = _apply(cfg, params, x)
     means = np.asarray(gates_BxTxHx3).mean(axis=(0, 1, 2))
     want = 1 / (1 + np.exp(-np.asarray(biases)))  # sigmoid: 0.119, 0.269, 0.881
-    np.testing.assert_allclose(means, want, atol=tol)
+    np.testing.assert_allclose(means, want, atol=0.01)
     # Default: zero biases, gates near 0.5.
     cfg0 = tiny_model_cfg(G=2, K=2)
     _, params0 = _setup(cfg0, 32)
     np.testing.assert_array_equal(np.asarray(params0["gate_fc2"]["bias"]), 0.0)
-
-
-def test_warmup_scale_ramps():
-    assert float(selection_warmup_scale(0, 100)) == 0.0
-    assert float(selection_warmup_scale(25, 100)) == pytest.approx(0.25)
-    assert float(selection_warmup_scale(100, 100)) == 1.0
-    assert float(selection_warmup_scale(1000, 100)) == 1.0
-    assert float(selection_warmup_scale(7, 0)) == 1.0
-
-
-def test_scaled_values_scale_the_selection_output():
-    # The layer is linear in the selection branch's output: scaling v_slc by r must give
-    # o(no selection) + r * (o(full) - o(no selection)) with the same parameters.
-    cfg = tiny_model_cfg(G=2, K=2)
-    x, params = _setup(cfg, 40, seed=4)
-    full, _, _ = _apply(cfg, params, x)
-    no_slc, _, _ = _apply(_with(cfg, branches=("cmp", "win")), params, x)
-    for r in (0.0, 0.3, 1.0):
-        out, _, _ = _apply(cfg, scale_selection_values(params, jnp.float32(r)), x)
-        want = np.asarray(no_slc) + r * (np.asarray(full) - np.asarray(no_slc))
-        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
-
-
-def test_train_step_warmup_one_compilation_and_no_selection_at_step_0():
-    overrides = STEP_OVERRIDES
-    cfg = load_config(None, [*overrides, "model.nsa.slc_warmup_steps=4"])
-    mesh = S.make_mesh(cfg)
-    state = S.create_state(cfg, mesh)
-    params0 = jax.device_get(state.params)
-    step = S.make_train_step(cfg, mesh)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 32, size=(1, 2, 33), dtype=np.int32) for _ in range(3)]
-    losses = []
-    for b in batches:
-        state, metrics = step(state, S.put_batch(b, mesh))
-        losses.append(float(metrics["loss"]))
-    assert step._cache_size() == 1  # the step is a traced argument: one compilation for every step
-    # Step 0: r = 0, the model trained is the one without the selection branch.
-    no_slc = load_config(None, [*overrides, "model.nsa.branches=cmp,win"])
-    want, _ = S.loss_and_stats(params0, jnp.asarray(batches[0][0]), cfg=no_slc)
-    assert losses[0] == pytest.approx(float(want), rel=1e-5)
-    with_slc, _ = S.loss_and_stats(params0, jnp.asarray(batches[0][0]), cfg=cfg)
-    assert abs(float(with_slc) - float(want)) > 1e-6  # the branch does change the loss when on
 
 
 def test_dense_warmup_and_distill_steps_train_each_phase_model():
@@ -237,20 +106,21 @@ def test_dense_warmup_and_distill_steps_train_each_phase_model():
     it; steps 3-4: top-n without it. Each step's loss is the plain loss of that config on the
     params before it; one compilation, and the phases' losses differ on these rows."""
     # T = 48: 6 blocks; n = 3 forced ones leave blocks out, and late queries have free candidates.
-    overrides = [*STEP_OVERRIDES, "train.seq_len=48", "model.init_std=0.3", "model.nsa.slc_score_distill=0.5"]
-    cfg = load_config(None, [*overrides, "model.nsa.slc_dense_warmup_steps=2", "model.nsa.slc_score_distill_steps=3"])
-    phases = {
+    overrides = [*STEP_OVERRIDES, "train.seq_len=48", "model.init_std=0.3", "train.scorer_distill=0.5"]
+    cfg = load_config(None, [*overrides, "train.dense_selection_steps=2", "train.scorer_distill_steps=3"])
+    models = {
         "dense": load_config(None, [*overrides, "model.nsa.n=6"]),
         "sparse": load_config(None, overrides),
         "plain": load_config(None, [*STEP_OVERRIDES, "train.seq_len=48", "model.init_std=0.3"]),
     }
-    assert S.dense_selection_config(cfg).model.nsa.n == 6
-    assert [start for start, _ in S.training_phases(cfg)] == [0, 2, 3]
+    assert schedule.dense_selection_model(cfg).nsa.n == 6
+    phases = schedule.phases(cfg)
+    assert [(p.start, p.model.nsa.n, p.distill) for p in phases] == [(0, 6, 0.5), (2, 3, 0.5), (3, 3, 0.0)]
     mesh = S.make_mesh(cfg)
     state = S.create_state(cfg, mesh)
     step = S.make_train_step(cfg, mesh)
     rng = np.random.default_rng(0)
-    plain_loss = {k: jax.jit(functools.partial(S.loss_and_stats, cfg=c)) for k, c in phases.items()}
+    plain_loss = {k: jax.jit(functools.partial(S.loss_and_stats, cfg=c)) for k, c in models.items()}
     for i, phase in enumerate(["dense", "dense", "sparse", "plain", "plain"]):
         tokens = rng.integers(0, 32, size=(1, 2, 49), dtype=np.int32)
         params = jax.device_get(state.params)
@@ -271,12 +141,15 @@ def test_score_distill_in_the_layer_trains_only_the_scorer_keys():
     # The layer's KL moves the k_cmp projection and the key compressor, and nothing below
     # the layer (its input) nor any other weight: the distillation cannot pull on the
     # residual stream the LM loss trains.
-    cfg = _with(tiny_model_cfg(G=2, K=2), slc_score_distill=1.0)
+    # The caller asks for it with a mutable `losses` collection; without one there is none.
+    cfg = tiny_model_cfg(G=2, K=2)
     x, params = _setup(cfg, 48)
+    _, state = NSAAttention(cfg).apply({"params": params}, x, mutable=["aux", "intermediates"])
+    assert "losses" not in state
 
     def kl(params, x):
-        _, state = NSAAttention(cfg).apply({"params": params}, x, mutable=["aux"])
-        return state["aux"]["distill_kl"][0]
+        _, state = NSAAttention(cfg).apply({"params": params}, x, mutable=["losses"])
+        return state["losses"]["scorer_kl"][0]
 
     value = float(jax.jit(kl)(params, x))
     g_params, g_x = jax.jit(jax.grad(kl, argnums=(0, 1)))(params, x)
@@ -335,8 +208,6 @@ def _distill_reference(q, kc, k, l, d, lp):
 
 
 def test_score_distill_kl_matches_reference_and_trains_only_the_compressed_keys():
-    from nsa_jax.nsa.selection import score_distill_kl
-
     B, T, H, K, Dk, l, d, lp = 2, 45, 4, 2, 8, 8, 4, 8
     keys = jax.random.split(jax.random.PRNGKey(4), 3)
     q = jax.random.normal(keys[0], (B, T, H, Dk)) * 1.5
@@ -380,8 +251,8 @@ def test_score_distill_adds_to_the_loss_and_is_off_by_default():
         "data.dataset=synthetic",
     ]
     cfg_off = load_config("cpu_tiny", base)
-    cfg_on = load_config("cpu_tiny", [*base, "model.nsa.slc_score_distill=0.5"])
-    assert cfg_off.model.nsa.slc_score_distill == 0.0
+    cfg_on = load_config("cpu_tiny", [*base, "train.scorer_distill=0.5"])
+    assert cfg_off.train.scorer_distill == 0.0
     from nsa_jax.model import init_params
 
     params = init_params(cfg_off.model, jax.random.PRNGKey(0), 64)
@@ -392,8 +263,8 @@ def test_score_distill_adds_to_the_loss_and_is_off_by_default():
     np.testing.assert_allclose(float(stats_on["ce"]), float(loss_off), rtol=1e-6)
     assert float(stats_on["distill_kl"]) > 0
     np.testing.assert_allclose(float(loss_on), float(loss_off) + 0.5 * float(stats_on["distill_kl"]), rtol=1e-6)
-    with pytest.raises(ConfigError, match="slc_score_distill"):
-        load_config("cpu_tiny", [*base, "model.nsa.slc_score_distill=-1"])
+    with pytest.raises(ConfigError, match="train.scorer_distill"):
+        load_config("cpu_tiny", [*base, "train.scorer_distill=-1"])
 
 
 _ONE_DEVICE: dict = {}
@@ -409,9 +280,9 @@ def test_phases_on_two_devices_match_one_device(strategy):
         *STEP_OVERRIDES,
         "train.seq_len=48",
         "model.init_std=0.3",
-        "model.nsa.slc_score_distill=0.5",
-        "model.nsa.slc_dense_warmup_steps=2",
-        "model.nsa.slc_score_distill_steps=3",
+        "train.scorer_distill=0.5",
+        "train.dense_selection_steps=2",
+        "train.scorer_distill_steps=3",
     ]
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, 32, size=(1, 2, 49), dtype=np.int32) for _ in range(4)]

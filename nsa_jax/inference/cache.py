@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
+from nsa_jax.kernels.xla import num_compressed
 from nsa_jax.nsa.layer import CACHE_NAMES, compressed_visible, ring_positions
-from nsa_jax.nsa.selection import num_compressed
 
 __all__ = ["CacheSizes", "NSACache", "cache_sizes", "compressed_visible", "init_cache", "ring_positions"]
 

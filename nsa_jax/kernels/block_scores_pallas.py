@@ -7,7 +7,7 @@ path, the block-score tensor ``[B, K, T, T/lp]``:
 
 * ``compressed_attention_select_pallas``: compressed attention (the flash
   kernels of ``compressed_pallas``) and block indices ``[B, T, K, n]``, the
-  same contract as ``nsa.selection.select_blocks`` over the block scores;
+  same contract as ``kernels.xla.select_blocks`` over the block scores;
 * ``compressed_attention_scores_pallas``: the same attention and the block
   scores ``[B, T, K, Nb]`` fp32 (the compressed branch's score output);
 * ``select_blocks_pallas``: the top-n part alone, over a given score tensor
@@ -503,7 +503,7 @@ def select_blocks_pallas(
     interpret: bool = False,
     select_sizes: BlockSelectSizes | None = None,
 ):
-    """select_blocks (nsa.selection) as a kernel reading the scores tile by tile; same output, bitwise."""
+    """select_blocks (kernels.xla) as a kernel reading the scores tile by tile; same output, bitwise."""
     if lp < 1 or n < 1:
         raise ValueError(f"lp={lp} and n={n} must be >= 1")
     bsz = BlockSelectSizes() if select_sizes is None else select_sizes

@@ -1,13 +1,14 @@
 """One NSA attention layer (docs/NSA.md "One layer").
 
 Owns the projections (shared Q, per-branch K/V), RoPE, the three branches, the
-sigmoid gates and the output projection. Branch math lives in compression.py,
-selection.py and kernels/; this module wires them and reports statistics:
-`intermediates` (block indices, gates; for tests) and `aux` (gate means, gate
-entropy, share of selected blocks beyond the window, compressed vs selection
-key/value scale; for training logs).
+sigmoid gates and the output projection. Branch math lives in compression.py
+and kernels/; this module wires them and reports statistics: `intermediates`
+(block indices, gates; for tests) and `aux` (gate means, gate entropy, share of
+selected blocks beyond the window, compressed vs selection key/value scale; for
+training logs). When the caller makes the `losses` collection mutable, it sows
+the block scorer's distillation KL there (distill.py; the train step weighs it).
 
-It also owns decoding (NSA_SPEC.md "Decode (inference)") through the same
+It also owns decoding (docs/NSA.md "Decode") through the same
 submodules: `mode="prefill"` runs the training path over a right-padded prompt
 and writes each branch's state into the `cache` collection; `mode="decode"`
 attends one new token per row at its own position from that state and updates
@@ -23,11 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import BRANCHES, ModelConfig
-from nsa_jax.kernels import selection_attention, window_attention
-from nsa_jax.kernels.xla import masked_softmax, masked_softmax_attend
+from nsa_jax.kernels import compressed_attention, selection_attention, window_attention
+from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
 from nsa_jax.layers import rope
-from nsa_jax.nsa.compression import Compressor, compressed_attention
-from nsa_jax.nsa.selection import block_scores_from_cmp, score_distill_kl, select_blocks, straight_through_delta
+from nsa_jax.nsa.compression import Compressor
+from nsa_jax.nsa.distill import score_distill_kl
 
 MODES = ("train", "prefill", "decode")
 # Per-layer decode state in the `cache` collection (layout: nsa_jax/inference/cache.py).
@@ -97,28 +98,14 @@ def gate_bias_init(biases: tuple[float, ...], n_heads: int):
     return init
 
 
-def selection_warmup_scale(step: jax.Array, warmup_steps: int) -> jax.Array:
-    """min(1, step / warmup_steps): 0 at step 0, 1 from step warmup_steps on (1 when warmup_steps is 0)."""
-    if warmup_steps <= 0:
-        return jnp.float32(1.0)
-    return jnp.minimum(jnp.asarray(step, jnp.float32) / warmup_steps, 1.0)
-
-
-def scale_selection_values(tree, scale: jax.Array):
-    """`tree` (params or their gradients) with every `v_slc` leaf multiplied by `scale`.
-
-    The selection branch's output is linear in its values and v_slc has no bias, so
-    params with v_slc scaled by r give exactly the model whose selection output is
-    multiplied by r (the warm-up, model.nsa.slc_warmup_steps); the gradient of the
-    unscaled v_slc is the scaled one's times r (chain rule). The train step applies it;
-    this way the step is a traced argument of the compiled step, not a model input.
-    """
-
-    def f(path, leaf):
-        names = {getattr(p, "key", None) for p in path}
-        return leaf * scale.astype(leaf.dtype) if "v_slc" in names else leaf
-
-    return jax.tree_util.tree_map_with_path(f, tree)
+def check_mode(mode: str, T: int, layer, pos_B) -> None:
+    """ValueError unless `mode` is one of MODES with what it needs (prefill, decode: layer, pos_B; decode: T = 1)."""
+    if mode not in MODES:
+        raise ValueError(f"NSAAttention mode must be one of {MODES}, got {mode!r}")
+    if mode != "train" and (layer is None or pos_B is None):
+        raise ValueError(f"NSAAttention mode={mode!r} needs `layer` and `pos_B`")
+    if mode == "decode" and T != 1:
+        raise ValueError(f"decode feeds one token per row, got {T}")
 
 
 class NSAAttention(nn.Module):
@@ -149,13 +136,9 @@ class NSAAttention(nn.Module):
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         positions_T = jnp.arange(T, dtype=jnp.int32) if positions_T is None else positions_T
-        if self.mode not in MODES:
-            raise ValueError(f"NSAAttention mode must be one of {MODES}, got {self.mode!r}")
+        check_mode(self.mode, T, layer, pos_B)
         decode = self.mode == "decode"
-        if self.mode != "train" and (layer is None or pos_B is None):
-            raise ValueError(f"NSAAttention mode={self.mode!r} needs `layer` and `pos_B`")
-        if decode and T != 1:
-            raise ValueError(f"decode feeds one token per row, got {T}")
+        kernel_kw = {"impl": a.attention_impl, "query_chunk": a.query_chunk}
 
         def proj(name, heads, dim):
             y = nn.Dense(heads * dim, use_bias=False, dtype=dtype, kernel_init=init, name=name)(x_BxTxD)
@@ -175,13 +158,10 @@ class NSAAttention(nn.Module):
         v_win = proj("v_win", K, Dv)
 
         gh = nn.Dense(a.gate_hidden, dtype=dtype, kernel_init=init, name="gate_fc1")(x_BxTxD)
-        g = nn.Dense(
-            3 * H,
-            dtype=dtype,
-            kernel_init=nn.initializers.zeros if a.gate_zero_kernel else init,
-            bias_init=gate_bias_init(a.gate_bias_init, H),
-            name="gate_fc2",
-        )(nn.silu(gh))
+        gate_fc2 = nn.Dense(
+            3 * H, dtype=dtype, kernel_init=init, bias_init=gate_bias_init(a.gate_bias_init, H), name="gate_fc2"
+        )
+        g = gate_fc2(nn.silu(gh))
         g_BxTxHx3 = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, T, H, 3)
 
         def compressor(name):
@@ -204,55 +184,32 @@ class NSAAttention(nn.Module):
             vc = compressor("cmp_v")(v_cmp)
             # Block indices straight from the compressed branch: on the Pallas path one kernel
             # scores and selects, with no probability or block-score tensor.
-            o_cmp, idx_all = compressed_attention(
-                q,
-                kc,
-                vc,
-                l=a.l,
-                d=a.d,
-                lp=a.lp,
-                query_chunk=a.query_chunk,
-                impl=a.attention_impl,
-                select_n=a.n if "slc" in a.branches else None,
-                t_T=positions_T - positions_T[0],
-            )
+            select_n = a.n if "slc" in a.branches else None
+            t_T = positions_T - positions_T[0]
+            o_cmp, idx = compressed_attention(q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T, **kernel_kw)
         outputs = {"cmp": o_cmp}
-        idx = None
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
-                idx = idx_all
-                outputs["slc"] = selection_attention(
-                    q, k_slc, v_slc, idx, a.lp, impl=a.attention_impl, query_chunk=a.query_chunk
-                )
-                if a.slc_straight_through:
-                    delta = straight_through_delta(
-                        q, kc, k_slc, v_slc, idx, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk
-                    )
-                    outputs["slc"] = outputs["slc"] + delta.astype(outputs["slc"].dtype)
-                if a.slc_score_distill > 0 and self.mode == "train":
-                    # The train step adds weight * this to the loss (step.loss_and_stats).
+                outputs["slc"] = selection_attention(q, k_slc, v_slc, idx, a.lp, **kernel_kw)
+                if self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
                     # The scorer's keys again, from a detached layer input: the KL trains the
                     # k_cmp projection and phi only, never the residual stream below (as DSA
                     # detaches its indexer's input), so it cannot pull on what the LM loss learns.
-                    x_sg = jax.lax.stop_gradient(x_BxTxD)
-                    kc_scorer = cmp_k(roped(k_cmp_dense(x_sg).reshape(B, T, K, Dk)))
+                    kc_scorer = cmp_k(roped(k_cmp_dense(jax.lax.stop_gradient(x_BxTxD)).reshape(B, T, K, Dk)))
                     kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
-                    self.sow("aux", "distill_kl", kl)
+                    self.sow("losses", "scorer_kl", kl)
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):
-                outputs["win"] = window_attention(
-                    q, k_win, v_win, a.w, impl=a.attention_impl, query_chunk=a.query_chunk
-                )
+                outputs["win"] = window_attention(q, k_win, v_win, a.w, **kernel_kw)
 
         o = combine_branches(g_BxTxHx3, outputs, a.branches)
         if self.mode == "prefill":
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
-        if idx is not None:
+        if "slc" in a.branches:
             self.sow("intermediates", "block_idx", idx)
             self.sow("aux", "stats", {**gate_stats(g_BxTxHx3, idx, a.lp, a.w), **scale_stats(kc, vc, k_slc, v_slc)})
         self.sow("intermediates", "gates", g_BxTxHx3)
-        o = o.astype(dtype).reshape(B, T, H * Dv)
-        return out_proj(o)
+        return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
 
 
 # ---------------------------------------------------------------------------

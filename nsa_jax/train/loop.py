@@ -48,6 +48,7 @@ from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.ops.health import Health, agree_any, write_halt
 from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, HALT_FILE, SCALE_COLUMNS
+from nsa_jax.train import schedule
 from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.evaluate import Evaluator, format_eval
@@ -213,7 +214,7 @@ class Trainer:
         )
         if learning_options(cfg):
             self.say(f"nsa learning options: {learning_options(cfg)}")
-        self._dense_until = S.dense_selection_steps(cfg)
+        self._dense_until = schedule.dense_selection_steps(cfg)
         self._scale_warned = False
         if int(state.step if state is not None else 0) < self._dense_until:
             n = cfg.model.nsa.n
@@ -480,7 +481,7 @@ class Trainer:
         msg = (
             f"the compressed {what} of layer {layer} are {ratio:.0f}x the selection branch's (RMS); "
             f"the compressed branch may swamp the others (docs/NSA.md, cmp_phi): "
-            f"consider model.nsa.cmp_phi=mlp_norm or avg, or a lower train.lr"
+            f"consider model.nsa.cmp_phi=avg or a lower train.lr"
         )
         self.say(f"warning: {msg}")
         self.art.event("branch_scale", step, msg, ratio=ratio, layer=layer)

@@ -34,12 +34,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nsa_jax import config
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.model import NSALM, cross_entropy
-from nsa_jax.nsa.layer import scale_selection_values, selection_warmup_scale
-from nsa_jax.train import strategies
+from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.state import TrainState, init_state
 from nsa_jax.train.strategies import ShardingPlan, make_plan, per_device_batch  # noqa: F401 (public API here too)
@@ -106,18 +104,22 @@ def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> Train
 # loss and statistics
 
 
+def per_layer(variables: dict, collection: str, name: str, cfg: Config):
+    """What each layer's attention sowed as `collection`/`name`, stacked on a leading [L] axis; None if absent."""
+    col = variables.get(collection, {})
+    if cfg.model.scan_layers:
+        value = col.get("layers", {}).get("attn", {}).get(name)
+        return value[0] if value else None
+    values = [col.get(f"layer_{i}", {}).get("attn", {}).get(name) for i in range(cfg.model.n_layers)]
+    return jax.tree.map(lambda *v: jnp.stack(v), *[v[0] for v in values]) if all(values) else None
+
+
 def layer_stats(aux: dict, cfg: Config) -> dict[str, jax.Array]:
     """The `aux` collection -> {'gate_mean': [L, 3], and [L] each of the other AUX_KEYS}.
 
     Empty when the model sows nothing (no selection branch).
     """
-    if cfg.model.scan_layers:
-        stats = aux.get("layers", {}).get("attn", {}).get("stats")
-        return dict(stats[0]) if stats else {}
-    per_layer = [aux.get(f"layer_{i}", {}).get("attn", {}).get("stats") for i in range(cfg.model.n_layers)]
-    if not all(per_layer):
-        return {}
-    return {k: jnp.stack([s[0][k] for s in per_layer]) for k in AUX_KEYS}
+    return dict(per_layer({"aux": aux}, "aux", "stats", cfg) or {})
 
 
 def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
@@ -140,38 +142,27 @@ def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
 
 
-def distill_kl(aux: dict, cfg: Config) -> jax.Array | None:
-    """Mean over layers of the block-scorer KL the layers sow (model.nsa.slc_score_distill), or None."""
-    if cfg.model.scan_layers:
-        kl = aux.get("layers", {}).get("attn", {}).get("distill_kl")
-        return jnp.mean(kl[0]) if kl else None
-    per_layer = [aux.get(f"layer_{i}", {}).get("attn", {}).get("distill_kl") for i in range(cfg.model.n_layers)]
-    return jnp.mean(jnp.stack([k[0] for k in per_layer])) if all(per_layer) else None
-
-
-def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.Array, dict]:
+def loss_and_stats(
+    params, tokens_BxT1: jax.Array, *, cfg: Config, phase: schedule.Phase | None = None
+) -> tuple[jax.Array, dict]:
     """Loss of one micro-batch and its aux statistics when enabled.
 
-    The loss is the mean next-token loss (over loss_mask), plus slc_score_distill times
-    the block-scorer KL when that is on; then stats carry `ce` (the next-token loss
-    alone) and `distill_kl`.
+    The loss is the mean next-token loss (over loss_mask) of `phase.model`, plus
+    `phase.distill` times the layers' mean block-scorer KL, which the layers compute
+    only because the `losses` collection is mutable here; stats then carry `ce` (the
+    next-token loss alone) and `distill_kl`. `phase`: default cfg.model with
+    train.scorer_distill at every step.
     """
-    model = NSALM(cfg.model)
+    phase = phase or schedule.Phase(0, cfg.model, schedule.scorer_distill(cfg))
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    distill = cfg.model.nsa.slc_score_distill if "slc" in cfg.model.nsa.branches else 0.0
-    stats = {}
-    if cfg.logging.aux_stats or distill:
-        logits_BxTxV, variables = model.apply({"params": params}, inputs_BxT, mutable=["aux"])
-        aux = variables.get("aux", {})
-        if cfg.logging.aux_stats:
-            stats = layer_stats(aux, cfg)
-    else:
-        logits_BxTxV = model.apply({"params": params}, inputs_BxT)
+    mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
+    logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
     loss = cross_entropy(logits_BxTxV, targets_BxT, loss_mask(tokens_BxT1, cfg))
-    if distill:
-        kl = distill_kl(aux, cfg)
+    stats = layer_stats(variables.get("aux", {}), cfg) if cfg.logging.aux_stats else {}
+    if phase.distill:
+        kl = jnp.mean(per_layer(variables, "losses", "scorer_kl", cfg))
         stats = {**stats, "ce": loss, "distill_kl": kl}
-        loss = loss + distill * kl
+        loss = loss + phase.distill * kl
     return loss, stats
 
 
@@ -179,35 +170,17 @@ def loss_and_stats(params, tokens_BxT1: jax.Array, *, cfg: Config) -> tuple[jax.
 # steps
 
 
-def dense_selection_config(cfg: Config) -> Config:
-    """`cfg` with model.nsa.n = every selection block of train.seq_len (model.nsa.slc_dense_warmup_steps).
-
-    Block 0, the current and the previous block are forced and the other slots take the
-    best-scored earlier blocks, so with n >= ceil(T / lp) every query selects every
-    block up to its own: the selection branch is causal attention over all keys. The
-    parameters do not depend on n, so both models share them.
-    """
-    a = cfg.model.nsa
-    return config.replace(cfg, [f"model.nsa.n={max(a.n, -(-cfg.train.seq_len // a.lp))}"])
-
-
-def dense_selection_steps(cfg: Config) -> int:
-    """Steps of the dense selection warm-up (every block selected): model.nsa.slc_dense_warmup_steps, 0 without slc."""
-    a = cfg.model.nsa
-    return a.slc_dense_warmup_steps if "slc" in a.branches else 0
-
-
-def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None, *, cfg: Config | None = None) -> Callable:
+def make_grad_fn(
+    plan: ShardingPlan | Config, mesh: Mesh | None = None, *, phase: schedule.Phase | None = None
+) -> Callable:
     """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy.
 
     Grads are placed as plan.grads (replicated, or sharded for zero1/fsdp); traced
     inside the step's jit. pmap has no separate gradient function (its whole step
-    runs per device). `cfg`: the loss's config where a training phase changes it
-    (training_phases: the model's n, the distillation), never the parameters;
-    default plan.cfg.
+    runs per device). `phase`: the loss's schedule phase (loss_and_stats).
     """
     plan = as_plan(plan, mesh)
-    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg if cfg is None else cfg)
+    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg, phase=phase)
     if plan.strategy == "dp":
         return strategies.make_dp_grad_fn(plan, loss_fn)
     if plan.strategy == "pmap":
@@ -215,43 +188,20 @@ def make_grad_fn(plan: ShardingPlan | Config, mesh: Mesh | None = None, *, cfg: 
     return strategies.make_partitioned_grad_fn(plan, loss_fn)
 
 
-def training_phases(cfg: Config) -> list[tuple[int, Config]]:
-    """[(first step, loss config)] of the phases the step counter walks through, in order.
-
-    One phase unless the dense selection warm-up (model.nsa.slc_dense_warmup_steps) or a
-    limited distillation (model.nsa.slc_score_distill_steps) is on: before its step
-    the model runs with every block selected (dense_selection_config), or with the
-    distillation on; from it on, as configured without them. Both change only what the
-    loss computes, never the parameters.
-    """
-    a = cfg.model.nsa
-    if "slc" not in a.branches:
-        return [(0, cfg)]
-    dense_until = dense_selection_steps(cfg)
-    distill_until = a.slc_score_distill_steps if a.slc_score_distill else 0
-    phases = []
-    for start in sorted({0, dense_until, distill_until}):
-        c = dense_selection_config(cfg) if start < dense_until else cfg
-        if distill_until and start >= distill_until:
-            c = config.replace(c, ["model.nsa.slc_score_distill=0"])
-        phases.append((start, c))
-    return phases
-
-
 def make_phased_grad_fn(plan: ShardingPlan) -> Callable:
-    """(params, tokens_AxBxT1, step) -> make_grad_fn's result for the phase `step` is in (training_phases).
+    """(params, tokens_AxBxT1, step) -> make_grad_fn's result for the phase `step` is in (schedule.phases).
 
     Every phase is compiled into the one step and the step counter (part of the state,
-    so a resumed run continues in its phase) chooses with lax.switch. A phase without
-    the configured distillation reports ce = loss and distill_kl = 0, so every phase
-    returns the same metrics.
+    so a resumed run continues in its phase) chooses with lax.switch. With the
+    distillation configured, a phase without it reports ce = loss and distill_kl = 0,
+    so every phase returns the same metrics.
     """
-    phases = training_phases(plan.cfg)
-    distill = plan.cfg.model.nsa.slc_score_distill if "slc" in plan.cfg.model.nsa.branches else 0.0
+    phases = schedule.phases(plan.cfg)
+    distill = schedule.scorer_distill(plan.cfg)
 
-    def phase_fn(cfg):
-        fn = make_grad_fn(plan, cfg=cfg)
-        if not distill or cfg.model.nsa.slc_score_distill:
+    def phase_fn(phase):
+        fn = make_grad_fn(plan, phase=phase)
+        if not distill or phase.distill:
             return fn
 
         def without_distill(params, tokens_AxBxT1):
@@ -260,10 +210,10 @@ def make_phased_grad_fn(plan: ShardingPlan) -> Callable:
 
         return without_distill
 
-    fns = [phase_fn(c) for _, c in phases]
+    fns = [phase_fn(p) for p in phases]
     if len(fns) == 1:
         return lambda params, tokens_AxBxT1, step: fns[0](params, tokens_AxBxT1)
-    starts = jnp.asarray([s for s, _ in phases[1:]], jnp.int32)
+    starts = jnp.asarray([p.start for p in phases[1:]], jnp.int32)
 
     def grad_fn(params, tokens_AxBxT1, step):
         return lax.switch(jnp.sum(step >= starts), fns, params, tokens_AxBxT1)
@@ -317,17 +267,10 @@ def make_train_step(
     if plan.strategy == "pmap":
         train_step = strategies.make_pmap_step(plan, functools.partial(loss_and_stats, cfg=plan.cfg), update)
     else:
-        a = plan.cfg.model.nsa
         grad_fn = make_phased_grad_fn(plan)
 
         def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-            warmup = a.slc_warmup_steps
-            if warmup:  # selection warm-up: the step scales the selection output (layer.scale_selection_values)
-                r = selection_warmup_scale(state.step, warmup)
-                grads, loss, stats = grad_fn(scale_selection_values(state.params, r), tokens_AxBxT1, state.step)
-                grads = scale_selection_values(grads, r)
-            else:
-                grads, loss, stats = grad_fn(state.params, tokens_AxBxT1, state.step)
+            grads, loss, stats = grad_fn(state.params, tokens_AxBxT1, state.step)
             # zero1: the replicated params sliced to the gradient's shard (no communication);
             # a no-op for the other strategies, whose params already live like their grads.
             params = lax.with_sharding_constraint(state.params, plan.grads)

@@ -1,0 +1,61 @@
+"""The selection branch's training schedule: config -> phases (docs/NSA.md "Learning options").
+
+`train.dense_selection_steps` and `train.scorer_distill` / `train.scorer_distill_steps`
+split training into at most three phases. A phase changes only what the loss computes
+(the model's n: every block selected; the distillation weight), never the parameters,
+so the train step compiles one loss per phase and the step counter picks one
+(step.make_phased_grad_fn). Pure: no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nsa_jax.config import Config, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """From step `start` on: the loss runs `model` and adds `distill` times the block-scorer KL."""
+
+    start: int
+    model: ModelConfig
+    distill: float
+
+
+def dense_selection_steps(cfg: Config) -> int:
+    """Steps with every block selected (train.dense_selection_steps); 0 without the selection branch."""
+    return cfg.train.dense_selection_steps if "slc" in cfg.model.nsa.branches else 0
+
+
+def scorer_distill(cfg: Config) -> float:
+    """The distillation weight of the first step (train.scorer_distill); 0 without the selection branch."""
+    return cfg.train.scorer_distill if "slc" in cfg.model.nsa.branches else 0.0
+
+
+def dense_selection_model(cfg: Config) -> ModelConfig:
+    """cfg.model with n = every selection block of train.seq_len.
+
+    Block 0, the current and the previous block are forced and the other slots take the
+    best-scored earlier blocks, so with n >= ceil(T / lp) every query selects every block
+    up to its own: the selection branch is causal attention over all keys.
+    """
+    a = cfg.model.nsa
+    nsa = dataclasses.replace(a, n=max(a.n, -(-cfg.train.seq_len // a.lp)))
+    return dataclasses.replace(cfg.model, nsa=nsa)
+
+
+def phases(cfg: Config) -> list[Phase]:
+    """The phases the step counter walks through, in order of their first step.
+
+    One phase unless the dense selection or a limited distillation is on: before
+    train.dense_selection_steps every block is selected; before train.scorer_distill_steps
+    (0: never stops) the loss adds the distillation.
+    """
+    dense_until, weight = dense_selection_steps(cfg), scorer_distill(cfg)
+    distill_until = cfg.train.scorer_distill_steps if weight else 0
+    out = []
+    for start in sorted({0, dense_until, distill_until}):
+        model = dense_selection_model(cfg) if start < dense_until else cfg.model
+        out.append(Phase(start, model, 0.0 if distill_until and start >= distill_until else weight))
+    return out
