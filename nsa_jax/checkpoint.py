@@ -121,7 +121,6 @@ from nsa_jax.resume import (  # noqa: F401 - the checkpoint directory API, re-ex
     saved_config,
     uncommitted_dirs,
 )
-from nsa_jax.train import strategies
 
 CHECKPOINT_DIR = rf.CHECKPOINT_DIR
 CORRUPT_DIR = rf.CORRUPT_DIR
@@ -428,13 +427,15 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg: Config,
+        plan,
         out_dir: str | os.PathLike,
-        mesh,
         warn: Callable[[str], None] = print,
         verify: bool = True,
     ):
-        self.cfg, self.out, self.mesh, self._warn = cfg, pathlib.Path(out_dir), mesh, warn
+        # plan: the run's ShardingPlan (nsa_jax/train/strategies.py): its config, mesh and the
+        # shapes and shardings of the state, which a restore reads straight into.
+        self.plan, self.cfg, self.mesh = plan, plan.cfg, plan.mesh
+        self.out, self._warn = pathlib.Path(out_dir), warn
         self.verify = verify
         self.dir = checkpoint_dir(out_dir)
         self._mngr = None
@@ -445,7 +446,7 @@ class Checkpointer:
         self._trap = _OrbaxErrorTrap()
         logging.getLogger("absl").addFilter(self._trap)
         _silence_closed_loop_callbacks()
-        if cfg.checkpoint.enabled:
+        if self.cfg.checkpoint.enabled:
             # Opening the manager takes seconds: done at boot, not in the first save.
             self._manager()
 
@@ -466,9 +467,7 @@ class Checkpointer:
     def abstract_state(self):
         """Shapes of a fresh TrainState, placed as parallel.strategy places it on this run's mesh
         (the restore target: orbax reads each array straight into those shardings)."""
-        shapes = strategies.state_shapes(self.cfg)
-        placed = strategies.state_shardings(self.cfg, self.mesh, shapes)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, placed)
+        return self.plan.abstract_state()
 
     def _restore_step(self, mngr, step: int, target, saved: dict | None = None) -> Restored:
         """One step, verified against its checksums; raises on anything that does not read back."""

@@ -235,7 +235,7 @@ def test_unknown_strategy_is_one_clear_line():
 def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, tmp_path):
     cfg, mesh, state, _ = run("zero1", "float32")
     expect = jax.device_get(state)
-    ck = C.Checkpointer(cfg, tmp_path, mesh)
+    ck = C.Checkpointer(S.make_plan(cfg, mesh), tmp_path)
     try:
         assert ck.save(STEPS, state, {"position": 0}, None) is not None
     finally:
@@ -243,7 +243,7 @@ def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, t
 
     # zero1 on 2 devices -> fsdp on 2 devices (params become sharded) and -> one device.
     for target_cfg, target_mesh in ((cfg_for("fsdp"), mesh), (cfg, mesh_of(1))):
-        ck = C.Checkpointer(target_cfg, tmp_path, target_mesh, warn=lambda _: None)
+        ck = C.Checkpointer(S.make_plan(target_cfg, target_mesh), tmp_path, warn=lambda _: None)
         try:
             restored = ck.restore_latest()
         finally:

@@ -194,7 +194,7 @@ class Trainer:
         # Opening the stream validates the data settings before any artifact is written.
         self.data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
         # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/checkpoint.py).
-        self.ckpt = ckpt.Checkpointer(cfg, self.out, self.mesh, warn=self.say)
+        self.ckpt = ckpt.Checkpointer(self.plan, self.out, warn=self.say)
         restored = self.ckpt.restore_latest() if state is None and data_state is None else None
         if restored is not None:
             state, data_state = restored.state, restored.train_data
