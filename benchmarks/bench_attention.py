@@ -44,6 +44,7 @@ import numpy as np
 
 from benchmarks.common import (
     MiB,
+    add_config_args,
     available_memory_bytes,
     compile_fn,
     fmt,
@@ -54,6 +55,7 @@ from benchmarks.common import (
     on_gpu,
     parse_ints,
     print_header,
+    print_table_header,
     short_error,
     time_compiled,
     write_json,
@@ -405,9 +407,7 @@ def print_table(rows: list[dict], show_cpu: bool) -> None:
         f"{cpu_head} "
         f"{'nsa MiB':>9} {'xla MiB':>9} {'chunk MiB':>9} {'mem d/n':>8}"
     )
-    print()
-    print(header)
-    print("-" * len(header))
+    print_table_header(header)
     for r in rows:
         mem = lambda name: (r[f"{name}_mem"] or {}).get("total")  # noqa: E731
         cpu = f" {fmt(r['cpu_time_ratio_dense_vs_nsa'], '{:7.2f}x', 8)}" if show_cpu else ""
@@ -465,6 +465,7 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_args(parser, "a100_pcie")
     parser.add_argument(
         "--seq-lens",
         default=None,
@@ -493,15 +494,6 @@ def main(argv=None) -> None:
         help="stop timing a program once its timed calls add up to this (at least one call)",
     )
     parser.add_argument("--dense-chunk", type=int, default=512, help="query/key chunk of the chunked dense baseline")
-    parser.add_argument("--config", default="a100_pcie", help="config name or YAML path for the layer shape")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set model.nsa.w=256 (repeatable)",
-    )
-    parser.add_argument("--json", default=None, help="write {meta, rows} to this JSON file")
     parser.add_argument("--plot", default=None, help="write a time / memory plot to this PNG (needs matplotlib)")
     opts = parser.parse_args(argv)
     meta, rows = run(opts)

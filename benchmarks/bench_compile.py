@@ -38,7 +38,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks.common import fmt, fmt_mib, log, memory_stats, parse_ints, print_header, short_error, write_json
+from benchmarks.common import (
+    add_config_args,
+    fmt,
+    fmt_mib,
+    log,
+    memory_stats,
+    parse_ints,
+    print_header,
+    print_table_header,
+    short_error,
+    write_json,
+)
 from nsa_jax.aot import train_step_args
 from nsa_jax.config import Config, load_config
 from nsa_jax.kernels import describe_impl
@@ -109,7 +120,7 @@ def parse_bools(text: str) -> list[bool]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="a100_pcie", help="config name or YAML path")
+    add_config_args(parser, "a100_pcie")
     parser.add_argument("--seq-len", type=int, default=2048, help="train.seq_len to compile for")
     parser.add_argument("--remat", default="none,full", help="model.remat values to compare")
     parser.add_argument("--scan", default="true,false", help="model.scan_layers values to compare")
@@ -121,14 +132,6 @@ def main(argv=None) -> None:
         choices=("auto", "project", "minimal"),
         help="project (and auto) = nsa_jax.train.step.make_train_step; minimal = a step built here",
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set train.global_batch=1 (repeatable)",
-    )
-    parser.add_argument("--json", default=None, help="write {meta, rows} to this JSON file")
     opts = parser.parse_args(argv)
 
     # Persistent-cache hits would time a cache read, not a compilation.
@@ -166,9 +169,7 @@ def main(argv=None) -> None:
         f"{'L':>3} {'remat':<5} {'scan':<5} {'lower s':>8} {'compile s':>9} {'total s':>8} {'HLO KiB':>8} "
         f"{'arg MiB':>9} {'out MiB':>9} {'alias MiB':>9} {'temp MiB':>9} {'code MiB':>9} {'total MiB':>9}"
     )
-    print()
-    print(header)
-    print("-" * len(header))
+    print_table_header(header)
     for r in rows:
         mem = r.get("mem") or {}
         print(

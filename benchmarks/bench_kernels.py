@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import fmt, log, on_gpu, print_header, short_error, time_fn, write_json
+from benchmarks.common import fmt, log, on_gpu, print_header, print_table_header, short_error, time_fn, write_json
 from nsa_jax.kernels import compressed_attention
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
@@ -262,9 +262,7 @@ def main(argv=None):
         f"{'T':>6} {'branch':<10} {'mode':<7} {'pallas ms':>9} {'bsp ms':>9} "
         f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9} {'dense/bsp':>9}"
     )
-    print()
-    print(header)
-    print("-" * len(header))
+    print_table_header(header)
     for r in rows:
         print(
             f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} "

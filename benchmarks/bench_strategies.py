@@ -45,7 +45,7 @@ if "XLA_FLAGS" not in os.environ:  # before jax is imported: two devices on a CP
 import jax
 import numpy as np
 
-from benchmarks.common import MiB, fmt, log, memory_stats, print_header, short_error, write_json
+from benchmarks.common import MiB, add_config_args, fmt, log, memory_stats, print_header, short_error, write_json
 from nsa_jax.config import load_config
 from nsa_jax.train import step as S
 from nsa_jax.train import strategies
@@ -302,7 +302,7 @@ def print_tables(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="cpu_tiny", help="config name or YAML path")
+    add_config_args(parser, "cpu_tiny")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     parser.add_argument(
@@ -314,14 +314,6 @@ def main(argv=None) -> None:
         choices=("float32", "bfloat16"),
         help="parallel.grad_reduce_dtype of variants without a -bf16/-fp32 suffix",
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set train.global_batch=4 (repeatable)",
-    )
-    parser.add_argument("--json", default=None, help="write {meta, rows} to this JSON file")
     opts = parser.parse_args(argv)
 
     variants = [v.strip() for v in opts.strategies.split(",") if v.strip()]

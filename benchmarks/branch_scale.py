@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
+from benchmarks.common import add_config_args
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.model import NSALM
@@ -48,13 +49,12 @@ def tensor_rms(model: NSALM, params, tokens_BxT: jax.Array) -> dict[str, jax.Arr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="cpu_tiny")
+    add_config_args(ap, "cpu_tiny", dest="overrides", json=False)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--at", default="25,50,100,200,300", help="steps to measure at (comma list); step 0 always")
     # Accepted so that the harness's base flags can be passed as they are; the run ends at max(--at).
     for flag in ("--steps", "--eval-every", "--eval-batches"):
         ap.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = ap.parse_args()
     try:
         at = sorted({int(s) for s in args.at.split(",") if s.strip()})

@@ -58,6 +58,29 @@ def print_header(title: str) -> dict[str, Any]:
     return env
 
 
+def add_config_args(parser, default: str = "cpu_tiny", *, dest: str = "set", json: bool = True) -> None:
+    """Every benchmark's config flags: --config NAME, repeatable --set KEY=VALUE (into `dest`),
+    and with `json` --json PATH (write {meta, rows})."""
+    parser.add_argument("--config", default=default, help="config name or YAML path")
+    parser.add_argument(
+        "--set",
+        dest=dest,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set train.global_batch=1 (repeatable)",
+    )
+    if json:
+        parser.add_argument("--json", default=None, help="write {meta, rows} to this JSON file")
+
+
+def print_table_header(header: str) -> None:
+    """A blank line, the header and a rule under it."""
+    print()
+    print(header)
+    print("-" * len(header))
+
+
 def parse_ints(text: str) -> list[int]:
     """'2048,4096' -> [2048, 4096]; also accepts 2k / 64k."""
     out = []

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import add_config_args
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
@@ -322,13 +323,12 @@ def environments_warning(runs: list[dict]) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="cpu_tiny")
+    add_config_args(ap, "cpu_tiny", dest="overrides", json=False)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated train.seed values")
     ap.add_argument("--variant", action="append", default=[], help="NAME;key=value;... (repeatable)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     ap.add_argument("--json", help="accumulate runs here (runs already in it are skipped)")
     ap.add_argument("--png", help="learning-curve plot")
     ap.add_argument("--report-only", action="store_true", help="summarise --json without training")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import jax
 
+from benchmarks.common import add_config_args
 from launch.cli import Parser, UsageError
 from nsa_jax.aot import TRITON_TARGET, compiled_kernels, layer_forward_backward
 from nsa_jax.config import ConfigError, load_config
@@ -161,12 +162,11 @@ def print_report(r: dict) -> None:
 
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0], in_process=argv is not None)
+    add_config_args(parser, "a100_pcie", json=False)
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--config", default="a100_pcie", help="config name or YAML path for the layer shape")
     parser.add_argument("--impl", default="pallas", choices=("pallas", "xla", "auto"), help="model.nsa.attention_impl")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     parser.add_argument("--top", type=int, default=5, help="how many of the largest tensor types to list")
     parser.add_argument("--json", default=None, help="write the report to this JSON file")
     parser.add_argument("--max-tensor-mib", type=float, default=None, help="exit 1 when the largest tensor is above")

@@ -29,6 +29,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.common import add_config_args
 from nsa_jax.config import load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
@@ -83,7 +84,7 @@ def train_and_score(cfg, eval_batches: int, eval_every: int, label: str, data_cf
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="cpu_tiny")
+    add_config_args(ap, "cpu_tiny", dest="overrides")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument(
         "--variants",
@@ -98,8 +99,6 @@ def main() -> None:
     )
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
-    ap.add_argument("--json")
     args = ap.parse_args()
 
     rows = []

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import print_header, write_json
+from benchmarks.common import add_config_args, print_header, write_json
 from nsa_jax.config import load_config
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.train import step as S
@@ -256,15 +256,13 @@ def layer_program(cfg, seq_len: int, backward: bool):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="cpu_tiny")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    add_config_args(ap, "cpu_tiny")
     ap.add_argument("--layer", action="store_true", help="profile one NSA attention layer instead of a train step")
     ap.add_argument("--seq-len", type=int, default=None, help="--layer: sequence length (default train.seq_len)")
     ap.add_argument("--backward", action="store_true", help="--layer: forward+backward")
     ap.add_argument("--steps", type=int, default=3, help="traced calls (after one untimed call)")
     ap.add_argument("--top", type=int, default=12, help="instructions to list")
     ap.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temporary folder)")
-    ap.add_argument("--json", default=None)
     opts = ap.parse_args(argv)
     if opts.steps < 1:
         ap.error("--steps must be >= 1")

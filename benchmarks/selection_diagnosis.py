@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import add_config_args
 from benchmarks.experiments import make_evaluator, pair_positions
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
@@ -82,11 +83,10 @@ def diagnose(q_BxTxHxD, kc_BxTcxKxD, k_BxTxKxD, qpos_BxQ, tpos_BxQ, *, l: int, d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="cpu_tiny")
+    add_config_args(ap, "cpu_tiny", dest="overrides", json=False)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eval-batches", type=int, default=4)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = ap.parse_args()
     common = [*args.overrides, f"train.steps={args.steps}", f"train.seed={args.seed}"]
     try:

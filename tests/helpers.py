@@ -2,11 +2,62 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import numpy as np
 
 from nsa_jax.config import load_config
 from nsa_jax.train import optimizer as O
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The tiny run of the tests that train through the launcher or the Trainer (overrides of
+# cpu_tiny or the defaults); a test adds what it exercises (logging.tensorboard=false where
+# it reads no TensorBoard files: the writer costs start-up time).
+TINY_RUN = [
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=128",
+    "train.seq_len=64",
+    "train.global_batch=4",
+]
+# Every NSA size set small, for the tests that hold the train step and the evaluator to a
+# host reference (over the defaults; a test adds its vocabulary and train keys).
+TINY_NSA = [
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=16",
+    "model.v_head_dim=16",
+    "model.d_ff=64",
+    "model.nsa.l=8",
+    "model.nsa.d=4",
+    "model.nsa.lp=16",
+    "model.nsa.n=3",
+    "model.nsa.w=16",
+    "model.nsa.cmp_mlp_hidden=16",
+    "model.nsa.gate_hidden=8",
+    "model.nsa.attention_impl=xla",
+    "model.dtype=float32",
+]
+
+
+def set_flags(overrides: list[str]) -> list[str]:
+    """["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]: overrides as launcher flags."""
+    return [a for s in overrides for a in ("--set", s)]
+
+
+def python_c(code: str) -> subprocess.CompletedProcess:
+    """`python -c code` in the repository root with the repository on the path; output captured."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
 
 
 def tiny_model_cfg(T_hint: int = 64, G: int = 2, K: int = 1, **nsa):

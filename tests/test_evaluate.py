@@ -12,6 +12,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from helpers import TINY_NSA
 
 from nsa_jax.config import load_config
 from nsa_jax.data import kv_recall, make_dataset
@@ -21,22 +22,7 @@ from nsa_jax.train.evaluate import Evaluator
 from nsa_jax.train.state import init_state
 
 TINY = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.head_dim=16",
-    "model.v_head_dim=16",
-    "model.d_ff=64",
-    "model.nsa.l=8",
-    "model.nsa.d=4",
-    "model.nsa.lp=16",
-    "model.nsa.n=3",
-    "model.nsa.w=16",
-    "model.nsa.cmp_mlp_hidden=16",
-    "model.nsa.gate_hidden=8",
-    "model.nsa.attention_impl=xla",
-    "model.dtype=float32",
+    *TINY_NSA,
     "model.init_std=0.5",
     "train.seq_len=48",
     "train.global_batch=4",
@@ -126,18 +112,16 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
 
 @pytest.mark.slow
 def test_kv_recall_training_loss_counts_the_answers_only():
-    cfg = load_config(
-        None,
-        TINY
-        + [
-            "model.vocab_size=32",
-            "data.dataset=kv_recall",
-            "data.kv_pairs=3",
-            "data.kv_queries=3",
-            "train.seq_len=40",
-            "logging.aux_stats=false",
-        ],
-    )
+    kv = [
+        *TINY,
+        "model.vocab_size=32",
+        "data.dataset=kv_recall",
+        "data.kv_pairs=3",
+        "data.kv_queries=3",
+        "train.seq_len=40",
+        "logging.aux_stats=false",
+    ]
+    cfg = load_config(None, kv)
     params = init_state(cfg).params
     kb = make_dataset(cfg, "train").kv_batch_at(0)
     answers, _, _ = reference_metrics(cfg, params, [kb.tokens_BxT1], [kb.answer_mask_BxT])
@@ -145,18 +129,6 @@ def test_kv_recall_training_loss_counts_the_answers_only():
     assert abs(answers - every) > 1e-3  # the two losses differ, so the check below can tell them apart
     loss, _ = jax.jit(lambda p, t: S.loss_and_stats(p, t, cfg=cfg))(params, kb.tokens_BxT1)
     assert abs(float(loss) - answers) < 1e-5 * answers
-    off = load_config(
-        None,
-        TINY
-        + [
-            "model.vocab_size=32",
-            "data.dataset=kv_recall",
-            "data.kv_pairs=3",
-            "data.kv_queries=3",
-            "train.seq_len=40",
-            "logging.aux_stats=false",
-            "data.kv_loss_mask=false",
-        ],
-    )
+    off = load_config(None, [*kv, "data.kv_loss_mask=false"])
     loss_all, _ = jax.jit(lambda p, t: S.loss_and_stats(p, t, cfg=off))(params, kb.tokens_BxT1)
     assert abs(float(loss_all) - every) < 1e-5 * every

@@ -18,27 +18,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from helpers import TINY_RUN  # noqa: E402
+
 from nsa_jax import checkpoint as C  # noqa: E402
 from nsa_jax import runfiles as rf  # noqa: E402
 from nsa_jax.config import load_config  # noqa: E402
 from nsa_jax.train import evaluate  # noqa: E402
 from nsa_jax.train.loop import Trainer  # noqa: E402
 
-TINY = [
-    "model.n_layers=1",
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.head_dim=16",
-    "model.v_head_dim=16",
-    "model.d_ff=128",
-    "model.nsa.cmp_mlp_hidden=32",
-    "model.nsa.gate_hidden=16",
-    "train.seq_len=64",
-    "train.global_batch=4",
-    "train.eval_batches=1",
-    "logging.tensorboard=false",
-]
+TINY = [*TINY_RUN, "train.eval_batches=1", "logging.tensorboard=false"]
 EXTRA_S = 1.0
 
 

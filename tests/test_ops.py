@@ -16,26 +16,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from helpers import TINY_RUN, set_flags  # noqa: E402
+
 from launch.train import env_overrides  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
 from nsa_jax.ops import distributed as D  # noqa: E402
 from nsa_jax.ops import health as H  # noqa: E402
 
-TINY = [
-    "model.d_model=64",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.d_ff=128",
-    "train.seq_len=64",
-    "train.global_batch=4",
-    "logging.tensorboard=false",
-    "model.nsa.branches=[cmp]",
-]
-
-
-def sets(items):
-    return [a for s in items for a in ("--set", s)]
+TINY = [*TINY_RUN, "logging.tensorboard=false", "model.nsa.branches=[cmp]"]
+sets = set_flags
 
 
 def cpu_env(devices: int = 1) -> dict[str, str]:

@@ -22,6 +22,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from helpers import TINY_RUN, set_flags  # noqa: E402
+
 from launch import report as R  # noqa: E402
 from launch import sweep as SW  # noqa: E402
 from nsa_jax.config import load_config  # noqa: E402
@@ -29,32 +31,9 @@ from nsa_jax.report import plots as P  # noqa: E402
 from nsa_jax.report import summary as S  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TINY = [
-    "--config",
-    "cpu_tiny",
-    "--steps",
-    "6",
-    "--set",
-    "model.d_model=64",
-    "--set",
-    "model.n_layers=1",
-    "--set",
-    "model.n_heads=2",
-    "--set",
-    "model.n_kv_heads=1",
-    "--set",
-    "model.d_ff=128",
-    "--set",
-    "train.seq_len=64",
-    "--set",
-    "train.global_batch=4",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.eval_every=3",
-    "--set",
-    "train.eval_batches=1",
-]
+TINY = ["--config", "cpu_tiny", "--steps", "6"] + set_flags(
+    [*TINY_RUN, "train.log_every=1", "train.eval_every=3", "train.eval_batches=1"]
+)
 LAST = 4
 
 

@@ -6,13 +6,14 @@ import csv
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from helpers import python_c  # noqa: E402
 
 from launch.train import compile_cache_dir, prepare_out_dir  # noqa: E402
 from nsa_jax import resume  # noqa: E402
@@ -61,13 +62,7 @@ def test_names_and_columns():
 def test_schema_modules_do_not_import_jax():
     mods = "nsa_jax.runfiles, nsa_jax.resume, launch.watchdog, nsa_jax.report.summary"
     code = f"import sys, {mods}; print('jax' in sys.modules)"
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    r = python_c(code)
     assert r.stdout.strip() == "False", r.stderr
 
 

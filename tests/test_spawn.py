@@ -13,23 +13,13 @@ import sys
 import time
 
 import pytest
+from helpers import TINY_RUN, set_flags
 
 from launch.spawn import child_env, exit_status
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-TINY = [
-    "model.d_model=64",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.d_ff=128",
-    "train.seq_len=64",
-    "train.global_batch=4",
-    "train.log_every=1",
-    "logging.tensorboard=false",
-    "model.nsa.branches=[cmp]",
-]
+TINY = [*TINY_RUN, "train.log_every=1", "logging.tensorboard=false", "model.nsa.branches=[cmp]"]
 
 
 def env() -> dict[str, str]:
@@ -57,7 +47,7 @@ def spawn(*args: str, timeout: float = 400, **kw) -> subprocess.CompletedProcess
 def test_two_process_training_run(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out)]
-    r = spawn("--nproc", "2", "--grace", "5", "--", *cmd, *[a for s in TINY for a in ("--set", s)])
+    r = spawn("--nproc", "2", "--grace", "5", "--", *cmd, *set_flags(TINY))
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     # Both ranks joined one run, and each line says whose it is.
     for rank in (0, 1):

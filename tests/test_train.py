@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import host_train_state, rel_err
+from helpers import TINY_NSA, host_train_state, rel_err
 
 from nsa_jax.config import load_config
 from nsa_jax.model import NSALM, cross_entropy
@@ -27,22 +27,7 @@ from nsa_jax.train.state import init_state
 V, T, B, STEPS = 64, 32, 4, 5
 TINY = [
     f"model.vocab_size={V}",
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.head_dim=16",
-    "model.v_head_dim=16",
-    "model.d_ff=64",
-    "model.nsa.l=8",
-    "model.nsa.d=4",
-    "model.nsa.lp=16",
-    "model.nsa.n=3",
-    "model.nsa.w=16",
-    "model.nsa.cmp_mlp_hidden=16",
-    "model.nsa.gate_hidden=8",
-    "model.nsa.attention_impl=xla",
-    "model.dtype=float32",
+    *TINY_NSA,
     f"train.seq_len={T}",
     f"train.global_batch={B}",
     "train.accumulate=1",

@@ -16,6 +16,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from helpers import TINY_RUN, python_c, set_flags  # noqa: E402
+
 from launch.train import (  # noqa: E402
     BUCKET_FLAG,
     env_overrides,
@@ -25,19 +27,7 @@ from launch.train import (  # noqa: E402
 )
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
 
-TINY = [
-    "model.n_layers=1",
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.head_dim=16",
-    "model.v_head_dim=16",
-    "model.d_ff=128",
-    "model.nsa.cmp_mlp_hidden=32",
-    "model.nsa.gate_hidden=16",
-    "train.seq_len=64",
-    "train.global_batch=4",
-]
+TINY = TINY_RUN
 HEARTBEAT_FIELDS = {"ts", "iso", "pid", "rank", "step", "msg", "memory", "event"}
 
 
@@ -57,8 +47,7 @@ def launch(args: list[str], env: dict[str, str] | None = None, devices: int = 2,
     )
 
 
-def sets(items: list[str]) -> list[str]:
-    return [a for item in items for a in ("--set", item)]
+sets = set_flags
 
 
 def read_heartbeat(path: pathlib.Path) -> list[dict]:
@@ -167,7 +156,7 @@ def test_env_toggles_switch_artifacts_off(tmp_path):
         (["--set", "train.no_such_key=1"], {}),
         ([], {"NSA_DDP_COMPRESS": "fp8"}),
         ([], {"NSA_ACCUM": "two"}),
-        (["--set", "train.global_batch=3", *sets(TINY[:-1])], {}),  # 3 rows over 2 devices
+        (["--set", "train.global_batch=3", *sets(t for t in TINY if "global_batch" not in t)], {}),  # 3 rows, 2 devices
     ],
 )
 @pytest.mark.slow
@@ -210,13 +199,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_training_and_restarts(tmp_pat
 @pytest.mark.slow
 def test_launcher_does_not_import_jax_before_setting_flags():
     code = "import sys, launch.train; print('jax' in sys.modules)"
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    r = python_c(code)
     assert r.stdout.strip() == "False", r.stderr
 
 

@@ -14,6 +14,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from helpers import TINY_RUN  # noqa: E402
+
 from launch.watchdog import GATE_COLUMNS, LineTail  # noqa: E402
 from nsa_jax.runfiles import AUX_COLUMNS, TRAIN_COLUMNS  # noqa: E402
 
@@ -300,17 +302,7 @@ def test_real_training_run(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    tiny = [
-        "model.d_model=64",
-        "model.n_layers=1",
-        "model.n_heads=2",
-        "model.n_kv_heads=1",
-        "model.d_ff=128",
-        "train.seq_len=64",
-        "train.global_batch=4",
-        "train.log_every=2",
-        "logging.tensorboard=false",
-    ]
+    tiny = [*TINY_RUN, "train.log_every=2", "logging.tensorboard=false"]
     train = subprocess.run(
         [
             sys.executable,
@@ -385,14 +377,7 @@ def test_a_trainer_that_raises_writes_crash_not_done(tmp_path):
     cfg = load_config(
         "cpu_tiny",
         [
-            "model.d_model=32",
-            "model.n_layers=1",
-            "model.n_heads=2",
-            "model.n_kv_heads=1",
-            "model.head_dim=16",
-            "model.v_head_dim=16",
-            "model.d_ff=64",
-            "train.seq_len=64",
+            *TINY_RUN,
             "train.global_batch=2",
             "train.steps=5",
             "logging.tensorboard=false",

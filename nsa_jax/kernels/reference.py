@@ -1,6 +1,6 @@
 """Naive references of the attention-kernel contract, for tests and benchmarks.
 
-Written from NSA_SPEC.md and nothing else, and slow on purpose (keep T small):
+Written from docs/NSA.md and nothing else, and slow on purpose (keep T small):
 
 * visibility, decided token by token: ``selection_visible`` / ``window_visible``
   / ``compressed_visible`` give the sorted key positions query t of KV head kv
