@@ -109,7 +109,7 @@ def write_inference_dir(path, cfg, params) -> None:
 
 def _load_dir(path: pathlib.Path, args):
     if (path / CONFIG_FILE).is_file():
-        cfg = load_config(str(path / CONFIG_FILE), args.overrides)
+        cfg = load_config(str(path / CONFIG_FILE), args.overrides, saved=True)
     elif args.config is not None:
         cfg = load_config(args.config, args.overrides)
     else:

@@ -460,8 +460,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(name: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Loads, overrides and validates a config; `name=None` gives the defaults."""
+def load_config(name: str | None = None, overrides: list[str] | tuple[str, ...] = (), saved: bool = False) -> Config:
+    """Loads, overrides and validates a config; `name=None` gives the defaults.
+
+    `saved`: the file is one the project wrote (a model directory's config.yaml), maybe by
+    an earlier version: upgrade_saved reads it in today's keys.
+    """
     data: dict[str, Any] = {}
     if name is not None:
         path = resolve_path(name)
@@ -472,6 +476,8 @@ def load_config(name: str | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"config: {path} is not valid YAML ({first}); fix the file") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config: {path} must hold a mapping of sections (model:, train:, ...)")
+        if saved:
+            data = upgrade_saved(data)
     data = apply_overrides(data, list(overrides))
     return validate(from_dict(Config, data))
 

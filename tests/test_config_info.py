@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from nsa_jax.config import ConfigError, load_config, to_dict
 from nsa_jax.info import describe, keys_per_query, learning_options, parameter_counts
@@ -74,7 +75,7 @@ def test_retired_key_in_a_yaml_file_is_one_error(tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_saved_configs_of_earlier_versions_upgrade():
+def test_saved_configs_of_earlier_versions_upgrade(tmp_path):
     # A checkpoint's config lists every key: retired ones at "off" are dropped, schedules move
     # to train; a retired option that was on still fails with its one line.
     saved = to_dict(load_config("cpu_tiny"))
@@ -88,6 +89,13 @@ def test_saved_configs_of_earlier_versions_upgrade():
     saved["model"]["nsa"]["slc_straight_through"] = True
     with pytest.raises(ConfigError, match="slc_straight_through was retired"):
         config_from_dict(saved)
+    # A model directory's config.yaml of an earlier version (launch.generate reads it with saved=True).
+    saved["model"]["nsa"]["slc_straight_through"] = False
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    assert load_config(str(path), saved=True).train.dense_selection_steps == 7
+    with pytest.raises(ConfigError, match="was retired; remove it"):
+        load_config(str(path))
 
 
 def test_resume_allows_a_changed_schedule_but_not_a_changed_model():

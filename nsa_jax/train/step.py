@@ -43,7 +43,6 @@ from nsa_jax.train.state import TrainState, init_state
 from nsa_jax.train.strategies import ShardingPlan, make_plan, per_device_batch  # noqa: F401 (public API here too)
 
 AXIS = strategies.AXIS
-AUX_KEYS = ("gate_mean", "gate_entropy", "sel_far_frac", "cmp_k_ratio", "cmp_v_ratio")
 
 
 # ---------------------------------------------------------------------------
@@ -114,14 +113,6 @@ def per_layer(variables: dict, collection: str, name: str, cfg: Config):
     return jax.tree.map(lambda *v: jnp.stack(v), *[v[0] for v in values]) if all(values) else None
 
 
-def layer_stats(aux: dict, cfg: Config) -> dict[str, jax.Array]:
-    """The `aux` collection -> {'gate_mean': [L, 3], and [L] each of the other AUX_KEYS}.
-
-    Empty when the model sows nothing (no selection branch).
-    """
-    return dict(per_layer({"aux": aux}, "aux", "stats", cfg) or {})
-
-
 def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     """bool [B, T] of the targets the loss counts, or None for all of them.
 
@@ -149,18 +140,21 @@ def loss_and_stats(
 
     The loss is the mean next-token loss (over loss_mask) of `phase.model`, plus
     `phase.distill` times the layers' mean block-scorer KL, which the layers compute
-    only because the `losses` collection is mutable here; stats then carry `ce` (the
-    next-token loss alone) and `distill_kl`. `phase`: default cfg.model with
-    train.scorer_distill at every step.
+    only because the `losses` collection is mutable here. With train.scorer_distill on,
+    stats carry `ce` (the next-token loss alone) and `distill_kl` in every phase (0 in
+    one without it), so every phase returns the same metrics. With logging.aux_stats,
+    stats carry what the layers sow in `aux`: gate_mean [L, 3], gate_entropy,
+    sel_far_frac, cmp_k_ratio, cmp_v_ratio [L] (none without a selection branch).
+    `phase`: default cfg.model with train.scorer_distill at every step.
     """
     phase = phase or schedule.Phase(0, cfg.model, schedule.scorer_distill(cfg))
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
     logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
     loss = cross_entropy(logits_BxTxV, targets_BxT, loss_mask(tokens_BxT1, cfg))
-    stats = layer_stats(variables.get("aux", {}), cfg) if cfg.logging.aux_stats else {}
-    if phase.distill:
-        kl = jnp.mean(per_layer(variables, "losses", "scorer_kl", cfg))
+    stats = dict(per_layer(variables, "aux", "stats", cfg) or {})
+    if schedule.scorer_distill(cfg):
+        kl = jnp.mean(per_layer(variables, "losses", "scorer_kl", cfg)) if phase.distill else jnp.zeros((), jnp.float32)
         stats = {**stats, "ce": loss, "distill_kl": kl}
         loss = loss + phase.distill * kl
     return loss, stats
@@ -192,25 +186,10 @@ def make_phased_grad_fn(plan: ShardingPlan) -> Callable:
     """(params, tokens_AxBxT1, step) -> make_grad_fn's result for the phase `step` is in (schedule.phases).
 
     Every phase is compiled into the one step and the step counter (part of the state,
-    so a resumed run continues in its phase) chooses with lax.switch. With the
-    distillation configured, a phase without it reports ce = loss and distill_kl = 0,
-    so every phase returns the same metrics.
+    so a resumed run continues in its phase) chooses with lax.switch.
     """
     phases = schedule.phases(plan.cfg)
-    distill = schedule.scorer_distill(plan.cfg)
-
-    def phase_fn(phase):
-        fn = make_grad_fn(plan, phase=phase)
-        if not distill or phase.distill:
-            return fn
-
-        def without_distill(params, tokens_AxBxT1):
-            grads, loss, stats = fn(params, tokens_AxBxT1)
-            return grads, loss, {**stats, "ce": loss, "distill_kl": jnp.zeros((), jnp.float32)}
-
-        return without_distill
-
-    fns = [phase_fn(p) for p in phases]
+    fns = [make_grad_fn(plan, phase=p) for p in phases]
     if len(fns) == 1:
         return lambda params, tokens_AxBxT1, step: fns[0](params, tokens_AxBxT1)
     starts = jnp.asarray([p.start for p in phases[1:]], jnp.int32)
