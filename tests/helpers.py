@@ -49,6 +49,12 @@ TINY_NSA = [
 ]
 
 
+# The launcher over cpu_tiny, as a subprocess command (a test adds its flags).
+LAUNCH_TRAIN = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny"]
+# training.csv's per-layer-mean NSA columns (docs/RUNBOOK.md "Artifacts").
+NSA_CSV_COLUMNS = ("gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_frac", "cmp_k_ratio", "cmp_v_ratio")
+
+
 def set_flags(overrides: list[str]) -> list[str]:
     """["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]: overrides as launcher flags."""
     return [a for s in overrides for a in ("--set", s)]

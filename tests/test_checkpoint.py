@@ -29,7 +29,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import TINY_RUN  # noqa: E402
+from helpers import NSA_CSV_COLUMNS, TINY_RUN  # noqa: E402
 
 from launch.train import prepare_out_dir  # noqa: E402
 from nsa_jax import checkpoint as C  # noqa: E402
@@ -57,13 +57,7 @@ EXACT = (
     "grad_norm",
     "tokens",
     "skipped",
-    "gate_cmp",
-    "gate_slc",
-    "gate_win",
-    "gate_entropy",
-    "sel_far_frac",
-    "cmp_k_ratio",
-    "cmp_v_ratio",
+    *NSA_CSV_COLUMNS,
 )
 
 # Runs launch.train after arranging a deterministic interruption (CKPT_TEST_MODE):

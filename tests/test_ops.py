@@ -16,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import TINY_RUN, set_flags  # noqa: E402
+from helpers import LAUNCH_TRAIN, TINY_RUN, set_flags  # noqa: E402
 
 from launch.train import env_overrides  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
@@ -113,11 +113,7 @@ def test_first_host_of_a_slurm_node_list(nodes, first):
 def test_launch_train_reports_incomplete_settings_in_one_line(tmp_path):
     r = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "launch.train",
-            "--config",
-            "cpu_tiny",
+            *LAUNCH_TRAIN,
             "--num-processes",
             "2",
             "--out-dir",
@@ -317,11 +313,7 @@ def test_trainer_counts_skipped_updates_then_halts_at_max_skips(tmp_path):
     run = tmp_path / "run"
     r = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "launch.train",
-            "--config",
-            "cpu_tiny",
+            *LAUNCH_TRAIN,
             "--steps",
             "5",
             "--out-dir",

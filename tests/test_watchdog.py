@@ -14,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import TINY_RUN  # noqa: E402
+from helpers import LAUNCH_TRAIN, TINY_RUN, set_flags  # noqa: E402
 
 from launch.watchdog import GATE_COLUMNS, LineTail  # noqa: E402
 from nsa_jax.runfiles import AUX_COLUMNS, TRAIN_COLUMNS  # noqa: E402
@@ -305,16 +305,12 @@ def test_real_training_run(tmp_path):
     tiny = [*TINY_RUN, "train.log_every=2", "logging.tensorboard=false"]
     train = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "launch.train",
-            "--config",
-            "cpu_tiny",
+            *LAUNCH_TRAIN,
             "--steps",
             "6",
             "--out-dir",
             str(run),
-            *[a for s in tiny for a in ("--set", s)],
+            *set_flags(tiny),
         ],
         cwd=ROOT,
         env=env,
