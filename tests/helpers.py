@@ -27,6 +27,17 @@ TINY_RUN = [
     "train.seq_len=64",
     "train.global_batch=4",
 ]
+# TINY_RUN saving every second step, compressed branch only (it compiles fastest): the runs
+# that are stopped, killed or refused around their checkpoints.
+TINY_SAVING_RUN = [
+    *TINY_RUN,
+    "train.global_batch=2",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "checkpoint.save_every=2",
+    "logging.tensorboard=false",
+    "model.nsa.branches=[cmp]",
+]
 # Every NSA size set small, for the tests that hold the train step and the evaluator to a
 # host reference (over the defaults; a test adds its vocabulary and train keys).
 TINY_NSA = [

@@ -14,26 +14,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import TINY_SAVING_RUN
 
 from nsa_jax import checkpoint as C
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-TINY = [
-    "model.d_model=64",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.d_ff=128",
-    "train.seq_len=64",
-    "train.global_batch=2",
-    "train.log_every=1",
-    "train.eval_every=1000",
-    "checkpoint.save_every=2",
-    "checkpoint.max_to_keep=10",
-    "logging.tensorboard=false",
-    "model.nsa.branches=[cmp]",
-]
+TINY = [*TINY_SAVING_RUN, "checkpoint.max_to_keep=10"]
 
 
 def _closed_loop_error() -> tuple[BaseException, object]:

@@ -11,25 +11,13 @@ import sys
 import time
 
 import pytest
+from helpers import TINY_SAVING_RUN
 
 from nsa_jax import runlock
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-TINY = [
-    "model.d_model=64",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.d_ff=128",
-    "train.seq_len=64",
-    "train.global_batch=2",
-    "train.log_every=1",
-    "train.eval_every=1000",
-    "checkpoint.save_every=2",
-    "logging.tensorboard=false",
-    "model.nsa.branches=[cmp]",
-]
+TINY = TINY_SAVING_RUN
 
 
 def _env(cache: pathlib.Path) -> dict[str, str]:
