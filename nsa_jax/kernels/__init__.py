@@ -6,7 +6,9 @@ reference and CPU path, kernels/xla.py), `pallas` (Triton-backend Pallas kernels
 compressed_pallas with block_scores_pallas, selection_pallas, flash_pallas;
 interpreted when the backend is not a GPU), or `auto` (pallas on GPU, xla elsewhere; the selection branch also
 stays on xla when its block length lp is not a power of two >= 16, which its kernel
-needs: `pallas` asked for explicitly raises instead).
+needs: `pallas` asked for explicitly raises instead). A branch named by
+`set_xla_fallback` (the boot-time kernel guard, kernels/guard.py, after its kernel
+failed to compile or disagreed with XLA) also runs xla under `auto`.
 
 The selection branch has two Pallas kernels. With `pallas` (or `auto` on a GPU) a
 short sequence, T <= blocksparse_pallas.BLOCKSPARSE_MAX_SEQ_RATIO * n * lp (2 n lp; n = idx.shape[-1]),
@@ -35,6 +37,29 @@ from nsa_jax.kernels.xla import (
     window_attention_xla,
 )
 
+# Branches ("cmp", "slc", "win") that `auto` runs on xla for the rest of the process.
+_XLA_FALLBACK: frozenset[str] = frozenset()
+
+
+def set_xla_fallback(branches) -> None:
+    """Makes `auto` run `branches` on xla (replacing any earlier set; () clears it)."""
+    global _XLA_FALLBACK
+    unknown = set(branches) - {"cmp", "slc", "win"}
+    if unknown:
+        raise ValueError(f"unknown NSA branches {sorted(unknown)}")
+    _XLA_FALLBACK = frozenset(branches)
+
+
+def xla_fallback() -> frozenset[str]:
+    """The branches `auto` runs on xla after the kernel guard (set_xla_fallback)."""
+    return _XLA_FALLBACK
+
+
+def resolve_branch(impl: str, branch: str, backend: str | None = None) -> str:
+    """resolve_impl for one branch: `auto` gives xla for a branch in xla_fallback()."""
+    chosen = resolve_impl(impl, backend)
+    return "xla" if impl == "auto" and branch in _XLA_FALLBACK else chosen
+
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
     """The implementation `impl` stands for on `backend` (default: jax's)."""
@@ -52,7 +77,7 @@ def selection_kernel_fits(block_size: int) -> bool:
 
 
 def _resolve_selection(impl: str, block_size: int | None, backend: str | None = None) -> str:
-    chosen = resolve_impl(impl, backend)
+    chosen = resolve_branch(impl, "slc", backend)
     if impl == "auto" and chosen == "pallas" and block_size is not None and not selection_kernel_fits(block_size):
         return "xla"
     return chosen
@@ -77,11 +102,14 @@ def describe_impl(
             return "pallas-triton" if backend in ("gpu", "cuda") else "pallas-interpret"
         return "xla-chunked"
 
-    chosen = kind(resolve_impl(impl, backend))
     slc = kind(_resolve_selection(impl, block_size, backend))
     if slc != "xla-chunked" and None not in (block_size, seq, slots):
         slc += "/" + selection_kernel(impl, seq, slots, block_size, backend)
-    return {"cmp": chosen, "slc": slc, "win": chosen}
+    return {
+        "cmp": kind(resolve_branch(impl, "cmp", backend)),
+        "slc": slc,
+        "win": kind(resolve_branch(impl, "win", backend)),
+    }
 
 
 def interpret_pallas() -> bool:
@@ -111,7 +139,7 @@ def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", que
 
 def window_attention(q, k, v, window, scale=None, *, impl="xla", query_chunk=512):
     """Sliding-window attention through the chosen implementation."""
-    if resolve_impl(impl) == "pallas":
+    if resolve_branch(impl, "win") == "pallas":
         return window_attention_pallas(q, k, v, window, scale, interpret=interpret_pallas())
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk)
 
@@ -134,7 +162,7 @@ def compressed_attention(q, kc, vc, *, l, d, lp, scale=None, impl="xla", query_c
     scale = Dk**-0.5 if scale is None else scale
     if Tc == 0:
         o, scores = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
-    elif resolve_impl(impl) == "pallas":
+    elif resolve_branch(impl, "cmp") == "pallas":
         kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=interpret_pallas())
         if select_n is None:
             return compressed_attention_scores_pallas(q, kc, vc, **kw)

@@ -46,6 +46,8 @@ from nsa_jax import resume
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
+from nsa_jax.kernels import set_xla_fallback
+from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.ops.health import Health, agree_any, write_halt
 from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, HALT_FILE, SCALE_COLUMNS
 from nsa_jax.train import schedule
@@ -190,6 +192,7 @@ class Trainer:
         self.plan = S.make_plan(cfg, self.mesh)
         n_dev = self.plan.n_devices
         self.tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
+        self._guard_kernels(cfg.train.global_batch // n_dev)
         self.train_step = S.make_train_step(self.plan)
         # Opening the stream validates the data settings before any artifact is written.
         self.data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
@@ -226,6 +229,17 @@ class Trainer:
         self.evaluator: Evaluator | None = None  # built at the first evaluation
         self.long_eval = None  # eval.suites, built at the first evaluation (nsa_jax/evaluation/training.py)
         self.state = state
+
+    def _guard_kernels(self, batch_per_device: int) -> None:
+        """`auto` on a GPU: a branch whose Pallas kernel fails to compile or disagrees with XLA runs on XLA.
+
+        Before the step is traced, so the fallback is in its program; every process takes the
+        union of the failures, so all of them compile the same program.
+        """
+        failed = set(guard_kernels(self.cfg.model, batch_per_device, self.cfg.train.seq_len, warn=self.say))
+        if jax.process_count() > 1 and self.cfg.model.nsa.attention_impl == "auto":
+            failed = {b for b in ("cmp", "slc", "win") if agree_any(b in failed)}
+            set_xla_fallback(failed)
 
     # -- output ---------------------------------------------------------------
 

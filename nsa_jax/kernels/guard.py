@@ -1,0 +1,182 @@
+"""The kernel guard: checks each branch's Pallas kernels before the first training step.
+
+With `attention_impl: auto` on a GPU, `guard_kernels` takes each NSA branch the run
+uses and
+
+1. compiles its Pallas forward and backward at the run's shapes (per-device batch,
+   sequence length, heads, dtype), which is where a kernel that does not fit the card
+   (shared memory, an unsupported op) fails;
+2. runs the Pallas and the XLA path (kernels/xla.py, the reference) on a small slice
+   of random inputs and compares outputs and gradients.
+
+A branch whose kernel fails either check runs on XLA for the rest of the process
+(`set_xla_fallback`), and the guard prints one warning line naming the kernel and
+the error. On any other backend, or with `pallas` / `xla` asked for explicitly, it
+returns at once: a CPU run pays nothing unless `force=True` (the tests force it with
+the interpreted kernels). The selection branch is checked with the kernel the run's
+length picks (block-sparse or gather, `selection_kernel`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
+SLICE_SEQ = 256
+SLICE_BATCH = 1
+# Largest max |pallas - xla| relative to max |xla| per output, by input dtype.
+TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
+# Smallest share of selected block indices (cmp branch) on which the two paths agree;
+# below 1 because near-ties in the block scores may round either way.
+MIN_INDEX_AGREEMENT = 0.98
+
+_KERNELS = {
+    "cmp": "compressed_pallas/block_scores_pallas (nsa_cmp_*, nsa_block_select)",
+    "win": "flash_pallas (nsa_window_*)",
+    "blocksparse": "blocksparse_pallas (nsa_selection_bsp_*)",
+    "gather": "selection_pallas (nsa_selection_*)",
+}
+
+
+class KernelMismatch(Exception):
+    """The Pallas path's result differs from the XLA path's beyond the tolerance."""
+
+
+def _branch_fn(nsa, branch: str, seq: int) -> tuple[str, Callable]:
+    """(kernel name, fn(impl, *inputs) -> (differentiable output, index output or None))."""
+    from nsa_jax import kernels as K  # the dispatch module: what a test monkeypatches is what runs
+
+    if branch == "cmp":
+        select_n = nsa.n if "slc" in nsa.branches else None
+
+        def cmp(impl, q, kc, vc):
+            o, idx = K.compressed_attention(q, kc, vc, l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n)
+            return o, (idx if select_n is not None else None)
+
+        return _KERNELS["cmp"], cmp
+    if branch == "win":
+        return _KERNELS["win"], lambda impl, q, k, v: (K.window_attention(q, k, v, nsa.w, impl=impl), None)
+    kernel = K.selection_kernel("pallas", seq, nsa.n, nsa.lp)
+
+    def slc(impl, q, k, v, idx):
+        if impl == "xla":
+            return K.selection_attention_xla(q, k, v, idx, nsa.lp), None
+        fn = K.selection_attention_blocksparse_pallas if kernel == "blocksparse" else K.selection_attention_pallas
+        return fn(q, k, v, idx, nsa.lp, interpret=K.interpret_pallas()), None
+
+    return _KERNELS[kernel], slc
+
+
+def _shapes(cfg, branch: str, batch: int, seq: int) -> list[tuple[tuple[int, ...], jnp.dtype]]:
+    """Shapes and dtypes of the branch's inputs (q first), as the layer calls it."""
+    from nsa_jax.kernels.xla import num_compressed
+
+    a, dt = cfg.nsa, jnp.dtype(cfg.dtype)
+    H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
+    q = ((batch, seq, H, Dk), dt)
+    if branch == "cmp":
+        tc = num_compressed(seq, a.l, a.d)
+        return [q, ((batch, tc, K, Dk), dt), ((batch, tc, K, Dv), dt)]
+    kv = [((batch, seq, K, Dk), dt), ((batch, seq, K, Dv), dt)]
+    return [q, *kv, ((batch, seq, K, a.n), jnp.int32)] if branch == "slc" else [q, *kv]
+
+
+def _loss_and_grads(fn, impl: str, n_diff: int):
+    """x -> ((out, idx), grads of sum(out * ct) wrt the first n_diff inputs); ct fixed per shape."""
+
+    def loss(*xs):
+        o, idx = fn(impl, *xs)
+        ct = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))  # a fixed, non-uniform cotangent
+        return jnp.sum(o.astype(jnp.float32) * ct), (o, idx)
+
+    def run(*xs):
+        (_, (o, idx)), grads = jax.value_and_grad(loss, argnums=tuple(range(n_diff)), has_aux=True)(*xs)
+        return o, idx, grads
+
+    return run
+
+
+def _slice_inputs(cfg, branch: str, seq: int, rng: np.random.Generator):
+    from nsa_jax.kernels.xla import select_blocks
+
+    xs = []
+    for shape, dt in _shapes(cfg, branch, SLICE_BATCH, seq):
+        if dt == jnp.int32:  # selected blocks: select_blocks' rules over random scores
+            a = cfg.nsa
+            nb = -(-seq // a.lp)
+            scores = jnp.asarray(rng.random((shape[0], seq, shape[2], nb)), jnp.float32)
+            xs.append(select_blocks(scores, a.lp, a.n))
+        else:
+            xs.append(jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt))
+    return xs
+
+
+def _compare(name: str, got, want, tol: float) -> None:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if not np.all(np.isfinite(got)):
+        raise KernelMismatch(f"{name} has non-finite values")
+    err, scale = float(np.max(np.abs(got - want), initial=0.0)), float(np.max(np.abs(want), initial=0.0))
+    if err > tol * max(scale, 1e-6):
+        raise KernelMismatch(f"{name} differs from XLA by {err:.3g} (max |XLA| {scale:.3g}, tolerance {tol:g})")
+
+
+def check_branch(cfg, branch: str, batch: int, seq: int, *, seed: int = 0) -> str:
+    """Compiles `branch`'s Pallas kernels at [batch, seq] and compares them with XLA on a slice.
+
+    Returns the kernel's name; raises what the compile raised, or KernelMismatch.
+    """
+    kernel, fn = _branch_fn(cfg.nsa, branch, seq)
+    shapes = _shapes(cfg, branch, batch, seq)
+    n_diff = 3
+    run = _loss_and_grads(fn, "pallas", n_diff)
+    jax.jit(run).lower(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).compile()
+
+    short = min(seq, SLICE_SEQ)
+    xs = _slice_inputs(cfg, branch, short, np.random.default_rng(seed))
+    o_p, idx_p, g_p = jax.jit(run)(*xs)
+    o_x, idx_x, g_x = jax.jit(_loss_and_grads(_branch_fn(cfg.nsa, branch, seq)[1], "xla", n_diff))(*xs)
+    tol = TOLERANCE.get(jnp.dtype(cfg.dtype).name, 5e-2)
+    _compare("output", o_p, o_x, tol)
+    for name, gp, gx in zip(("dq", "dk", "dv"), g_p, g_x):
+        _compare(name, gp, gx, tol)
+    if idx_p is not None:
+        agree = float(np.mean(np.asarray(idx_p) == np.asarray(idx_x)))
+        if agree < MIN_INDEX_AGREEMENT:
+            raise KernelMismatch(f"selected blocks agree with XLA on {agree:.1%} (needs {MIN_INDEX_AGREEMENT:.0%})")
+    return kernel
+
+
+def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Callable[[str], None] = print) -> dict:
+    """Checks the Pallas kernels of the branches `auto` runs on Pallas; falls back to XLA per failure.
+
+    `cfg`: the ModelConfig; `batch`: rows per device; `seq`: the training length.
+    Returns {branch: error line} of the branches now on XLA ({} when nothing was checked
+    or everything passed). Does nothing unless attention_impl is `auto` and the backend
+    is a GPU, or `force`.
+    """
+    from nsa_jax import kernels as K
+
+    a = cfg.nsa
+    if a.attention_impl != "auto" or not (force or K.resolve_impl("auto") == "pallas"):
+        return {}
+    K.set_xla_fallback(())
+    failed = {}
+    for branch in a.branches:
+        if branch == "slc" and not K.selection_kernel_fits(a.lp):
+            continue  # auto already runs it on XLA
+        kernel = _branch_fn(a, branch, seq)[0]
+        try:
+            check_branch(cfg, branch, batch, seq)
+        except KernelMismatch as e:
+            failed[branch] = f"{kernel} disagrees with XLA: {e}"
+        except Exception as e:  # a compile error of any kind: the branch must not take the run down
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            failed[branch] = f"{kernel} failed to compile: {type(e).__name__}: {first}"
+    for branch, why in failed.items():
+        warn(f"warning: kernel guard: {why}; the {branch} branch runs on XLA")
+    K.set_xla_fallback(failed)
+    return failed

@@ -1,0 +1,83 @@
+"""The boot-time kernel guard (nsa_jax/kernels/guard.py): a kernel that fails to compile or
+disagrees with XLA sends its branch to XLA with one warning line; CPU runs skip it.
+
+The guard is forced on CPU, where the Pallas kernels run interpreted, and failures are
+injected by replacing a kernel in the dispatch module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import nsa_jax.kernels as K
+from nsa_jax.config import load_config
+from nsa_jax.kernels.guard import guard_kernels
+
+# A small auto model: G = 2, lp = 16, n = 3, window 32; T = 64 runs the block-sparse selection kernel.
+SEQ = 64
+
+
+def _model_cfg():
+    overrides = [
+        "model.nsa.attention_impl=auto",
+        "model.n_heads=4",
+        "model.head_dim=16",
+        "model.v_head_dim=16",
+        "model.nsa.l=16",
+        "model.nsa.d=8",
+        "model.nsa.lp=16",
+        "model.nsa.n=3",
+        "model.nsa.w=32",
+    ]
+    return load_config("cpu_tiny", overrides).model
+
+
+@pytest.fixture(autouse=True)
+def _no_fallback_left():
+    K.set_xla_fallback(())
+    yield
+    K.set_xla_fallback(())
+
+
+def test_guard_costs_nothing_on_cpu_unless_forced(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the guard ran a kernel on a CPU run")
+
+    monkeypatch.setattr(K, "window_attention_pallas", boom)
+    cfg = _model_cfg()
+    assert guard_kernels(cfg, 1, SEQ, warn=boom) == {}
+    pallas = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, attention_impl="pallas"))
+    assert guard_kernels(pallas, 1, SEQ, force=True, warn=boom) == {}  # only `auto` is guarded
+    assert K.xla_fallback() == frozenset()
+
+
+def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypatch):
+    real_select = K.selection_attention_blocksparse_pallas
+
+    def no_compile(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 999999")
+
+    def off_by_half(*a, **k):
+        return real_select(*a, **k) * 1.5
+
+    monkeypatch.setattr(K, "window_attention_pallas", no_compile)
+    monkeypatch.setattr(K, "selection_attention_blocksparse_pallas", off_by_half)
+    lines = []
+    failed = guard_kernels(_model_cfg(), 1, SEQ, force=True, warn=lines.append)
+
+    assert set(failed) == {"win", "slc"}  # the compressed kernels are intact and stay on Pallas
+    assert K.xla_fallback() == {"win", "slc"}
+    assert len(lines) == 2
+    win = next(line for line in lines if "win branch" in line)
+    slc = next(line for line in lines if "slc branch" in line)
+    assert win.startswith("warning: kernel guard: flash_pallas (nsa_window_*) failed to compile")
+    assert "RESOURCE_EXHAUSTED: Shared memory size limit exceeded" in win
+    assert win.endswith("the win branch runs on XLA")
+    assert slc.startswith("warning: kernel guard: blocksparse_pallas (nsa_selection_bsp_*) disagrees with XLA")
+    assert "output differs from XLA" in slc
+    # `auto` now resolves the failed branches to XLA, as on a GPU the step would trace them.
+    desc = K.describe_impl("auto", "gpu", block_size=16, seq=SEQ, slots=3)
+    assert desc == {"cmp": "pallas-triton", "slc": "xla-chunked", "win": "xla-chunked"}
+    assert K.resolve_branch("pallas", "win", "gpu") == "pallas"  # asked for explicitly: no fallback
