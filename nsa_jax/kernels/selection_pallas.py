@@ -130,14 +130,17 @@ class SelectionBlockSizes:
         1: one position's G heads per program, padded to 16 rows. P > 1:
         P consecutive positions x G heads share a program and walk the union
         of their selections once (``_sel_multi_kernel``), so G = 6 with
-        P = 2 fills 12 of 16 rows instead of 6.
+        P = 2 fills 12 of 16 rows instead of 6. The default, 2, also shrinks
+        the padded forward output and dQ (``[B, K, T/P * Rp, D]``) from 16/G
+        to 8/G times the unpadded size: at G = 6, T = 65536 the layer's
+        fwd+bwd temporaries drop from 1,065 to 933 MiB (A100 80GB compile).
     """
 
     rows_dkv: int | None = None
     dkv_segment: int = 512
     num_warps: int | None = None
     num_stages: int = 2
-    positions: int = 1
+    positions: int = 2
 
 
 # ---------------------------------------------------------------------------
