@@ -7,7 +7,7 @@ it. They fail when a Pallas kernel stops compiling for sm_80 or sm_90 at the
 production shapes, when a kernel spills, when the a100_pcie step no longer fits an
 A100 40GB, or when the layer's forward+backward at T=65536 needs more than 1 GiB
 of temporaries. Each layer compile serves its tests once per session, across workers.
-A spill or a size listed under KNOWN_* below (today's figures) xfails naming it; a new
+A spill listed under KNOWN_SPILLS below (none today) xfails naming it; a new
 one, or a larger one, fails.
 """
 
@@ -35,15 +35,13 @@ needs_plugin = pytest.mark.skipif(
 PRODUCTION_T = (2048, 8192, 65536, 3000)
 CARDS = ("a100-40", "h100")  # sm_80 and sm_90; the A100 80GB compiles the same kernels as the 40GB
 # Spills ptxas reports today, per (card, kernel): a kernel listed here may spill up to this many bytes
-# (stores + loads) and the test xfails naming it; any other spill, or a larger one, fails.
-# Measured with `python -m benchmarks.gpu_aot` and these tests (docs/PERFORMANCE.md): the fused block scoring +
-# top-n kernel sits at the 255-register cap and spills, on an A100 from T=8192 (2,052 B stored + 2,892 B loaded at
-# T >= 32768; 496 B at the ragged T) and on an H100 at every T (48-124 B; 1,104 B at the ragged T).
-KNOWN_SPILLS: dict[tuple[str, str], int] = {("a100-40", "nsa_block_select"): 4944, ("h100", "nsa_block_select"): 1104}
+# (stores + loads) and the test xfails naming it; any other spill, or a larger one, fails. None today
+# (docs/PERFORMANCE.md, "Kernel resources"): nsa_block_select spilled up to 4,944 B on an A100 until it took
+# 16 query positions per program instead of 64.
+KNOWN_SPILLS: dict[tuple[str, str], int] = {}
+# The layer's forward+backward at T=65536 needs 933 MiB of temporaries on an A100 (1,065 MiB before the gather
+# selection kernel took two positions per program).
 LAYER_TEMP_LIMIT = 1 << 30
-# The layer's forward+backward at T=65536 needs 1,116,574,544 B (1,065 MiB) of temporaries today: up to this
-# figure the limit test xfails naming it; more fails.
-KNOWN_LAYER_TEMP = 1116574544
 
 
 # ---------------------------------------------------------------------------
@@ -281,8 +279,6 @@ def test_pallas_kernels_compile_without_spills(card, T, dump_root):
 @needs_plugin
 def test_layer_temporaries_at_64k_within_1gib(dump_root):
     temp = layer_compile("a100-40", 65536, dump_root)["memory"]["temp"]
-    if LAYER_TEMP_LIMIT < temp <= KNOWN_LAYER_TEMP:
-        pytest.xfail(f"known: layer fwd+bwd at T=65536 needs {temp / aot.MiB:.0f} MiB of temporaries (limit 1024)")
     assert temp <= LAYER_TEMP_LIMIT, f"layer fwd+bwd at T=65536 needs {temp / aot.MiB:.0f} MiB of temporaries"
 
 
