@@ -122,6 +122,22 @@ def _missing_pos():
     )
 
 
+def cast_dense_kernels(params, dtype):
+    """`params` with every Dense `kernel` in `dtype` (the model's compute dtype); other leaves as they are.
+
+    Every nn.Dense here computes in the model dtype and casts its fp32 kernel at each
+    use, so the values are the same; cast once before the layer scan, the casts (one
+    kernel launch per matrix, layer and micro-batch, forward and backward) leave the
+    scan bodies, and the gradient comes back in fp32 through the one cast.
+    """
+    dtype = jnp.dtype(dtype)
+
+    def cast(path, leaf):
+        return leaf.astype(dtype) if getattr(path[-1], "key", None) == "kernel" else leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def init_params(cfg: ModelConfig, rng: jax.Array, seq_len: int = 0):
     """fp32 parameters of the model (shapes do not depend on seq_len)."""
     T = max(seq_len, cfg.nsa.l)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import tiny_model_cfg
 
-from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy
 
 
 def _run(cfg, params, tokens):
@@ -82,6 +82,30 @@ def test_bf16_compute_keeps_fp32_params_and_logits():
     lo32 = jax.jit(lambda p: NSALM(cfg).apply({"params": p}, tokens))(params)
     assert lo16.dtype == jnp.float32
     assert np.max(np.abs(np.asarray(lo16) - np.asarray(lo32))) < 0.1 * np.max(np.abs(np.asarray(lo32)))
+
+
+@pytest.mark.slow
+def test_dense_kernels_cast_once_give_the_same_loss_and_fp32_gradients():
+    # The train step casts every Dense kernel to the compute dtype before the layer scan;
+    # each Dense casts it anyway, so loss and gradients match the uncast parameters'.
+    cfg = tiny_model_cfg(G=2, K=1)
+    cfg16 = cfg.__class__(**{**cfg.__dict__, "dtype": "bfloat16"})
+    tokens = jax.random.randint(jax.random.PRNGKey(8), (1, 41), 0, cfg.vocab_size)
+    params = jax.jit(NSALM(cfg16).init)(jax.random.PRNGKey(9), tokens[:, :-1])["params"]
+
+    def loss(p, cast):
+        p = cast_dense_kernels(p, cfg16.dtype) if cast else p
+        return cross_entropy(NSALM(cfg16).apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
+
+    cast = cast_dense_kernels(params, "bfloat16")
+    kernels = [x for path, x in jax.tree_util.tree_leaves_with_path(cast) if path[-1].key == "kernel"]
+    assert kernels and all(x.dtype == jnp.bfloat16 for x in kernels)
+    assert any(x.dtype == jnp.float32 for x in jax.tree.leaves(cast))  # norms, biases, embedding stay fp32
+    (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(lambda p, c=c: loss(p, c)))(params) for c in (False, True))
+    assert float(l0) == float(l1)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        assert b.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-9)
 
 
 def test_prefill_and_decode_modes_reject_a_missing_cache_or_unscanned_layers():

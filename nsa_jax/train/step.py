@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
-from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy
 from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.state import TrainState, init_state
@@ -148,6 +148,7 @@ def loss_and_stats(
     `phase`: default cfg.model with train.scorer_distill at every step.
     """
     phase = phase or schedule.Phase(0, cfg.model, schedule.scorer_distill(cfg))
+    params = cast_dense_kernels(params, phase.model.dtype)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
     logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
