@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import load_config
@@ -40,7 +42,8 @@ TINY_SAVING_RUN = [
 ]
 # Every NSA size set small, for the tests that hold the train step and the evaluator to a
 # host reference (over the defaults; a test adds its vocabulary and train keys).
-TINY_NSA = [
+# The smallest model of those (one layer, 2 heads of 16 over one KV head).
+TINY_MODEL = [
     "model.d_model=32",
     "model.n_layers=1",
     "model.n_heads=2",
@@ -48,6 +51,9 @@ TINY_NSA = [
     "model.head_dim=16",
     "model.v_head_dim=16",
     "model.d_ff=64",
+]
+TINY_NSA = [
+    *TINY_MODEL,
     "model.nsa.l=8",
     "model.nsa.d=4",
     "model.nsa.lp=16",
@@ -69,6 +75,47 @@ NSA_CSV_COLUMNS = ("gate_cmp", "gate_slc", "gate_win", "gate_entropy", "sel_far_
 def set_flags(overrides: list[str]) -> list[str]:
     """["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]: overrides as launcher flags."""
     return [a for s in overrides for a in ("--set", s)]
+
+
+def cpu_env(devices: int | None = 1, cache: pathlib.Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs the repository on CPU.
+
+    This one's without NSA_* settings and jax's multi-process variables; `devices` host CPU
+    devices (None: XLA_FLAGS as inherited); `cache`: a persistent compilation cache that every
+    compile goes to, so identical steps in later runs skip XLA; `extra` set last.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC"))}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(extra)
+    return env
+
+
+def run_module(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
+    """`python -m module ARGS` in the repository root (env: cpu_env() unless given); output captured."""
+    cmd = [sys.executable, "-m", module, *args]
+    env = cpu_env() if env is None else env
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def sigterm_after_step(at: int) -> None:
+    """In a launch.train subprocess (a driver ahead of its main): the process sends itself SIGTERM
+    once step `at` is logged, as a preemption would (a checkpoint, exit 0; the learning-rate
+    schedule stays the full run's)."""
+    from nsa_jax.train import loop
+
+    record = loop.Trainer._record
+
+    def _record(self, p):
+        ok = record(self, p)
+        if p.step == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ok
+
+    loop.Trainer._record = _record
 
 
 def python_c(code: str) -> subprocess.CompletedProcess:
@@ -102,6 +149,26 @@ def tiny_model_cfg(T_hint: int = 64, G: int = 2, K: int = 1, **nsa):
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def random_inputs(rng, b, t, h, kvh, d, dtype, dv=None):
+    """q, k, v, do of an attention call (h query heads over kvh KV heads), N(0, 1) in `dtype`."""
+    dv = d if dv is None else dv
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+    return draw(b, t, h, d), draw(b, t, kvh, d), draw(b, t, kvh, dv), draw(b, t, h, dv)
+
+
+def run_with_grads(fn, q, k, v, do):
+    """Output and (dq, dk, dv) of ``fn`` for cotangent ``do``, jitted once, as fp32 numpy."""
+
+    def both(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o,) + vjp(do)
+
+    return [np.asarray(x.astype(jnp.float32)) for x in jax.jit(both)(q, k, v, do)]
 
 
 def host_train_state(cfg, shapes, seed: int, scale: float):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_inputs, run_with_grads
 from reference import random_block_indices, reference_attention, selection_visible, window_visible
 
 from nsa_jax import kernels
@@ -34,23 +35,6 @@ INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
-
-
-def random_inputs(rng, b, t, h, kvh, d, dtype):
-    def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-
-    return draw(b, t, h, d), draw(b, t, kvh, d), draw(b, t, kvh, d), draw(b, t, h, d)
-
-
-def run_with_grads(fn, q, k, v, do):
-    """Output and (dq, dk, dv) of ``fn`` for cotangent ``do``, jitted once, as fp32 numpy."""
-
-    def both(q, k, v, do):
-        o, vjp = jax.vjp(fn, q, k, v)
-        return (o,) + vjp(do)
-
-    return [np.asarray(x.astype(jnp.float32)) for x in jax.jit(both)(q, k, v, do)]
 
 
 def as_f32(*xs):

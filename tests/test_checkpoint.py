@@ -29,7 +29,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import NSA_CSV_COLUMNS, TINY_RUN  # noqa: E402
+from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, set_flags  # noqa: E402
 
 from launch.train import prepare_out_dir  # noqa: E402
 from nsa_jax import checkpoint as C  # noqa: E402
@@ -70,14 +70,8 @@ DRIVER = r"""
 import asyncio, os, signal, sys
 mode, at = os.environ.get("CKPT_TEST_MODE", ""), int(os.environ.get("CKPT_TEST_AT", "0"))
 if mode == "sigterm":
-    from nsa_jax.train import loop
-    record = loop.Trainer._record
-    def _record(self, p):
-        ok = record(self, p)
-        if p.step == at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return ok
-    loop.Trainer._record = _record
+    from tests.helpers import sigterm_after_step
+    sigterm_after_step(at)
 elif mode == "kill_in_commit":
     from orbax.checkpoint._src.path import atomicity
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
@@ -101,20 +95,11 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _env(cache: pathlib.Path, devices: int, extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "CKPT_TEST_"))}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
-    env.update(extra or {})
-    return env
+    env = {k: v for k, v in cpu_env(devices, cache).items() if not k.startswith("CKPT_TEST_")}
+    return {**env, **(extra or {})}
 
 
-def sets(items: list[str]) -> list[str]:
-    return [a for item in items for a in ("--set", item)]
+sets = set_flags
 
 
 def rows(out: pathlib.Path) -> list[dict]:

@@ -20,26 +20,19 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from helpers import ROOT, TINY_MODEL, cpu_env, set_flags
 
 from nsa_jax import checkpoint as C
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS, AT = 6, 3
 
 TINY = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.head_dim=16",
-    "model.v_head_dim=16",
-    "model.d_ff=64",
+    *TINY_MODEL,
     "model.vocab_size=64",
     "train.seq_len=64",
     "train.global_batch=2",
@@ -77,30 +70,11 @@ loop.Trainer._next_batch = _next_batch
 # so the learning-rate schedule is the full run's, as in a real interruption.
 stop_at = int(os.environ.get("STOP_AT", "0"))
 if stop_at:
-    import signal
-    record = loop.Trainer._record
-    def _record(self, p):
-        ok = record(self, p)
-        if p.step == stop_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return ok
-    loop.Trainer._record = _record
+    from tests.helpers import sigterm_after_step
+    sigterm_after_step(stop_at)
 from launch.train import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def _env(cache: pathlib.Path, devices: int, log: pathlib.Path) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC"))}
-    e.update(
-        PYTHONPATH=str(ROOT),
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        ROWS_LOG=str(log),
-    )
-    return e
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +96,10 @@ def train(
 ):
     """One launch (under launch.spawn when procs > 1); its row log is `<base>/<tag>.rows.<process>`."""
     cmd = [sys.executable, str(base / "driver.py"), "--config", "cpu_tiny", "--steps", str(STEPS)]
-    cmd += ["--out-dir", str(out), *[a for s in (*TINY, *sets) for a in ("--set", s)]]
+    cmd += ["--out-dir", str(out), *set_flags([*TINY, *sets])]
     if procs > 1:
         cmd = [sys.executable, "-m", "launch.spawn", "--nproc", str(procs), "--grace", "5", "--", *cmd]
-    env = {**_env(base / "cache", devices, base / f"{tag}.rows"), "STOP_AT": str(stop_at)}
+    env = cpu_env(devices, base / "cache", ROWS_LOG=str(base / f"{tag}.rows"), STOP_AT=str(stop_at))
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     return r

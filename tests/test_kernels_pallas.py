@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_model_cfg
+from helpers import random_inputs, run_with_grads, tiny_model_cfg
 from reference import (
     compressed_visible,
     random_block_indices,
@@ -45,25 +45,6 @@ INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
-
-
-def random_inputs(rng, b, t, h, kvh, d, dtype, dv=None):
-    dv = d if dv is None else dv
-
-    def draw(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-
-    return draw(b, t, h, d), draw(b, t, kvh, d), draw(b, t, kvh, dv), draw(b, t, h, dv)
-
-
-def run_with_grads(fn, q, k, v, do):
-    """Output and (dq, dk, dv) of ``fn`` for cotangent ``do``, jitted once."""
-
-    def both(q, k, v, do):
-        o, vjp = jax.vjp(fn, q, k, v)
-        return (o,) + vjp(do)
-
-    return [np.asarray(x.astype(jnp.float32)) for x in jax.jit(both)(q, k, v, do)]
 
 
 def assert_close_fp32(got, want, name):

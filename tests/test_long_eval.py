@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import cpu_env, run_module, set_flags
 
 from nsa_jax.config import load_config
 from nsa_jax.data.needle import QUESTION, answer_mask, make_needle_row, needle_pieces
@@ -19,7 +16,8 @@ from nsa_jax.data.tokenizers import ByteTokenizer
 from nsa_jax.evaluation import scoring
 from nsa_jax.evaluation.suites import run_suites
 
-ROOT = Path(__file__).resolve().parents[1]
+# The model of the tests that build one: one layer, narrow.
+SMALL = ["model.n_layers=1", "model.d_model=48", "model.d_ff=64"]
 TOK = ByteTokenizer()
 HAY = "Grass grows. The sky is blue. Water flows downhill and the sun sets in the west. " * 40
 
@@ -167,7 +165,7 @@ def test_model_scorer_matches_logits(tmp_path):
     from nsa_jax.inference.decode import inference_config
     from nsa_jax.model import NSALM, init_params
 
-    cfg = load_config("cpu_tiny", ["model.n_layers=1", "model.d_model=48", "model.d_ff=64"]).model
+    cfg = load_config("cpu_tiny", SMALL).model
     params = jax.jit(lambda k: init_params(cfg, k))(jax.random.PRNGKey(0))
     tokens = text_rows(96, 2)
     nll, hit = ModelScorer(cfg, params, 2)(tokens)
@@ -180,19 +178,11 @@ def test_model_scorer_matches_logits(tmp_path):
     np.testing.assert_array_equal(hit, logits.argmax(-1) == tokens[:, 1:])
 
 
-def _cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "-m", "launch.evaluate", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _cli(*args):
+    return run_module("launch.evaluate", *args, env=cpu_env(devices=None), timeout=300)
 
 
-TINY = ["--set", "model.n_layers=1", "--set", "model.d_model=48", "--set", "model.d_ff=64"]
+TINY = set_flags(SMALL)
 
 
 @pytest.mark.slow
@@ -201,7 +191,7 @@ def test_cli_end_to_end(tmp_path):
     from launch.generate import write_inference_dir
     from nsa_jax.model import init_params
 
-    cfg = load_config("cpu_tiny", ["model.n_layers=1", "model.d_model=48", "model.d_ff=64", "model.nsa.w=16"])
+    cfg = load_config("cpu_tiny", [*SMALL, "model.nsa.w=16"])
     write_inference_dir(tmp_path / "ckpt", cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(0)))
     text = tmp_path / "hay.txt"
     text.write_text(HAY)
@@ -245,12 +235,9 @@ def test_training_runs_the_suites_and_the_report_shows_them(tmp_path):
     from nsa_jax.report.summary import load_run
 
     out = tmp_path / "run"
-    sets = [*TINY, "--set", "train.seq_len=128", "--set", "train.global_batch=2", "--set", "train.eval_every=2"]
-    sets += ["--set", "train.eval_batches=1", "--set", "eval.suites=needle,loss-by-position"]
-    sets += ["--set", "eval.lengths=128,256", "--set", "eval.depths=0,1", "--set", "eval.samples=1"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    cmd = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "2", "--out-dir", str(out)]
-    proc = subprocess.run([*cmd, *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    sets = [*SMALL, "train.seq_len=128", "train.global_batch=2", "train.eval_every=2", "train.eval_batches=1"]
+    sets += ["eval.suites=needle,loss-by-position", "eval.lengths=128,256", "eval.depths=0,1", "eval.samples=1"]
+    proc = run_module("launch.train", "--config", "cpu_tiny", "--steps", "2", "--out-dir", str(out), *set_flags(sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^long eval: step 2 \| needle_acc_L128 \d\.\d{3} ", proc.stdout, re.M), proc.stdout
     lines = (out / "long_eval.csv").read_text().splitlines()
@@ -273,9 +260,7 @@ def test_training_runs_the_suites_and_the_report_shows_them(tmp_path):
     assert float(row["needle_logp_L128"]) < 0 and float(row["loss_far_L256"]) > 0
     assert any(b"long/needle_acc_L256" in f.read_bytes() for f in (out / "tb").rglob("*") if f.is_file())
     assert load_run(out).long_eval["loss_L256"] == pytest.approx(float(row["loss_L256"]), rel=1e-5)
-    report = subprocess.run(
-        [sys.executable, "-m", "launch.report", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    report = run_module("launch.report", str(out))
     assert re.search(r"^long eval \(step 2\): needle_acc_L128 \d\.\d{3}, ", report.stdout, re.M), report.stdout
 
 

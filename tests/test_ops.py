@@ -16,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import LAUNCH_TRAIN, TINY_RUN, set_flags  # noqa: E402
+from helpers import LAUNCH_TRAIN, TINY_RUN, cpu_env, set_flags  # noqa: E402
 
 from launch.train import env_overrides  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
@@ -25,12 +25,6 @@ from nsa_jax.ops import health as H  # noqa: E402
 
 TINY = [*TINY_RUN, "logging.tensorboard=false", "model.nsa.branches=[cmp]"]
 sets = set_flags
-
-
-def cpu_env(devices: int = 1) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC"))}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return env
 
 
 def heartbeat(path: pathlib.Path) -> list[dict]:

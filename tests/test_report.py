@@ -22,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import TINY_RUN, set_flags  # noqa: E402
+from helpers import TINY_RUN, cpu_env, set_flags  # noqa: E402
 
 from launch import report as R  # noqa: E402
 from launch import sweep as SW  # noqa: E402
@@ -38,17 +38,9 @@ LAST = 4
 
 
 def _env(cache_dir: pathlib.Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NSA_")}
     # One CPU device; the persistent compilation cache lets the second variant (and
     # later test sessions) skip XLA compilation of the identical step.
-    env.update(
-        PYTHONPATH=str(ROOT),
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="",
-        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
-    return env
+    return cpu_env(1, cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -11,33 +11,19 @@ import sys
 import time
 
 import pytest
-from helpers import TINY_SAVING_RUN
+from helpers import LAUNCH_TRAIN, ROOT, TINY_SAVING_RUN, cpu_env, set_flags
 
 from nsa_jax import runlock
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TINY = TINY_SAVING_RUN
 
 
 def _env(cache: pathlib.Path) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC"))}
-    e.update(
-        PYTHONPATH=str(ROOT),
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
-    return e
+    return cpu_env(1, cache)
 
 
 def _cmd(out: pathlib.Path, steps: int) -> list[str]:
-    sets = [a for s in TINY for a in ("--set", s)]
-    return [
-        *(sys.executable, "-m", "launch.train", "--config", "cpu_tiny"),
-        *("--steps", str(steps), "--out-dir", str(out), *sets),
-    ]
+    return [*LAUNCH_TRAIN, "--steps", str(steps), "--out-dir", str(out), *set_flags(TINY)]
 
 
 def _steps(out: pathlib.Path) -> list[int]:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import NSA_CSV_COLUMNS, TINY_RUN, python_c, set_flags  # noqa: E402
+from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, python_c, run_module, set_flags  # noqa: E402
 
 from launch.train import (  # noqa: E402
     BUCKET_FLAG,
@@ -32,19 +30,7 @@ HEARTBEAT_FIELDS = {"ts", "iso", "pid", "rank", "step", "msg", "memory", "event"
 
 
 def launch(args: list[str], env: dict[str, str] | None = None, devices: int = 2, timeout: int = 600):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("NSA_")}
-    full_env.update(
-        PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
-    )
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "launch.train", *args],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_module("launch.train", *args, env=cpu_env(devices, **(env or {})), timeout=timeout)
 
 
 sets = set_flags
