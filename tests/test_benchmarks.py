@@ -8,35 +8,23 @@ is XLA:CPU compiling the tiny programs.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cpu_env, run_module
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import bench_strategies as BS
 from benchmarks import profile_step
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def run_cli(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m benchmarks.<module> ARGS` from the repository root."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_module(f"benchmarks.{module}", *args, env=cpu_env(devices=None), timeout=timeout)
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
