@@ -94,6 +94,9 @@ class ModelConfig:
     # (save matmul outputs only).
     remat: Literal["none", "full", "dots"] = "none"
     scan_layers: bool = True
+    # Layers per iteration of the training layer scan (its `unroll`); the parameters stay
+    # stacked [L, ...] whatever it is. n_layers: no loop left in the program.
+    scan_unroll: int = 1
     init_std: float = 0.02
     nsa: NSAConfig = dataclasses.field(default_factory=NSAConfig)
 
@@ -375,6 +378,10 @@ def validate(cfg: Config) -> Config:
     need(
         len(a.gate_bias_init) in (0, 3),
         f"model.nsa.gate_bias_init must be empty or three numbers [cmp, slc, win], got {list(a.gate_bias_init)}",
+    )
+    need(
+        1 <= m.scan_unroll <= m.n_layers,
+        f"model.scan_unroll must be in 1..model.n_layers ({m.n_layers}), got {m.scan_unroll}",
     )
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
 

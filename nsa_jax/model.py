@@ -97,6 +97,7 @@ class NSALM(nn.Module):
                 variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0},
                 split_rngs={"params": True},
                 length=cfg.n_layers,
+                unroll=cfg.scan_unroll,
             )
             x, _ = stack(cfg, name="layers")(x, None)
         else:

@@ -37,7 +37,13 @@ TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's suffix of a step directory not y
 
 # Model keys that only change how the same weights are computed; everything else in
 # `model` changes the parameters' shapes or the function they define.
-NUMERICS_ONLY = ("model.dtype", "model.remat", "model.nsa.attention_impl", "model.nsa.query_chunk")
+NUMERICS_ONLY = (
+    "model.dtype",
+    "model.remat",
+    "model.scan_unroll",
+    "model.nsa.attention_impl",
+    "model.nsa.query_chunk",
+)
 # Keys that give the saved data position its meaning: the stream, its row shape, and
 # the seed of synthetic streams and shuffles. The rows per optimizer step
 # (train.global_batch x train.accumulate) count too, as a product: how they split into

@@ -5,8 +5,9 @@ line run everywhere. The tests marked `aot` compile for the cards and need jax's
 CUDA plugin (pip install -e ".[cuda12]"); they are skipped, with that reason, without
 it. They fail when a Pallas kernel stops compiling for sm_80 or sm_90 at the
 production shapes, when a kernel spills, when the a100_pcie step no longer fits an
-A100 40GB, or when the layer's forward+backward at T=65536 needs more than 1 GiB
-of temporaries. Each layer compile serves its tests once per session, across workers.
+A100 40GB or launches more than KERNELS_PER_STEP_LIMIT kernels, or when the layer's
+forward+backward at T=65536 needs more than 1 GiB of temporaries. Each layer
+compile serves its tests once per session, across workers.
 A spill listed under KNOWN_SPILLS below (none today) xfails naming it; a new
 one, or a larger one, fails.
 """
@@ -42,6 +43,9 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {}
 # The layer's forward+backward at T=65536 needs 933 MiB of temporaries on an A100 (1,065 MiB before the gather
 # selection kernel took two positions per program).
 LAYER_TEMP_LIMIT = 1 << 30
+# Kernel launches per a100_pcie optimizer step on an A100 40GB: 2,418 with the layers unrolled in the scan
+# (model.scan_unroll: 12), 3,850 with the scan loop; the goal, half of the first measured 4,292, is not reached.
+KERNELS_PER_STEP_LIMIT = 2500
 
 
 # ---------------------------------------------------------------------------
@@ -285,8 +289,11 @@ def test_layer_temporaries_at_64k_within_1gib(dump_root):
 @pytest.mark.aot
 @pytest.mark.slow
 @needs_plugin
-def test_a100_pcie_step_fits_a100_40gb():
+def test_a100_pcie_step_fits_a100_40gb(tmp_path):
     cfg = load_config("a100_pcie")
-    c = aot.compile_train_step(cfg, "a100-40", 2)
+    c = aot.compile_train_step(cfg, "a100-40", 2, str(tmp_path))
     usable = aot.TARGETS["a100-40"].usable_bytes(aot.DEFAULT_MEM_FRACTION)
     assert 0 < c.memory["total"] <= usable, f"{c.memory['total'] / aot.MiB:.0f} MiB per device"
+    # A layer loop brought back (3,850) or new kernels per layer fail here.
+    kernels = aot.launch_counts(aot.read_launches(str(tmp_path)))["kernels"]
+    assert 0 < kernels <= KERNELS_PER_STEP_LIMIT, f"{kernels} kernel launches per a100_pcie optimizer step"

@@ -115,6 +115,19 @@ def test_resume_allows_a_changed_schedule_but_not_a_changed_model():
     assert resume_conflicts(old, saved) == ([], [])
 
 
+def test_resume_allows_a_changed_scan_unroll_but_not_unstacked_layers():
+    # scan_unroll keeps the parameters stacked [L, ...]: a checkpoint written before the key
+    # existed (or with another value) resumes; scan_layers=false stores layer_i trees: refused.
+    saved = to_dict(load_config("cpu_tiny"))
+    del saved["model"]["scan_unroll"]
+    blocking, other = resume_conflicts(saved, load_config("cpu_tiny", ["model.scan_unroll=2"]))
+    assert blocking == [] and other == ["model.scan_unroll <absent> -> 2"], (blocking, other)
+    blocking, _ = resume_conflicts(saved, load_config("cpu_tiny", ["model.scan_layers=false"]))
+    assert blocking == ["model.scan_layers True -> False"], blocking
+    with pytest.raises(ConfigError, match="model.scan_unroll must be in 1"):
+        load_config("cpu_tiny", ["model.scan_unroll=0"])
+
+
 def test_unknown_config_name():
     with pytest.raises(ConfigError, match="choose one of"):
         load_config("no_such_config")

@@ -69,6 +69,12 @@ def test_scan_and_unrolled_layers_agree():
     a = jax.jit(lambda p: NSALM(cfg).apply({"params": p}, tokens))(p_scan)
     b = jax.jit(lambda p: NSALM(unrolled).apply({"params": p}, tokens))(p_unrolled)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # scan_unroll changes the loop, not the stacked [L, ...] parameters nor what they compute.
+    unroll = dataclasses.replace(cfg, scan_unroll=cfg.n_layers)
+    shapes = jax.eval_shape(lambda: NSALM(unroll).init(jax.random.PRNGKey(5), tokens)["params"])
+    assert jax.tree.map(lambda x: x.shape, shapes) == jax.tree.map(lambda x: x.shape, p_scan)
+    c = jax.jit(lambda p: NSALM(unroll).apply({"params": p}, tokens))(p_scan)
+    np.testing.assert_allclose(c, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
