@@ -69,7 +69,10 @@ class NSALM(nn.Module):
         x = embed(tokens_BxT).astype(dtype)
         block = Block
         if cfg.remat != "none":
-            block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            # Only a loop keeps XLA from merging the recomputation with the forward: a scan
+            # unrolled to its length (no loop left) needs the barrier like unrolled layers.
+            looped = cfg.scan_layers and cfg.scan_unroll < cfg.n_layers
+            block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not looped)
         if self.mode not in MODES:
             raise ValueError(f"NSALM mode must be one of {MODES}, got {self.mode!r}")
         if self.mode != "train":
