@@ -75,6 +75,7 @@ def test_config_validation():
     assert cfg.model.nsa.gate_bias_init == (-2.0, -2.0, 2.0)
 
 
+@pytest.mark.slow
 def test_forward_matches_reference():
     # The defaults (no learning option in the model) give the spec's layer.
     cfg = tiny_model_cfg(G=2, K=2)
@@ -101,6 +102,7 @@ def test_gate_bias_init_sets_initial_gate_means():
     np.testing.assert_array_equal(np.asarray(params0["gate_fc2"]["bias"]), 0.0)
 
 
+@pytest.mark.slow
 def test_dense_warmup_and_distill_steps_train_each_phase_model():
     """Steps 0-1: every block selected (an n override) with the distillation; step 2: top-n with
     it; steps 3-4: top-n without it. Each step's loss is the plain loss of that config on the
