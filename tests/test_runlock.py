@@ -32,8 +32,21 @@ def _steps(out: pathlib.Path) -> list[int]:
 
 
 def _snapshot(d: pathlib.Path) -> dict[str, tuple[int, int]]:
-    """Every path under `d` with its size and modification time (ns)."""
-    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+    """Every path under `d` with its size and modification time (ns).
+
+    A live trainer renames its checkpoint temp dirs while this walks: os.walk skips a
+    directory that vanished, and so does the stat below.
+    """
+    out = {}
+    for root, dirs, files in os.walk(d):
+        for name in sorted(dirs + files):
+            p = pathlib.Path(root) / name
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            out[str(p.relative_to(d))] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 def test_lock_is_exclusive_and_names_its_holder(tmp_path):
