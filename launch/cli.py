@@ -29,3 +29,16 @@ class Parser(argparse.ArgumentParser):
             raise UsageError(message)
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def run_main(build_parser, run, argv: list[str] | None = None) -> int:
+    """`run(build_parser().parse_args(argv))`, with a UsageError as one `error:` line and status 2.
+
+    For a tool whose parser is built with `in_process=True`, so bad flags and its own
+    input checks end the same way whether it runs as a process or from Python.
+    """
+    try:
+        return run(build_parser().parse_args(argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -24,7 +24,7 @@ import pathlib
 import sys
 import time
 
-from launch.cli import Parser, UsageError
+from launch.cli import Parser, UsageError, run_main
 from launch.generate import check_params, load_model
 from nsa_jax.config import ConfigError
 from nsa_jax.data import make_tokenizer
@@ -175,12 +175,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return run(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(build_parser, run, argv)
 
 
 if __name__ == "__main__":

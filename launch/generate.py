@@ -34,7 +34,7 @@ import jax
 import numpy as np
 import yaml
 
-from launch.cli import Parser, UsageError
+from launch.cli import Parser, UsageError, run_main
 from nsa_jax.checkpoint import load_for_inference
 from nsa_jax.config import ConfigError, load_config, replace
 from nsa_jax.data.tokenizers import make_tokenizer
@@ -219,12 +219,7 @@ def run(args, out=sys.stdout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return run(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(build_parser, run, argv)
 
 
 if __name__ == "__main__":
