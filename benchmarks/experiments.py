@@ -96,7 +96,7 @@ def make_evaluator(cfg, val_batches: list[np.ndarray]):
             layers = {k: (jnp.stack([p[k][0] for p in per]),) for k in per[0]}
         gates = jnp.mean(layers["gates"][0], axis=(0, 1, 2, 3))
         idx = layers["block_idx"][0] if slc else None  # [L, B, T, K, n]
-        loss = cross_entropy(logits, tokens_BxT1[:, 1:], S.loss_mask(tokens_BxT1, cfg))
+        loss = cross_entropy(logits, tokens_BxT1[:, 1:], S.loss_weights(tokens_BxT1, cfg))
         return logits.argmax(-1), loss, gates, idx
 
     if kv:

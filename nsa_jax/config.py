@@ -139,7 +139,8 @@ class DataConfig:
 
     # tokenized: a folder written by `python -m launch.prepare_data` (its manifest sets the
     # train/val split, so val_fraction is not used; tokenizer must be the manifest's).
-    # needle: pass-key rows over the text of data.path, loss on the answer (nsa_jax/data/needle.py).
+    # needle: pass-key rows over the text of data.path (nsa_jax/data/needle.py); the loss counts
+    # every target, the pass key's weighted by needle_answer_weight.
     dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall", "needle", "tokenized"] = "synthetic"
     path: str = ""
     tokenizer: str = "byte"
@@ -160,6 +161,8 @@ class DataConfig:
     # kv_recall: train (and report val_loss) on the answer positions only; the rest of
     # a row is noise. false: every position, like a language-model corpus.
     kv_loss_mask: bool = True
+    # needle: weight of each pass-key target in the loss (every other target weighs 1).
+    needle_answer_weight: float = 20.0
 
 
 # Long-context suites (nsa_jax/evaluation, `python -m launch.evaluate`).
@@ -399,6 +402,10 @@ def validate(cfg: Config) -> Config:
     need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    need(
+        cfg.data.needle_answer_weight > 0,
+        f"data.needle_answer_weight must be positive (1: the key weighs as text), got {cfg.data.needle_answer_weight}",
+    )
     need(0.0 <= cfg.data.val_fraction < 1.0, f"data.val_fraction must lie in [0, 1), got {cfg.data.val_fraction}")
     need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
     n_dev = cfg.parallel.num_devices

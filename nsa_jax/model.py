@@ -156,10 +156,10 @@ def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     return logz - gold
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy in fp32."""
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, weight_BxT: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy in fp32; with `weight_BxT` (a bool mask or weights) the weighted mean."""
     nll = token_nll(logits_BxTxV, targets_BxT)
-    if mask_BxT is None:
+    if weight_BxT is None:
         return jnp.mean(nll)
-    mask = mask_BxT.astype(jnp.float32)
-    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    weight = weight_BxT.astype(jnp.float32)
+    return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)

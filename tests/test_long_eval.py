@@ -298,13 +298,14 @@ def test_text_rows_from_the_validation_split(tmp_path):
     assert TOK.decode(rows[0]) == ("Document 0. " + HAY)[:101]
 
 
-def test_needle_training_source_and_its_loss_mask(tmp_path):
-    """`dataset: needle`: rows in the evaluation's format, the loss on the pass key only, exact state."""
+def test_needle_training_source_and_its_loss_weights(tmp_path):
+    """`dataset: needle`: rows in the evaluation's format, every target in the loss, the key weighted; exact state."""
     from nsa_jax.data import make_dataset
-    from nsa_jax.train.step import loss_mask
+    from nsa_jax.train.step import loss_weights
 
     (tmp_path / "hay.txt").write_text(HAY)
     over = ["data.dataset=needle", f"data.path={tmp_path / 'hay.txt'}", "train.seq_len=200", "train.global_batch=3"]
+    over.append("data.needle_answer_weight=7.5")
     cfg = load_config("cpu_tiny", over)
     ds = make_dataset(cfg, "train")
     first = next(ds)
@@ -313,8 +314,13 @@ def test_needle_training_source_and_its_loss_mask(tmp_path):
         text = TOK.decode(row)
         key = text[-5:]
         assert key.isdigit() and text.endswith(QUESTION + key) and f"The pass key is {key}. Remember" in text
-    mask = np.asarray(loss_mask(first, cfg))
-    assert mask.shape == (3, 200) and mask.sum() == 15 and mask[:, -5:].all()
+    weight = np.asarray(loss_weights(first, cfg))
+    # The key's targets, found in the text: the targets (tokens 1..200) that are the last five characters.
+    expected = np.ones((3, 200), np.float32)
+    for i, row in enumerate(first):
+        key_at = len(TOK.decode(row)) - 5  # byte tokenizer: character index = token index
+        expected[i, key_at - 1 :] = 7.5
+    np.testing.assert_array_equal(weight, expected)
     state = ds.get_state()
     second = next(ds)
     ds.set_state(state)

@@ -5,7 +5,7 @@ Owns which rows are evaluated and what is measured on them:
     read once and kept on the host. Every evaluation scores the same rows, so the
     curve in val.csv moves only because the model does (also across a resume);
   - the metrics: mean next-token loss over the positions the training loss counts
-    (step.loss_mask), perplexity exp(loss), and for `kv_recall` the retrieval
+    (step.loss_weights), perplexity exp(loss), and for `kv_recall` the retrieval
     accuracy (argmax at the answer positions, marked by the QUERY token as in
     nsa_jax/data/kv_recall.py).
 
@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
 from nsa_jax.model import NSALM, cross_entropy
-from nsa_jax.train.step import kv_answer_mask, loss_mask
+from nsa_jax.train.step import kv_answer_mask, loss_weights, needle_answer_mask
 
 AXIS = "data"
 
@@ -46,15 +46,15 @@ def make_eval_fn(cfg: Config):
     def eval_fn(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
         logits_BxTxV = model.apply({"params": params}, inputs_BxT)
-        # The positions the training loss counts (all, or kv_recall's answers).
-        mask_BxT = loss_mask(tokens_BxT1, cfg)
-        n_tokens = jnp.asarray(targets_BxT.size if mask_BxT is None else mask_BxT.sum(), jnp.float32)
-        out = {"loss_sum": cross_entropy(logits_BxTxV, targets_BxT, mask_BxT) * n_tokens, "tokens": n_tokens}
+        # The training loss's weights (all targets alike, kv_recall's answers, the needle's weighted key).
+        weight_BxT = loss_weights(tokens_BxT1, cfg)
+        n_tokens = jnp.asarray(targets_BxT.size if weight_BxT is None else weight_BxT.sum(), jnp.float32)
+        out = {"loss_sum": cross_entropy(logits_BxTxV, targets_BxT, weight_BxT) * n_tokens, "tokens": n_tokens}
         if not kv:
             out["correct"] = out["scored"] = jnp.zeros((), jnp.float32)
             return out
         if cfg.data.dataset == "needle":
-            answer_BxT = mask_BxT
+            answer_BxT = needle_answer_mask(tokens_BxT1, cfg)
         else:
             answer_BxT = kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
         hit_BxT = (logits_BxTxV.argmax(-1) == targets_BxT) & answer_BxT

@@ -113,24 +113,33 @@ def per_layer(variables: dict, collection: str, name: str, cfg: Config):
     return jax.tree.map(lambda *v: jnp.stack(v), *[v[0] for v in values]) if all(values) else None
 
 
-def loss_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
-    """bool [B, T] of the targets the loss counts, or None for all of them.
+def loss_weights(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
+    """Weight [B, T] of each target in the mean loss, or None for all targets equally.
 
     kv_recall with data.kv_loss_mask: only the answers (target t where input t - 1 is
     the QUERY marker, id vocab_size - 1; nsa_jax/data/kv_recall.py). The rest of
     such a row is uniform noise that no model can predict, whose gradient only
-    drowns the few positions that teach retrieval. needle: only the pass key.
+    drowns the few positions that teach retrieval.
+    needle: every target, the pass key's weighted by data.needle_answer_weight. The
+    text and the needle's own repeat of the key teach the copy circuit that retrieval
+    needs; the key alone (a handful of targets a row) did not (docs/LONG_CONTEXT.md).
     """
-    if cfg.data.dataset == "needle":  # the pass key: the last answer_len targets of every row
-        from nsa_jax.data.needle import answer_len
-        from nsa_jax.data.tokenizers import make_tokenizer
-
-        T = tokens_BxT1.shape[1] - 1
-        n = answer_len(make_tokenizer(cfg.data))
-        return jnp.broadcast_to(jnp.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
+    if cfg.data.dataset == "needle":
+        answer_BxT = needle_answer_mask(tokens_BxT1, cfg)
+        return jnp.where(answer_BxT, jnp.float32(cfg.data.needle_answer_weight), jnp.float32(1.0))
     if cfg.data.dataset != "kv_recall" or not cfg.data.kv_loss_mask:
         return None
     return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
+
+
+def needle_answer_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array:
+    """bool [B, T]: the pass-key targets of `dataset: needle` rows, the last answer_len of every row."""
+    from nsa_jax.data.needle import answer_len
+    from nsa_jax.data.tokenizers import make_tokenizer
+
+    T = tokens_BxT1.shape[1] - 1
+    n = answer_len(make_tokenizer(cfg.data))
+    return jnp.broadcast_to(jnp.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
 
 
 def loss_and_stats(
@@ -138,7 +147,7 @@ def loss_and_stats(
 ) -> tuple[jax.Array, dict]:
     """Loss of one micro-batch and its aux statistics when enabled.
 
-    The loss is the mean next-token loss (over loss_mask) of `phase.model`, plus
+    The loss is the mean next-token loss (weighted by loss_weights) of `phase.model`, plus
     `phase.distill` times the layers' mean block-scorer KL, which the layers compute
     only because the `losses` collection is mutable here. With train.scorer_distill on,
     stats carry `ce` (the next-token loss alone) and `distill_kl` in every phase (0 in
@@ -152,7 +161,7 @@ def loss_and_stats(
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
     logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
-    loss = cross_entropy(logits_BxTxV, targets_BxT, loss_mask(tokens_BxT1, cfg))
+    loss = cross_entropy(logits_BxTxV, targets_BxT, loss_weights(tokens_BxT1, cfg))
     stats = dict(per_layer(variables, "aux", "stats", cfg) or {})
     if schedule.scorer_distill(cfg):
         kl = jnp.mean(per_layer(variables, "losses", "scorer_kl", cfg)) if phase.distill else jnp.zeros((), jnp.float32)
