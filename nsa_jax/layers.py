@@ -1,6 +1,8 @@
-"""Building blocks shared by the model: RMSNorm, rotary embeddings, SwiGLU MLP."""
+"""Building blocks shared by the model: RMSNorm, rotary embeddings, fused input projections, SwiGLU MLP."""
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -34,6 +36,45 @@ def rope(x_BxTxHxD: jax.Array, positions_T: jax.Array, theta: float = 10000.0) -
     return out.astype(x_BxTxHxD.dtype)
 
 
+class DenseParams(nn.Module):
+    """The `kernel` [in, features] (and `bias`) of an nn.Dense, same names, dtype and init, unapplied.
+
+    fused_dense multiplies by several of them at once; the parameters stay one
+    Dense each, so checkpoints and initial values are those of separate Denses.
+    """
+
+    features: int
+    use_bias: bool = False
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros
+
+    @nn.compact
+    def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features), jnp.float32)
+        bias = self.param("bias", self.bias_init, (self.features,), jnp.float32) if self.use_bias else None
+        return kernel, bias
+
+
+def fused_dense(x_BxTxD: jax.Array, parts: Sequence[DenseParams], dtype) -> list[jax.Array]:
+    """[x @ W_i (+ b_i) for each part] in `dtype`, computed as one matmul by [W_1 | W_2 | ...].
+
+    Each output column is the same dot product as its own Dense's; one matmul
+    forward and one for x's gradient replace one per part (kernel launches).
+    """
+    D = x_BxTxD.shape[-1]
+    pairs = [p(D) for p in parts]
+    kernel_DxN = jnp.concatenate([k.astype(dtype) for k, _ in pairs], axis=1)
+    y = jnp.dot(x_BxTxD.astype(dtype), kernel_DxN)
+    outs = []
+    start = 0
+    for k, b in pairs:
+        n = k.shape[1]
+        y_i = y[..., start : start + n]
+        outs.append(y_i if b is None else y_i + b.astype(dtype))
+        start += n
+    return outs
+
+
 class SwiGLU(nn.Module):
     """silu(x W1) * (x W3) W2."""
 
@@ -46,8 +87,8 @@ class SwiGLU(nn.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         D = x_BxTxD.shape[-1]
         init = nn.initializers.normal(self.init_std)
-        gate = nn.Dense(self.d_ff, use_bias=False, dtype=self.dtype, kernel_init=init, name="w1")(x_BxTxD)
-        up = nn.Dense(self.d_ff, use_bias=False, dtype=self.dtype, kernel_init=init, name="w3")(x_BxTxD)
+        w1, w3 = (DenseParams(self.d_ff, kernel_init=init, name=n) for n in ("w1", "w3"))
+        gate, up = fused_dense(x_BxTxD, [w1, w3], self.dtype)
         h = nn.silu(gate) * up
         return nn.Dense(
             D, use_bias=False, dtype=self.dtype, kernel_init=nn.initializers.normal(self.out_std), name="w2"

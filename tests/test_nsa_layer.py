@@ -11,7 +11,7 @@ import pytest
 from helpers import rel_err, tiny_model_cfg
 from reference import nsa_layer_ref
 
-from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.nsa.layer import NSAAttention, aux_stats
 
 
 def _setup(cfg, T, B=2, seed=0):
@@ -168,3 +168,38 @@ def test_scale_stats_follow_the_compressed_values():
     assert s1["cmp_v_ratio"] > 0 and s1["cmp_k_ratio"] > 0
     np.testing.assert_allclose(s2["cmp_v_ratio"], c * s1["cmp_v_ratio"], rtol=1e-4)
     np.testing.assert_allclose(s2["cmp_k_ratio"], s1["cmp_k_ratio"], rtol=1e-6)
+
+
+def test_aux_stats_match_a_direct_computation():
+    """The fused statistics (two reductions) against each statistic computed on its own, by token."""
+    rng = np.random.default_rng(0)
+    B, T, H, K, N, Tc, Dk, Dv, lp, w = 2, 96, 4, 2, 3, 5, 8, 6, 16, 32
+    g = rng.uniform(0.01, 1.0, (B, T, H, 3)).astype(np.float32)
+    idx = rng.integers(-1, T // lp, (B, T, K, N)).astype(np.int32)
+    kc, vc = rng.normal(size=(B, Tc, K, Dk)) * 3.0, rng.normal(size=(B, Tc, K, Dv)) * 0.5
+    ks, vs = rng.normal(size=(B, T, K, Dk)), rng.normal(size=(B, T, K, Dv)) * 2.0
+    st = aux_stats(jnp.asarray(g), jnp.asarray(idx), *(jnp.asarray(x, jnp.float32) for x in (kc, vc, ks, vs)), lp, w)
+
+    far = used = 0
+    entropies = []
+    for b, t, h in np.ndindex(B, T, H):
+        p = g[b, t, h] / g[b, t, h].sum()
+        entropies.append(-(p * np.log(p)).sum())
+    for b, t, k, j in np.ndindex(B, T, K, N):
+        if idx[b, t, k, j] >= 0:
+            used += 1
+            far += (idx[b, t, k, j] + 1) * lp - 1 < t - w + 1  # the block's last token lies before the window
+
+    def rms(x):
+        return np.sqrt(np.mean(np.square(x)))
+
+    np.testing.assert_allclose(st["gate_mean"], g.reshape(-1, 3).mean(0), rtol=1e-5)
+    np.testing.assert_allclose(st["gate_entropy"], np.mean(entropies), rtol=1e-5)
+    np.testing.assert_allclose(st["sel_far_frac"], far / used, rtol=1e-6)
+    assert 0 < far < used
+    np.testing.assert_allclose(st["cmp_k_ratio"], rms(kc) / rms(ks), rtol=1e-5)
+    np.testing.assert_allclose(st["cmp_v_ratio"], rms(vc) / rms(vs), rtol=1e-5)
+    empty = aux_stats(
+        jnp.asarray(g), jnp.asarray(idx), jnp.zeros((B, 0, K, Dk)), jnp.zeros((B, 0, K, Dv)), ks, vs, lp, w
+    )
+    assert float(empty["cmp_k_ratio"]) == float(empty["cmp_v_ratio"]) == 0.0

@@ -22,11 +22,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nsa_jax.config import BRANCHES, ModelConfig
 from nsa_jax.kernels import compressed_attention, selection_attention, window_attention
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
-from nsa_jax.layers import rope
+from nsa_jax.layers import DenseParams, fused_dense, rope
 from nsa_jax.nsa.compression import Compressor
 from nsa_jax.nsa.distill import score_distill_kl
 
@@ -37,40 +38,62 @@ CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp")
 CMP_BUCKET = 64
 
 
-def gate_stats(g_BxTxHx3: jax.Array, idx_BxTxKxN: jax.Array, lp: int, w: int) -> dict[str, jax.Array]:
-    """Gate means per branch, mean gate entropy, share of selected blocks beyond the window."""
+def aux_stats(
+    g_BxTxHx3: jax.Array,
+    idx_BxTxKxN: jax.Array,
+    kc_BxTcxKxDk: jax.Array,
+    vc_BxTcxKxDv: jax.Array,
+    k_slc_BxTxKxDk: jax.Array,
+    v_slc_BxTxKxDv: jax.Array,
+    lp: int,
+    w: int,
+) -> dict[str, jax.Array]:
+    """The layer's logged statistics (fp32):
+
+    gate_mean [3] (per branch), gate_entropy (mean over tokens and heads of the
+    entropy of the normalised gates), sel_far_frac (share of the selected blocks
+    that lie beyond the window), cmp_k_ratio / cmp_v_ratio (RMS of the compressed
+    keys (values) over the selection keys' (values'); 0 with no compressed token:
+    the MLP compressor's output can grow far past the projections',
+    docs/EXPERIMENTS.md fourth round, and the training loop warns when it does).
+
+    Every per-token term is laid side by side and summed over (B, T) in one
+    reduction, the compressed tokens' squares in a second: two kernels per layer
+    rather than one or two per statistic.
+    """
+    B, T, H, _ = g_BxTxHx3.shape
+    K, Dk, Dv = k_slc_BxTxKxDk.shape[2], k_slc_BxTxKxDk.shape[3], v_slc_BxTxKxDv.shape[3]
     g = g_BxTxHx3.astype(jnp.float32)
     probs = g / jnp.maximum(jnp.sum(g, axis=-1, keepdims=True), 1e-9)
-    entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-9)), axis=-1)
-    T = idx_BxTxKxN.shape[1]
+    entropy_BxTxH = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-9)), axis=-1)
     t = jnp.arange(T)[None, :, None, None]
     used = idx_BxTxKxN >= 0
     # A block lies beyond the window when its last token is before t - w + 1.
     far = used & ((idx_BxTxKxN + 1) * lp <= t - w + 1)
-    return {
-        "gate_mean": jnp.mean(g, axis=(0, 1, 2)),
-        "gate_entropy": jnp.mean(entropy),
-        "sel_far_frac": jnp.sum(far) / jnp.maximum(jnp.sum(used), 1),
+    terms = [g, entropy_BxTxH, far, used, jnp.square(k_slc_BxTxKxDk), jnp.square(v_slc_BxTxKxDv)]
+    sums = jnp.sum(jnp.concatenate([x.astype(jnp.float32).reshape(B, T, -1) for x in terms], axis=-1), axis=(0, 1))
+    g_sum, ent_sum, far_sum, used_sum, kslc_sq, vslc_sq = jnp.split(
+        sums, np.cumsum([3 * H, H, far[0, 0].size, used[0, 0].size, K * Dk])
+    )
+    n_gates = B * T * H
+    stats = {
+        "gate_mean": jnp.sum(g_sum.reshape(H, 3), axis=0) / n_gates,
+        "gate_entropy": jnp.sum(ent_sum) / n_gates,
+        "sel_far_frac": jnp.sum(far_sum) / jnp.maximum(jnp.sum(used_sum), 1),
     }
+    Tc = kc_BxTcxKxDk.shape[1]
+    if Tc == 0:
+        return {**stats, "cmp_k_ratio": jnp.zeros(()), "cmp_v_ratio": jnp.zeros(())}
+    cmp = jnp.concatenate([kc_BxTcxKxDk, vc_BxTcxKxDv], axis=-1).astype(jnp.float32)
+    kc_sq, vc_sq = jnp.split(jnp.sum(jnp.square(cmp), axis=(0, 1, 2)), [Dk])
 
+    def rms_ratio(num_sq, num_count, den_sq, den_count):
+        return jnp.sqrt(jnp.sum(num_sq) / num_count) / jnp.maximum(jnp.sqrt(jnp.sum(den_sq) / den_count), 1e-9)
 
-def scale_stats(
-    kc_BxTcxKxDk: jax.Array, vc_BxTcxKxDv: jax.Array, k_slc_BxTxKxDk: jax.Array, v_slc_BxTxKxDv: jax.Array
-) -> dict[str, jax.Array]:
-    """RMS of the compressed keys (values) over the selection keys' (values'); 0 with no compressed token.
-
-    The MLP compressor's output can grow far past the projections' (docs/EXPERIMENTS.md,
-    fourth round); the training loop warns when it does.
-    """
-
-    def rms(x):
-        return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
-
-    if kc_BxTcxKxDk.shape[1] == 0:
-        return {"cmp_k_ratio": jnp.zeros(()), "cmp_v_ratio": jnp.zeros(())}
     return {
-        "cmp_k_ratio": rms(kc_BxTcxKxDk) / jnp.maximum(rms(k_slc_BxTxKxDk), 1e-9),
-        "cmp_v_ratio": rms(vc_BxTcxKxDv) / jnp.maximum(rms(v_slc_BxTxKxDv), 1e-9),
+        **stats,
+        "cmp_k_ratio": rms_ratio(kc_sq, B * Tc * K * Dk, kslc_sq, B * T * K * Dk),
+        "cmp_v_ratio": rms_ratio(vc_sq, B * Tc * K * Dv, vslc_sq, B * T * K * Dv),
     }
 
 
@@ -140,24 +163,23 @@ class NSAAttention(nn.Module):
         decode = self.mode == "decode"
         kernel_kw = {"impl": a.attention_impl, "query_chunk": a.query_chunk}
 
-        def proj(name, heads, dim):
-            y = nn.Dense(heads * dim, use_bias=False, dtype=dtype, kernel_init=init, name=name)(x_BxTxD)
-            return y.reshape(B, T, heads, dim)
-
         def roped(y):
             # Decode: each row sits at its own position.
             return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, positions_T, cfg.rope_theta)
 
-        q = roped(proj("q", H, Dk))
-        k_cmp_dense = nn.Dense(K * Dk, use_bias=False, dtype=dtype, kernel_init=init, name="k_cmp")
-        k_cmp = roped(k_cmp_dense(x_BxTxD).reshape(B, T, K, Dk))
-        v_cmp = proj("v_cmp", K, Dv)
-        k_slc = roped(proj("k_slc", K, Dk))
-        v_slc = proj("v_slc", K, Dv)
-        k_win = roped(proj("k_win", K, Dk))
-        v_win = proj("v_win", K, Dv)
+        # Every projection of x in one matmul (fused_dense; one Dense's parameters each). The
+        # RoPE'd ones come first, so one RoPE covers the query and the three branches' keys.
+        qk_parts = [
+            DenseParams(h * Dk, kernel_init=init, name=n)
+            for n, h in (("q", H), ("k_cmp", K), ("k_slc", K), ("k_win", K))
+        ]
+        v_parts = [DenseParams(K * Dv, kernel_init=init, name=n) for n in ("v_cmp", "v_slc", "v_win")]
+        gate_fc1 = DenseParams(a.gate_hidden, use_bias=True, kernel_init=init, name="gate_fc1")
+        *qk, v_cmp, v_slc, v_win, gh = fused_dense(x_BxTxD, [*qk_parts, *v_parts, gate_fc1], dtype)
+        qk = roped(jnp.concatenate(qk, axis=-1).reshape(B, T, H + 3 * K, Dk))
+        q, k_cmp, k_slc, k_win = jnp.split(qk, [H, H + K, H + 2 * K], axis=2)
+        v_cmp, v_slc, v_win = (v.reshape(B, T, K, Dv) for v in (v_cmp, v_slc, v_win))
 
-        gh = nn.Dense(a.gate_hidden, dtype=dtype, kernel_init=init, name="gate_fc1")(x_BxTxD)
         gate_fc2 = nn.Dense(
             3 * H, dtype=dtype, kernel_init=init, bias_init=gate_bias_init(a.gate_bias_init, H), name="gate_fc2"
         )
@@ -195,7 +217,8 @@ class NSAAttention(nn.Module):
                     # The scorer's keys again, from a detached layer input: the KL trains the
                     # k_cmp projection and phi only, never the residual stream below (as DSA
                     # detaches its indexer's input), so it cannot pull on what the LM loss learns.
-                    kc_scorer = cmp_k(roped(k_cmp_dense(jax.lax.stop_gradient(x_BxTxD)).reshape(B, T, K, Dk)))
+                    (k_scorer,) = fused_dense(jax.lax.stop_gradient(x_BxTxD), [qk_parts[1]], dtype)
+                    kc_scorer = cmp_k(roped(k_scorer.reshape(B, T, K, Dk)))
                     kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
                     self.sow("losses", "scorer_kl", kl)
         if "win" in a.branches:
@@ -207,7 +230,7 @@ class NSAAttention(nn.Module):
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
         if "slc" in a.branches:
             self.sow("intermediates", "block_idx", idx)
-            self.sow("aux", "stats", {**gate_stats(g_BxTxHx3, idx, a.lp, a.w), **scale_stats(kc, vc, k_slc, v_slc)})
+            self.sow("aux", "stats", aux_stats(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w))
         self.sow("intermediates", "gates", g_BxTxHx3)
         return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
 
