@@ -11,7 +11,7 @@ import pytest
 from helpers import rel_err, tiny_model_cfg
 from reference import nsa_layer_ref
 
-from nsa_jax.nsa.layer import NSAAttention, aux_stats
+from nsa_jax.nsa.layer import NSAAttention, aux_stat_sums, aux_stats
 
 
 def _setup(cfg, T, B=2, seed=0):
@@ -155,7 +155,7 @@ def test_scale_stats_follow_the_compressed_values():
 
     def stats(p):
         _, state = NSAAttention(cfg).apply({"params": p}, x, mutable=["aux"])
-        st = state["aux"]["stats"][0]
+        st = aux_stats(state["aux"]["stat_sums"][0], cfg)
         return {k: float(st[k]) for k in ("cmp_k_ratio", "cmp_v_ratio")}
 
     s1 = stats(params)
@@ -171,14 +171,16 @@ def test_scale_stats_follow_the_compressed_values():
 
 
 def test_aux_stats_match_a_direct_computation():
-    """The fused statistics (two reductions) against each statistic computed on its own, by token."""
+    """The statistics from the layer's two reductions against each computed on its own, token by token."""
     rng = np.random.default_rng(0)
+    cfg = dataclasses.replace(tiny_model_cfg(G=2, K=2, n=3), v_head_dim=6)
     B, T, H, K, N, Tc, Dk, Dv, lp, w = 2, 96, 4, 2, 3, 5, 8, 6, 16, 32
     g = rng.uniform(0.01, 1.0, (B, T, H, 3)).astype(np.float32)
     idx = rng.integers(-1, T // lp, (B, T, K, N)).astype(np.int32)
     kc, vc = rng.normal(size=(B, Tc, K, Dk)) * 3.0, rng.normal(size=(B, Tc, K, Dv)) * 0.5
     ks, vs = rng.normal(size=(B, T, K, Dk)), rng.normal(size=(B, T, K, Dv)) * 2.0
-    st = aux_stats(jnp.asarray(g), jnp.asarray(idx), *(jnp.asarray(x, jnp.float32) for x in (kc, vc, ks, vs)), lp, w)
+    arrays = [jnp.asarray(x, jnp.float32) for x in (kc, vc, ks, vs)]
+    st = aux_stats(aux_stat_sums(jnp.asarray(g), jnp.asarray(idx), *arrays, lp, w), cfg)
 
     far = used = 0
     entropies = []
@@ -199,7 +201,6 @@ def test_aux_stats_match_a_direct_computation():
     assert 0 < far < used
     np.testing.assert_allclose(st["cmp_k_ratio"], rms(kc) / rms(ks), rtol=1e-5)
     np.testing.assert_allclose(st["cmp_v_ratio"], rms(vc) / rms(vs), rtol=1e-5)
-    empty = aux_stats(
-        jnp.asarray(g), jnp.asarray(idx), jnp.zeros((B, 0, K, Dk)), jnp.zeros((B, 0, K, Dv)), ks, vs, lp, w
-    )
+    no_cmp = jnp.zeros((B, 0, K, Dk)), jnp.zeros((B, 0, K, Dv))
+    empty = aux_stats(aux_stat_sums(jnp.asarray(g), jnp.asarray(idx), *no_cmp, *arrays[2:], lp, w), cfg)
     assert float(empty["cmp_k_ratio"]) == float(empty["cmp_v_ratio"]) == 0.0

@@ -3,10 +3,11 @@
 Owns the projections (shared Q, per-branch K/V), RoPE, the three branches, the
 sigmoid gates and the output projection. Branch math lives in compression.py
 and kernels/; this module wires them and reports statistics: `intermediates`
-(block indices, gates; for tests) and `aux` (gate means, gate entropy, share of
-selected blocks beyond the window, compressed vs selection key/value scale; for
-training logs). When the caller makes the `losses` collection mutable, it sows
-the block scorer's distillation KL there (distill.py; the train step weighs it).
+(block indices, gates; for tests) and `aux` (the sums behind the gate means,
+gate entropy, share of selected blocks beyond the window and compressed vs
+selection key/value scale, which aux_stats finishes; for training logs). When
+the caller makes the `losses` collection mutable, it sows the block scorer's
+distillation KL there (distill.py; the train step weighs it).
 
 It also owns decoding (docs/NSA.md "Decode") through the same
 submodules: `mode="prefill"` runs the training path over a right-padded prompt
@@ -38,7 +39,7 @@ CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp")
 CMP_BUCKET = 64
 
 
-def aux_stats(
+def aux_stat_sums(
     g_BxTxHx3: jax.Array,
     idx_BxTxKxN: jax.Array,
     kc_BxTcxKxDk: jax.Array,
@@ -48,21 +49,16 @@ def aux_stats(
     lp: int,
     w: int,
 ) -> dict[str, jax.Array]:
-    """The layer's logged statistics (fp32):
+    """The sums the logged statistics are made of (aux_stats), in two reductions.
 
-    gate_mean [3] (per branch), gate_entropy (mean over tokens and heads of the
-    entropy of the normalised gates), sel_far_frac (share of the selected blocks
-    that lie beyond the window), cmp_k_ratio / cmp_v_ratio (RMS of the compressed
-    keys (values) over the selection keys' (values'); 0 with no compressed token:
-    the MLP compressor's output can grow far past the projections',
-    docs/EXPERIMENTS.md fourth round, and the training loop warns when it does).
-
-    Every per-token term is laid side by side and summed over (B, T) in one
-    reduction, the compressed tokens' squares in a second: two kernels per layer
-    rather than one or two per statistic.
+    "tokens" [1 + 4H + 2KN + K(Dk + Dv)]: over the B x T tokens, the token count, the
+    gates [H, 3], the gate entropies [H], the selected blocks beyond the window and all
+    selected blocks [K, N], the squared selection keys and values. "cmp" [Dk + Dv + 1]:
+    over the compressed tokens' B x Tc x K rows, squared keys, values, and the row count.
+    One reduction for each, whatever the number of statistics; aux_stats finishes them
+    outside the layers (a kernel per layer and micro-batch for each statistic otherwise).
     """
-    B, T, H, _ = g_BxTxHx3.shape
-    K, Dk, Dv = k_slc_BxTxKxDk.shape[2], k_slc_BxTxKxDk.shape[3], v_slc_BxTxKxDv.shape[3]
+    B, T = g_BxTxHx3.shape[:2]
     g = g_BxTxHx3.astype(jnp.float32)
     probs = g / jnp.maximum(jnp.sum(g, axis=-1, keepdims=True), 1e-9)
     entropy_BxTxH = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-9)), axis=-1)
@@ -70,30 +66,43 @@ def aux_stats(
     used = idx_BxTxKxN >= 0
     # A block lies beyond the window when its last token is before t - w + 1.
     far = used & ((idx_BxTxKxN + 1) * lp <= t - w + 1)
-    terms = [g, entropy_BxTxH, far, used, jnp.square(k_slc_BxTxKxDk), jnp.square(v_slc_BxTxKxDv)]
-    sums = jnp.sum(jnp.concatenate([x.astype(jnp.float32).reshape(B, T, -1) for x in terms], axis=-1), axis=(0, 1))
-    g_sum, ent_sum, far_sum, used_sum, kslc_sq, vslc_sq = jnp.split(
-        sums, np.cumsum([3 * H, H, far[0, 0].size, used[0, 0].size, K * Dk])
-    )
-    n_gates = B * T * H
-    stats = {
-        "gate_mean": jnp.sum(g_sum.reshape(H, 3), axis=0) / n_gates,
-        "gate_entropy": jnp.sum(ent_sum) / n_gates,
-        "sel_far_frac": jnp.sum(far_sum) / jnp.maximum(jnp.sum(used_sum), 1),
-    }
-    Tc = kc_BxTcxKxDk.shape[1]
-    if Tc == 0:
-        return {**stats, "cmp_k_ratio": jnp.zeros(()), "cmp_v_ratio": jnp.zeros(())}
+    terms = [jnp.ones((B, T)), g, entropy_BxTxH, far, used, jnp.square(k_slc_BxTxKxDk), jnp.square(v_slc_BxTxKxDv)]
+    tokens = jnp.concatenate([x.astype(jnp.float32).reshape(B, T, -1) for x in terms], axis=-1)
     cmp = jnp.concatenate([kc_BxTcxKxDk, vc_BxTcxKxDv], axis=-1).astype(jnp.float32)
-    kc_sq, vc_sq = jnp.split(jnp.sum(jnp.square(cmp), axis=(0, 1, 2)), [Dk])
+    cmp = jnp.concatenate([jnp.square(cmp), jnp.ones((*cmp.shape[:-1], 1), jnp.float32)], axis=-1)
+    return {"tokens": jnp.sum(tokens, axis=(0, 1)), "cmp": jnp.sum(cmp, axis=(0, 1, 2))}
 
-    def rms_ratio(num_sq, num_count, den_sq, den_count):
-        return jnp.sqrt(jnp.sum(num_sq) / num_count) / jnp.maximum(jnp.sqrt(jnp.sum(den_sq) / den_count), 1e-9)
+
+def aux_stats(sums: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+    """The logged statistics from aux_stat_sums' sums (any leading axes, e.g. [L]), fp32:
+
+    gate_mean [..., 3] (per branch), gate_entropy (mean over tokens and heads of the
+    entropy of the normalised gates), sel_far_frac (share of the selected blocks that
+    lie beyond the window), cmp_k_ratio / cmp_v_ratio (RMS of the compressed keys
+    (values) over the selection keys' (values'); 0 with no compressed token: the MLP
+    compressor's output can grow far past the projections', docs/EXPERIMENTS.md fourth
+    round, and the training loop warns when it does).
+    """
+    H, K, N, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.nsa.n, cfg.head_dim, cfg.v_head_dim
+    tok, cmp = sums["tokens"], sums["cmp"]
+    count, g, entropy, far, used, kslc_sq, vslc_sq = jnp.split(
+        tok, np.cumsum([1, 3 * H, H, K * N, K * N, K * Dk]), axis=-1
+    )
+    kc_sq, vc_sq, rows = jnp.split(cmp, [Dk, Dk + Dv], axis=-1)
+    count, rows = count[..., 0], rows[..., 0]
+
+    def rms_ratio(num_sq, num_n, den_sq, den_n):
+        ratio = jnp.sqrt(jnp.sum(num_sq, -1) / jnp.maximum(num_n, 1)) / jnp.maximum(
+            jnp.sqrt(jnp.sum(den_sq, -1) / den_n), 1e-9
+        )
+        return jnp.where(num_n > 0, ratio, 0.0)
 
     return {
-        **stats,
-        "cmp_k_ratio": rms_ratio(kc_sq, B * Tc * K * Dk, kslc_sq, B * T * K * Dk),
-        "cmp_v_ratio": rms_ratio(vc_sq, B * Tc * K * Dv, vslc_sq, B * T * K * Dv),
+        "gate_mean": jnp.sum(g.reshape(*g.shape[:-1], H, 3), axis=-2) / (count * H)[..., None],
+        "gate_entropy": jnp.sum(entropy, -1) / (count * H),
+        "sel_far_frac": jnp.sum(far, -1) / jnp.maximum(jnp.sum(used, -1), 1),
+        "cmp_k_ratio": rms_ratio(kc_sq, rows * Dk, kslc_sq, count * K * Dk),
+        "cmp_v_ratio": rms_ratio(vc_sq, rows * Dv, vslc_sq, count * K * Dv),
     }
 
 
@@ -230,7 +239,7 @@ class NSAAttention(nn.Module):
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
         if "slc" in a.branches:
             self.sow("intermediates", "block_idx", idx)
-            self.sow("aux", "stats", aux_stats(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w))
+            self.sow("aux", "stat_sums", aux_stat_sums(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w))
         self.sow("intermediates", "gates", g_BxTxHx3)
         return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
 

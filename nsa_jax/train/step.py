@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy
+from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.state import TrainState, init_state
@@ -153,7 +154,8 @@ def loss_and_stats(
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
     logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
     loss = cross_entropy(logits_BxTxV, targets_BxT, loss_mask(tokens_BxT1, cfg))
-    stats = dict(per_layer(variables, "aux", "stats", cfg) or {})
+    sums = per_layer(variables, "aux", "stat_sums", cfg)
+    stats = aux_stats(sums, phase.model) if sums else {}
     if schedule.scorer_distill(cfg):
         kl = jnp.mean(per_layer(variables, "losses", "scorer_kl", cfg)) if phase.distill else jnp.zeros((), jnp.float32)
         stats = {**stats, "ce": loss, "distill_kl": kl}
