@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class RMSNorm(nn.Module):
@@ -55,24 +56,45 @@ class DenseParams(nn.Module):
         return kernel, bias
 
 
-def fused_dense(x_BxTxD: jax.Array, parts: Sequence[DenseParams], dtype) -> list[jax.Array]:
-    """[x @ W_i (+ b_i) for each part] in `dtype`, computed as one matmul by [W_1 | W_2 | ...].
+@jax.custom_vjp
+def matmul_parts(x_BxTxD: jax.Array, kernels: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """(x @ W_1, x @ W_2, ...), with one matmul for x's gradient by [W_1 | W_2 | ...].
 
-    Each output column is the same dot product as its own Dense's; one matmul
-    forward and one for x's gradient replace one per part (kernel launches).
+    Forward, the products stay separate (XLA merges matmuls that share x while x is
+    small, and keeps each output its own buffer while it is large). Backward, autodiff
+    would give sum_i dY_i W_i^T, a matmul and an add per part; here it is one matmul
+    [dY_1 | dY_2 | ...] [W_1 | W_2 | ...]^T, and one for every kernel's gradient.
+    """
+    return tuple(jnp.dot(x_BxTxD, k) for k in kernels)
+
+
+def _matmul_parts_fwd(x_BxTxD, kernels):
+    return matmul_parts(x_BxTxD, kernels), (x_BxTxD, kernels)
+
+
+def _matmul_parts_bwd(residuals, dys):
+    x_BxTxD, kernels = residuals
+    dy_BxTxN = jnp.concatenate(dys, axis=-1)
+    dx = jnp.dot(dy_BxTxN, jnp.concatenate(kernels, axis=1).T)
+    D, N = x_BxTxD.shape[-1], dy_BxTxN.shape[-1]
+    dkernel_DxN = jnp.dot(x_BxTxD.reshape(-1, D).T, dy_BxTxN.reshape(-1, N))
+    splits = np.cumsum([k.shape[1] for k in kernels])[:-1]
+    return dx, tuple(jnp.split(dkernel_DxN, splits, axis=1))
+
+
+matmul_parts.defvjp(_matmul_parts_fwd, _matmul_parts_bwd)
+
+
+def fused_dense(x_BxTxD: jax.Array, parts: Sequence[DenseParams], dtype) -> list[jax.Array]:
+    """[x @ W_i (+ b_i) for each part] in `dtype`, as nn.Dense computes each (matmul_parts).
+
+    Each output column is the same dot product as its own Dense's; x's gradient is
+    one matmul instead of one per part and their sum (kernel launches).
     """
     D = x_BxTxD.shape[-1]
     pairs = [p(D) for p in parts]
-    kernel_DxN = jnp.concatenate([k.astype(dtype) for k, _ in pairs], axis=1)
-    y = jnp.dot(x_BxTxD.astype(dtype), kernel_DxN)
-    outs = []
-    start = 0
-    for k, b in pairs:
-        n = k.shape[1]
-        y_i = y[..., start : start + n]
-        outs.append(y_i if b is None else y_i + b.astype(dtype))
-        start += n
-    return outs
+    ys = matmul_parts(x_BxTxD.astype(dtype), tuple(k.astype(dtype) for k, _ in pairs))
+    return [y if b is None else y + b.astype(dtype) for y, (_, b) in zip(ys, pairs)]
 
 
 class SwiGLU(nn.Module):

@@ -176,8 +176,8 @@ class NSAAttention(nn.Module):
             # Decode: each row sits at its own position.
             return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, positions_T, cfg.rope_theta)
 
-        # Every projection of x in one matmul (fused_dense; one Dense's parameters each). The
-        # RoPE'd ones come first, so one RoPE covers the query and the three branches' keys.
+        # Every projection of x with one matmul for x's gradient (fused_dense; the parameters
+        # stay one Dense each).
         qk_parts = [
             DenseParams(h * Dk, kernel_init=init, name=n)
             for n, h in (("q", H), ("k_cmp", K), ("k_slc", K), ("k_win", K))
@@ -185,8 +185,7 @@ class NSAAttention(nn.Module):
         v_parts = [DenseParams(K * Dv, kernel_init=init, name=n) for n in ("v_cmp", "v_slc", "v_win")]
         gate_fc1 = DenseParams(a.gate_hidden, use_bias=True, kernel_init=init, name="gate_fc1")
         *qk, v_cmp, v_slc, v_win, gh = fused_dense(x_BxTxD, [*qk_parts, *v_parts, gate_fc1], dtype)
-        qk = roped(jnp.concatenate(qk, axis=-1).reshape(B, T, H + 3 * K, Dk))
-        q, k_cmp, k_slc, k_win = jnp.split(qk, [H, H + K, H + 2 * K], axis=2)
+        q, k_cmp, k_slc, k_win = (roped(y.reshape(B, T, -1, Dk)) for y in qk)
         v_cmp, v_slc, v_win = (v.reshape(B, T, K, Dv) for v in (v_cmp, v_slc, v_win))
 
         gate_fc2 = nn.Dense(

@@ -144,8 +144,10 @@ def loss_and_stats(
     only because the `losses` collection is mutable here. With train.scorer_distill on,
     stats carry `ce` (the next-token loss alone) and `distill_kl` in every phase (0 in
     one without it), so every phase returns the same metrics. With logging.aux_stats,
-    stats carry what the layers sow in `aux`: gate_mean [L, 3], gate_entropy,
-    sel_far_frac, cmp_k_ratio, cmp_v_ratio [L] (none without a selection branch).
+    stats carry what aux_stats makes of the sums the layers sow in `aux` (two
+    reductions per layer, finished here for all layers at once): gate_mean [L, 3],
+    gate_entropy, sel_far_frac, cmp_k_ratio, cmp_v_ratio [L] (none without a
+    selection branch).
     `phase`: default cfg.model with train.scorer_distill at every step.
     """
     phase = phase or schedule.Phase(0, cfg.model, schedule.scorer_distill(cfg))
