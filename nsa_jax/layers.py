@@ -1,10 +1,13 @@
-"""Building blocks shared by the model: RMSNorm, rotary embeddings, SwiGLU MLP."""
+"""Building blocks shared by the model: RMSNorm, rotary embeddings, fused input projections, SwiGLU MLP."""
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +37,66 @@ def rope(x_BxTxHxD: jax.Array, positions_T: jax.Array, theta: float = 10000.0) -
     return out.astype(x_BxTxHxD.dtype)
 
 
+class DenseParams(nn.Module):
+    """The `kernel` [in, features] (and `bias`) of an nn.Dense, same names, dtype and init, unapplied.
+
+    fused_dense multiplies by several of them at once; the parameters stay one
+    Dense each, so checkpoints and initial values are those of separate Denses.
+    """
+
+    features: int
+    use_bias: bool = False
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros
+
+    @nn.compact
+    def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features), jnp.float32)
+        bias = self.param("bias", self.bias_init, (self.features,), jnp.float32) if self.use_bias else None
+        return kernel, bias
+
+
+@jax.custom_vjp
+def matmul_parts(x_BxTxD: jax.Array, kernels: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """(x @ W_1, x @ W_2, ...), with one matmul for x's gradient by [W_1 | W_2 | ...].
+
+    Forward, the products stay separate (XLA merges matmuls that share x while x is
+    small, and keeps each output its own buffer while it is large). Backward, autodiff
+    would give sum_i dY_i W_i^T, a matmul and an add per part; here it is one matmul
+    [dY_1 | dY_2 | ...] [W_1 | W_2 | ...]^T, and one for every kernel's gradient.
+    """
+    return tuple(jnp.dot(x_BxTxD, k) for k in kernels)
+
+
+def _matmul_parts_fwd(x_BxTxD, kernels):
+    return matmul_parts(x_BxTxD, kernels), (x_BxTxD, kernels)
+
+
+def _matmul_parts_bwd(residuals, dys):
+    x_BxTxD, kernels = residuals
+    dy_BxTxN = jnp.concatenate(dys, axis=-1)
+    dx = jnp.dot(dy_BxTxN, jnp.concatenate(kernels, axis=1).T)
+    D, N = x_BxTxD.shape[-1], dy_BxTxN.shape[-1]
+    dkernel_DxN = jnp.dot(x_BxTxD.reshape(-1, D).T, dy_BxTxN.reshape(-1, N))
+    splits = np.cumsum([k.shape[1] for k in kernels])[:-1]
+    return dx, tuple(jnp.split(dkernel_DxN, splits, axis=1))
+
+
+matmul_parts.defvjp(_matmul_parts_fwd, _matmul_parts_bwd)
+
+
+def fused_dense(x_BxTxD: jax.Array, parts: Sequence[DenseParams], dtype) -> list[jax.Array]:
+    """[x @ W_i (+ b_i) for each part] in `dtype`, as nn.Dense computes each (matmul_parts).
+
+    Each output column is the same dot product as its own Dense's; x's gradient is
+    one matmul instead of one per part and their sum (kernel launches).
+    """
+    D = x_BxTxD.shape[-1]
+    pairs = [p(D) for p in parts]
+    ys = matmul_parts(x_BxTxD.astype(dtype), tuple(k.astype(dtype) for k, _ in pairs))
+    return [y if b is None else y + b.astype(dtype) for y, (_, b) in zip(ys, pairs)]
+
+
 class SwiGLU(nn.Module):
     """silu(x W1) * (x W3) W2."""
 
@@ -46,8 +109,8 @@ class SwiGLU(nn.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         D = x_BxTxD.shape[-1]
         init = nn.initializers.normal(self.init_std)
-        gate = nn.Dense(self.d_ff, use_bias=False, dtype=self.dtype, kernel_init=init, name="w1")(x_BxTxD)
-        up = nn.Dense(self.d_ff, use_bias=False, dtype=self.dtype, kernel_init=init, name="w3")(x_BxTxD)
+        w1, w3 = (DenseParams(self.d_ff, kernel_init=init, name=n) for n in ("w1", "w3"))
+        gate, up = fused_dense(x_BxTxD, [w1, w3], self.dtype)
         h = nn.silu(gate) * up
         return nn.Dense(
             D, use_bias=False, dtype=self.dtype, kernel_init=nn.initializers.normal(self.out_std), name="w2"

@@ -32,7 +32,7 @@ CONFIGS = {
     "G1K2n5avg": dict(G=1, K=2, n=5, cmp_phi="avg"),
     "G3K1n4": dict(G=3, K=1, n=4),
 }
-_CAPTURE = ("k_win", "k_cmp", "cmp_k", "cmp_v")
+_CAPTURE = ("attn_norm", "cmp_k", "cmp_v")
 _refs: dict = {}
 
 
@@ -57,15 +57,21 @@ def _random_params(cfg, seed):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(cfg, params, tokens):
-    """The training forward pass: logits and some of its own projections."""
+    """The training forward pass: logits, each layer's attention input and compressed tokens,
+    and the raw (pre-RoPE) window and compression keys recomputed from that input and the params."""
     logits, st = NSALM(cfg).apply(
         {"params": params},
         tokens,
         capture_intermediates=lambda m, meth: meth == "__call__" and m.name in _CAPTURE,
         mutable=["intermediates"],
     )
-    attn = st["intermediates"]["layers"]["attn"]
-    return logits, {k: attn[k]["__call__"][0] for k in _CAPTURE}
+    layers = st["intermediates"]["layers"]
+    cap = {k: layers["attn"][k]["__call__"][0] for k in ("cmp_k", "cmp_v")}
+    h_LxBxTxD = layers["attn_norm"]["__call__"][0]
+    for name in ("k_win", "k_cmp"):
+        kernel_LxDxN = params["layers"]["attn"][name]["kernel"]
+        cap[name] = jnp.einsum("lbtd,ldn->lbtn", h_LxBxTxD, kernel_LxDxN, precision="highest")
+    return logits, cap
 
 
 def _reference(name):

@@ -11,7 +11,8 @@ import pytest
 from helpers import rel_err, tiny_model_cfg
 from reference import nsa_layer_ref
 
-from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.layers import matmul_parts
+from nsa_jax.nsa.layer import NSAAttention, aux_stat_sums, aux_stats
 
 
 def _setup(cfg, T, B=2, seed=0):
@@ -61,7 +62,12 @@ def _live_primitives(cfg, T, used):
     x, params = _setup(cfg, T)
     jaxpr = jax.make_jaxpr(lambda p, xx: NSAAttention(cfg).apply({"params": p}, xx))(params, x).jaxpr
     live, _ = pe.dce_jaxpr(jaxpr, [used] * len(jaxpr.outvars))
-    return [str(e.primitive) for e in live.eqns]
+
+    def name(e):  # custom VJPs without a kernel inside (the projections' layers.matmul_parts) apart
+        no_kernel = str(e.primitive) == "custom_vjp_call" and "pallas_call" not in str(e.params["call_jaxpr"])
+        return "custom_vjp_call without a kernel" if no_kernel else str(e.primitive)
+
+    return [name(e) for e in live.eqns]
 
 
 def test_pallas_layer_is_dead_code_when_unused():
@@ -75,6 +81,7 @@ def test_pallas_layer_is_dead_code_when_unused():
     live = _live_primitives(no_slc, 48, used=True)
     # Compressed and window attention are one custom_vjp call each, with no bare kernel beside them.
     assert live.count("custom_vjp_call") == 2 and "pallas_call" not in live
+    assert live.count("custom_vjp_call without a kernel") == 1
 
 
 @pytest.mark.slow
@@ -155,7 +162,7 @@ def test_scale_stats_follow_the_compressed_values():
 
     def stats(p):
         _, state = NSAAttention(cfg).apply({"params": p}, x, mutable=["aux"])
-        st = state["aux"]["stats"][0]
+        st = aux_stats(state["aux"]["stat_sums"][0], cfg)
         return {k: float(st[k]) for k in ("cmp_k_ratio", "cmp_v_ratio")}
 
     s1 = stats(params)
@@ -168,3 +175,58 @@ def test_scale_stats_follow_the_compressed_values():
     assert s1["cmp_v_ratio"] > 0 and s1["cmp_k_ratio"] > 0
     np.testing.assert_allclose(s2["cmp_v_ratio"], c * s1["cmp_v_ratio"], rtol=1e-4)
     np.testing.assert_allclose(s2["cmp_k_ratio"], s1["cmp_k_ratio"], rtol=1e-6)
+
+
+def test_aux_stats_match_a_direct_computation():
+    """The statistics from the layer's two reductions against each computed on its own, token by token."""
+    rng = np.random.default_rng(0)
+    cfg = dataclasses.replace(tiny_model_cfg(G=2, K=2, n=3), v_head_dim=6)
+    B, T, H, K, N, Tc, Dk, Dv, lp, w = 2, 96, 4, 2, 3, 5, 8, 6, 16, 32
+    g = rng.uniform(0.01, 1.0, (B, T, H, 3)).astype(np.float32)
+    idx = rng.integers(-1, T // lp, (B, T, K, N)).astype(np.int32)
+    kc, vc = rng.normal(size=(B, Tc, K, Dk)) * 3.0, rng.normal(size=(B, Tc, K, Dv)) * 0.5
+    ks, vs = rng.normal(size=(B, T, K, Dk)), rng.normal(size=(B, T, K, Dv)) * 2.0
+    arrays = [jnp.asarray(x, jnp.float32) for x in (kc, vc, ks, vs)]
+    st = aux_stats(aux_stat_sums(jnp.asarray(g), jnp.asarray(idx), *arrays, lp, w), cfg)
+
+    far = used = 0
+    entropies = []
+    for b, t, h in np.ndindex(B, T, H):
+        p = g[b, t, h] / g[b, t, h].sum()
+        entropies.append(-(p * np.log(p)).sum())
+    for b, t, k, j in np.ndindex(B, T, K, N):
+        if idx[b, t, k, j] >= 0:
+            used += 1
+            far += (idx[b, t, k, j] + 1) * lp - 1 < t - w + 1  # the block's last token lies before the window
+
+    def rms(x):
+        return np.sqrt(np.mean(np.square(x)))
+
+    np.testing.assert_allclose(st["gate_mean"], g.reshape(-1, 3).mean(0), rtol=1e-5)
+    np.testing.assert_allclose(st["gate_entropy"], np.mean(entropies), rtol=1e-5)
+    np.testing.assert_allclose(st["sel_far_frac"], far / used, rtol=1e-6)
+    assert 0 < far < used
+    np.testing.assert_allclose(st["cmp_k_ratio"], rms(kc) / rms(ks), rtol=1e-5)
+    np.testing.assert_allclose(st["cmp_v_ratio"], rms(vc) / rms(vs), rtol=1e-5)
+    no_cmp = jnp.zeros((B, 0, K, Dk)), jnp.zeros((B, 0, K, Dv))
+    empty = aux_stats(aux_stat_sums(jnp.asarray(g), jnp.asarray(idx), *no_cmp, *arrays[2:], lp, w), cfg)
+    assert float(empty["cmp_k_ratio"]) == float(empty["cmp_v_ratio"]) == 0.0
+
+
+def test_matmul_parts_gradients_match_separate_matmuls():
+    """matmul_parts' one-matmul backward against autodiff of a separate x @ W_i per part."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 5, 7)), jnp.float32)
+    kernels = tuple(jnp.asarray(rng.normal(size=(7, n)), jnp.float32) for n in (3, 8, 1))
+    weights = [jnp.asarray(rng.normal(size=(2, 5, k.shape[1])), jnp.float32) for k in kernels]
+
+    def loss(fn):
+        return lambda xx, ks: sum(jnp.sum(w * jnp.tanh(y)) for w, y in zip(weights, fn(xx, ks)))
+
+    fused = jax.grad(loss(matmul_parts), argnums=(0, 1))(x, kernels)
+    separate = jax.grad(loss(lambda xx, ks: [xx @ k for k in ks]), argnums=(0, 1))(x, kernels)
+    for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(separate)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for y, k in zip(matmul_parts(x, kernels), kernels):
+        np.testing.assert_allclose(y, np.asarray(x) @ np.asarray(k), rtol=1e-5, atol=1e-6)

@@ -3,10 +3,11 @@
 Owns the projections (shared Q, per-branch K/V), RoPE, the three branches, the
 sigmoid gates and the output projection. Branch math lives in compression.py
 and kernels/; this module wires them and reports statistics: `intermediates`
-(block indices, gates; for tests) and `aux` (gate means, gate entropy, share of
-selected blocks beyond the window, compressed vs selection key/value scale; for
-training logs). When the caller makes the `losses` collection mutable, it sows
-the block scorer's distillation KL there (distill.py; the train step weighs it).
+(block indices, gates; for tests) and `aux` (the sums behind the gate means,
+gate entropy, share of selected blocks beyond the window and compressed vs
+selection key/value scale, which aux_stats finishes; for training logs). When
+the caller makes the `losses` collection mutable, it sows the block scorer's
+distillation KL there (distill.py; the train step weighs it).
 
 It also owns decoding (docs/NSA.md "Decode") through the same
 submodules: `mode="prefill"` runs the training path over a right-padded prompt
@@ -22,11 +23,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nsa_jax.config import BRANCHES, ModelConfig
 from nsa_jax.kernels import compressed_attention, selection_attention, window_attention
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
-from nsa_jax.layers import rope
+from nsa_jax.layers import DenseParams, fused_dense, rope
 from nsa_jax.nsa.compression import Compressor
 from nsa_jax.nsa.distill import score_distill_kl
 
@@ -37,40 +39,70 @@ CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp")
 CMP_BUCKET = 64
 
 
-def gate_stats(g_BxTxHx3: jax.Array, idx_BxTxKxN: jax.Array, lp: int, w: int) -> dict[str, jax.Array]:
-    """Gate means per branch, mean gate entropy, share of selected blocks beyond the window."""
+def aux_stat_sums(
+    g_BxTxHx3: jax.Array,
+    idx_BxTxKxN: jax.Array,
+    kc_BxTcxKxDk: jax.Array,
+    vc_BxTcxKxDv: jax.Array,
+    k_slc_BxTxKxDk: jax.Array,
+    v_slc_BxTxKxDv: jax.Array,
+    lp: int,
+    w: int,
+) -> dict[str, jax.Array]:
+    """The sums the logged statistics are made of (aux_stats), in two reductions.
+
+    "tokens" [1 + 4H + 2KN + K(Dk + Dv)]: over the B x T tokens, the token count, the
+    gates [H, 3], the gate entropies [H], the selected blocks beyond the window and all
+    selected blocks [K, N], the squared selection keys and values. "cmp" [Dk + Dv + 1]:
+    over the compressed tokens' B x Tc x K rows, squared keys, values, and the row count.
+    One reduction for each, whatever the number of statistics; aux_stats finishes them
+    outside the layers (a kernel per layer and micro-batch for each statistic otherwise).
+    """
+    B, T = g_BxTxHx3.shape[:2]
     g = g_BxTxHx3.astype(jnp.float32)
     probs = g / jnp.maximum(jnp.sum(g, axis=-1, keepdims=True), 1e-9)
-    entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-9)), axis=-1)
-    T = idx_BxTxKxN.shape[1]
+    entropy_BxTxH = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-9)), axis=-1)
     t = jnp.arange(T)[None, :, None, None]
     used = idx_BxTxKxN >= 0
     # A block lies beyond the window when its last token is before t - w + 1.
     far = used & ((idx_BxTxKxN + 1) * lp <= t - w + 1)
-    return {
-        "gate_mean": jnp.mean(g, axis=(0, 1, 2)),
-        "gate_entropy": jnp.mean(entropy),
-        "sel_far_frac": jnp.sum(far) / jnp.maximum(jnp.sum(used), 1),
-    }
+    terms = [jnp.ones((B, T)), g, entropy_BxTxH, far, used, jnp.square(k_slc_BxTxKxDk), jnp.square(v_slc_BxTxKxDv)]
+    tokens = jnp.concatenate([x.astype(jnp.float32).reshape(B, T, -1) for x in terms], axis=-1)
+    cmp = jnp.concatenate([kc_BxTcxKxDk, vc_BxTcxKxDv], axis=-1).astype(jnp.float32)
+    cmp = jnp.concatenate([jnp.square(cmp), jnp.ones((*cmp.shape[:-1], 1), jnp.float32)], axis=-1)
+    return {"tokens": jnp.sum(tokens, axis=(0, 1)), "cmp": jnp.sum(cmp, axis=(0, 1, 2))}
 
 
-def scale_stats(
-    kc_BxTcxKxDk: jax.Array, vc_BxTcxKxDv: jax.Array, k_slc_BxTxKxDk: jax.Array, v_slc_BxTxKxDv: jax.Array
-) -> dict[str, jax.Array]:
-    """RMS of the compressed keys (values) over the selection keys' (values'); 0 with no compressed token.
+def aux_stats(sums: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+    """The logged statistics from aux_stat_sums' sums (any leading axes, e.g. [L]), fp32:
 
-    The MLP compressor's output can grow far past the projections' (docs/EXPERIMENTS.md,
-    fourth round); the training loop warns when it does.
+    gate_mean [..., 3] (per branch), gate_entropy (mean over tokens and heads of the
+    entropy of the normalised gates), sel_far_frac (share of the selected blocks that
+    lie beyond the window), cmp_k_ratio / cmp_v_ratio (RMS of the compressed keys
+    (values) over the selection keys' (values'); 0 with no compressed token: the MLP
+    compressor's output can grow far past the projections', docs/EXPERIMENTS.md fourth
+    round, and the training loop warns when it does).
     """
+    H, K, N, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.nsa.n, cfg.head_dim, cfg.v_head_dim
+    tok, cmp = sums["tokens"], sums["cmp"]
+    count, g, entropy, far, used, kslc_sq, vslc_sq = jnp.split(
+        tok, np.cumsum([1, 3 * H, H, K * N, K * N, K * Dk]), axis=-1
+    )
+    kc_sq, vc_sq, rows = jnp.split(cmp, [Dk, Dk + Dv], axis=-1)
+    count, rows = count[..., 0], rows[..., 0]
 
-    def rms(x):
-        return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+    def rms_ratio(num_sq, num_n, den_sq, den_n):
+        ratio = jnp.sqrt(jnp.sum(num_sq, -1) / jnp.maximum(num_n, 1)) / jnp.maximum(
+            jnp.sqrt(jnp.sum(den_sq, -1) / den_n), 1e-9
+        )
+        return jnp.where(num_n > 0, ratio, 0.0)
 
-    if kc_BxTcxKxDk.shape[1] == 0:
-        return {"cmp_k_ratio": jnp.zeros(()), "cmp_v_ratio": jnp.zeros(())}
     return {
-        "cmp_k_ratio": rms(kc_BxTcxKxDk) / jnp.maximum(rms(k_slc_BxTxKxDk), 1e-9),
-        "cmp_v_ratio": rms(vc_BxTcxKxDv) / jnp.maximum(rms(v_slc_BxTxKxDv), 1e-9),
+        "gate_mean": jnp.sum(g.reshape(*g.shape[:-1], H, 3), axis=-2) / (count * H)[..., None],
+        "gate_entropy": jnp.sum(entropy, -1) / (count * H),
+        "sel_far_frac": jnp.sum(far, -1) / jnp.maximum(jnp.sum(used, -1), 1),
+        "cmp_k_ratio": rms_ratio(kc_sq, rows * Dk, kslc_sq, count * K * Dk),
+        "cmp_v_ratio": rms_ratio(vc_sq, rows * Dv, vslc_sq, count * K * Dv),
     }
 
 
@@ -140,24 +172,22 @@ class NSAAttention(nn.Module):
         decode = self.mode == "decode"
         kernel_kw = {"impl": a.attention_impl, "query_chunk": a.query_chunk}
 
-        def proj(name, heads, dim):
-            y = nn.Dense(heads * dim, use_bias=False, dtype=dtype, kernel_init=init, name=name)(x_BxTxD)
-            return y.reshape(B, T, heads, dim)
-
         def roped(y):
             # Decode: each row sits at its own position.
             return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, positions_T, cfg.rope_theta)
 
-        q = roped(proj("q", H, Dk))
-        k_cmp_dense = nn.Dense(K * Dk, use_bias=False, dtype=dtype, kernel_init=init, name="k_cmp")
-        k_cmp = roped(k_cmp_dense(x_BxTxD).reshape(B, T, K, Dk))
-        v_cmp = proj("v_cmp", K, Dv)
-        k_slc = roped(proj("k_slc", K, Dk))
-        v_slc = proj("v_slc", K, Dv)
-        k_win = roped(proj("k_win", K, Dk))
-        v_win = proj("v_win", K, Dv)
+        # Every projection of x with one matmul for x's gradient (fused_dense; the parameters
+        # stay one Dense each).
+        qk_parts = [
+            DenseParams(h * Dk, kernel_init=init, name=n)
+            for n, h in (("q", H), ("k_cmp", K), ("k_slc", K), ("k_win", K))
+        ]
+        v_parts = [DenseParams(K * Dv, kernel_init=init, name=n) for n in ("v_cmp", "v_slc", "v_win")]
+        gate_fc1 = DenseParams(a.gate_hidden, use_bias=True, kernel_init=init, name="gate_fc1")
+        *qk, v_cmp, v_slc, v_win, gh = fused_dense(x_BxTxD, [*qk_parts, *v_parts, gate_fc1], dtype)
+        q, k_cmp, k_slc, k_win = (roped(y.reshape(B, T, -1, Dk)) for y in qk)
+        v_cmp, v_slc, v_win = (v.reshape(B, T, K, Dv) for v in (v_cmp, v_slc, v_win))
 
-        gh = nn.Dense(a.gate_hidden, dtype=dtype, kernel_init=init, name="gate_fc1")(x_BxTxD)
         gate_fc2 = nn.Dense(
             3 * H, dtype=dtype, kernel_init=init, bias_init=gate_bias_init(a.gate_bias_init, H), name="gate_fc2"
         )
@@ -195,7 +225,8 @@ class NSAAttention(nn.Module):
                     # The scorer's keys again, from a detached layer input: the KL trains the
                     # k_cmp projection and phi only, never the residual stream below (as DSA
                     # detaches its indexer's input), so it cannot pull on what the LM loss learns.
-                    kc_scorer = cmp_k(roped(k_cmp_dense(jax.lax.stop_gradient(x_BxTxD)).reshape(B, T, K, Dk)))
+                    (k_scorer,) = fused_dense(jax.lax.stop_gradient(x_BxTxD), [qk_parts[1]], dtype)
+                    kc_scorer = cmp_k(roped(k_scorer.reshape(B, T, K, Dk)))
                     kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
                     self.sow("losses", "scorer_kl", kl)
         if "win" in a.branches:
@@ -207,7 +238,7 @@ class NSAAttention(nn.Module):
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
         if "slc" in a.branches:
             self.sow("intermediates", "block_idx", idx)
-            self.sow("aux", "stats", {**gate_stats(g_BxTxHx3, idx, a.lp, a.w), **scale_stats(kc, vc, k_slc, v_slc)})
+            self.sow("aux", "stat_sums", aux_stat_sums(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w))
         self.sow("intermediates", "gates", g_BxTxHx3)
         return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
 

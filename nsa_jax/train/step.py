@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy
+from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.state import TrainState, init_state
@@ -152,8 +153,10 @@ def loss_and_stats(
     only because the `losses` collection is mutable here. With train.scorer_distill on,
     stats carry `ce` (the next-token loss alone) and `distill_kl` in every phase (0 in
     one without it), so every phase returns the same metrics. With logging.aux_stats,
-    stats carry what the layers sow in `aux`: gate_mean [L, 3], gate_entropy,
-    sel_far_frac, cmp_k_ratio, cmp_v_ratio [L] (none without a selection branch).
+    stats carry what aux_stats makes of the sums the layers sow in `aux` (two
+    reductions per layer, finished here for all layers at once): gate_mean [L, 3],
+    gate_entropy, sel_far_frac, cmp_k_ratio, cmp_v_ratio [L] (none without a
+    selection branch).
     `phase`: default cfg.model with train.scorer_distill at every step.
     """
     phase = phase or schedule.Phase(0, cfg.model, schedule.scorer_distill(cfg))
@@ -162,7 +165,8 @@ def loss_and_stats(
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
     logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
     loss = cross_entropy(logits_BxTxV, targets_BxT, loss_weights(tokens_BxT1, cfg))
-    stats = dict(per_layer(variables, "aux", "stats", cfg) or {})
+    sums = per_layer(variables, "aux", "stat_sums", cfg)
+    stats = aux_stats(sums, phase.model) if sums else {}
     if schedule.scorer_distill(cfg):
         kl = jnp.mean(per_layer(variables, "losses", "scorer_kl", cfg)) if phase.distill else jnp.zeros((), jnp.float32)
         stats = {**stats, "ce": loss, "distill_kl": kl}
