@@ -6,16 +6,21 @@
 #   bash benchmarks/needle_recipe.sh OUT_DIR [SEEDS] [VARIANTS]
 #
 # SEEDS: comma list (default 1). VARIANTS: comma list of nsa, full (default nsa,full).
-# Stage 1: T=128, 16 rows a step, 800 steps: the copy circuit forms where the whole row is
-#   in reach of every branch. Stage 2: T=1024, 4 rows a step, 300 more steps, continuing
-#   from stage 1's checkpoint (weights, AdamW moments, step; the data stream restarts).
-# The learning rate is constant after a 30-step warm-up (2e-3, then 1e-3 at T=1024): the
-# schedule is a function of the global step, and a cosine to stage 1's end would leave
-# stage 2 at the floor.
+# The model learns at growing lengths, each stage continuing from the last one's
+# checkpoint (weights, AdamW moments, step; the data stream restarts):
+#   T=128, 16 rows a step, steps 1-800: the copy circuit forms where the whole row is in
+#     reach of every branch (at T=128 the selection takes every block);
+#   T=256, 16 rows, steps 801-1100; T=512, 8 rows, to 1400; T=1024, 4 rows, to 1700:
+#     the selection has to find the needle's block among more and more.
+# A model trained at one length does not retrieve at twice it (docs/LONG_CONTEXT.md), so
+# every doubling gets its own stage.
+# The learning rate is constant after a 30-step warm-up (2e-3, then 1e-3 from T=256): the
+# schedule is a function of the global step, and a cosine to a stage's end would leave
+# the next stage at the floor.
 # Full attention is the same model with only the sliding-window branch, w=4096 (causal
 # attention over the whole row, also at 4x the training length).
 # Writes OUT_DIR/<variant>_s<seed>/ (the run, its eval/ with evaluation.json and the
-# PNGs) and OUT_DIR/summary.txt (one line per run: the needle accuracy by length).
+# PNGs) and OUT_DIR/summary.txt (one line per run: time per stage, the needle accuracy by length).
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/needle_recipe.sh OUT_DIR [SEEDS] [VARIANTS]}
 SEEDS=${2:-1}
@@ -24,11 +29,10 @@ PY=${PYTHON:-python}
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 mkdir -p "$OUT"
 
-COMMON=(--config cpu_tiny --dataset needle --data-path "docs/[EPR]*.md" --set train.log_every=50)
-STAGE1=(--set train.seq_len=128 --set train.global_batch=16 --set train.lr=2e-3 --set train.min_lr=2e-3 --set train.warmup=30
-        --set train.eval_every=400 --set checkpoint.save_every=400 --steps 800)
-STAGE2=(--set train.seq_len=1024 --set train.global_batch=4 --set train.lr=1e-3 --set train.min_lr=1e-3
-        --set train.eval_every=150 --set checkpoint.save_every=150 --set checkpoint.restore_data=false --steps 1100)
+COMMON=(--config cpu_tiny --dataset needle --data-path "docs/[EPR]*.md" --set train.log_every=50
+        --set train.warmup=30 --set checkpoint.restore_data=false)
+# seq_len global_batch last_step lr eval/save every
+STAGES=("128 16 800 2e-3 400" "256 16 1100 1e-3 150" "512 8 1400 1e-3 150" "1024 4 1700 1e-3 150")
 
 for seed in ${SEEDS//,/ }; do
   for variant in ${VARIANTS//,/ }; do
@@ -39,20 +43,23 @@ for seed in ${SEEDS//,/ }; do
     esac
     run=$OUT/${variant}_s$seed
     args=("${COMMON[@]}" "${model[@]}" --set train.seed="$seed" --out-dir "$run")
-    start=$(date +%s)
-    $PY -m launch.train "${args[@]}" "${STAGE1[@]}"
-    mid=$(date +%s)
-    $PY -m launch.train "${args[@]}" "${STAGE2[@]}"
-    end=$(date +%s)
+    times=()
+    for stage in "${STAGES[@]}"; do
+      read -r T B last lr every <<<"$stage"
+      t0=$(date +%s)
+      $PY -m launch.train "${args[@]}" --set train.seq_len="$T" --set train.global_batch="$B" --steps "$last" \
+        --set train.lr="$lr" --set train.min_lr="$lr" --set train.eval_every="$every" --set checkpoint.save_every="$every"
+      times+=("T=$T $(($(date +%s) - t0)) s")
+    done
     $PY -m launch.evaluate --ckpt "$run" --suites needle,loss-by-position --lengths 1024,2048,4096 \
       --samples 4 --text README.md docs/NSA.md --out "$run/eval"
-    $PY - "$run/eval/evaluation.json" "$variant" "$seed" "$((mid - start))" "$((end - mid))" >>"$OUT/summary.txt" <<'EOF'
+    $PY - "$run/eval/evaluation.json" "$variant" "$seed" "$(IFS=,; echo "${times[*]}")" >>"$OUT/summary.txt" <<'EOF'
 import json, sys
 res = json.load(open(sys.argv[1]))["needle"]  # accuracy [L][depth]
 by_len = "  ".join(
     f"L={L}: mean {sum(a) / len(a):.2f} min {min(a):.2f}" for L, a in zip(res["lengths"], res["accuracy"])
 )
-print(f"{sys.argv[2]} seed {sys.argv[3]}: stage 1 {sys.argv[4]} s, stage 2 {sys.argv[5]} s | {by_len}")
+print(f"{sys.argv[2]} seed {sys.argv[3]}: {sys.argv[4]} | {by_len}")
 EOF
     tail -n 1 "$OUT/summary.txt"
   done

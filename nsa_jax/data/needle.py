@@ -20,8 +20,9 @@ and its log-probability of the answer measures how sure it is.
 
 `dataset: needle` (NeedleDataset) trains on such rows: the haystack is the text of
 `data.path` (text files, a folder of .txt files or a glob) from a random offset, the
-depth uniform in [0, 1], a new pass key per row; the loss counts the answer targets
-only (`answer_len`, the last targets of every row: nsa_jax/train/step.loss_mask).
+depth uniform in [0, 1], a new pass key per row; the loss counts every target, the
+answer's (`answer_len`, the last targets of every row) weighted by
+data.needle_answer_weight (nsa_jax/train/step.loss_weights).
 """
 
 from __future__ import annotations
