@@ -31,19 +31,48 @@ from nsa_jax.data import make_dataset
 from nsa_jax.model import NSALM
 from nsa_jax.train import step as S
 
-# Names of the layer's modules whose outputs are measured (docs above).
-TENSORS = ("cmp_k", "cmp_v", "k_slc", "v_slc", "k_win", "v_win")
+# The branch tensors measured (docs above): the compressors' outputs, and the selection
+# and window keys and values (the projections of the attention input, before RoPE, which
+# rotates pairs and leaves the RMS as it is).
+COMPRESSED = ("cmp_k", "cmp_v")
+PROJECTED = ("k_slc", "v_slc", "k_win", "v_win")
+TENSORS = COMPRESSED + PROJECTED
 
 
 def tensor_rms(model: NSALM, params, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
-    """RMS of every TENSORS module's output over the batch and all layers (module outputs caught by flax)."""
-    _, state = model.apply({"params": params}, tokens_BxT, capture_intermediates=True, mutable=["intermediates"])
+    """RMS of every TENSORS tensor over the batch and all layers.
+
+    The compressors' outputs are caught by flax; the projections are recomputed from
+    each layer's caught attention input and its kernels (the layer multiplies by all of
+    them at once, layers.fused_dense, so no module returns one alone).
+    """
+    keep = ("attn_norm", *COMPRESSED)
+    _, state = model.apply(
+        {"params": params},
+        tokens_BxT,
+        capture_intermediates=lambda m, method: method == "__call__" and m.name in keep,
+        mutable=["intermediates"],
+    )
     sums: dict[str, list[jax.Array]] = {}
+
+    def add(name, x):
+        x = x.astype(jnp.float32)
+        sums.setdefault(name, []).append(jnp.mean(x * x))
+
     for path, value in flatten_dict(state["intermediates"]).items():
         # Paths end in (..., module name, "__call__"); the value is a one-element tuple.
-        if len(path) >= 2 and path[-1] == "__call__" and path[-2] in TENSORS:
-            x = value[0].astype(jnp.float32)
-            sums.setdefault(path[-2], []).append(jnp.mean(x * x))
+        if path[-1] != "__call__":
+            continue
+        if path[-2] in COMPRESSED:
+            add(path[-2], value[0])
+        elif path[-2] == "attn_norm":  # (block, "attn_norm"): that block's attention input
+            h = value[0].astype(jnp.float32)  # [L, B, T, D] in a layer scan, [B, T, D] per layer
+            attn = params
+            for key in (*path[:-2], "attn"):
+                attn = attn[key]
+            for name in PROJECTED:
+                kernel = attn[name]["kernel"].astype(jnp.float32)
+                add(name, jnp.einsum("...btd,...dn->...btn", h, kernel))
     return {name: jnp.sqrt(jnp.mean(jnp.stack(v))) for name, v in sums.items()}
 
 
