@@ -22,7 +22,7 @@ and its log-probability of the answer measures how sure it is.
 `data.path` (text files, a folder of .txt files or a glob) from a random offset, the
 depth uniform in [0, 1], a new pass key per row; the loss counts every target, the
 answer's (`answer_len`, the last targets of every row) weighted by
-data.needle_answer_weight (nsa_jax/train/step.loss_weights).
+data.needle_answer_weight (needle_answer_mask; nsa_jax/train/step.loss_weights).
 """
 
 from __future__ import annotations
@@ -96,6 +96,17 @@ def answer_mask(row: NeedleRow) -> np.ndarray:
 def answer_len(tokenizer: Any) -> int:
     """Tokens of a pass key: the answer targets at the end of every row."""
     return len(needle_pieces(tokenizer, "9" * PASSKEY_DIGITS)[2])
+
+
+def needle_answer_mask(tokens_BxT1: Any, data_cfg: Any) -> Any:
+    """bool [B, T] (jax): the pass-key targets of `dataset: needle` rows, the last answer_len of every row."""
+    import jax.numpy as jnp
+
+    from nsa_jax.data.tokenizers import make_tokenizer
+
+    T = tokens_BxT1.shape[1] - 1
+    n = answer_len(make_tokenizer(data_cfg))
+    return jnp.broadcast_to(jnp.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
 
 
 class NeedleDataset(GlobalRowStream):

@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
+from nsa_jax.data.needle import needle_answer_mask
 from nsa_jax.model import NSALM, cross_entropy
-from nsa_jax.train.step import kv_answer_mask, loss_weights, needle_answer_mask
+from nsa_jax.train.step import kv_answer_mask, loss_weights
 
 AXIS = "data"
 
@@ -54,7 +55,7 @@ def make_eval_fn(cfg: Config):
             out["correct"] = out["scored"] = jnp.zeros((), jnp.float32)
             return out
         if cfg.data.dataset == "needle":
-            answer_BxT = needle_answer_mask(tokens_BxT1, cfg)
+            answer_BxT = needle_answer_mask(tokens_BxT1, cfg.data)
         else:
             answer_BxT = kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
         hit_BxT = (logits_BxTxV.argmax(-1) == targets_BxT) & answer_BxT

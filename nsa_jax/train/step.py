@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
+from nsa_jax.data.needle import needle_answer_mask
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy
 from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
@@ -126,21 +127,11 @@ def loss_weights(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     needs; the key alone (a handful of targets a row) did not (docs/LONG_CONTEXT.md).
     """
     if cfg.data.dataset == "needle":
-        answer_BxT = needle_answer_mask(tokens_BxT1, cfg)
+        answer_BxT = needle_answer_mask(tokens_BxT1, cfg.data)
         return jnp.where(answer_BxT, jnp.float32(cfg.data.needle_answer_weight), jnp.float32(1.0))
     if cfg.data.dataset != "kv_recall" or not cfg.data.kv_loss_mask:
         return None
     return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
-
-
-def needle_answer_mask(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array:
-    """bool [B, T]: the pass-key targets of `dataset: needle` rows, the last answer_len of every row."""
-    from nsa_jax.data.needle import answer_len
-    from nsa_jax.data.tokenizers import make_tokenizer
-
-    T = tokens_BxT1.shape[1] - 1
-    n = answer_len(make_tokenizer(cfg.data))
-    return jnp.broadcast_to(jnp.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
 
 
 def loss_and_stats(
