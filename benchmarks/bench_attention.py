@@ -287,6 +287,30 @@ def measure(name, module, params, x, ct, backward, opts, free_bytes):
     return out
 
 
+DENSE_VARIANTS = ("xla", "chunked", "cudnn")
+
+
+def dense_choice(text: str | None, gpu: bool) -> list[str]:
+    """The dense baselines `--dense` names (default: xla and chunked, plus cudnn on a GPU)."""
+    if text is None:
+        return ["xla", "chunked"] + (["cudnn"] if gpu else [])
+    if text.strip() == "none":
+        return []
+    chosen = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in DENSE_VARIANTS or (v == "cudnn" and not gpu)]
+    if bad:
+        raise SystemExit(
+            f"error: --dense {bad[0]!r} is not one of {', '.join(DENSE_VARIANTS)} (cudnn needs a GPU) or 'none'"
+        )
+    return chosen
+
+
+def device_peak_bytes() -> int | None:
+    """peak_bytes_in_use of device 0 (None where the backend keeps no such count, as on a CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
 def run(opts) -> tuple[dict, list[dict]]:
     gpu = on_gpu()
     env = print_header("NSA layer vs dense causal attention layer (x[B,T,D] -> [B,T,D])")
@@ -311,6 +335,7 @@ def run(opts) -> tuple[dict, list[dict]]:
         f"(fewer once a program's timed calls pass {opts.max_seconds:g} s); "
         f"dense = fastest of xla (jax.nn.dot_product_attention), chunked (C={opts.dense_chunk})"
         + (" and cudnn (fused flash attention)" if gpu else "")
+        + (f"; timed here: {', '.join(dense_choice(opts.dense, gpu)) or 'none'}" if opts.dense else "")
     )
     if not gpu:
         print("CPU run: absolute times are host-bound and noisy; compare columns within a row.")
@@ -320,18 +345,16 @@ def run(opts) -> tuple[dict, list[dict]]:
 
     init_T = max(2 * a.lp, a.l)  # parameter shapes do not depend on T
     x0 = jnp.zeros((1, init_T, cfg.d_model), jnp.dtype(dtype))
-    layers = {
-        "nsa": NSAAttention(cfg),
-        "dense_xla": DenseAttention(cfg, impl="xla"),
-        "dense_chunked": DenseAttention(cfg, impl="chunked", chunk=opts.dense_chunk),
-    }
-    params = {name: random_params(layers[name], x0, cfg.init_std) for name in ("nsa", "dense_xla")}
-    params["dense_chunked"] = params["dense_xla"]  # same parameter tree
-    dense_variants = ["xla", "chunked"]
-    if gpu:  # on a GPU the strongest dense baseline is cuDNN's fused attention
-        layers["dense_cudnn"] = DenseAttention(cfg, impl="cudnn")
-        params["dense_cudnn"] = params["dense_xla"]
-        dense_variants.append("cudnn")
+    # On a GPU the strongest dense baseline is cuDNN's fused attention.
+    dense_variants = dense_choice(opts.dense, gpu)
+    layers = {"nsa": NSAAttention(cfg)}
+    params = {"nsa": random_params(layers["nsa"], x0, cfg.init_std)}
+    dense_params = None
+    for variant in dense_variants:
+        layers[f"dense_{variant}"] = DenseAttention(cfg, impl=variant, chunk=opts.dense_chunk)
+        if dense_params is None:  # one parameter tree for every dense variant
+            dense_params = random_params(layers[f"dense_{variant}"], x0, cfg.init_std)
+        params[f"dense_{variant}"] = dense_params
 
     rows = []
     for T in seq_lens:
@@ -350,6 +373,9 @@ def run(opts) -> tuple[dict, list[dict]]:
                 row[f"{name}_mem"] = res["mem"]
                 if res["note"]:
                     row[f"{name}_note"] = res["note"]
+            # The device's high-water mark so far in this process (cumulative over rows: run one
+            # T and mode alone, `--dense none`, for the peak of that program).
+            row["device_peak_bytes"] = device_peak_bytes()
             timed = {v: row[f"dense_{v}_ms"] for v in dense_variants if row[f"dense_{v}_ms"] is not None}
             best = min(timed, key=timed.get) if timed else None
             row["dense_best"] = best
@@ -402,27 +428,31 @@ def print_table(rows: list[dict], show_cpu: bool) -> None:
     cpu_head = f" {'cpu d/n':>8}" if show_cpu else ""
     cudnn = any("dense_cudnn_ms" in r for r in rows)
     cudnn_head = f" {'cudnn ms':>9}" if cudnn else ""
+    peak = any(r.get("device_peak_bytes") for r in rows)
+    peak_head = f" {'peak MiB':>9}" if peak else ""
     header = (
         f"{'T':>6} {'mode':<7} {'nsa ms':>9} {'xla ms':>9} {'chunk ms':>9}{cudnn_head} {'dense':>7} {'dense/nsa':>9}"
         f"{cpu_head} "
-        f"{'nsa MiB':>9} {'xla MiB':>9} {'chunk MiB':>9} {'mem d/n':>8}"
+        f"{'nsa MiB':>9} {'xla MiB':>9} {'chunk MiB':>9} {'mem d/n':>8}{peak_head}"
     )
     print_table_header(header)
     for r in rows:
-        mem = lambda name: (r[f"{name}_mem"] or {}).get("total")  # noqa: E731
+        mem = lambda name: (r.get(f"{name}_mem") or {}).get("total")  # noqa: E731
         cpu = f" {fmt(r['cpu_time_ratio_dense_vs_nsa'], '{:7.2f}x', 8)}" if show_cpu else ""
         cudnn_cell = f" {fmt(r.get('dense_cudnn_ms'))}" if cudnn else ""
         print(
-            f"{r['seq']:>6} {r['mode']:<7} {fmt(r['nsa_ms'])} {fmt(r['dense_xla_ms'])} "
-            f"{fmt(r['dense_chunked_ms'])}{cudnn_cell} {r['dense_best'] or '-':>7} "
+            f"{r['seq']:>6} {r['mode']:<7} {fmt(r['nsa_ms'])} {fmt(r.get('dense_xla_ms'))} "
+            f"{fmt(r.get('dense_chunked_ms'))}{cudnn_cell} {r['dense_best'] or '-':>7} "
             f"{fmt(r['speedup_nsa_vs_dense'], '{:8.2f}x')}{cpu} {fmt_mib(mem('nsa'))} {fmt_mib(mem('dense_xla'))} "
             f"{fmt_mib(mem('dense_chunked'))} {fmt(r['mem_ratio_dense_vs_nsa'], '{:7.2f}x', 8)}"
+            + (f" {fmt_mib(r.get('device_peak_bytes'))}" if peak else "")
         )
     print(
         "ms = median wall time; dense = the fastest dense variant (xla | chunked | cudnn); dense/nsa > 1: NSA is faster"
         + ("; cpu d/n = the same ratio in process CPU time (less sensitive to other jobs)" if show_cpu else "")
         + ".\nMiB = compiled memory (argument + output + temp - alias), not a measured peak; "
         "mem d/n = dense (winner) / NSA."
+        + ("\npeak MiB = the device's measured high-water mark so far in this process (cumulative)." if peak else "")
     )
     notes = sorted({(k[: -len("_note")], r["seq"], r["mode"], r[k]) for r in rows for k in r if k.endswith("_note")})
     for name, T, mode, note in notes:
@@ -494,6 +524,12 @@ def main(argv=None) -> None:
         help="stop timing a program once its timed calls add up to this (at least one call)",
     )
     parser.add_argument("--dense-chunk", type=int, default=512, help="query/key chunk of the chunked dense baseline")
+    parser.add_argument(
+        "--dense",
+        default=None,
+        help="comma-separated dense baselines to time, of xla, chunked, cudnn (GPU only); 'none' times NSA alone "
+        "(default: all that run here)",
+    )
     parser.add_argument("--plot", default=None, help="write a time / memory plot to this PNG (needs matplotlib)")
     opts = parser.parse_args(argv)
     meta, rows = run(opts)

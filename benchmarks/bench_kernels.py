@@ -181,8 +181,19 @@ def main(argv=None):
         default=None,
         help="largest T for dense attention (default: 65536 with cuDNN on a GPU, 16384 elsewhere: T x T memory)",
     )
+    parser.add_argument(
+        "--impls",
+        default=None,
+        help="comma-separated implementations to time, of pallas, blocksparse, xla, dense (default: all); "
+        "e.g. pallas,blocksparse,dense leaves out the XLA selection backward, which takes seconds at 64k",
+    )
     parser.add_argument("--json", type=str, default=None, help="write the results to this JSON file")
     opts = parser.parse_args(argv)
+    known = ("pallas", "blocksparse", "xla", "dense")
+    chosen = None if opts.impls is None else [i.strip() for i in opts.impls.split(",") if i.strip()]
+    bad = [i for i in chosen or () if i not in known]
+    if bad or chosen == []:
+        raise SystemExit(f"error: --impls {opts.impls!r}: name one or more of {', '.join(known)}")
 
     blocksparse_sizes = parse_block_sizes(opts.blocksparse_block_sizes)
     gpu = on_gpu()
@@ -223,6 +234,7 @@ def main(argv=None):
         cmp_args = (q, k[:, :tc], v[:, :tc], idx)
         for branch in branches:
             impls = candidates(branch, positions=opts.selection_positions, blocksparse_sizes=blocksparse_sizes)
+            impls = {name: fn for name, fn in impls.items() if chosen is None or name in chosen}
             for mode in modes:
                 row = dict(seq=seq, branch=branch, mode=mode)
                 for name, fn in impls.items():

@@ -77,6 +77,9 @@ def bench(name: str, overrides: list[str], steps: int) -> dict:
         "config": name,
         "dtype": cfg.model.dtype,
         "params": parameter_counts(cfg.model)["total"],
+        "global_batch": B,
+        "accumulate": A,
+        "devices": len(jax.devices()),
         "tokens_per_step": A * B * T,
         "compile_and_first_step_s": first_s,
         "step_s": step_s,
@@ -92,24 +95,42 @@ def main() -> None:
     ap.add_argument("--configs", default="cpu_tiny")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the first")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument(
+        "--global-batches",
+        default=None,
+        help="comma-separated train.global_batch values, one row each per config (default: the config's)",
+    )
     ap.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     dev = jax.devices()[0]
     print(f"backend {jax.default_backend()} | {len(jax.devices())} x {dev.device_kind}")
-    rows = [bench(name, args.overrides, args.steps) for name in args.configs.split(",")]
+    batches = [None] if not args.global_batches else [int(b) for b in args.global_batches.split(",") if b]
+    rows = []
+    for name in args.configs.split(","):
+        for batch in batches:
+            extra = [] if batch is None else [f"train.global_batch={batch}"]
+            r = bench(name, [*args.overrides, *extra], args.steps)
+            print(
+                f"  {name} batch {r['global_batch']}x{r['accumulate']}: compile + first step "
+                f"{r['compile_and_first_step_s']:.1f} s, step {1e3 * r['step_s']:.1f} ms, "
+                f"{r['tokens_per_s']:,.0f} tok/s",
+                flush=True,
+            )
+            rows.append(r)
     peaks = {dt: matmul_peak(dt, args.peak_n) for dt in sorted({r["dtype"] for r in rows})}
     print(f"matmul peak ({args.peak_n}^3): " + ", ".join(f"{dt} {p / 1e9:.1f} GFLOP/s" for dt, p in peaks.items()))
     print(
-        f"{'config':<12} {'params':>11} {'tok/step':>9} {'step s':>8} {'tok/s':>10} {'GFLOP/tok':>10} "
+        f"{'config':<12} {'params':>11} {'batch':>9} {'tok/step':>9} {'step s':>8} {'tok/s':>10} {'GFLOP/tok':>10} "
         f"{'attn %':>7} {'GFLOP/s':>9} {'MFU':>7}"
     )
     for r in rows:
         r["peak_flops"] = peaks[r["dtype"]]
         r["mfu"] = r["achieved_flops"] / r["peak_flops"]
         print(
-            f"{r['config']:<12} {r['params']:>11,} {r['tokens_per_step']:>9} {r['step_s']:>8.3f} "
+            f"{r['config']:<12} {r['params']:>11,} {str(r['global_batch']) + 'x' + str(r['accumulate']):>9} "
+            f"{r['tokens_per_step']:>9} {r['step_s']:>8.3f} "
             f"{r['tokens_per_s']:>10,.0f} {r['flops_per_token'] / 1e9:>10.4f} {100 * r['attention_share']:>6.1f}% "
             f"{r['achieved_flops'] / 1e9:>9.1f} {100 * r['mfu']:>6.1f}%"
         )

@@ -22,11 +22,22 @@
 #   smoke      python -m launch.train --config a100_pcie for a few steps, then resumed from its
 #              checkpoint (artifacts in OUT_DIR/run)
 #   profile    python -m benchmarks.profile_step: where one NSA layer's fwd+bwd time goes (T=PROFILE_SEQ_LEN)
+#   stepprof   python -m benchmarks.profile_step on the a100_pcie train step (PROFILE_BATCH rows,
+#              default the config's): kernels by name and time
+#   peak       the NSA layer alone at T=PEAK_SEQ_LEN (default 65536), forward then fwd+bwd, in
+#              its own process: the device's measured high-water mark beside the compiled memory
 #   kv         python -m benchmarks.kv_recall_ablation: NSA vs NSA without selection (KV_ARGS adds flags)
 #
 # Each part has its own time limit (seconds, PART_TIMEOUT_<part>), writes OUT_DIR/<part>.log
 # (and .json where the benchmark has one) and a line to OUT_DIR/summary.txt; a failing
 # part does not stop the others. PYTHON picks the interpreter (default python3).
+#
+# Extra flags by part: TEST_ARGS (pytest, e.g. "-n 8 --timeout 60"; default -x), KERNEL_ARGS
+# (kernels, selection, shortseq; e.g. "--impls pallas,blocksparse,dense"), ATTN_ARGS (attention,
+# e.g. "--dense cudnn"), TRAIN_BATCHES (train: comma-separated global batches, one row each).
+# DEADLINE=S: no part starts after S seconds and each part's limit is cut to what is left
+# (for a machine lent by the minute). ARCHIVE=FILE.tgz: OUT_DIR is packed into FILE after every
+# part, so what finished survives a run stopped from outside.
 set -uo pipefail
 
 out=${1:?usage: bash benchmarks/gpu_validate.sh OUT_DIR [PART ...]}
@@ -40,11 +51,26 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 # Leave memory to the benchmarks' own probes of what is free.
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 
+deadline=${DEADLINE:-0}
+
+pack() {
+    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE.tmp" -C "$(dirname "$out")" "$(basename "$out")" && mv "$ARCHIVE.tmp" "$ARCHIVE"
+    return 0
+}
+
 run_part() {
     local name=$1 limit=$2
     shift 2
     local var="PART_TIMEOUT_$name"
     limit=${!var:-$limit}
+    if [ "$deadline" -gt 0 ]; then
+        local left=$((deadline - SECONDS))
+        if [ "$left" -lt 20 ]; then
+            echo "$name skipped: ${left}s left before DEADLINE=$deadline" | tee -a "$out/summary.txt"
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     local t0=$SECONDS
     echo "== $name (limit ${limit}s): $*"
     timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -52,6 +78,7 @@ run_part() {
     local line="$name rc=$rc $((SECONDS - t0))s"
     echo "$line" | tee -a "$out/summary.txt"
     tail -n "${TAIL_LINES:-25}" "$out/$name.log"
+    pack
 }
 
 for part in "${parts[@]}"; do
@@ -63,17 +90,20 @@ print(sys.version); print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version
 $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboard|triton|numpy|pytest)'"
         ;;
     tests)
-        run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_kernels_pallas.py \
+        # shellcheck disable=SC2086
+        run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider ${TEST_ARGS:--x} tests/test_kernels_pallas.py \
             tests/test_pallas_model.py tests/test_nsa_layer.py tests/test_block_scores.py tests/test_blocksparse.py \
             -k "not lowers"
         ;;
     kernels)
-        run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward \
+        # shellcheck disable=SC2086
+        run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward ${KERNEL_ARGS:-} \
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
     selection)
         for positions in 1 2; do
-            run_part "selection_p$positions" 420 "$PY" -m benchmarks.bench_kernels --backward \
+            # shellcheck disable=SC2086
+            run_part "selection_p$positions" 420 "$PY" -m benchmarks.bench_kernels --backward ${KERNEL_ARGS:-} \
                 --branches selection --selection-positions "$positions" \
                 --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/selection_p$positions.json"
         done
@@ -81,12 +111,15 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
     shortseq)
         for splits in 1 2 default; do
             sizes=(); [ "$splits" != default ] && sizes=(--blocksparse-block-sizes "dkv_splits=$splits")
-            run_part "shortseq_s$splits" 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection \
+            # shellcheck disable=SC2086
+            run_part "shortseq_s$splits" 420 "$PY" -m benchmarks.bench_kernels --backward ${KERNEL_ARGS:-} \
+                --branches selection \
                 --seq-lens "${SHORT_SEQ_LENS:-2048,4096,8192}" "${sizes[@]}" --json "$out/shortseq_s$splits.json"
         done
         ;;
     attention)
-        run_part attention 540 "$PY" -m benchmarks.bench_attention --backward \
+        # shellcheck disable=SC2086
+        run_part attention 540 "$PY" -m benchmarks.bench_attention --backward ${ATTN_ARGS:-} \
             --seq-lens "${ATTN_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/attention.json"
         ;;
     layer)
@@ -95,8 +128,9 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             --seq-lens ${LAYER_SEQ_LENS:-32768,65536} --json $out/layer.json"
         ;;
     train)
+        batches=(); [ -n "${TRAIN_BATCHES:-}" ] && batches=(--global-batches "$TRAIN_BATCHES")
         run_part train 420 "$PY" -m benchmarks.bench_train --configs a100_pcie --steps 5 \
-            --peak-n 8192 --json "$out/train.json"
+            --peak-n 8192 "${batches[@]}" --json "$out/train.json"
         ;;
     smoke)
         # A fresh run that saves at step 10 and 20, then the same command with more steps:
@@ -112,12 +146,21 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             --set model.dtype=bfloat16 --seq-len "${PROFILE_SEQ_LEN:-32768}" --steps 2 --top 20 \
             --json "$out/profile.json"
         ;;
+    stepprof)
+        rows=(); [ -n "${PROFILE_BATCH:-}" ] && rows=(--set "train.global_batch=$PROFILE_BATCH")
+        run_part stepprof 300 "$PY" -m benchmarks.profile_step --config a100_pcie "${rows[@]}" --steps 2 \
+            --top 25 --json "$out/stepprof.json"
+        ;;
+    peak)
+        run_part peak 300 "$PY" -m benchmarks.bench_attention --backward --dense none \
+            --seq-lens "${PEAK_SEQ_LEN:-65536}" --iters 1 --json "$out/peak.json"
+        ;;
     kv)
         # shellcheck disable=SC2086
         run_part kv 540 "$PY" -m benchmarks.kv_recall_ablation --json "$out/kv.json" ${KV_ARGS:-}
         ;;
     *)
-        echo "unknown part: $part (env tests kernels selection attention layer train smoke profile kv)" >&2
+        echo "unknown part: $part (env tests kernels selection shortseq attention layer train smoke profile stepprof peak kv)" >&2
         exit 2
         ;;
     esac
