@@ -132,27 +132,62 @@ def device_pids(events: list[dict]) -> set:
     }
 
 
+def kernel_info(kernel: str) -> dict[str, str]:
+    """What a device kernel no instruction claims is, from its CUDA name alone."""
+    name = kernel.lower()
+    if name.startswith("nsa_"):
+        kind = "pallas"
+    elif any(k in name for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        kind = "matmul"
+    elif any(k in name for k in ("scatter", "gather")):
+        kind = "gather/scatter"
+    elif any(k in name for k in ("memcpy", "memset", "concatenate", "transpose", "copy")):
+        kind = "transpose/copy"
+    elif "reduce" in name:
+        kind = "reduce"
+    elif "fusion" in name:
+        kind = "elementwise"
+    else:
+        kind = "kernel"
+    return {"op_name": "", "source": "", "opcode": "kernel", "kind": kind}
+
+
 def instruction_times(events: list[dict], sources: dict) -> tuple[collections.Counter, collections.Counter, str]:
     """(ms per HLO instruction, calls per instruction, where the time was read) from trace events.
 
     On a GPU the time that counts is the kernels' on the device tracks; a kernel's
     event is named after the CUDA/Triton kernel, and its `hlo_op` argument names the
     instruction that launched it (several kernels may share one). The host tracks
-    then carry only the launch of each thunk, so they are ignored. On the CPU the
-    instruction events themselves, named after the instruction, are the work.
+    then carry only the launch of each thunk, so they are ignored. Where XLA replays
+    a stretch of the program as one CUDA graph (a command buffer, the default from
+    jax 0.11) every kernel in it carries the command buffer as its `hlo_op`; such a
+    kernel is matched to the fusion it is named after (XLA names a fusion's kernel
+    after the instruction, '.' -> '_'), and where none matches (cuBLAS, Pallas) it is
+    counted under its own name as `kernel:<name>`. On the CPU the instruction events
+    themselves, named after the instruction, are the work.
     """
     per_instr, calls = collections.Counter(), collections.Counter()
     devices = device_pids(events)
+    by_kernel_name = {re.sub(r"[.\-]", "_", n): n for n in sources}
     for e in events:
         if e.get("ph") != "X":
             continue
+        kernel = e.get("name")
         if devices:
             if e.get("pid") not in devices:
                 continue
-            name = (e.get("args") or {}).get("hlo_op", e.get("name"))
+            hlo_op = (e.get("args") or {}).get("hlo_op")
+            if hlo_op is None:  # no instruction launched it (a driver copy, say)
+                continue
+            if hlo_op in sources:
+                name = hlo_op
+            elif kernel in sources or by_kernel_name.get(kernel) in sources:
+                name = kernel if kernel in sources else by_kernel_name[kernel]
+            else:
+                name = f"kernel:{kernel}"
         else:
-            name = e.get("name")
-        if name in sources and sources[name]["opcode"] not in CONTAINERS:
+            name = kernel
+        if name.startswith("kernel:") or (name in sources and sources[name]["opcode"] not in CONTAINERS):
             per_instr[name] += float(e.get("dur", 0.0)) / 1e3  # us -> ms
             calls[name] += 1
     return per_instr, calls, "device kernels" if devices else "host instruction events"
@@ -166,13 +201,18 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
         for _ in range(steps):
             run_once()
     wall_s = (time.perf_counter() - t0) / steps
-    per_instr, calls, read_from = instruction_times(trace_events(trace_dir), sources)
+    return summarise(trace_events(trace_dir), sources, steps, wall_s)
+
+
+def summarise(events: list[dict], sources: dict, steps: int, wall_s: float | None) -> dict:
+    """Per-instruction (or per-kernel) totals per step, by part and by kind, from trace events."""
+    per_instr, calls, read_from = instruction_times(events, sources)
     if not per_instr:
         raise SystemExit("error: the trace has no XLA instruction events; this jax/XLA build does not emit them")
     total = sum(per_instr.values())
     rows = []
     for name, ms in per_instr.most_common():
-        info = sources[name]
+        info = sources.get(name) or kernel_info(name.removeprefix("kernel:"))
         rows.append(
             {
                 "instruction": name,
@@ -182,7 +222,7 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
                 "op_name": info["op_name"],
                 "source": info["source"],
                 "kind": info["kind"],
-                "part": part_of(info["op_name"]),
+                "part": part_of(info["op_name"] or name),
             }
         )
     per_step = total / steps
@@ -195,7 +235,7 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
 
     return {
         "read_from": read_from,
-        "wall_ms_per_step": 1e3 * wall_s,
+        "wall_ms_per_step": None if wall_s is None else 1e3 * wall_s,
         "op_ms_per_step": per_step,
         "rows": rows,
         "parts": summed("part"),
@@ -263,34 +303,47 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="traced calls (after one untimed call)")
     ap.add_argument("--top", type=int, default=12, help="instructions to list")
     ap.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temporary folder)")
+    ap.add_argument(
+        "--read-trace",
+        default=None,
+        metavar="DIR",
+        help="summarise the device kernels of a trace written earlier (by this script's --trace-dir, on any "
+        "machine) by kernel name, without compiling or running anything; --steps = the calls it traced",
+    )
     opts = ap.parse_args(argv)
     if opts.steps < 1:
         ap.error("--steps must be >= 1")
 
     env = print_header("profile: time per XLA instruction from a jax.profiler trace")
-    cfg = load_config(opts.config, opts.set)
-    if opts.layer:
-        compiled, run_once, what = layer_program(cfg, opts.seq_len or cfg.train.seq_len, opts.backward)
+    if opts.read_trace:
+        trace_dir = pathlib.Path(opts.read_trace)
+        if not trace_dir.is_dir():
+            raise SystemExit(f"error: --read-trace {trace_dir}: no such folder; give the --trace-dir of a profile run")
+        res = summarise(trace_events(trace_dir), {}, opts.steps, None)
+        source, what, impl = "trace", f"the kernels under {trace_dir}", "as traced"
     else:
-        compiled, run_once, what = train_step_program(cfg)
-    run_once()  # warm: first-call allocations stay out of the trace
-    trace_dir = pathlib.Path(opts.trace_dir or tempfile.mkdtemp(prefix="nsa_profile_"))
-    res = profile(run_once, compiled.as_text(), opts.steps, trace_dir)
+        cfg = load_config(opts.config, opts.set)
+        if opts.layer:
+            compiled, run_once, what = layer_program(cfg, opts.seq_len or cfg.train.seq_len, opts.backward)
+        else:
+            compiled, run_once, what = train_step_program(cfg)
+        run_once()  # warm: first-call allocations stay out of the trace
+        trace_dir = pathlib.Path(opts.trace_dir or tempfile.mkdtemp(prefix="nsa_profile_"))
+        res = profile(run_once, compiled.as_text(), opts.steps, trace_dir)
+        source, impl = opts.config, cfg.model.nsa.attention_impl
 
-    print(f"{opts.config}, {what}, attention_impl {cfg.model.nsa.attention_impl}, {opts.steps} traced calls")
-    print(
-        f"wall {res['wall_ms_per_step']:.1f} ms per call (traced); summed op time {res['op_ms_per_step']:.1f} ms "
-        f"({res['read_from']})"
-    )
+    wall = "-" if res["wall_ms_per_step"] is None else f"{res['wall_ms_per_step']:.1f}"
+    print(f"{source}, {what}, attention_impl {impl}, {opts.steps} traced calls")
+    print(f"wall {wall} ms per call (traced); summed op time {res['op_ms_per_step']:.1f} ms ({res['read_from']})")
     for key in ("part", "kind"):
         print(f"\n{'by ' + key:<16} {'op ms':>9} {'share':>6}")
         for p in res[key + "s"]:
             print(f"{p[key]:<16} {p['ms_per_step']:>9.1f} {100 * p['share']:>5.1f}%")
-    print(f"\n{'op ms':>9} {'share':>6} {'calls':>6}  {'instruction':<24} {'kind':<14} {'part':<12} source / JAX op")
+    print(f"\n{'op ms':>9} {'share':>6} {'calls':>6}  {'instruction':<40} {'kind':<14} {'part':<12} source / JAX op")
     for r in res["rows"][: opts.top]:
         print(
             f"{r['ms_per_step']:>9.1f} {100 * r['share']:>5.1f}% {r['calls_per_step']:>6.0f}  "
-            f"{r['instruction'][:24]:<24} {r['kind']:<14} {r['part']:<12} {r['source']}  "
+            f"{r['instruction'][:40]:<40} {r['kind']:<14} {r['part']:<12} {r['source']}  "
             f"{short_op(r['op_name'], 70)}"
         )
     print(f"\ntrace: {trace_dir}")
