@@ -28,8 +28,9 @@ Compilation cache: jax's persistent cache in ~/.cache/nsa_jax/jax_compilation_ca
 resumed or repeated run does not compile again; --compile-cache DIR|off or NSA_COMPILE_CACHE.
 SIGTERM finishes the step in flight, saves a checkpoint and exits with status 0.
 Exit status: 0 done (or halted by .HALT), 1 crash or NaN halt, 2 bad input / unusable out
-dir / a batch that cannot fit in memory, 74 a checkpoint save failed (disk full, permission;
-the last committed checkpoint is kept), 75 the stall watchdog ended a hung process.
+dir / a batch that cannot fit in memory, 74 a checkpoint save or a run file (training.csv,
+val.csv, env.json) write failed (disk full, permission; the last committed checkpoint is
+kept, and the same command resumes from it), 75 the stall watchdog ended a hung process.
 File datasets: the model's vocabulary follows the tokenizer. When model.vocab_size is
 smaller than the tokenizer's vocabulary it is raised to that size rounded up to a
 multiple of 64 (the byte tokenizer's 258 ids -> 320), with a printed note.
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except WontFitError as e:
         print(f"error: {e}", file=sys.stderr)
         return rf.EXIT_USAGE
-    if summary.get("halted") == "checkpoint_failed":
+    if summary.get("halted") in ("checkpoint_failed", "output_failed"):
         print(f"error: {summary['error']}", file=sys.stderr)
         return rf.EXIT_CHECKPOINT_FAILED
     return rf.EXIT_FAILED if summary.get("halted") in ("nan_loss", "nan_grad") else rf.EXIT_OK

@@ -293,6 +293,7 @@ EVENTS = {
     "checkpoint_start": "a checkpoint save started (save_s: how long the loop was blocked)",
     "checkpoint": "a checkpoint step was committed on disk (msg: its path)",
     "checkpoint_failed": "a checkpoint save failed (msg: the cause); the run stops",
+    "output_failed": "a run file (training.csv, val.csv, env.json) could not be written (path); the run stops",
     "selection_top_n": "the dense selection (train.dense_selection_steps) is over: top-n from this step",
     "branch_scale": "compressed keys or values first above CMP_SCALE_WARN x the selection branch's (ratio, layer)",
     "anomaly": "a non-finite loss or gradient (anomaly_type)",
@@ -301,7 +302,7 @@ EVENTS = {
     "done": "the run ended normally or by a halt (summary fields)",
     "crash": "the trainer raised (msg: the error)",
 }
-ANOMALY_EVENTS = ("anomaly", "halt", "watchdog_dump", "loader_timeout", "checkpoint_failed")
+ANOMALY_EVENTS = ("anomaly", "halt", "watchdog_dump", "loader_timeout", "checkpoint_failed", "output_failed")
 
 # ---------------------------------------------------------------------------
 # exit codes of launch.train (launch.watchdog: 0 ended cleanly, 1 anomaly, 2 usage)
@@ -309,5 +310,6 @@ ANOMALY_EVENTS = ("anomaly", "halt", "watchdog_dump", "loader_timeout", "checkpo
 EXIT_OK = 0
 EXIT_FAILED = 1  # a crash, or a halt on a non-finite loss or gradient
 EXIT_USAGE = 2  # bad input, an unusable out_dir, a batch that cannot fit: nothing was trained
-EXIT_CHECKPOINT_FAILED = 74  # EX_IOERR: a checkpoint save failed (disk full, permission); the last committed one stays
+EXIT_CHECKPOINT_FAILED = 74  # EX_IOERR: a checkpoint save or a run file write failed (disk full, permission);
+# the last committed checkpoint stays
 EXIT_STALL = 75  # EX_TEMPFAIL: the stall watchdog ended a hung process; worth a restart

@@ -66,6 +66,8 @@ EXACT = (
 #                   file of it is written but the directory still has its temporary name
 #   enospc:         the commit of step CKPT_TEST_AT fails in orbax's background thread with
 #                   OSError(ENOSPC), as on a full disk
+#   csv_enospc:     training.csv's row of step CKPT_TEST_AT fails with OSError(ENOSPC), as on a
+#                   disk that fills between two checkpoint saves
 DRIVER = r"""
 import asyncio, os, signal, sys
 mode, at = os.environ.get("CKPT_TEST_MODE", ""), int(os.environ.get("CKPT_TEST_AT", "0"))
@@ -89,6 +91,15 @@ elif mode == "enospc":
             raise OSError(errno.ENOSPC, "No space left on device", str(self.get()))
         return await finalize(self)
     atomicity.AtomicRenameTemporaryPath.finalize = _finalize
+elif mode == "csv_enospc":
+    import errno
+    from nsa_jax import runfiles
+    write = runfiles.CsvWriter.write
+    def _write(self, row):
+        if self.path.name == "training.csv" and row.get("step") == at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, row)
+    runfiles.CsvWriter.write = _write
 from launch.train import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -361,6 +372,33 @@ def test_failed_background_save_stops_the_run_and_keeps_the_last_checkpoint(env,
     # Found at the next step or the next save at the latest: no step past 6 ran.
     assert max(int(row["step"]) for row in rows(out)) <= 6
     # The same command resumes from the last committed step and ends where the straight run does.
+    again = env["train"](out)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resume: step 2 from" in again.stdout
+    assert exact(rows(out)) == exact(rows(reference))
+
+
+@pytest.mark.slow
+def test_a_run_file_the_full_disk_refuses_stops_the_run_like_a_failed_save(env, reference, tmp_path):
+    """The disk fills between two saves: training.csv's row of step 3 is refused (ENOSPC).
+
+    The run stops at once with one error line and exit 74 (no traceback, no save on the
+    way out), the committed checkpoint stays, and the same command resumes from it and
+    ends where the straight run does.
+    """
+    out = tmp_path / "full_between_saves"
+    r = env["train"](out, mode="csv_enospc", at=3)
+    assert r.returncode == 74, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: training.csv could not be written: disk full"), lines
+    assert "newest committed checkpoint is step 2" in lines[0] and "run the same command to resume" in lines[0]
+    assert C.complete_steps(C.checkpoint_dir(out)) == [2]
+    assert max(int(row["step"]) for row in rows(out)) == 2  # no row after the refused one
+    beats = [json.loads(line) for line in (out / "heartbeat_rank0.jsonl").read_text().splitlines()]
+    failed = [b for b in beats if b["event"] == "output_failed"]
+    assert len(failed) == 1 and failed[0]["path"].endswith("training.csv") and failed[0]["committed_step"] == 2
+    assert beats[-1]["event"] == "done" and beats[-1]["halted"] == "output_failed"
     again = env["train"](out)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resume: step 2 from" in again.stdout

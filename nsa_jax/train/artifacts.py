@@ -24,6 +24,7 @@ NSA_DISABLE_CSV_LOGS and NSA_DISABLE_AUX_STATS onto those keys).
 from __future__ import annotations
 
 import datetime
+import errno
 import importlib.metadata
 import json
 import math
@@ -34,7 +35,7 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -238,10 +239,6 @@ class TbLog:
 
         self.w = SummaryWriter(logdir=str(logdir), flush_secs=30)
 
-    def long_eval_row(self, row: dict[str, Any]) -> None:
-        if self.long_csv is not None:
-            self.long_csv.write(row)
-
     def scalars(self, step: int, values: dict[str, Any]) -> None:
         for k, v in values.items():
             if v is not None and math.isfinite(float(v)):
@@ -258,8 +255,25 @@ def _json_default(v: Any):
         return str(v)
 
 
+class OutputWriteError(OSError):
+    """A run file (training.csv, val.csv, long_eval.csv, env.json) could not be written."""
+
+    def __init__(self, path: pathlib.Path, cause: OSError):
+        what = "disk full" if cause.errno == errno.ENOSPC else (cause.strerror or type(cause).__name__)
+        super().__init__(cause.errno, f"{path.name} could not be written: {what}")
+        self.path, self.cause = path, cause
+
+
 class RunArtifacts:
-    """The writers of one process, each present only when enabled for it."""
+    """The writers of one process, each present only when enabled for it.
+
+    A write the filesystem refuses (most often a full disk between two checkpoint saves)
+    does not raise: it is kept in `failed` (the first one), later CSV rows and env.json
+    rewrites are skipped, and the loop stops at its next check as on a failed save
+    (launch.train exits 74; the committed checkpoints stay and the same command resumes).
+    The heartbeat drops a refused line instead: it reports the stop. Closing never
+    raises for a line the full disk refused.
+    """
 
     def __init__(
         self,
@@ -274,10 +288,13 @@ class RunArtifacts:
         lead = self.rank == 0
         self.out.mkdir(parents=True, exist_ok=True)
         log = cfg.logging
+        self.failed: OutputWriteError | None = None
         self.env_path = self.out / rf.ENV_JSON
         self.env = env_info(cfg, mesh, applied_env) if log.env_json and lead else None
         if self.env is not None:
             self.write_env()
+            if self.failed is not None:  # at boot nothing is lost: say it as the boot's error
+                raise self.failed
         self.hb = Heartbeat(self.out / rf.heartbeat_name(self.rank), self.rank) if log.heartbeat else None
         self.csv = CsvLog(self.out / rf.TRAINING_CSV, csv_columns(cfg), resume_step) if log.csv and lead else None
         self.val_csv = CsvLog(self.out / rf.VAL_CSV, rf.VAL_COLUMNS, resume_step) if log.csv and lead else None
@@ -293,8 +310,24 @@ class RunArtifacts:
             return
         self.env.update(sections)
         tmp = self.env_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.env, indent=2, default=_json_default) + "\n")
-        os.replace(tmp, self.env_path)
+
+        def write() -> None:
+            try:
+                tmp.write_text(json.dumps(self.env, indent=2, default=_json_default) + "\n")
+                os.replace(tmp, self.env_path)
+            except OSError:
+                tmp.unlink(missing_ok=True)  # a partial temporary file; env.json itself is untouched
+                raise
+
+        self._write(self.env_path, write)
+
+    def _write(self, path: pathlib.Path, write: Callable[[], None]) -> None:
+        if self.failed is not None:
+            return
+        try:
+            write()
+        except OSError as e:
+            self.failed = OutputWriteError(path, e)
 
     def event(self, event: str, step: int, msg: str = "", **fields: Any) -> None:
         if self.hb is not None:
@@ -302,15 +335,15 @@ class RunArtifacts:
 
     def row(self, row: dict[str, Any]) -> None:
         if self.csv is not None:
-            self.csv.write(row)
+            self._write(self.csv.path, lambda: self.csv.write(row))
 
     def val_row(self, row: dict[str, Any]) -> None:
         if self.val_csv is not None:
-            self.val_csv.write(row)
+            self._write(self.val_csv.path, lambda: self.val_csv.write(row))
 
     def long_eval_row(self, row: dict[str, Any]) -> None:
         if self.long_csv is not None:
-            self.long_csv.write(row)
+            self._write(self.long_csv.path, lambda: self.long_csv.write(row))
 
     def scalars(self, step: int, values: dict[str, Any]) -> None:
         if self.tb is not None:
@@ -319,4 +352,7 @@ class RunArtifacts:
     def close(self) -> None:
         for w in (self.hb, self.csv, self.val_csv, self.long_csv, self.tb):
             if w is not None:
-                w.close()
+                try:
+                    w.close()
+                except OSError:  # the flush of a row the full disk refused, already in `failed`
+                    pass

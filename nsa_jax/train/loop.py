@@ -373,6 +373,8 @@ class Trainer:
                     self.say(f"halt: {self.out / HALT_FILE} found before step {step}")
                     self.art.event("halt", step - 1, ".HALT file found")
                     break
+                if self._outputs_failed(step):
+                    break
                 if self._preempt.stop_requested():
                     self.summary["halted"] = "sigterm"
                     self.say(f"preempted: SIGTERM received; stopping after step {step - 1} and saving a checkpoint")
@@ -398,11 +400,15 @@ class Trainer:
                     ok, pending = self._record(pending), None
                     if not ok:
                         break
-                    if save and not self._checkpoint():
+                    # A refused row must not be followed by a save of its step: training.csv never
+                    # lacks a saved step (a resume keeps the rows up to the checkpoint).
+                    if save and (self._outputs_failed(None) or not self._checkpoint()):
                         break
             if pending is not None:
                 self._record(pending)
-            if self.summary["halted"] not in ("nan_loss", "nan_grad", "checkpoint_failed"):
+            if self.summary["halted"] is None:
+                self._outputs_failed(None)  # a row of the last steps refused: no final save either
+            if self.summary["halted"] not in ("nan_loss", "nan_grad", "checkpoint_failed", "output_failed"):
                 if self._checkpoint():
                     self._poll_checkpoint(block=True)
         except BaseException as e:
@@ -485,6 +491,37 @@ class Trainer:
         msg = f"{e}; {keep}; stopping (fix the cause and run the same command to resume)"
         self.summary.update(halted="checkpoint_failed", error=msg)
         self.art.event("checkpoint_failed", e.step, msg, cause=e.cause, committed_step=last)
+
+    def _outputs_failed(self, step: int | None) -> bool:
+        """True (and the run stops, with an `output_failed` event) once a run file could not be written.
+
+        No save on the way out: the disk that refused a CSV row would most likely refuse the
+        checkpoint too, and a failed save adds nothing to the committed ones. With several
+        processes (only process 0 writes the CSVs) all agree at log intervals, as for .HALT.
+        """
+        failed = self.art.failed
+        if jax.process_count() > 1:  # step None: before a save or after the last step, where every process checks
+            if (step is not None and step % self.cfg.train.log_every) or not agree_any(failed is not None):
+                return False
+        elif failed is None:
+            return False
+        try:
+            self.ckpt.poll(block=True, agree=False)  # a save in flight commits before the message names the newest
+        except ckpt.CheckpointSaveError:
+            pass  # it failed too; the committed one below stays the newest
+        last = self.ckpt.committed
+        keep = f"the newest committed checkpoint is step {last}" if last is not None else "no checkpoint was committed"
+        what = failed.strerror if failed is not None else "process 0 could not write its run files"
+        msg = f"{what}; {keep}; stopping (free space and run the same command to resume)"
+        self.summary.update(halted="output_failed", error=msg)
+        self.art.event(
+            "output_failed",
+            self.summary["steps_done"],
+            msg,
+            path=str(failed.path) if failed else None,
+            committed_step=last,
+        )
+        return True
 
     def _check_branch_scale(self, step: int, m: dict[str, Any]) -> None:
         """Warn once when the compressed keys or values outgrow the selection branch's."""
