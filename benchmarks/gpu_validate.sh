@@ -23,7 +23,8 @@
 #              checkpoint (artifacts in OUT_DIR/run)
 #   profile    python -m benchmarks.profile_step: where one NSA layer's fwd+bwd time goes (T=PROFILE_SEQ_LEN)
 #   stepprof   python -m benchmarks.profile_step on the a100_pcie train step (PROFILE_BATCH rows,
-#              default the config's): kernels by name and time
+#              default the config's): kernels by name and time. The profile parts keep their traces
+#              in OUT_DIR (<part>_trace): `profile_step --read-trace` reads them on any machine
 #   peak       the NSA layer alone at T=PEAK_SEQ_LEN (default 65536), forward then fwd+bwd, in
 #              its own process: the device's measured high-water mark beside the compiled memory
 #   kv         python -m benchmarks.kv_recall_ablation: NSA vs NSA without selection (KV_ARGS adds flags)
@@ -144,12 +145,12 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
     profile)
         run_part profile 300 "$PY" -m benchmarks.profile_step --layer --backward --config a100_pcie \
             --set model.dtype=bfloat16 --seq-len "${PROFILE_SEQ_LEN:-32768}" --steps 2 --top 20 \
-            --json "$out/profile.json"
+            --trace-dir "$out/profile_trace" --json "$out/profile.json"
         ;;
     stepprof)
         rows=(); [ -n "${PROFILE_BATCH:-}" ] && rows=(--set "train.global_batch=$PROFILE_BATCH")
         run_part stepprof 300 "$PY" -m benchmarks.profile_step --config a100_pcie "${rows[@]}" --steps 2 \
-            --top 25 --json "$out/stepprof.json"
+            --top 25 --trace-dir "$out/stepprof_trace" --json "$out/stepprof.json"
         ;;
     peak)
         run_part peak 300 "$PY" -m benchmarks.bench_attention --backward --dense none \
