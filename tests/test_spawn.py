@@ -141,3 +141,51 @@ def test_child_env_and_exit_status():
         "1",
     )
     assert exit_status(-9) == 137 and exit_status(3) == 3
+
+
+# launch.train with training.csv refusing the row of step 3 (ENOSPC), as a disk that fills
+# between two saves; only process 0 writes the CSVs.
+CSV_FULL = r"""
+import errno, sys
+from nsa_jax import runfiles
+write = runfiles.CsvWriter.write
+def _write(self, row):
+    if self.path.name == "training.csv" and row.get("step") == 3:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write(self, row)
+runfiles.CsvWriter.write = _write
+from launch.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_process_0_stops_every_process_at_the_same_step(tmp_path):
+    """Process 0 alone sees the refused row; both processes agree before the step-4 save and stop
+    there (no hang in the save's collectives, no save of a step whose row is missing), exit 74."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", CSV_FULL, "--config", "cpu_tiny", "--steps", "8", "--out-dir", str(out)]
+    cmd += set_flags([*TINY, "checkpoint.save_every=2"])
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=ROOT, env=child_env(env(), rank, 2, coordinator), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    errs = [e.decode() for _, e in outs]
+    assert [p.returncode for p in procs] == [74, 74], errs
+    assert errs[0].startswith("error: training.csv could not be written: disk full"), errs[0]
+    assert errs[1].startswith("error: process 0 could not write its run files"), errs[1]
+    assert all("newest committed checkpoint is step 2" in e for e in errs), errs
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2]
+    stops = []
+    for rank in (0, 1):
+        beats = [json.loads(x) for x in (out / f"heartbeat_rank{rank}.jsonl").read_text().splitlines()]
+        stops.append([b["step"] for b in beats if b["event"] == "output_failed"])
+    assert stops[0] == stops[1] and len(stops[0]) == 1, stops
