@@ -322,6 +322,8 @@ def run(opts) -> tuple[dict, list[dict]]:
     backward = opts.backward if opts.backward is not None else gpu
     modes = ["fwd"] + (["fwd+bwd"] if backward else [])
     impl = describe_impl(a.attention_impl, block_size=a.lp)
+    # On a GPU the strongest dense baseline is cuDNN's fused attention.
+    dense_variants = dense_choice(opts.dense, gpu)
     print(
         f"config {opts.config}: D={cfg.d_model} H={cfg.n_heads} K={cfg.n_kv_heads} Dk={cfg.head_dim} "
         f"Dv={cfg.v_head_dim} | NSA l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} branches={','.join(a.branches)} "
@@ -335,7 +337,7 @@ def run(opts) -> tuple[dict, list[dict]]:
         f"(fewer once a program's timed calls pass {opts.max_seconds:g} s); "
         f"dense = fastest of xla (jax.nn.dot_product_attention), chunked (C={opts.dense_chunk})"
         + (" and cudnn (fused flash attention)" if gpu else "")
-        + (f"; timed here: {', '.join(dense_choice(opts.dense, gpu)) or 'none'}" if opts.dense else "")
+        + (f"; timed here: {', '.join(dense_variants) or 'none'}" if opts.dense else "")
     )
     if not gpu:
         print("CPU run: absolute times are host-bound and noisy; compare columns within a row.")
@@ -345,8 +347,6 @@ def run(opts) -> tuple[dict, list[dict]]:
 
     init_T = max(2 * a.lp, a.l)  # parameter shapes do not depend on T
     x0 = jnp.zeros((1, init_T, cfg.d_model), jnp.dtype(dtype))
-    # On a GPU the strongest dense baseline is cuDNN's fused attention.
-    dense_variants = dense_choice(opts.dense, gpu)
     layers = {"nsa": NSAAttention(cfg)}
     params = {"nsa": random_params(layers["nsa"], x0, cfg.init_std)}
     dense_params = None

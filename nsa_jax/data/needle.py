@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from nsa_jax.data.stream import GlobalRowStream, split_id
+from nsa_jax.data.tokenizers import make_tokenizer
 
 PASSKEY_DIGITS = 5
 NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
@@ -98,15 +99,13 @@ def answer_len(tokenizer: Any) -> int:
     return len(needle_pieces(tokenizer, "9" * PASSKEY_DIGITS)[2])
 
 
-def needle_answer_mask(tokens_BxT1: Any, data_cfg: Any) -> Any:
-    """bool [B, T] (jax): the pass-key targets of `dataset: needle` rows, the last answer_len of every row."""
-    import jax.numpy as jnp
+def needle_answer_mask(tokens_BxT1: Any, data_cfg: Any) -> np.ndarray:
+    """bool [B, T]: the pass-key targets of `dataset: needle` rows, the last answer_len of every row.
 
-    from nsa_jax.data.tokenizers import make_tokenizer
-
+    It depends on the shape alone, so it is a numpy constant also under a jax trace."""
     T = tokens_BxT1.shape[1] - 1
     n = answer_len(make_tokenizer(data_cfg))
-    return jnp.broadcast_to(jnp.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
+    return np.broadcast_to(np.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
 
 
 class NeedleDataset(GlobalRowStream):
@@ -116,7 +115,6 @@ class NeedleDataset(GlobalRowStream):
 
     def __init__(self, cfg: Any, split: str, process_index: int = 0, process_count: int = 1):
         from nsa_jax.data.sources import list_files
-        from nsa_jax.data.tokenizers import make_tokenizer
 
         self.tok = make_tokenizer(cfg.data)
         files = list_files(cfg.data.path, "text")

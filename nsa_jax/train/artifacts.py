@@ -184,14 +184,13 @@ def _iso(ts: float) -> str:
 class Heartbeat:
     """Appends one JSON line per event to heartbeat_rank<r>.jsonl, flushed at once (watchdogs tail it).
 
-    A write the filesystem refuses (a full disk) drops that record, counted in `lost`:
-    the event that reports a full disk must not itself turn the clean stop into a crash.
+    A write the filesystem refuses (a full disk) drops that record: the event that
+    reports a full disk must not itself turn the clean stop into a crash.
     """
 
     def __init__(self, path: pathlib.Path, rank: int):
         self.path, self.rank, self.pid = path, rank, os.getpid()
         self.f = open(path, "a", buffering=1)
-        self.lost = 0
 
     def event(self, event: str, step: int, msg: str = "", **fields: Any) -> None:
         ts = time.time()
@@ -208,14 +207,14 @@ class Heartbeat:
         }
         try:
             self.f.write(json.dumps(rec, default=_json_default) + "\n")
-        except OSError:
-            self.lost += 1
+        except OSError:  # dropped: see the class docstring
+            pass
 
     def close(self) -> None:
         try:
             self.f.close()
         except OSError:  # the flush of a line the full disk refused
-            self.lost += 1
+            pass
 
 
 class CsvLog(rf.CsvWriter):

@@ -505,10 +505,8 @@ class Trainer:
                 return False
         elif failed is None:
             return False
-        try:
-            self.ckpt.poll(block=True, agree=False)  # a save in flight commits before the message names the newest
-        except ckpt.CheckpointSaveError:
-            pass  # it failed too; the committed one below stays the newest
+        # A save in flight commits (its `checkpoint` event) or fails before the message names the newest.
+        self._poll_checkpoint(block=True)
         last = self.ckpt.committed
         keep = f"the newest committed checkpoint is step {last}" if last is not None else "no checkpoint was committed"
         what = failed.strerror if failed is not None else "process 0 could not write its run files"
