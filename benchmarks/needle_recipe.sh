@@ -56,15 +56,10 @@ for seed in ${SEEDS//,/ }; do
       times+=("T=$T $(($(date +%s) - t0)) s")
     done
     $PY -m launch.evaluate --ckpt "$run" --suites needle,loss-by-position --lengths 1024,2048,4096 \
-      --samples 4 --text README.md docs/NSA.md --out "$run/eval"
-    $PY - "$run/eval/evaluation.json" "$variant" "$seed" "$(IFS=,; echo "${times[*]}")" >>"$OUT/summary.txt" <<'EOF'
-import json, sys
-res = json.load(open(sys.argv[1]))["needle"]  # accuracy [L][depth]
-by_len = "  ".join(
-    f"L={L}: mean {sum(a) / len(a):.2f} min {min(a):.2f}" for L, a in zip(res["lengths"], res["accuracy"])
-)
-print(f"{sys.argv[2]} seed {sys.argv[3]}: {sys.argv[4]} | {by_len}")
-EOF
+      --samples 4 --text README.md docs/NSA.md --out "$run/eval" | tee "$run/evaluate.log"
+    # The summary's needle lines: "  L=  1024: <one accuracy per depth> | mean M min N | ..."
+    by_len=$(sed -n 's/^ *L= *\([0-9]*\):.*| mean \([0-9.]*\) min \([0-9.]*\) |.*/L=\1: mean \2 min \3/p' "$run/evaluate.log")
+    echo "$variant seed $seed: $(IFS=,; echo "${times[*]}") | ${by_len//$'\n'/  }" >>"$OUT/summary.txt"
     tail -n 1 "$OUT/summary.txt"
   done
 done

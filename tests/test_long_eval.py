@@ -202,7 +202,11 @@ def test_cli_end_to_end(tmp_path):
     assert "needle accuracy" in proc.stdout and "evaluate" in proc.stderr  # the summary and the progress bar
     res = json.loads((out / "evaluation.json").read_text())
     assert res["needle"]["lengths"] == [128, 256] and res["needle"]["depths"] == [0.0, 0.5, 1.0]
-    assert np.array(res["needle"]["accuracy"]).shape == (2, 3)
+    acc = np.array(res["needle"]["accuracy"])
+    assert acc.shape == (2, 3)
+    for L, row in zip([128, 256], acc):  # one summary line per L, with the mean and the worst depth
+        want = f"L={L:>6}: " + " ".join(f"{a:.2f}" for a in row) + f" | mean {row.mean():.2f} min {row.min():.2f} |"
+        assert sum(want in line for line in proc.stdout.splitlines()) == 1, (want, proc.stdout)
     assert list(res["loss-by-position"]["by_length"]) == ["128", "256"]
     assert res["loss-by-position"]["by_length"]["256"]["edges"][-1] == 256
     assert set(res["kv_recall"]["by_length"]) == {"128", "256"}
