@@ -103,7 +103,8 @@ def summary_lines(results: dict) -> list[str]:
         for L, acc, lp in zip(r["lengths"], r["accuracy"], r["logprob"]):
             mean_acc, mean_lp = sum(acc) / len(acc), sum(lp) / len(lp)
             cells = " ".join(f"{a:.2f}" for a in acc)
-            lines.append(f"  L={L:>6}: {cells} | mean {mean_acc:.2f} min {min(acc):.2f} | mean log p(answer) {mean_lp:.2f}")
+            stats = f"mean {mean_acc:.2f} min {min(acc):.2f} | mean log p(answer) {mean_lp:.2f}"
+            lines.append(f"  L={L:>6}: {cells} | {stats}")
     if "loss-by-position" in results:
         for L, r in results["loss-by-position"]["by_length"].items():
             last = next(v for v in reversed(r["loss"]) if v is not None)

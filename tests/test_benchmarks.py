@@ -411,3 +411,29 @@ def test_branch_scale_measures_each_branch_tensor():
     for name in TENSORS:
         want = before[name] * (3.0 if name == "v_slc" else 1.0)
         assert after[name] == pytest.approx(want, rel=1e-5), name
+
+
+def test_needle_selection_finds_the_key_blocks_and_the_share_selected():
+    """The key's blocks from the row's text (str.find on bytes); the share from a hand-made index array."""
+    from benchmarks.needle_selection import key_blocks, selected_share
+    from nsa_jax.data.needle import make_needle_row
+    from nsa_jax.data.tokenizers import ByteTokenizer
+
+    tok, lp = ByteTokenizer(), 8
+    hay = np.frombuffer(b"abcdefghij" * 40, np.uint8).astype(np.int32)
+    row = make_needle_row(hay, 300, 0.5, "71432", tok)
+    text = bytes(row.tokens_T1.astype(np.uint8)).decode()
+    first = text.find("71432")
+    second = text.find("71432", first + 1)
+    assert first >= 0 and second > first and second < text.find("What is")  # both copies in the needle
+    assert key_blocks(row, tok, lp) == {(p + j) // lp for p in (first, second) for j in range(5)}
+
+    idx_LxTxKxN = np.full((2, 10, 2, 3), -1)
+    idx_LxTxKxN[0, 7] = [[3, 0, 1], [3, -1, -1]]
+    idx_LxTxKxN[0, 8] = [[0, 1, 3], [0, 1, 2]]
+    idx_LxTxKxN[1, 7] = [[5, 6, -1], [0, 1, 2]]
+    idx_LxTxKxN[1, 8] = [[0, 5, -1], [4, 5, 6]]
+    idx_LxTxKxN[1, 9] = [[3, 3, 3], [3, 3, 3]]  # not an answer query
+    share = selected_share(idx_LxTxKxN, np.array([7, 8]), {3, 5})
+    np.testing.assert_allclose(share, [[1.0, 0.5], [1.0, 0.5]])
+    assert selected_share(idx_LxTxKxN, np.array([7, 8]), {9}).sum() == 0

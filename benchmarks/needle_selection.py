@@ -1,0 +1,97 @@
+"""Does the selection find the needle? Per layer and KV head, on the needle suite's own rows.
+
+For each checkpoint, builds the rows `launch.evaluate --suites needle` scores at length
+L (the same text, depths, samples and seed: nsa_jax.evaluation.suites.needle_rows), runs
+the model's forward with the selection's block indices sown, and prints
+
+  exact      greedy exact match of the key, per depth (the needle suite's figure)
+  selected   per layer x KV head: the share of answer queries (the positions that
+             predict the key's digits) whose selected blocks include a block holding a
+             digit of the key (either of the needle's two copies)
+
+A model can fail with the block found (it does not read the key from it) or without
+(the compressed scores never rank the needle's block high enough): this tells which.
+
+    python -m benchmarks.needle_selection --ckpt RUN/checkpoints/1700 [--ckpt ...] \\
+        --length 1024 --text README.md docs/NSA.md
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+
+from nsa_jax.checkpoint import load_for_inference
+from nsa_jax.data import make_tokenizer
+from nsa_jax.data.needle import NeedleRow, answer_mask, needle_pieces
+from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, TextRows, needle_rows
+from nsa_jax.inference.decode import inference_config
+from nsa_jax.model import NSALM
+
+
+def key_blocks(row: NeedleRow, tokenizer, lp: int) -> set[int]:
+    """Selection blocks (of lp tokens) holding a token of the pass key inside the needle."""
+    needle, _, key = needle_pieces(tokenizer, row.value)
+    starts = [i for i in range(len(needle) - len(key) + 1) if np.array_equal(needle[i : i + len(key)], key)]
+    return {(row.needle_pos + s + j) // lp for s in starts for j in range(len(key))}
+
+
+def selected_share(idx_LxTxKxN: np.ndarray, qpos_Q: np.ndarray, blocks: set[int]) -> np.ndarray:
+    """[layers, K]: the share of queries qpos whose selected blocks (-1 = unused slot) meet `blocks`."""
+    sel_LxQxKxN = idx_LxTxKxN[:, qpos_Q]
+    return np.isin(sel_LxQxKxN, sorted(blocks)).any(-1).mean(1)
+
+
+def block_indices(state) -> np.ndarray:
+    """The sown `block_idx` as [rows, layers, T, K, N] (scanned layers: one leaf; unrolled: one per layer)."""
+    leaves = [v for p, v in jax.tree_util.tree_leaves_with_path(state) if "block_idx" in jax.tree_util.keystr(p)]
+    if not leaves:
+        raise SystemExit("error: the model sows no block_idx (model.nsa.branches has no slc)")
+    idx = np.asarray(leaves[0]) if len(leaves) == 1 else np.stack([np.asarray(x) for x in leaves])
+    return np.moveaxis(idx, 0, 1)  # [layers, B, ...] -> [B, layers, ...]
+
+
+def diagnose(path: str, length: int, text: list[str], samples: int, seed: int, batch: int) -> None:
+    cfg, params = load_for_inference(path)
+    tok = make_tokenizer(cfg.data)
+    built = needle_rows(TextRows(cfg, text), tok, length, DEFAULT_DEPTHS, samples, seed)
+    apply = jax.jit(lambda p, t: NSALM(inference_config(cfg.model)).apply({"params": p}, t, mutable=["intermediates"]))
+    exact, shares = [], []
+    for start in range(0, len(built), batch):
+        rows = [r for _, _, r in built[start : start + batch]]
+        tokens_BxT1 = np.stack([r.tokens_T1 for r in rows])
+        logits_BxTxV, state = apply(params, tokens_BxT1[:, :-1])
+        hit_BxT = np.asarray(logits_BxTxV).argmax(-1) == tokens_BxT1[:, 1:]
+        idx = block_indices(state)
+        for b, r in enumerate(rows):
+            qpos_Q = np.flatnonzero(answer_mask(r))
+            exact.append(bool(hit_BxT[b, qpos_Q].all()))
+            shares.append(selected_share(idx[b], qpos_Q, key_blocks(r, tok, cfg.model.nsa.lp)))
+    d_N = np.array([d for d, _, _ in built])
+    exact_N, share_NxLxK = np.array(exact), np.stack(shares)
+    a = cfg.model.nsa
+    print(f"{path}: L={length}, lp={a.lp}, n={a.n}, {samples} needles per depth")
+    print("  exact by depth:  " + " ".join(f"{exact_N[d_N == d].mean():.2f}" for d in range(len(DEFAULT_DEPTHS))))
+    heads = f"KV heads 0..{cfg.model.n_kv_heads - 1}"
+    print(f"  exact mean {exact_N.mean():.2f}; needle block selected at the answer queries ({heads}):")
+    for layer, row in enumerate(share_NxLxK.mean(0)):
+        print(f"    layer {layer}: " + " ".join(f"{s:.2f}" for s in row))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", action="append", required=True, help="a run folder or one checkpoint in it; repeatable")
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--text", nargs="+", required=True, help="held-out text files (as launch.evaluate --text)")
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=4)
+    args = p.parse_args()
+    for path in args.ckpt:
+        diagnose(path, args.length, args.text, args.samples, args.seed, args.batch_size)
+
+
+if __name__ == "__main__":
+    main()
