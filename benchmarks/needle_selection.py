@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--ckpt", action="append", required=True, help="a run folder or one checkpoint in it; repeatable")
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--text", nargs="+", required=True, help="held-out text files (as launch.evaluate --text)")
-    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--samples", type=int, default=16, help="needles per depth (16, as the recipe evaluates)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=4)
     args = p.parse_args()
