@@ -20,7 +20,7 @@
 # NSA is cpu_tiny's: 4 selected blocks of 32 tokens, 3 of them forced. Eight blocks of 16
 # (five free slots, the same 128 keys) did no better over three seeds (docs/LONG_CONTEXT.md).
 # Training the block scorer towards full attention (train.scorer_distill=1.0 in every stage)
-# rescued the failing seed and halved the other two (docs/LONG_CONTEXT.md).
+# rescued the failing seed and cost the other two, and a T=1024 step 33% (docs/LONG_CONTEXT.md).
 # Full attention is the same model with only the sliding-window branch, w=4096 (causal
 # attention over the whole row, also at 4x the training length).
 # The evaluation scores 16 needles per cell: with 4 (the first 4 KB of README.md as haystacks)
