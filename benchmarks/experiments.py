@@ -44,7 +44,7 @@ from benchmarks.common import add_config_args
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
-from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.model import NSALM, cross_entropy, per_layer
 from nsa_jax.train import step as S
 
 
@@ -89,13 +89,8 @@ def make_evaluator(cfg, val_batches: list[np.ndarray]):
     @jax.jit
     def forward(params, tokens_BxT1):
         logits, inter = model.apply({"params": params}, tokens_BxT1[:, :-1], mutable=["intermediates"])
-        inter = inter["intermediates"]
-        layers = inter["layers"]["attn"] if cfg.model.scan_layers else None
-        if layers is None:
-            per = [inter[f"layer_{i}"]["attn"] for i in range(cfg.model.n_layers)]
-            layers = {k: (jnp.stack([p[k][0] for p in per]),) for k in per[0]}
-        gates = jnp.mean(layers["gates"][0], axis=(0, 1, 2, 3))
-        idx = layers["block_idx"][0] if slc else None  # [L, B, T, K, n]
+        gates = jnp.mean(per_layer(inter, "intermediates", "gates", cfg.model), axis=(0, 1, 2, 3))
+        idx = per_layer(inter, "intermediates", "block_idx", cfg.model) if slc else None  # [L, B, T, K, n]
         loss = cross_entropy(logits, tokens_BxT1[:, 1:], S.loss_weights(tokens_BxT1, cfg))
         return logits.argmax(-1), loss, gates, idx
 

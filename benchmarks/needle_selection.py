@@ -28,7 +28,7 @@ from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import NeedleRow, answer_mask, needle_pieces
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, TextRows, needle_rows
 from nsa_jax.inference.decode import inference_config
-from nsa_jax.model import NSALM
+from nsa_jax.model import NSALM, per_layer
 
 
 def key_blocks(row: NeedleRow, tokenizer, lp: int) -> set[int]:
@@ -44,13 +44,12 @@ def selected_share(idx_LxTxKxN: np.ndarray, qpos_Q: np.ndarray, blocks: set[int]
     return np.isin(sel_LxQxKxN, sorted(blocks)).any(-1).mean(1)
 
 
-def block_indices(state) -> np.ndarray:
-    """The sown `block_idx` as [rows, layers, T, K, N] (scanned layers: one leaf; unrolled: one per layer)."""
-    leaves = [v for p, v in jax.tree_util.tree_leaves_with_path(state) if "block_idx" in jax.tree_util.keystr(p)]
-    if not leaves:
+def block_indices(state: dict, cfg) -> np.ndarray:
+    """The sown `block_idx` as [rows, layers, T, K, N]."""
+    idx_LxBxTxKxN = per_layer(state, "intermediates", "block_idx", cfg.model)
+    if idx_LxBxTxKxN is None:
         raise SystemExit("error: the model sows no block_idx (model.nsa.branches has no slc)")
-    idx = np.asarray(leaves[0]) if len(leaves) == 1 else np.stack([np.asarray(x) for x in leaves])
-    return np.moveaxis(idx, 0, 1)  # [layers, B, ...] -> [B, layers, ...]
+    return np.moveaxis(np.asarray(idx_LxBxTxKxN), 0, 1)
 
 
 def diagnose(path: str, length: int, text: list[str], samples: int, seed: int, batch: int) -> None:
@@ -64,7 +63,7 @@ def diagnose(path: str, length: int, text: list[str], samples: int, seed: int, b
         tokens_BxT1 = np.stack([r.tokens_T1 for r in rows])
         logits_BxTxV, state = apply(params, tokens_BxT1[:, :-1])
         hit_BxT = np.asarray(logits_BxTxV).argmax(-1) == tokens_BxT1[:, 1:]
-        idx = block_indices(state)
+        idx = block_indices(state, cfg)
         for b, r in enumerate(rows):
             qpos_Q = np.flatnonzero(answer_mask(r))
             exact.append(bool(hit_BxT[b, qpos_Q].all()))

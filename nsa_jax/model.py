@@ -119,6 +119,20 @@ class NSALM(nn.Module):
         return head(x).astype(jnp.float32)
 
 
+def per_layer(variables: dict, collection: str, name: str, cfg: ModelConfig):
+    """What each layer's attention sowed as `collection`/`name`, stacked on a leading [L] axis; None if absent.
+
+    `variables` is what `NSALM.apply(..., mutable=[collection])` returned besides the
+    logits: one leaf with a layer axis for scanned layers, one leaf per `layer_i` unrolled.
+    """
+    col = variables.get(collection, {})
+    if cfg.scan_layers:
+        value = col.get("layers", {}).get("attn", {}).get(name)
+        return value[0] if value else None
+    values = [col.get(f"layer_{i}", {}).get("attn", {}).get(name) for i in range(cfg.n_layers)]
+    return jax.tree.map(lambda *v: jnp.stack(v), *[v[0] for v in values]) if all(values) else None
+
+
 def _missing_pos():
     raise ValueError(
         "NSALM prefill/decode found no cache: pass variables "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import tiny_model_cfg
 
-from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy
+from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer
 
 
 def _run(cfg, params, tokens):
@@ -53,8 +53,8 @@ def test_every_parameter_gets_a_finite_nonzero_gradient():
         name = jax.tree_util.keystr(path)
         assert np.all(np.isfinite(g)), name
         # Scanned params carry a layer axis: every layer's slice must move.
-        per_layer = g.reshape(g.shape[0], -1) if "layers" in name else g.reshape(1, -1)
-        assert np.all(np.abs(per_layer).max(axis=1) > 0), f"zero gradient for {name}"
+        g_by_layer = g.reshape(g.shape[0], -1) if "layers" in name else g.reshape(1, -1)
+        assert np.all(np.abs(g_by_layer).max(axis=1) > 0), f"zero gradient for {name}"
 
 
 @pytest.mark.slow
@@ -69,6 +69,14 @@ def test_scan_and_unrolled_layers_agree():
     a = jax.jit(lambda p: NSALM(cfg).apply({"params": p}, tokens))(p_scan)
     b = jax.jit(lambda p: NSALM(unrolled).apply({"params": p}, tokens))(p_unrolled)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # What the layers sow, stacked per layer, is the same from either layout.
+    _, sa = jax.jit(lambda p: NSALM(cfg).apply({"params": p}, tokens, mutable=["intermediates"]))(p_scan)
+    _, sb = jax.jit(lambda p: NSALM(unrolled).apply({"params": p}, tokens, mutable=["intermediates"]))(p_unrolled)
+    for name in ("block_idx", "gates"):
+        va, vb = (per_layer(s, "intermediates", name, c) for s, c in ((sa, cfg), (sb, unrolled)))
+        assert va.shape[:3] == (cfg.n_layers, *tokens.shape), (name, va.shape)
+        np.testing.assert_allclose(va, vb, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(vb[1], sb["intermediates"]["layer_1"]["attn"][name][0])
     # scan_unroll changes the loop, not the stacked [L, ...] parameters nor what they compute.
     unroll = dataclasses.replace(cfg, scan_unroll=cfg.n_layers)
     shapes = jax.eval_shape(lambda: NSALM(unroll).init(jax.random.PRNGKey(5), tokens)["params"])

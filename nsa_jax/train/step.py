@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.data.needle import needle_answer_mask
-from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy
+from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer
 from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
@@ -105,16 +105,6 @@ def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> Train
 # loss and statistics
 
 
-def per_layer(variables: dict, collection: str, name: str, cfg: Config):
-    """What each layer's attention sowed as `collection`/`name`, stacked on a leading [L] axis; None if absent."""
-    col = variables.get(collection, {})
-    if cfg.model.scan_layers:
-        value = col.get("layers", {}).get("attn", {}).get(name)
-        return value[0] if value else None
-    values = [col.get(f"layer_{i}", {}).get("attn", {}).get(name) for i in range(cfg.model.n_layers)]
-    return jax.tree.map(lambda *v: jnp.stack(v), *[v[0] for v in values]) if all(values) else None
-
-
 def loss_weights(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     """Weight [B, T] of each target in the mean loss, or None for all targets equally.
 
@@ -156,10 +146,11 @@ def loss_and_stats(
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
     logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
     loss = cross_entropy(logits_BxTxV, targets_BxT, loss_weights(tokens_BxT1, cfg))
-    sums = per_layer(variables, "aux", "stat_sums", cfg)
+    sums = per_layer(variables, "aux", "stat_sums", cfg.model)
     stats = aux_stats(sums, phase.model) if sums else {}
     if schedule.scorer_distill(cfg):
-        kl = jnp.mean(per_layer(variables, "losses", "scorer_kl", cfg)) if phase.distill else jnp.zeros((), jnp.float32)
+        kl_L = per_layer(variables, "losses", "scorer_kl", cfg.model)
+        kl = jnp.mean(kl_L) if phase.distill else jnp.zeros((), jnp.float32)
         stats = {**stats, "ce": loss, "distill_kl": kl}
         loss = loss + phase.distill * kl
     return loss, stats
