@@ -28,6 +28,11 @@
 #   peak       the NSA layer alone at T=PEAK_SEQ_LEN (default 65536), forward then fwd+bwd, in
 #              its own process: the device's measured high-water mark beside the compiled memory
 #   kv         python -m benchmarks.kv_recall_ablation: NSA vs NSA without selection (KV_ARGS adds flags)
+#   needle     benchmarks/needle_seeds.sh: whole runs of the needle recipe, several recipes over
+#              seeds side by side (NEEDLE_RECIPES, default benchmarks/needle_recipes.txt; NEEDLE_SEEDS,
+#              default 1,2,3,4; NEEDLE_P runs at a time, default 16; NEEDLE_DEADLINE seconds, default
+#              480), fp32 matmuls at full precision as on the CPU the recipe is for; the runs'
+#              figures packed into OUT_DIR/needle.tgz (`python -m benchmarks.needle_seeds DIR` reads them)
 #
 # Each part has its own time limit (seconds, PART_TIMEOUT_<part>), writes OUT_DIR/<part>.log
 # (and .json where the benchmark has one) and a line to OUT_DIR/summary.txt; a failing
@@ -160,8 +165,14 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         # shellcheck disable=SC2086
         run_part kv 540 "$PY" -m benchmarks.kv_recall_ablation --json "$out/kv.json" ${KV_ARGS:-}
         ;;
+    needle)
+        run_part needle "$((${NEEDLE_DEADLINE:-480} + 60))" env JAX_DEFAULT_MATMUL_PRECISION=highest NSA_TB_DISABLE=1 \
+            P="${NEEDLE_P:-16}" DEADLINE="${NEEDLE_DEADLINE:-480}" EVAL_SUITES=needle EVAL_LENGTHS=1024 PYTHON="$PY" \
+            ARCHIVE="$out/needle.tgz" bash benchmarks/needle_seeds.sh "$out/needle" "${NEEDLE_SEEDS:-1,2,3,4}" \
+            "${NEEDLE_RECIPES:-benchmarks/needle_recipes.txt}"
+        ;;
     *)
-        echo "unknown part: $part (env tests kernels selection shortseq attention layer train smoke profile stepprof peak kv)" >&2
+        echo "unknown part: $part (env tests kernels selection shortseq attention layer train smoke profile stepprof peak kv needle)" >&2
         exit 2
         ;;
     esac

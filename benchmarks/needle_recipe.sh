@@ -27,6 +27,9 @@
 # "Seven seeds"): run several seeds and quote the spread.
 # The evaluation scores 16 needles per cell: with 4 (the first 4 KB of README.md as haystacks)
 # a partial seed read 0.91-0.98 and 0.73-0.80 with 16 (docs/LONG_CONTEXT.md).
+# RECIPE_STAGES (environment) replaces the stages: ';'-separated "T rows last_step lr every [key=value ...]",
+# the key=value items passed as --set to that stage alone. EVAL_LENGTHS and EVAL_SUITES replace the
+# evaluation's lengths (1024,2048,4096) and suites (needle,loss-by-position).
 # Writes OUT_DIR/<variant>_s<seed>/ (the run, its eval/ with evaluation.json and the
 # PNGs) and OUT_DIR/summary.txt (one line per run: time per stage, the needle accuracy by length).
 set -euo pipefail
@@ -41,6 +44,7 @@ COMMON=(--config cpu_tiny --dataset needle --data-path "docs/[EPR]*.md" --set tr
         --set train.warmup=30 --set checkpoint.restore_data=false)
 # seq_len global_batch last_step lr eval/save every
 STAGES=("128 16 800 2e-3 400" "256 16 1100 1e-3 150" "512 8 1400 1e-3 150" "1024 4 1700 1e-3 150")
+if [ -n "${RECIPE_STAGES:-}" ]; then IFS=';' read -r -a STAGES <<<"$RECIPE_STAGES"; fi
 
 for seed in ${SEEDS//,/ }; do
   for variant in ${VARIANTS//,/ }; do
@@ -53,13 +57,16 @@ for seed in ${SEEDS//,/ }; do
     args=("${COMMON[@]}" "${model[@]}" --set train.seed="$seed" --out-dir "$run")
     times=()
     for stage in "${STAGES[@]}"; do
-      read -r T B last lr every <<<"$stage"
+      read -r T B last lr every extra <<<"$stage"
+      sets=()
+      for kv in $extra; do sets+=(--set "$kv"); done
       t0=$(date +%s)
       $PY -m launch.train "${args[@]}" --set train.seq_len="$T" --set train.global_batch="$B" --steps "$last" \
-        --set train.lr="$lr" --set train.min_lr="$lr" --set train.eval_every="$every" --set checkpoint.save_every="$every"
+        --set train.lr="$lr" --set train.min_lr="$lr" --set train.eval_every="$every" --set checkpoint.save_every="$every" \
+        "${sets[@]}"
       times+=("T=$T $(($(date +%s) - t0)) s")
     done
-    $PY -m launch.evaluate --ckpt "$run" --suites needle,loss-by-position --lengths 1024,2048,4096 \
+    $PY -m launch.evaluate --ckpt "$run" --suites "${EVAL_SUITES:-needle,loss-by-position}" --lengths "${EVAL_LENGTHS:-1024,2048,4096}" \
       --samples 16 --text README.md docs/NSA.md --out "$run/eval" | tee "$run/evaluate.log"
     # The summary's needle lines: "  L=  1024: <one accuracy per depth> | mean M min N | ..."
     by_len=$(sed -n 's/^ *L= *\([0-9]*\):.*| mean \([0-9.]*\) min \([0-9.]*\) |.*/L=\1: mean \2 min \3/p' "$run/evaluate.log")
