@@ -26,7 +26,8 @@ def read_run(run: Path) -> dict:
     val = run / "val.csv"
     if val.exists():
         with val.open() as f:
-            out["recall"] = [(int(r["step"]), float(r["retrieval_acc"])) for r in csv.DictReader(f) if r["retrieval_acc"]]
+            rows = [r for r in csv.DictReader(f) if r["retrieval_acc"]]
+        out["recall"] = [(int(r["step"]), float(r["retrieval_acc"])) for r in rows]
     ev = run / "eval" / "evaluation.json"
     if ev.exists():
         needle = json.loads(ev.read_text())["needle"]
