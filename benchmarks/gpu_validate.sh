@@ -31,8 +31,10 @@
 #   needle     benchmarks/needle_seeds.sh: whole runs of the needle recipe, several recipes over
 #              seeds side by side (NEEDLE_RECIPES, default benchmarks/needle_recipes.txt; NEEDLE_SEEDS,
 #              default 1,2,3,4; NEEDLE_P runs at a time, default 16; NEEDLE_DEADLINE seconds, default
-#              480), fp32 matmuls at full precision as on the CPU the recipe is for; the runs'
-#              figures packed into OUT_DIR/needle.tgz (`python -m benchmarks.needle_seeds DIR` reads them)
+#              480), fp32 matmuls at full precision as on the CPU the recipe is for, and XLA's
+#              autotuning off (16 runs compiling at once spent 7 minutes autotuning gemm fusions
+#              without reaching a first step); the runs' figures packed into OUT_DIR/needle.tgz
+#              (`python -m benchmarks.needle_seeds DIR` reads them)
 #
 # Each part has its own time limit (seconds, PART_TIMEOUT_<part>), writes OUT_DIR/<part>.log
 # (and .json where the benchmark has one) and a line to OUT_DIR/summary.txt; a failing
@@ -167,6 +169,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         ;;
     needle)
         run_part needle "$((${NEEDLE_DEADLINE:-480} + 60))" env JAX_DEFAULT_MATMUL_PRECISION=highest NSA_TB_DISABLE=1 \
+            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
             P="${NEEDLE_P:-16}" DEADLINE="${NEEDLE_DEADLINE:-480}" EVAL_SUITES=needle EVAL_LENGTHS=1024 PYTHON="$PY" \
             ARCHIVE="$out/needle.tgz" bash benchmarks/needle_seeds.sh "$out/needle" "${NEEDLE_SEEDS:-1,2,3,4}" \
             "${NEEDLE_RECIPES:-benchmarks/needle_recipes.txt}"
