@@ -68,9 +68,11 @@ for seed in ${SEEDS//,/ }; do
     done
     $PY -m launch.evaluate --ckpt "$run" --suites "${EVAL_SUITES:-needle,loss-by-position}" --lengths "${EVAL_LENGTHS:-1024,2048,4096}" \
       --samples 16 --text README.md docs/NSA.md --out "$run/eval" | tee "$run/evaluate.log"
-    # The summary's needle lines: "  L=  1024: <one accuracy per depth> | mean M min N | ..."
-    by_len=$(sed -n 's/^ *L= *\([0-9]*\):.*| mean \([0-9.]*\) min \([0-9.]*\) |.*/L=\1: mean \2 min \3/p' "$run/evaluate.log")
-    echo "$variant seed $seed: $(IFS=,; echo "${times[*]}") | ${by_len//$'\n'/  }" >>"$OUT/summary.txt"
+    by_len=$($PY -c 'import json, sys
+n = json.load(open(sys.argv[1]))["needle"]
+print("  ".join(f"L={L}: mean {sum(a) / len(a):.2f} min {min(a):.2f}" for L, a in zip(n["lengths"], n["accuracy"])))' \
+      "$run/eval/evaluation.json")
+    echo "$variant seed $seed: $(IFS=,; echo "${times[*]}") | $by_len" >>"$OUT/summary.txt"
     tail -n 1 "$OUT/summary.txt"
   done
 done

@@ -26,9 +26,11 @@ import numpy as np
 from nsa_jax.checkpoint import load_for_inference
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import NeedleRow, answer_mask, needle_pieces
+from nsa_jax.evaluation.scoring import answer_scores
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, TextRows, needle_rows
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.model import NSALM, per_layer
+from nsa_jax.resume import CheckpointError
 
 
 def key_blocks(row: NeedleRow, tokenizer, lp: int) -> set[int]:
@@ -62,11 +64,15 @@ def diagnose(path: str, length: int, text: list[str], samples: int, seed: int, b
         rows = [r for _, _, r in built[start : start + batch]]
         tokens_BxT1 = np.stack([r.tokens_T1 for r in rows])
         logits_BxTxV, state = apply(params, tokens_BxT1[:, :-1])
-        hit_BxT = np.asarray(logits_BxTxV).argmax(-1) == tokens_BxT1[:, 1:]
+        target_BxT = tokens_BxT1[:, 1:]
+        logp_BxTxV = np.asarray(jax.nn.log_softmax(logits_BxTxV.astype(np.float32)))
+        nll_BxT = -np.take_along_axis(logp_BxTxV, target_BxT[..., None], -1)[..., 0]
+        answer_BxT = np.stack([answer_mask(r) for r in rows])
+        # Scored as the needle suite scores (greedy: every answer target is the argmax).
+        exact.extend(answer_scores(nll_BxT, logp_BxTxV.argmax(-1) == target_BxT, answer_BxT)[1])
         idx = block_indices(state, cfg)
         for b, r in enumerate(rows):
-            qpos_Q = np.flatnonzero(answer_mask(r))
-            exact.append(bool(hit_BxT[b, qpos_Q].all()))
+            qpos_Q = np.flatnonzero(answer_BxT[b])
             shares.append(selected_share(idx[b], qpos_Q, key_blocks(r, tok, cfg.model.nsa.lp)))
     d_N = np.array([d for d, _, _ in built])
     exact_N, share_NxLxK = np.array(exact), np.stack(shares)
@@ -89,7 +95,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     args = p.parse_args()
     for path in args.ckpt:
-        diagnose(path, args.length, args.text, args.samples, args.seed, args.batch_size)
+        try:
+            diagnose(path, args.length, args.text, args.samples, args.seed, args.batch_size)
+        except CheckpointError as e:
+            raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":
