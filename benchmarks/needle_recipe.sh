@@ -24,7 +24,8 @@
 # Full attention is the same model with only the sliding-window branch, w=4096 (causal
 # attention over the whole row, also at 4x the training length).
 # Four runs in seven (seeds 1-7) lost the copy at a doubling and end near 0 (docs/LONG_CONTEXT.md
-# "Seven seeds"): run several seeds and quote the spread.
+# "Seven seeds"): run several seeds and quote the spread. Other stage lists (RECIPE_STAGES,
+# below; benchmarks/needle_recipes.txt) over many seeds at once: benchmarks/needle_seeds.sh.
 # The evaluation scores 16 needles per cell: with 4 (the first 4 KB of README.md as haystacks)
 # a partial seed read 0.91-0.98 and 0.73-0.80 with 16 (docs/LONG_CONTEXT.md).
 # RECIPE_STAGES (environment) replaces the stages: ';'-separated "T rows last_step lr every [key=value ...]",
