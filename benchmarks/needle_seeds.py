@@ -36,6 +36,12 @@ def read_run(run: Path) -> dict:
     return out
 
 
+def summary_line(run: str | Path) -> str:
+    """needle_recipe.sh's summary of one run's evaluation: "L=1024: mean M min N  L=2048: ..."."""
+    needle = read_run(Path(run))["needle"]
+    return "  ".join(f"L={n}: mean {v['mean']:.2f} min {v['min']:.2f}" for n, v in sorted(needle.items()))
+
+
 def read(out_dir: Path) -> dict[str, list[dict]]:
     """{recipe name: [run, ...] by seed}."""
     recipes = {}

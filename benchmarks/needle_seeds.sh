@@ -31,7 +31,7 @@ while IFS='|' read -r name st; do
 done <"$RECIPES"
 [ ${#names[@]} -gt 0 ] || { echo "error: no recipe in $RECIPES (lines NAME|STAGES)" >&2; exit 2; }
 
-run_one() {  # name stages seed limit
+run_one() {  # name stages seed limit start(SECONDS)
   local dir=$OUT/$1
   mkdir -p "$dir"
   RECIPE_STAGES=$2 timeout --signal=TERM --kill-after=10 "$4" bash benchmarks/needle_recipe.sh "$dir" "$3" nsa \
