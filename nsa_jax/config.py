@@ -131,6 +131,11 @@ class TrainConfig:
     scorer_distill: float = 0.0
     # Steps the distillation runs for: 0 every step; N only the first N.
     scorer_distill_steps: int = 0
+    # Randomized RoPE positions: 0 (off) RoPE sees positions 0..seq_len-1; N > seq_len: every
+    # micro-batch's rows take one sorted draw of seq_len distinct positions in [0, N), so a
+    # short row trains the rotary angles of a row of N (docs/LONG_CONTEXT.md). Only RoPE moves:
+    # blocks, window and causality stay at the token indices; evaluation uses 0..L-1.
+    rope_positions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +397,7 @@ def validate(cfg: Config) -> Config:
         need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
     need(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
     need(t.scorer_distill >= 0, f"train.scorer_distill must be >= 0 (0 disables it), got {t.scorer_distill}")
+    need(t.rope_positions >= 0, f"train.rope_positions must be >= 0 (0 disables it), got {t.rope_positions}")
     for key in ("dense_selection_steps", "scorer_distill_steps"):
         need(getattr(t, key) >= 0, f"train.{key} must be >= 0 (0: see docs/NSA.md), got {getattr(t, key)}")
     for key in ("dense_selection_steps", "scorer_distill_steps"):

@@ -39,11 +39,18 @@ class Block(nn.Module):
     mode: str = "train"
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, layer: jax.Array | None = None, pos_B: jax.Array | None = None):
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        layer: jax.Array | None = None,
+        pos_B: jax.Array | None = None,
+        rope_positions_T: jax.Array | None = None,
+    ):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="attn_norm")(x_BxTxD)
-        x_BxTxD = x_BxTxD + NSAAttention(cfg, self.mode, name="attn")(h, layer=layer, pos_B=pos_B)
+        attn = NSAAttention(cfg, self.mode, name="attn")
+        x_BxTxD = x_BxTxD + attn(h, layer=layer, pos_B=pos_B, rope_positions_T=rope_positions_T)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="mlp_norm")(x_BxTxD)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         x_BxTxD = x_BxTxD + SwiGLU(cfg.d_ff, dtype=dtype, init_std=cfg.init_std, out_std=out_std, name="mlp")(h)
@@ -53,7 +60,8 @@ class Block(nn.Module):
 class NSALM(nn.Module):
     """tokens[B, T] int32 -> logits[B, T, V] fp32.
 
-    `mode` "train": the forward. "prefill": the forward over left-aligned,
+    `mode` "train": the forward; `rope_positions_T` (train only) moves RoPE off 0..T-1
+    (train.rope_positions). "prefill": the forward over left-aligned,
     right-padded prompts, row b of length lengths_B[b]; writes the cache.
     "decode": tokens [B, 1], row b at position cache["pos"][b]; updates the cache.
     """
@@ -62,7 +70,9 @@ class NSALM(nn.Module):
     mode: str = "train"
 
     @nn.compact
-    def __call__(self, tokens_BxT: jax.Array, lengths_B: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens_BxT: jax.Array, lengths_B: jax.Array | None = None, rope_positions_T: jax.Array | None = None
+    ) -> jax.Array:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std), name="embed")
@@ -76,6 +86,8 @@ class NSALM(nn.Module):
         if self.mode not in MODES:
             raise ValueError(f"NSALM mode must be one of {MODES}, got {self.mode!r}")
         if self.mode != "train":
+            if rope_positions_T is not None:
+                raise ValueError("rope_positions_T is for training; prefill/decode place tokens by the cache")
             if not cfg.scan_layers:
                 raise ValueError("prefill/decode run the scanned layers: set scan_layers (inference_config)")
             if self.mode == "prefill" and lengths_B is None:
@@ -99,13 +111,14 @@ class NSALM(nn.Module):
                 block,
                 variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0},
                 split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.n_layers,
                 unroll=cfg.scan_unroll,
             )
-            x, _ = stack(cfg, name="layers")(x, None)
+            x, _ = stack(cfg, name="layers")(x, None, None, rope_positions_T)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, name=f"layer_{i}")(x, None)
+                x, _ = block(cfg, name=f"layer_{i}")(x, None, None, rope_positions_T)
         x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             return embed.attend(x.astype(jnp.float32))

@@ -160,6 +160,7 @@ class NSAAttention(nn.Module):
         *,
         layer: jax.Array | None = None,
         pos_B: jax.Array | None = None,
+        rope_positions_T: jax.Array | None = None,
     ) -> jax.Array:
         cfg, a = self.cfg, self.cfg.nsa
         B, T, D = x_BxTxD.shape
@@ -172,9 +173,13 @@ class NSAAttention(nn.Module):
         decode = self.mode == "decode"
         kernel_kw = {"impl": a.attention_impl, "query_chunk": a.query_chunk}
 
+        # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,
+        # the window and causality stay at the indices.
+        rope_T = positions_T if rope_positions_T is None else rope_positions_T
+
         def roped(y):
             # Decode: each row sits at its own position.
-            return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, positions_T, cfg.rope_theta)
+            return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, rope_T, cfg.rope_theta)
 
         # Every projection of x with one matmul for x's gradient (fused_dense; the parameters
         # stay one Dense each).

@@ -124,6 +124,20 @@ def loss_weights(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
     return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
 
 
+def random_rope_positions(inputs_BxT: jax.Array, n: int) -> jax.Array | None:
+    """train.rope_positions: a sorted draw of T distinct positions in [0, n), or None (0..T-1) when n <= T.
+
+    The draw is keyed by the micro-batch's tokens, so it needs no random state in the
+    train state and a resumed run draws what the uninterrupted one drew.
+    """
+    T = inputs_BxT.shape[1]
+    if n <= T:
+        return None
+    seed = jnp.sum(inputs_BxT.astype(jnp.uint32) * (jnp.arange(T, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1))
+    draw_T = jax.random.choice(jax.random.key(seed), n, (T,), replace=False)
+    return jnp.sort(draw_T).astype(jnp.int32)
+
+
 def loss_and_stats(
     params, tokens_BxT1: jax.Array, *, cfg: Config, phase: schedule.Phase | None = None
 ) -> tuple[jax.Array, dict]:
@@ -144,7 +158,10 @@ def loss_and_stats(
     params = cast_dense_kernels(params, phase.model.dtype)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
-    logits_BxTxV, variables = NSALM(phase.model).apply({"params": params}, inputs_BxT, mutable=mutable)
+    rope_T = random_rope_positions(inputs_BxT, cfg.train.rope_positions)
+    logits_BxTxV, variables = NSALM(phase.model).apply(
+        {"params": params}, inputs_BxT, rope_positions_T=rope_T, mutable=mutable
+    )
     loss = cross_entropy(logits_BxTxV, targets_BxT, loss_weights(tokens_BxT1, cfg))
     sums = per_layer(variables, "aux", "stat_sums", cfg.model)
     stats = aux_stats(sums, phase.model) if sums else {}
