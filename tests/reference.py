@@ -96,17 +96,19 @@ def compress_ref(x_BxTxKxD, p, l, d, phi):
     return jnp.stack(outs, axis=1)
 
 
-def nsa_layer_ref(params, x_BxTxD, cfg, idx=None):
+def nsa_layer_ref(params, x_BxTxD, cfg, idx=None, rope_pos=None):
     """NSA attention output [B, T, D] and the block indices it used.
 
     `idx`: block indices to use; computed token by token when None (pass them
     back in for gradient checks, since selection carries no gradient).
+    `rope_pos`: the positions RoPE rotates q and k by (default 0..T-1); the masks
+    always use the token indices.
     """
     a = cfg.nsa
     B, T, D = x_BxTxD.shape
     H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
     G = H // K
-    pos = np.arange(T)
+    pos = np.arange(T) if rope_pos is None else np.asarray(rope_pos)
 
     def lin(name, heads, dim):
         return (x_BxTxD @ params[name]["kernel"]).reshape(B, T, heads, dim)

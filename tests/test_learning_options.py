@@ -305,3 +305,59 @@ def test_phases_on_two_devices_match_one_device(strategy):
     one, two = _ONE_DEVICE["one"], losses(strategy, 2)
     assert one[3, 1] == 0.0 and np.all(one[:3, 1] > 0)
     np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# train.rope_positions: randomized RoPE positions
+
+
+def test_rope_positions_move_rope_only_as_the_reference_does():
+    # RoPE at the given positions, blocks, window and causality at the token indices.
+    cfg = tiny_model_cfg(G=2, K=2)
+    x, params = _setup(cfg, 53)
+    pos_T = np.sort(np.random.default_rng(0).choice(400, 53, replace=False)).astype(np.int32)
+    out, state = NSAAttention(cfg).apply(
+        {"params": params}, x, rope_positions_T=jnp.asarray(pos_T), mutable=["intermediates"]
+    )
+    ref, ref_idx = nsa_layer_ref(params, x, cfg, rope_pos=pos_T)
+    np.testing.assert_array_equal(np.asarray(state["intermediates"]["block_idx"][0]), ref_idx)
+    assert rel_err(out, ref) < 1e-5
+    plain, _ = nsa_layer_ref(params, x, cfg)
+    assert rel_err(out, plain) > 1e-2  # the positions did move RoPE
+
+
+def test_random_rope_positions_are_a_sorted_draw_keyed_by_the_tokens():
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 32)
+    pos = np.asarray(S.random_rope_positions(tokens, 1000))
+    assert pos.shape == (64,) and pos.dtype == np.int32
+    assert np.all(np.diff(pos) > 0) and pos[0] >= 0 and pos[-1] < 1000
+    assert pos[-1] - pos[0] > 500  # spread over [0, 1000), not 0..63
+    # A few contiguous pieces: all but at most ROPE_PIECES - 1 neighbours at distance 1.
+    assert 1 <= np.sum(np.diff(pos) > 1) <= S.ROPE_PIECES - 1
+    np.testing.assert_array_equal(np.asarray(jax.jit(S.random_rope_positions, static_argnums=1)(tokens, 1000)), pos)
+    other = np.asarray(S.random_rope_positions(tokens.at[1, 7].add(1), 1000))
+    assert not np.array_equal(other, pos)
+    assert S.random_rope_positions(tokens, 64) is None and S.random_rope_positions(tokens, 0) is None
+    with pytest.raises(ConfigError, match="train.rope_positions"):
+        load_config("cpu_tiny", ["train.rope_positions=-1"])
+
+
+@pytest.mark.slow
+def test_rope_positions_reach_every_layer_of_the_loss():
+    # RoPE sees only differences of positions: the whole model's loss at 0..T-1 shifted by a
+    # constant is the loss at 0..T-1, through every (scanned) layer; a random draw changes it.
+    # init_std 0.3: attention peaked enough at init that positions change the loss.
+    overrides = [o for o in STEP_OVERRIDES if not o.startswith("train.")]
+    cfg = load_config("cpu_tiny", [*overrides, "train.seq_len=32", "model.init_std=0.3"])
+    from nsa_jax.model import NSALM, cross_entropy, init_params
+
+    params = init_params(cfg.model, jax.random.PRNGKey(0), 32)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 32)
+    loss_off, _ = S.loss_and_stats(params, tokens, cfg=cfg)
+    shifted = NSALM(cfg.model).apply({"params": params}, tokens[:, :-1], rope_positions_T=jnp.arange(32) + 1000)
+    np.testing.assert_allclose(float(cross_entropy(shifted, tokens[:, 1:])), float(loss_off), rtol=1e-5)
+    cfg_on = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, rope_positions=512))
+    loss_on, _ = S.loss_and_stats(params, tokens, cfg=cfg_on)
+    assert abs(float(loss_on) - float(loss_off)) > 1e-3
+    with pytest.raises(ValueError, match="rope_positions_T is for training"):
+        NSALM(cfg.model, mode="prefill").apply({"params": params}, tokens[:, :-1], rope_positions_T=jnp.arange(32))
