@@ -127,7 +127,7 @@ def loss_weights(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
 # Pieces a row is cut into by train.rope_positions. Few cuts keep almost every token's
 # neighbours at distance 1 as evaluation sees them: T distinct positions drawn uniformly
 # from [0, N) (gaps of N/T between neighbours) left the loss at contiguous positions at
-# 1.65-2.36 where the training loss was 0.56-0.63 (docs/LONG_CONTEXT.md).
+# 1.65-2.36 where the training loss was 0.56-1.23 (docs/LONG_CONTEXT.md).
 ROPE_PIECES = 4
 
 
