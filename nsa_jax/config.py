@@ -112,6 +112,11 @@ class TrainConfig:
     lr: float = 2e-4
     min_lr: float = 0.0
     warmup: int = 2000
+    # 0: after the warm-up a cosine from lr to min_lr over the rest of train.steps. N > 0
+    # (warmup-stable-decay): lr holds after the warm-up and the cosine runs over the last N
+    # updates only, so a run continued to a larger train.steps (a longer stage) resumes at
+    # the peak, not part-way down a cosine (train/optimizer.py learning_rate).
+    decay_steps: int = 0
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.95
@@ -397,6 +402,11 @@ def validate(cfg: Config) -> Config:
     for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):
         need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
     need(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
+    most = t.steps - max(t.warmup, 1)  # updates after the one at the peak
+    need(
+        0 <= t.decay_steps <= most,
+        f"train.decay_steps must lie in [0, train.steps - max(train.warmup, 1)] = [0, {most}], got {t.decay_steps}",
+    )
     need(t.scorer_distill >= 0, f"train.scorer_distill must be >= 0 (0 disables it), got {t.scorer_distill}")
     need(t.rope_positions >= 0, f"train.rope_positions must be >= 0 (0 disables it), got {t.rope_positions}")
     for key in ("dense_selection_steps", "scorer_distill_steps"):

@@ -57,6 +57,8 @@ def test_overrides_and_paths(tmp_path):
         (["model.nsa.slc_score_distill=1"], "is now train.scorer_distill "),
         (["model.nsa.slc_score_distill_steps=5"], "is now train.scorer_distill_steps"),
         (["train.scorer_distill=-1"], "train.scorer_distill must be >= 0"),
+        (["train.decay_steps=-1"], "train.decay_steps must lie in [0, train.steps - max(train.warmup, 1)]"),
+        (["train.steps=100", "train.warmup=30", "train.decay_steps=71"], "= [0, 70], got 71"),
         (["data.needle_answer_weight=0"], "data.needle_answer_weight must be positive"),
         (["train.dense_selection_steps=5", "parallel.strategy=pmap"], "needs a strategy other than"),
     ],

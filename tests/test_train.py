@@ -250,6 +250,31 @@ def test_schedule_warmup_peak_and_floor(steps, warmup):
     assert lrs[0] > 0  # the first update already moves the weights
 
 
+@pytest.mark.parametrize("steps,warmup,decay", [(20, 5, 8), (20, 0, 19), (12, 1, 1), (12, 2, 10), (300, 30, 200)])
+def test_stable_decay_schedule_matches_optax(steps, warmup, decay):
+    """train.decay_steps: warm-up, lr held, a cosine to min_lr over the last `decay` updates (optax's schedules)."""
+    t = dataclasses.replace(tiny_cfg().train, steps=steps, warmup=warmup, lr=3e-3, min_lr=2e-4, decay_steps=decay)
+    pieces = [optax.linear_schedule(t.lr / warmup, t.lr, warmup - 1)] if warmup > 1 else []
+    pieces += [optax.constant_schedule(t.lr), optax.cosine_decay_schedule(t.lr, decay, alpha=t.min_lr / t.lr)]
+    bounds = ([warmup - 1] if warmup > 1 else []) + [steps - 1 - decay]  # the last update at the peak
+    reference = optax.join_schedules(pieces, bounds)
+    lrs = np.array([float(O.learning_rate(i, t)) for i in range(steps)])
+    np.testing.assert_allclose(lrs, [float(reference(i)) for i in range(steps)], rtol=1e-5)
+    assert lrs[-1] == pytest.approx(t.min_lr, rel=1e-6) and np.sum(lrs < t.lr * (1 - 1e-6)) >= decay
+
+
+def test_stable_decay_holds_the_peak_when_a_run_is_continued_longer():
+    """A stage continued to a larger train.steps finds lr where the shorter run was before its decay."""
+    short = dataclasses.replace(tiny_cfg().train, steps=100, warmup=10, lr=1e-3, min_lr=0.0, decay_steps=20)
+    longer = dataclasses.replace(short, steps=250)
+    cosine = dataclasses.replace(longer, decay_steps=0)
+    for step in (10, 50, 79, 150, 229):
+        assert float(O.learning_rate(step, longer)) == pytest.approx(1e-3, rel=1e-6)
+    assert float(O.learning_rate(79, short)) == pytest.approx(1e-3, rel=1e-6)
+    assert float(O.learning_rate(99, short)) == 0.0 and float(O.learning_rate(249, longer)) == 0.0
+    assert float(O.learning_rate(100, cosine)) < 0.75e-3  # the plain cosine is part-way down there
+
+
 def test_weight_decay_skips_norms_biases_embeddings():
     params = {
         "embed": {"embedding": jnp.ones((4, 2))},

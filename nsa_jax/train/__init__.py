@@ -1,6 +1,6 @@
 """Training: optimizer, train state, the data-parallel train step, run artifacts, the loop.
 
-  optimizer.py  AdamW, warmup + cosine in optimizer steps, decay mask, fp32 master weights
+  optimizer.py  AdamW, warmup + cosine (or stable-decay) in optimizer steps, decay mask, fp32 master weights
   state.py      TrainState pytree (step, params, opt_state, rng): what a checkpoint saves
   step.py       the pure jitted step over a `data` mesh: accumulation scan, one all-reduce
   artifacts.py  training.csv, heartbeat_rank<r>.jsonl, env.json, tb/

@@ -1,4 +1,4 @@
-"""AdamW with warmup + cosine, counted in optimizer steps.
+"""AdamW with warmup + cosine (or warmup-stable-decay), counted in optimizer steps.
 
 Owns the learning-rate schedule, the weight-decay mask and the optax chain
 (global-norm clipping, then AdamW). Parameters and both Adam moments stay fp32
@@ -31,14 +31,17 @@ def learning_rate(step, cfg: TrainConfig):
 
     Linear warmup to `lr` over the first `warmup` updates (the first update already
     uses lr / warmup, not 0), then a cosine from `lr` down to `min_lr`, reached
-    exactly by the last update (step = steps - 1). With warmup >= steps the run
-    ends inside the warmup.
+    exactly by the last update (step = steps - 1). The cosine spans every update
+    after the warm-up, or with `decay_steps = N > 0` only the last N (warmup-stable-
+    decay: lr holds until then). With warmup >= steps the run ends inside the warmup.
     """
     step = jnp.asarray(step, jnp.float32)
     peak_at = max(cfg.warmup, 1) - 1  # the update that uses the peak LR
     warm = cfg.lr * (step + 1.0) / max(cfg.warmup, 1)
-    span = max(cfg.steps - 1 - peak_at, 1)
-    progress = jnp.clip((step - peak_at) / span, 0.0, 1.0)
+    # The cosine starts after `start`, the last update at the peak.
+    start = max(cfg.steps - 1 - cfg.decay_steps, peak_at) if cfg.decay_steps else peak_at
+    span = max(cfg.steps - 1 - start, 1)
+    progress = jnp.clip((step - start) / span, 0.0, 1.0)
     cosine = cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
     return jnp.where(step < peak_at, warm, cosine)
 
