@@ -404,7 +404,7 @@ def validate(cfg: Config) -> Config:
     need(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
     most = t.steps - max(t.warmup, 1)  # updates after the one at the peak
     need(
-        0 <= t.decay_steps <= most,
+        t.decay_steps == 0 or 0 < t.decay_steps <= most,  # 0 (off) also where the run ends inside the warm-up
         f"train.decay_steps must lie in [0, train.steps - max(train.warmup, 1)] = [0, {most}], got {t.decay_steps}",
     )
     need(t.scorer_distill >= 0, f"train.scorer_distill must be >= 0 (0 disables it), got {t.scorer_distill}")

@@ -59,6 +59,7 @@ def test_overrides_and_paths(tmp_path):
         (["train.scorer_distill=-1"], "train.scorer_distill must be >= 0"),
         (["train.decay_steps=-1"], "train.decay_steps must lie in [0, train.steps - max(train.warmup, 1)]"),
         (["train.steps=100", "train.warmup=30", "train.decay_steps=71"], "= [0, 70], got 71"),
+        (["train.steps=20", "train.warmup=30", "train.decay_steps=1"], "= [0, -10], got 1"),
         (["data.needle_answer_weight=0"], "data.needle_answer_weight must be positive"),
         (["train.dense_selection_steps=5", "parallel.strategy=pmap"], "needs a strategy other than"),
     ],
@@ -68,6 +69,11 @@ def test_bad_config_is_one_clear_error(overrides, needle):
         load_config("cpu_tiny", overrides)
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_run_shorter_than_its_warmup_loads_with_the_decay_off():
+    t = load_config("cpu_tiny", ["train.steps=5", "train.warmup=30"]).train
+    assert (t.steps, t.warmup, t.decay_steps) == (5, 30, 0)
 
 
 def test_retired_key_in_a_yaml_file_is_one_error(tmp_path):
