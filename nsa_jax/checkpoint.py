@@ -315,12 +315,33 @@ def _is_closed_loop_callback(exc: BaseException | None, tb) -> bool:
     return bool(frames) and frames[0] == "call_soon_threadsafe"
 
 
+def _is_unretrieved_orbax_write(record: logging.LogRecord) -> bool:
+    """asyncio's report of a failed orbax write whose exception nobody awaited.
+
+    When several writes of a save fail (a full disk fails them all), orbax's gather
+    raises the first and leaves the others unretrieved; asyncio logs each one, with its
+    traceback, when its task is collected, which can be after the manager is closed.
+    The failure itself is reported once, as a CheckpointSaveError.
+    """
+    if not record.getMessage().startswith("Task exception was never retrieved"):
+        return False
+    exc = record.exc_info[1] if record.exc_info else None
+    return exc is not None and any("orbax" in f.f_code.co_filename for f, _ in traceback.walk_tb(exc.__traceback__))
+
+
+class _UnretrievedWriteFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _is_unretrieved_orbax_write(record)
+
+
 def _silence_closed_loop_callbacks() -> None:
-    """Drops the tracebacks of `_is_closed_loop_callback` (process-wide, idempotent): they are
-    printed through sys.excepthook (a callback error inside tensorstore) or sys.unraisablehook,
-    and can arrive until the process exits, after the manager is closed."""
+    """Drops the tracebacks of `_is_closed_loop_callback` and `_is_unretrieved_orbax_write`
+    (process-wide, idempotent): they are printed through sys.excepthook (a callback error
+    inside tensorstore), sys.unraisablehook or the asyncio logger, and can arrive until the
+    process exits, after the manager is closed."""
     if getattr(sys.excepthook, "_nsa_quiet", False):
         return
+    logging.getLogger("asyncio").addFilter(_UnretrievedWriteFilter())
     prev_except, prev_unraisable = sys.excepthook, sys.unraisablehook
 
     def excepthook(kind, exc, tb):

@@ -7,6 +7,8 @@ orbax fails for real, with writes still in flight when it gives up on the save.
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import os
 import pathlib
 import shutil
@@ -42,6 +44,32 @@ def test_only_the_closed_loop_callbacks_of_a_failed_save_are_dropped():
     except RuntimeError as e:
         assert not C._is_closed_loop_callback(e, e.__traceback__)
     assert not C._is_closed_loop_callback(ValueError("Event loop is closed"), tb)
+
+
+def _leave_unretrieved_write_error(filename: str) -> None:
+    """A task whose exception nobody awaits, raised in code compiled as `filename`, then collected."""
+    ns: dict = {}
+    source = "async def write():\n    raise ValueError('RESOURCE_EXHAUSTED: No space left')\n"
+    exec(compile(source, filename, "exec"), ns)
+    loop = asyncio.new_event_loop()
+
+    async def save():
+        task = loop.create_task(ns["write"]())
+        await asyncio.sleep(0.01)  # the write fails; its exception is never retrieved
+        del task
+
+    loop.run_until_complete(save())
+    loop.close()
+    gc.collect()  # asyncio logs an unretrieved task's exception when it is collected
+
+
+def test_unretrieved_orbax_write_errors_are_dropped_and_others_kept(caplog):
+    C._silence_closed_loop_callbacks()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        _leave_unretrieved_write_error("/site-packages/orbax/checkpoint/_src/serialization/fake.py")
+        assert "never retrieved" not in caplog.text
+        _leave_unretrieved_write_error("/site-packages/somewhere/else.py")
+    assert "Task exception was never retrieved" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
 
 
 def _mount(path: pathlib.Path, size: str, remount: bool = False) -> bool:
