@@ -1,24 +1,31 @@
-"""Benchmark the selection / window attention kernels.
+"""Time each NSA branch's candidate kernels side by side, against dense attention.
 
-Compares, at the production head configuration (H=12 query heads, K=2 KV
-heads, head dim 64, lp=64, n=16, w=512; compressed branch l=32, d=16 with the
-n=16 selected blocks, as the layer runs it: on the Pallas path one kernel scores
-and selects the blocks):
+At the production head configuration (H=12 query heads, K=2 KV heads, head dim
+64, lp=64, n=16, w=512; compressed branch l=32, d=16 with the n=16 selected
+blocks, as the layer runs it), forward and (with ``--backward``)
+forward+backward, one row per (T, branch, mode, candidate):
 
-* ``pallas``: the Triton-backend Pallas kernels (nsa_jax.kernels.*_pallas; for
-  the selection branch the gather kernel, selection_pallas),
-* ``blocksparse`` (selection branch only): the block-sparse flash kernel
-  (blocksparse_pallas), which ``kernels.selection_attention`` runs instead of the
-  gather kernel when T <= 2 n lp (2048 here),
-* ``xla``: the plain-XLA chunked path (nsa_jax.kernels.xla),
-* ``dense``: full causal ``jax.nn.dot_product_attention`` (the cost NSA avoids),
+* ``ms``: median wall time; ``TFLOP/s``: the matmul FLOPs of the (query, key)
+  pairs the branch attends to (QK and PV forward, 2.5x that backward, the
+  flash-attention convention), over that time; ``dense/x``: dense causal
+  attention's time over the candidate's (> 1: the candidate is faster);
+  ``max|o-ref|``: the candidate's forward output against the branch's ``xla``
+  path (a cheap sanity check; tests/ hold the float64 references).
 
-forward and (with ``--backward``) forward+backward, printing milliseconds and
-the speedup of the Pallas kernels over the others.
+Candidates (``--impls`` picks by name, ``--selection-variants`` adds gather
+kernels with other ``SelectionBlockSizes``):
+
+* selection: ``gather`` (selection_pallas; the layer's kernel above
+  T = 2 n lp) and one ``gather[...]`` per variant, ``blocksparse``
+  (blocksparse_pallas; the layer's kernel up to there), ``xla``;
+* window: ``pallas`` (flash_pallas), ``cudnn`` (``jax.nn.dot_product_attention``
+  with ``local_window_size``, GPU only), ``xla``;
+* compressed: ``pallas`` (scores and top-n in one kernel), ``xla``;
+* ``dense``: full causal attention, cuDNN's on a GPU, XLA's elsewhere.
 
 Usage:
-  python -m benchmarks.bench_kernels [--seq-lens 2048,4096] [--backward]
-                                     [--json out.json]
+  python -m benchmarks.bench_kernels [--seq-lens 8k,64k] [--backward] [--json out.json]
+      [--selection-variants "positions=1;positions=4,num_warps=2"]
 
 Without a GPU the Pallas kernels only run in the interpreter, which says
 nothing about speed, so they are skipped; the XLA and dense paths run at the
@@ -30,28 +37,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import fmt, log, on_gpu, print_header, print_table_header, short_error, time_fn, write_json
+from benchmarks.common import fmt, log, on_gpu, parse_ints, print_header, short_error, time_fn, write_json
 from nsa_jax.kernels import compressed_attention
+from nsa_jax.kernels import xla as xla_kernels
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
 
-try:
-    from nsa_jax.kernels import xla as xla_kernels
-except ImportError:  # the reference path is optional for this script
-    xla_kernels = None
-
 PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=512, cmp_l=32, cmp_d=16)
-GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
+GPU_SEQ_LENS = (2048, 8192, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
-# Kernels that only the interpreter runs without a GPU (skipped there).
-PALLAS_IMPLS = ("pallas", "blocksparse")
+# Candidates that need a GPU to say anything about speed (the Pallas ones only interpret elsewhere).
+GPU_ONLY = ("gather", "blocksparse", "pallas", "cudnn")
+# The forward+backward FLOPs over the forward's: QK^T and PV forward; the QK^T recompute, dP, dV, dQ, dK backward.
+FWD_BWD_FLOP_RATIO = 3.5
 
 
 def with_backward(fn):
@@ -64,8 +70,38 @@ def with_backward(fn):
     return run
 
 
-def candidates(branch, interpret=False, positions=1, blocksparse_sizes=None):
-    """name -> fn(q, k, v, idx) -> (o, aux).
+def parse_sizes(cls, text: str, flag: str):
+    """``cls(**{name: int})`` from ``name=int,...`` (empty: None); exits with one line on a bad entry."""
+    if not text:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in names or not value.strip().isdigit():
+            raise SystemExit(f"error: {flag} entry {item!r} is not name=integer with name one of {sorted(names)}")
+        values[name.strip()] = int(value)
+    return cls(**values)
+
+
+def variant_name(text: str) -> str:
+    """'positions=4,num_warps=2' -> 'gather[positions=4,num_warps=2]'."""
+    return f"gather[{text.replace(' ', '')}]"
+
+
+def _no_aux(fn):
+    return lambda *a: (fn(*a), None)
+
+
+def cudnn_window(q, k, v, window):
+    """Sliding-window attention as cuDNN's causal attention with a left window of w - 1 keys."""
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation="cudnn"
+    )
+
+
+def candidates(branch, selection_variants=(), blocksparse_sizes=None):
+    """name -> fn(q, k, v, idx) -> (o, aux), the branch's candidates in table order.
 
     The block indices are an argument, not a closed-over constant: as a constant XLA
     would fold the selection backward's reverse-index sort into the program at compile
@@ -74,50 +110,31 @@ def candidates(branch, interpret=False, positions=1, blocksparse_sizes=None):
     (the layer's call: scoring and top-n), so their cost is timed too.
     """
     p = PROD
+    lp, w = p["block_size"], p["window"]
     impls = {}
-    no_aux = lambda fn: lambda *a: (fn(*a), None)  # noqa: E731
     if branch == "selection":
-        impls["pallas"] = no_aux(
-            lambda q, k, v, idx: selection_attention_pallas(
-                q, k, v, idx, p["block_size"], interpret=interpret, block_sizes=SelectionBlockSizes(positions=positions)
+        impls["gather"] = _no_aux(lambda q, k, v, idx: selection_attention_pallas(q, k, v, idx, lp))
+        for text in selection_variants:
+            bsz = parse_sizes(SelectionBlockSizes, text, "--selection-variants")
+            impls[variant_name(text)] = _no_aux(
+                functools.partial(
+                    lambda q, k, v, idx, bsz: selection_attention_pallas(q, k, v, idx, lp, block_sizes=bsz), bsz=bsz
+                )
             )
+        impls["blocksparse"] = _no_aux(
+            lambda q, k, v, idx: selection_attention_blocksparse_pallas(q, k, v, idx, lp, block_sizes=blocksparse_sizes)
         )
-        impls["blocksparse"] = no_aux(
-            lambda q, k, v, idx: selection_attention_blocksparse_pallas(
-                q, k, v, idx, p["block_size"], interpret=interpret, block_sizes=blocksparse_sizes
-            )
-        )
-        if xla_kernels is not None:
-            impls["xla"] = no_aux(
-                lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, p["block_size"])
-            )
+        impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, lp))
     elif branch == "compressed":
         for impl in ("pallas", "xla"):
             impls[impl] = functools.partial(compressed_branch, impl=impl)
+    elif branch == "window":
+        impls["pallas"] = _no_aux(lambda q, k, v, idx: window_attention_pallas(q, k, v, w))
+        impls["cudnn"] = _no_aux(lambda q, k, v, idx: cudnn_window(q, k, v, w))
+        impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, w))
     else:
-        impls["pallas"] = no_aux(
-            lambda q, k, v, idx: window_attention_pallas(q, k, v, p["window"], interpret=interpret)
-        )
-        if xla_kernels is not None:
-            impls["xla"] = no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, p["window"]))
-    impls["dense"] = dense_attention("cudnn" if on_gpu() else "xla")
+        raise SystemExit(f"error: --branches entry {branch!r} is not one of selection, window, compressed")
     return impls
-
-
-def parse_block_sizes(text):
-    """``FlashBlockSizes`` from ``name=int,...`` (empty: None, the kernel's defaults); exits on a bad entry."""
-    if not text:
-        return None
-    names = {f.name for f in dataclasses.fields(FlashBlockSizes)}
-    values = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        if name.strip() not in names or not value.strip().isdigit():
-            raise SystemExit(
-                f"error: --blocksparse-block-sizes entry {item!r} is not name=integer with name one of {sorted(names)}"
-            )
-        values[name.strip()] = int(value)
-    return FlashBlockSizes(**values)
 
 
 def compressed_branch(q, kc, vc, idx, *, impl):
@@ -138,165 +155,205 @@ def dense_attention(implementation):
     )
 
 
+def attended_pairs(branch: str, seq: int, idx_BxTxKxN: np.ndarray | None = None) -> float:
+    """(query head, key) pairs the branch attends to at length `seq` (per batch row, mean over rows).
+
+    selection: every key p <= t of each selected block, from the indices themselves;
+    window: min(t + 1, w) per query; compressed: the compressed tokens a query sees;
+    dense: t + 1 per query.
+    """
+    p = PROD
+    t = np.arange(seq, dtype=np.int64)
+    if branch == "dense":
+        per_query = t + 1
+    elif branch == "window":
+        per_query = np.minimum(t + 1, p["window"])
+    elif branch == "compressed":
+        per_query = np.maximum((t - p["cmp_l"] + 1) // p["cmp_d"] + 1, 0)
+    else:
+        lp = p["block_size"]
+        blk = idx_BxTxKxN.astype(np.int64)
+        seen = np.clip(t[None, :, None, None] - blk * lp + 1, 0, lp) * (blk >= 0)
+        group = p["heads"] // p["kv_heads"]
+        return float(seen.sum()) * group / idx_BxTxKxN.shape[0]
+    return float(per_query.sum()) * p["heads"]
+
+
+def matmul_flops(pairs: float, mode: str) -> float:
+    d = PROD["head_dim"]
+    fwd = 2.0 * pairs * (d + d)
+    return fwd if mode == "fwd" else FWD_BWD_FLOP_RATIO * fwd
+
+
 def run_one(name, fn, args, ct, mode, opts):
+    """(median ms, error line or None)."""
     try:
         if mode == "fwd":
             return time_fn(fn, args, opts.warmup, opts.iters), None
         return time_fn(with_backward(fn), args + (ct,), opts.warmup, opts.iters), None
-    except Exception as e:  # out of memory, unsupported size, ...
+    except Exception as e:  # out of memory, unsupported size or card, ...
         msg = short_error(e)
         log(f"  {name} failed: {msg}")
         return None, msg
 
 
-def main(argv=None):
+def output_diff(fn, ref_fn, args) -> float | None:
+    """max |fn(args) - ref_fn(args)| of the forward outputs, in fp32 (None when either fails)."""
+    try:
+        a = jax.jit(fn)(*args)[0].astype(jnp.float32)
+        b = jax.jit(ref_fn)(*args)[0].astype(jnp.float32)
+        return float(jnp.max(jnp.abs(a - b)))
+    except Exception:
+        return None
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--seq-lens",
-        type=str,
-        default=None,
-        help="comma-separated T values (default: 2k..64k on GPU, 2048,4096 on CPU)",
-    )
+    parser.add_argument("--seq-lens", default=None, help="comma-separated T values, 2k/64k allowed")
     parser.add_argument("--backward", action="store_true", help="also time forward+backward")
     parser.add_argument("--branches", default="selection,window,compressed")
     parser.add_argument(
-        "--selection-positions",
-        type=int,
-        default=1,
-        help="query positions per selection forward / dQ program (SelectionBlockSizes.positions)",
+        "--selection-variants",
+        default="",
+        help="';'-separated SelectionBlockSizes of extra gather candidates, e.g. "
+        "'positions=1;positions=4,num_warps=2' (each a candidate named gather[...])",
     )
     parser.add_argument(
         "--blocksparse-block-sizes",
         default="",
-        help="FlashBlockSizes of the block-sparse selection kernel, e.g. block_rows=64,block_keys=64,dkv_splits=6 "
-        "(default: the kernel's own choice)",
+        help="FlashBlockSizes of the block-sparse selection kernel, e.g. block_rows=64,dkv_splits=6",
+    )
+    parser.add_argument(
+        "--idx-runs",
+        type=int,
+        default=1,
+        help="runs of this many consecutive queries share one random selection (1: every query draws its own; "
+        "a trained model's neighbours share most blocks, which the multi-position gather kernel exploits)",
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument(
-        "--dense-max-seq",
-        type=int,
-        default=None,
-        help="largest T for dense attention (default: 65536 with cuDNN on a GPU, 16384 elsewhere: T x T memory)",
-    )
-    parser.add_argument(
-        "--impls",
-        default=None,
-        help="comma-separated implementations to time, of pallas, blocksparse, xla, dense (default: all); "
-        "e.g. pallas,blocksparse,dense leaves out the XLA selection backward, which takes seconds at 64k",
-    )
-    parser.add_argument("--json", type=str, default=None, help="write the results to this JSON file")
+    parser.add_argument("--dense-max-seq", type=int, default=None, help="largest T for dense attention")
+    parser.add_argument("--impls", default=None, help="comma-separated candidate names to time (default: all)")
+    parser.add_argument("--no-check", action="store_true", help="skip the forward-output comparison")
+    parser.add_argument("--json", default=None, help="write {meta, rows} to this JSON file")
     opts = parser.parse_args(argv)
-    known = ("pallas", "blocksparse", "xla", "dense")
-    chosen = None if opts.impls is None else [i.strip() for i in opts.impls.split(",") if i.strip()]
-    bad = [i for i in chosen or () if i not in known]
-    if bad or chosen == []:
-        raise SystemExit(f"error: --impls {opts.impls!r}: name one or more of {', '.join(known)}")
+    if opts.idx_runs < 1 or PROD["block_size"] % opts.idx_runs:
+        raise SystemExit(f"error: --idx-runs {opts.idx_runs} must divide the block length {PROD['block_size']}")
+    return opts
 
-    blocksparse_sizes = parse_block_sizes(opts.blocksparse_block_sizes)
+
+def make_inputs(seq, opts, dtype):
+    p = PROD
+    kq, kk, kv, kc = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(0), seq), 4)
+    shape_q = (opts.batch, seq, p["heads"], p["head_dim"])
+    shape_kv = (opts.batch, seq, p["kv_heads"], p["head_dim"])
+    q = jax.random.normal(kq, shape_q, dtype)
+    k = jax.random.normal(kk, shape_kv, dtype)
+    v = jax.random.normal(kv, shape_kv, dtype)
+    ct = jax.random.normal(kc, shape_q, dtype)
+    idx = random_block_indices(np.random.default_rng(seq), opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"])
+    # Runs aligned to a divisor of lp share the current block, so the first query's draw is valid for all.
+    idx = idx[:, (np.arange(seq) // opts.idx_runs) * opts.idx_runs]
+    return q, k, v, ct, idx
+
+
+def main(argv=None):
+    opts = parse_args(argv)
+    blocksparse_sizes = parse_sizes(FlashBlockSizes, opts.blocksparse_block_sizes, "--blocksparse-block-sizes")
+    variants = [v.strip() for v in opts.selection_variants.split(";") if v.strip()]
     gpu = on_gpu()
-    if opts.dense_max_seq is None:
-        opts.dense_max_seq = 65536 if gpu else 16384
+    dense_max = opts.dense_max_seq or (65536 if gpu else 16384)
     env = print_header(__doc__.splitlines()[0])
     if not gpu:
-        print(
-            "No GPU found: the Pallas kernels would only run in the "
-            "interpreter, which is not a benchmark, so they are SKIPPED. "
-            "Timing the XLA and dense paths only."
-        )
-    if xla_kernels is None:
-        print("nsa_jax.kernels.xla not importable: XLA path skipped.")
-    if opts.seq_lens:
-        seq_lens = [int(s) for s in opts.seq_lens.split(",") if s]
-    else:
-        seq_lens = list(GPU_SEQ_LENS if gpu else CPU_SEQ_LENS)
-    dtype = jnp.dtype(opts.dtype)
+        print("No GPU: the Pallas and cuDNN candidates are SKIPPED (the interpreter is not a benchmark).")
+    seq_lens = parse_ints(opts.seq_lens) if opts.seq_lens else list(GPU_SEQ_LENS if gpu else CPU_SEQ_LENS)
+    # Commas inside a variant's brackets belong to it: gather[positions=4,num_warps=2],dense.
+    chosen = None if opts.impls is None else {i.strip() for i in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", opts.impls)}
+    chosen = None if chosen is None else {i for i in chosen if i}
     modes = ["fwd"] + (["fwd+bwd"] if opts.backward else [])
     branches = [b.strip() for b in opts.branches.split(",") if b.strip()]
+    all_impls = {b: candidates(b, variants, blocksparse_sizes) for b in branches}
+    known = {n for impls in all_impls.values() for n in impls} | {"dense"}
+    if chosen is not None and (not chosen or chosen - known):
+        raise SystemExit(f"error: --impls {opts.impls!r}: name one or more of {', '.join(sorted(known))}")
+    dense_fn = dense_attention("cudnn" if gpu else "xla")
     p = PROD
 
     rows = []
-    dense_cache = {}
-    key = jax.random.PRNGKey(0)
     for seq in seq_lens:
-        kq, kk, kv, kc = jax.random.split(jax.random.fold_in(key, seq), 4)
-        shape_q = (opts.batch, seq, p["heads"], p["head_dim"])
-        shape_kv = (opts.batch, seq, p["kv_heads"], p["head_dim"])
-        q = jax.random.normal(kq, shape_q, dtype)
-        k = jax.random.normal(kk, shape_kv, dtype)
-        v = jax.random.normal(kv, shape_kv, dtype)
-        ct = jax.random.normal(kc, shape_q, dtype)
-        rng = np.random.default_rng(seq)
-        idx = jnp.asarray(random_block_indices(rng, opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"]))
+        q, k, v, ct, idx_np = make_inputs(seq, opts, jnp.dtype(opts.dtype))
+        idx = jnp.asarray(idx_np)
         tc = (seq - p["cmp_l"]) // p["cmp_d"] + 1
-        cmp_args = (q, k[:, :tc], v[:, :tc], idx)
-        for branch in branches:
-            impls = candidates(branch, positions=opts.selection_positions, blocksparse_sizes=blocksparse_sizes)
-            impls = {name: fn for name, fn in impls.items() if chosen is None or name in chosen}
-            for mode in modes:
-                row = dict(seq=seq, branch=branch, mode=mode)
+        dense_pairs = attended_pairs("dense", seq)
+        for mode in modes:
+            dense_ms, dense_note = None, f"T > --dense-max-seq {dense_max}"
+            if (chosen is None or "dense" in chosen) and seq <= dense_max:
+                log(f"T={seq} dense {mode} ...")
+                dense_ms, dense_note = run_one("dense", dense_fn, (q, k, v, idx), ct, mode, opts)
+            rows.append(
+                dict(
+                    seq=seq,
+                    branch="dense",
+                    mode=mode,
+                    impl="cudnn" if gpu else "xla",
+                    ms=dense_ms,
+                    tflops=dense_ms and matmul_flops(dense_pairs, mode) * opts.batch / dense_ms / 1e9,
+                    dense_over=1.0 if dense_ms else None,
+                    note=dense_note if dense_ms is None else None,
+                )
+            )
+            for branch in branches:
+                args = (q, k[:, :tc], v[:, :tc], idx) if branch == "compressed" else (q, k, v, idx)
+                pairs = attended_pairs(branch, seq, idx_np if branch == "selection" else None)
+                impls = all_impls[branch]
+                ref_name = "xla"  # the reference path (tests/ check it against float64)
                 for name, fn in impls.items():
-                    skip = None
-                    if name in PALLAS_IMPLS and not gpu:
-                        skip = "no GPU"
-                    elif name == "dense" and seq > opts.dense_max_seq:
-                        skip = f"T > --dense-max-seq {opts.dense_max_seq}"
-                    if skip:
-                        row[f"{name}_ms"], row[f"{name}_note"] = None, skip
+                    if chosen is not None and name not in chosen:
                         continue
-                    if name == "dense" and (seq, mode) in dense_cache:
-                        # Same computation for both branches: time it once.
-                        row["dense_ms"], err = dense_cache[(seq, mode)]
+                    row = dict(seq=seq, branch=branch, mode=mode, impl=name, ms=None)
+                    base = name.split("[")[0]
+                    if base in GPU_ONLY and not gpu:
+                        row["note"] = "no GPU"
                     else:
                         log(f"T={seq} {branch} {mode} {name} ...")
-                        # Dense attention reads all T keys; the compressed branch its T/d tokens.
-                        args = (q, k, v, idx) if name == "dense" or branch != "compressed" else cmp_args
-                        row[f"{name}_ms"], err = run_one(name, fn, args, ct, mode, opts)
-                        if name == "dense" and err and gpu:
-                            log("  cuDNN attention failed; timing XLA's dense attention instead")
-                            fn = dense_attention("xla")
-                            row["dense_ms"], err = run_one(name, fn, args, ct, mode, opts)
-                            err = err or "cuDNN failed, XLA dense timed"
-                        if name == "dense":
-                            dense_cache[(seq, mode)] = (row["dense_ms"], err)
-                    if err:
-                        row[f"{name}_note"] = err
-                for other in ("xla", "dense"):
-                    a, b = row.get("pallas_ms"), row.get(f"{other}_ms")
-                    row[f"speedup_vs_{other}"] = (b / a) if a and b else None
-                a, b = row.get("blocksparse_ms"), row.get("dense_ms")
-                row["blocksparse_speedup_vs_dense"] = (b / a) if a and b else None
-                rows.append(row)
+                        row["ms"], row["note"] = run_one(name, fn, args, ct, mode, opts)
+                        if row["ms"]:
+                            log(f"  {row['ms']:.3f} ms")
+                    ms = row["ms"]
+                    row["tflops"] = ms and matmul_flops(pairs, mode) * opts.batch / ms / 1e9
+                    row["dense_over"] = (dense_ms / ms) if ms and dense_ms else None
+                    if ms and mode == "fwd" and name != ref_name and not opts.no_check:
+                        row["max_abs_diff"] = output_diff(fn, impls[ref_name], args)
+                    rows.append(row)
 
-    header = (
-        f"{'T':>6} {'branch':<10} {'mode':<7} {'pallas ms':>9} {'bsp ms':>9} "
-        f"{'xla ms':>9} {'dense ms':>9} {'xla/pal':>9} {'dense/pal':>9} {'dense/bsp':>9}"
-    )
-    print_table_header(header)
-    for r in rows:
-        print(
-            f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} "
-            f"{fmt(r.get('pallas_ms'))} {fmt(r.get('blocksparse_ms'))} {fmt(r.get('xla_ms'))} "
-            f"{fmt(r.get('dense_ms'))} "
-            f"{fmt(r.get('speedup_vs_xla'), '{:8.2f}x')} "
-            f"{fmt(r.get('speedup_vs_dense'), '{:8.2f}x')} "
-            f"{fmt(r.get('blocksparse_speedup_vs_dense'), '{:8.2f}x')}"
-        )
-    notes = sorted({(k[:-5], r[k]) for r in rows for k in r if k.endswith("_note")})
-    for name, note in notes:
-        print(f"  {name}: {note}")
+    print_table(rows)
     meta = dict(
         env,
         dtype=opts.dtype,
         batch=opts.batch,
         config=PROD,
-        selection_positions=opts.selection_positions,
+        selection_variants=variants,
         blocksparse_block_sizes=opts.blocksparse_block_sizes,
+        idx_runs=opts.idx_runs,
         pallas_skipped=not gpu,
     )
     write_json(opts.json, meta, rows)
+    return rows
+
+
+def print_table(rows):
+    header = f"{'T':>6} {'branch':<10} {'mode':<7} {'candidate':<34} {'ms':>9} {'TFLOP/s':>8} {'dense/x':>8} {'max|o-ref|':>10}"
+    print()
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} {r['impl']:<34} {fmt(r['ms'])} "
+            f"{fmt(r.get('tflops'), '{:8.1f}', 8)} {fmt(r.get('dense_over'), '{:7.2f}x', 8)} "
+            f"{fmt(r.get('max_abs_diff'), '{:10.2e}', 10)}" + (f"  ({r['note']})" if r.get("note") else "")
+        )
 
 
 if __name__ == "__main__":

@@ -9,16 +9,19 @@
 #              against the float64 per-token reference, the NSA layer (Pallas kernels)
 #              against the naive reference, and Pallas-vs-XLA training steps
 #   kernels    python -m benchmarks.bench_kernels: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
-#   selection  the selection kernels with 1 and 2 query positions per forward / dQ program
-#              (SelectionBlockSizes.positions), fwd and fwd+bwd (counting-sort reverse index
-#              included), one JSON each
-#   shortseq   the selection kernels at short T (2048-8192: block-sparse flash vs gather vs dense),
-#              fwd+bwd, with dK/dV split over 1, 2 and G (default) runs of query tiles
+#   sweep      the gather selection kernel's cheap knobs side by side in one process: positions
+#              1/2/4 x num_warps 1/2/4 (forward and dQ programs; dK/dV at its default), fwd and
+#              fwd+bwd at SWEEP_SEQ_LENS (default 8192,32768,65536), then positions 1/2/4 with
+#              runs of 8 queries sharing a selection (--idx-runs 8, as trained neighbours do) at 32768
+#   window     the window branch: Pallas flash vs cuDNN's sliding window (local_window_size) vs
+#              dense cuDNN, fwd and fwd+bwd, with the outputs compared
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
 #   layer      python -m benchmarks.export_report (largest tensor and kernel count of the layer's
 #              fwd+bwd lowered for CUDA, T=LAYER_SEQ_LEN) then bench_attention fwd+bwd at
 #              T=LAYER_SEQ_LENS (where the block-score tensors used to dominate)
-#   train      python -m benchmarks.bench_train: a100_pcie tokens/s and MFU against the measured bf16 peak
+#   train      python -m benchmarks.bench_train: a100_pcie tokens/s and MFU against the measured bf16 peak,
+#              with the input projections' x gradient as one matmul (matmul_parts) and as separate
+#              matmuls (TRAIN_X_GRADS, default parts,separate)
 #   smoke      python -m launch.train --config a100_pcie for a few steps, then resumed from its
 #              checkpoint (artifacts in OUT_DIR/run)
 #   profile    python -m benchmarks.profile_step: where one NSA layer's fwd+bwd time goes (T=PROFILE_SEQ_LEN)
@@ -41,7 +44,7 @@
 # part does not stop the others. PYTHON picks the interpreter (default python3).
 #
 # Extra flags by part: TEST_ARGS (pytest, e.g. "-n 8 --timeout 60"; default -x), KERNEL_ARGS
-# (kernels, selection, shortseq; e.g. "--impls pallas,blocksparse,dense"), ATTN_ARGS (attention,
+# (kernels; e.g. "--impls gather,blocksparse,dense"), ATTN_ARGS (attention,
 # e.g. "--dense cudnn"), TRAIN_BATCHES (train: comma-separated global batches, one row each).
 # DEADLINE=S: no part starts after S seconds and each part's limit is cut to what is left
 # (for a machine lent by the minute). ARCHIVE=FILE.tgz: OUT_DIR is packed into FILE after every
@@ -108,22 +111,20 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward ${KERNEL_ARGS:-} \
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
-    selection)
-        for positions in 1 2; do
-            # shellcheck disable=SC2086
-            run_part "selection_p$positions" 420 "$PY" -m benchmarks.bench_kernels --backward ${KERNEL_ARGS:-} \
-                --branches selection --selection-positions "$positions" \
-                --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/selection_p$positions.json"
-        done
+    sweep)
+        variants="" sep=""
+        for w in 4 2 1; do for p in 1 2 4; do variants+="${sep}positions=$p,num_warps=$w"; sep=";"; done; done
+        # shellcheck disable=SC2086
+        run_part sweep 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
+            --impls "gather,dense,$(echo "$variants" | sed 's/\([^;]*\)/gather[\1]/g; s/;/,/g')" \
+            --selection-variants "$variants" --seq-lens "${SWEEP_SEQ_LENS:-8192,32768,65536}" --json "$out/sweep.json"
+        run_part sweep_runs8 300 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
+            --idx-runs 8 --impls "gather[positions=1],gather[positions=2],gather[positions=4],dense" \
+            --selection-variants "positions=1;positions=2;positions=4" --seq-lens 32768 --json "$out/sweep_runs8.json"
         ;;
-    shortseq)
-        for splits in 1 2 default; do
-            sizes=(); [ "$splits" != default ] && sizes=(--blocksparse-block-sizes "dkv_splits=$splits")
-            # shellcheck disable=SC2086
-            run_part "shortseq_s$splits" 420 "$PY" -m benchmarks.bench_kernels --backward ${KERNEL_ARGS:-} \
-                --branches selection \
-                --seq-lens "${SHORT_SEQ_LENS:-2048,4096,8192}" "${sizes[@]}" --json "$out/shortseq_s$splits.json"
-        done
+    window)
+        run_part window 300 "$PY" -m benchmarks.bench_kernels --backward --branches window --impls pallas,cudnn,dense \
+            --seq-lens "${WINDOW_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/window.json"
         ;;
     attention)
         # shellcheck disable=SC2086
@@ -138,7 +139,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
     train)
         batches=(); [ -n "${TRAIN_BATCHES:-}" ] && batches=(--global-batches "$TRAIN_BATCHES")
         run_part train 420 "$PY" -m benchmarks.bench_train --configs a100_pcie --steps 5 \
-            --peak-n 8192 "${batches[@]}" --json "$out/train.json"
+            --peak-n 8192 "${batches[@]}" --x-grads "${TRAIN_X_GRADS:-parts,separate}" --json "$out/train.json"
         ;;
     smoke)
         # A fresh run that saves at step 10 and 20, then the same command with more steps:
@@ -175,7 +176,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             "${NEEDLE_RECIPES:-benchmarks/needle_recipes.txt}"
         ;;
     *)
-        echo "unknown part: $part (env tests kernels selection shortseq attention layer train smoke profile stepprof peak kv needle)" >&2
+        echo "unknown part: $part (env tests kernels sweep window attention layer train smoke profile stepprof peak kv needle)" >&2
         exit 2
         ;;
     esac

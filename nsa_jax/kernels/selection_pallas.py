@@ -124,7 +124,8 @@ class SelectionBlockSizes:
         kernel's tiles exceed the shared-memory budget (``smem_estimates``).
       dkv_segment: most reverse-index entries (query, slot pairs) one dK/dV
         program handles; bounds the longest program (block 0).
-      num_warps: Triton warps per program (None: pick from the head dim).
+      num_warps: Triton warps per forward / dQ program (None: pick from the head dim).
+      dkv_num_warps: Triton warps per dK/dV program (None: pick from the head dim).
       num_stages: Triton software-pipelining depth.
       positions: query positions per forward / dQ program (a power of two).
         1: one position's G heads per program, padded to 16 rows. P > 1:
@@ -139,6 +140,7 @@ class SelectionBlockSizes:
     rows_dkv: int | None = None
     dkv_segment: int = 512
     num_warps: int | None = None
+    dkv_num_warps: int | None = None
     num_stages: int = 2
     positions: int = 2
 
@@ -682,7 +684,7 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
             jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dk), jnp.float32),
             jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dv), jnp.float32),
         ],
-        compiler_params=params,
+        compiler_params=compiler_params(bsz.dkv_num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_dkv",
     )(seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
