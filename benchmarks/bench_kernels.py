@@ -289,7 +289,9 @@ def main(argv=None):
         dense_pairs = attended_pairs("dense", seq)
         for mode in modes:
             dense_ms, dense_note = None, f"T > --dense-max-seq {dense_max}"
-            if (chosen is None or "dense" in chosen) and seq <= dense_max:
+            if chosen is not None and "dense" not in chosen:
+                dense_note = "not chosen"
+            elif seq <= dense_max:
                 log(f"T={seq} dense {mode} ...")
                 dense_ms, dense_note = run_one("dense", dense_fn, (q, k, v, idx), ct, mode, opts)
             rows.append(
@@ -344,7 +346,10 @@ def main(argv=None):
 
 
 def print_table(rows):
-    header = f"{'T':>6} {'branch':<10} {'mode':<7} {'candidate':<34} {'ms':>9} {'TFLOP/s':>8} {'dense/x':>8} {'max|o-ref|':>10}"
+    header = (
+        f"{'T':>6} {'branch':<10} {'mode':<7} {'candidate':<34} {'ms':>9} {'TFLOP/s':>8} {'dense/x':>8} "
+        f"{'max|o-ref|':>10}"
+    )
     print()
     print(header)
     print("-" * len(header))

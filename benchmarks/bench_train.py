@@ -143,14 +143,15 @@ def main() -> None:
     peaks = {dt: matmul_peak(dt, args.peak_n) for dt in sorted({r["dtype"] for r in rows})}
     print(f"matmul peak ({args.peak_n}^3): " + ", ".join(f"{dt} {p / 1e9:.1f} GFLOP/s" for dt, p in peaks.items()))
     print(
-        f"{'config':<12} {'x-grad':<9} {'params':>11} {'batch':>9} {'tok/step':>9} {'step s':>8} {'tok/s':>10} {'GFLOP/tok':>10} "
-        f"{'attn %':>7} {'GFLOP/s':>9} {'MFU':>7}"
+        f"{'config':<12} {'x-grad':<9} {'params':>11} {'batch':>9} {'tok/step':>9} {'step s':>8} {'tok/s':>10} "
+        f"{'GFLOP/tok':>10} {'attn %':>7} {'GFLOP/s':>9} {'MFU':>7}"
     )
     for r in rows:
         r["peak_flops"] = peaks[r["dtype"]]
         r["mfu"] = r["achieved_flops"] / r["peak_flops"]
         print(
-            f"{r['config']:<12} {r['x_grad']:<9} {r['params']:>11,} {str(r['global_batch']) + 'x' + str(r['accumulate']):>9} "
+            f"{r['config']:<12} {r['x_grad']:<9} {r['params']:>11,} "
+            f"{str(r['global_batch']) + 'x' + str(r['accumulate']):>9} "
             f"{r['tokens_per_step']:>9} {r['step_s']:>8.3f} "
             f"{r['tokens_per_s']:>10,.0f} {r['flops_per_token'] / 1e9:>10.4f} {100 * r['attention_share']:>6.1f}% "
             f"{r['achieved_flops'] / 1e9:>9.1f} {100 * r['mfu']:>6.1f}%"
