@@ -11,7 +11,11 @@ train shards.
 Options:
   --shard-tokens N    tokens per shard (documents are never split; a shard closes at
                       the first document end at or past N)
-  --val-fraction F    share of documents (by hash of their text) in the val split
+  --val-fraction F    share of documents (by hash of their text) in the val split; when none
+                      falls in it (a corpus of few documents: a .txt file is one) the last
+                      max(F of the tokens, 4096 where the text has 10x that) tokens of the
+                      train text become the val split, cut inside a document (a `note:` says
+                      so; manifest.json: val_holdout)
   --seed S            order in which the input chunks (files, row groups, jsonl
                       ranges) are written, so every shard mixes sources
   --overwrite         replace a prepared folder (only its manifest, shard and temp files)
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import pathlib
 import sys
@@ -51,6 +56,8 @@ PROGRESS_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
 BAR_EVERY_S = 0.2  # progress bar redraw interval on a terminal
 EXAMPLES_PER_REASON = 5  # skipped places listed per reason in the summary
 EXAMPLES_IN_MANIFEST = 100  # skipped records listed in manifest.json (all skipped files are)
+MIN_HOLDOUT_TOKENS = 4096  # tokens held out as val when no document fell in it (corpus permitting)
+TOO_FEW_TO_HOLD_OUT = 16  # a held-out tail shorter than this is no measurement: no val split then
 
 
 class PrepareError(ValueError):
@@ -336,6 +343,9 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
             f"{skips.n_records} bad records); no manifest written"
         )
     splits = {s: {"tokens": w.tokens, "documents": w.documents, "shards": len(w.shards)} for s, w in writers.items()}
+    holdout = None
+    if splits["val"]["documents"] == 0 and args.val_fraction > 0:
+        entries, holdout = _hold_out(out, entries, dtype, splits, args.val_fraction, n_docs, err_stream)
     tok_id = shards.tokenizer_identity(args.tokenizer)
     spec = args.tokenizer
     if tok_id["kind"] == "json":
@@ -353,7 +363,13 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
         "eos_id": int(tokenizer.eos_id),
         "val_fraction": args.val_fraction,
         "split_rule": "val when blake2b-64 of the document's UTF-8 text / 2**64 < val_fraction "
-        "(nsa_jax.data.sources.in_split)",
+        "(nsa_jax.data.sources.in_split)"
+        + (
+            "; no document fell in val, so the last tokens of the train text were held out as val (val_holdout)"
+            if holdout
+            else ""
+        ),
+        **({"val_holdout": holdout} if holdout else {}),
         "seed": args.seed,
         "shard_tokens": args.shard_tokens,
         "splits": splits,
@@ -380,10 +396,57 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
         f"  tokenizer {args.tokenizer} (vocab {tokenizer.vocab_size}, eos {tokenizer.eos_id}), {dtype.name}",
         file=out_stream,
     )
+    if args.val_fraction == 0:
+        print("  val: none (--val-fraction 0): a training run on this folder evaluates nothing", file=out_stream)
     print(f"  skipped: {_count(len(skips.files), 'file')}, {_count(skips.n_records, 'record')}", file=out_stream)
     for line in skips.lines():
         print(line, file=out_stream)
     return 0
+
+
+def holdout_tokens(train_tokens: int, val_fraction: float) -> int:
+    """Tokens to hold out as val when no document fell in it: the val fraction of the text, at least
+    MIN_HOLDOUT_TOKENS where the corpus has ten times that, and never more than half of it; 0 when that
+    is under TOO_FEW_TO_HOLD_OUT tokens (no measurement)."""
+    want = min(
+        max(math.ceil(val_fraction * train_tokens), min(MIN_HOLDOUT_TOKENS, train_tokens // 10)), train_tokens // 2
+    )
+    return want if want >= TOO_FEW_TO_HOLD_OUT else 0
+
+
+def _hold_out(
+    out: pathlib.Path,
+    entries: list[dict[str, Any]],
+    dtype: np.dtype,
+    splits: dict[str, dict[str, int]],
+    val_fraction: float,
+    n_docs: int,
+    err_stream: TextIO,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """No document fell in the val split: the end of the train text becomes it (shards.hold_out_tail).
+
+    Returns the new shard entries and the manifest's `val_holdout` record (None, with a
+    warning, when the text is too short to spare any)."""
+    train = [e for e in entries if e["split"] == "train"]
+    want = holdout_tokens(splits["train"]["tokens"], val_fraction)
+    why = f"none of the {_count(n_docs, 'document')} fell in the --val-fraction {val_fraction} hash split"
+    if want < 1 or not train:
+        print(
+            f"warning: {why}, and {splits['train']['tokens']:,} tokens are too few to hold any out: no val split; "
+            "a training run on this folder evaluates nothing",
+            file=err_stream,
+        )
+        return entries, None
+    train, val = shards.hold_out_tail(out, train, dtype, want)
+    splits["train"].update(tokens=sum(e["tokens"] for e in train), documents=sum(e["documents"] for e in train))
+    splits["val"].update(tokens=val["tokens"], documents=val["documents"], shards=1)
+    share = val["tokens"] / max(val["tokens"] + splits["train"]["tokens"], 1)
+    print(
+        f"note: {why} (a .txt file counts as one document); held out the last {val['tokens']:,} tokens "
+        f"({100 * share:.1f}%) of the train text as the val split instead, cut inside a document",
+        file=err_stream,
+    )
+    return train + [val], {"tokens": int(val["tokens"]), "from": train[-1]["tokens_file"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -193,7 +193,8 @@ def test_refuses_non_empty_output_and_overwrite_replaces_only_own_files(tmp_path
     assert prepare(tmp_path / "in", out, "--overwrite", "--shard-tokens", 10_000) == 0
     # The old, smaller shards are gone; the stranger's file stays.
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["manifest.json", "notes.md", "train_00000.docs.npy", "train_00000.tokens.npy"]
+    own = ["manifest.json", "train_00000.docs.npy", "train_00000.tokens.npy", "val_00000.docs.npy"]
+    assert names == sorted([*own, "notes.md", "val_00000.tokens.npy"])  # val: the held-out tail (12 documents)
     assert (out / "notes.md").read_text() == "keep me"
     (out / "manifest.json").write_text(json.dumps({"name": "a web app"}))
     assert prepare(tmp_path / "in", out, "--overwrite") == 2
@@ -227,12 +228,57 @@ def test_interrupted_run_leaves_no_manifest(tmp_path, monkeypatch, capsys):
     assert collections.Counter(shard_docs(out, "train")) == collections.Counter(docs)
 
 
+def _text_corpus(root: pathlib.Path, texts: list[str]) -> pathlib.Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i, t in enumerate(texts):
+        (root / f"book{i}.txt").write_text(t, encoding="utf-8")
+    return root
+
+
+def test_a_corpus_of_few_documents_gets_a_held_out_tail_as_val(tmp_path, capsys):
+    # Three .txt files are three documents: the 1% hash split puts none of them in val.
+    texts = [" ".join(make_docs(400, seed=s)) for s in range(3)]
+    assert not any(sources.in_split(t, "val", 0.01) for t in texts)
+    out = tmp_path / "out"
+    assert prepare(_text_corpus(tmp_path / "in", texts), out) == 0
+    std = capsys.readouterr()
+    notes = [line for line in std.err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "none of the 3 documents" in notes[0] and "held out the last" in notes[0], std.err
+    m = json.loads((out / "manifest.json").read_text())
+    total = n_tokens(texts)
+    held = prepare_data.holdout_tokens(total, 0.01)
+    assert held == max(-(-total // 100), 4096) and m["val_holdout"]["tokens"] == held
+    assert m["splits"]["val"]["tokens"] == held and m["splits"]["train"]["tokens"] == total - held
+    assert re.search(rf"^  val: 1 documents, {held:,} tokens, 1 shard$", std.out, re.M), std.out
+    # Nothing lost or repeated: train then val is the text as written, cut inside its last document.
+    train = np.concatenate([np.load(out / s["tokens_file"]) for s in m["shards"] if s["split"] == "train"])
+    val = np.concatenate([np.load(out / s["tokens_file"]) for s in m["shards"] if s["split"] == "val"])
+    assert sorted(split_docs(np.concatenate([train, val]))) == sorted(texts)
+    assert train[-1] != BYTE.eos_id and val[-1] == BYTE.eos_id
+    # Both splits read back through the dataset (the manifest's counts hold).
+    for split in ("train", "val"):
+        rows = next(make_dataset(tok_cfg(out), split))
+        assert rows.shape == (4, 16)
+
+
+def test_too_little_text_for_a_held_out_tail_and_val_fraction_0_say_so(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert prepare(_text_corpus(tmp_path / "in", ["ab"]), out) == 0  # 3 tokens: nothing to spare
+    err = capsys.readouterr().err
+    assert "warning: none of the 1 document fell" in err and "too few to hold any out" in err, err
+    assert "val_holdout" not in json.loads((out / "manifest.json").read_text())
+    assert prepare(_text_corpus(tmp_path / "in2", ["abc " * 100]), tmp_path / "out2", "--val-fraction", 0) == 0
+    std = capsys.readouterr()
+    assert "val: none (--val-fraction 0)" in std.out and "note:" not in std.err
+
+
 def test_output_inside_input_is_not_read_back(tmp_path):
     docs = make_docs(9, seed=5)
     write_mixed_corpus(tmp_path / "in", docs)
     out = tmp_path / "in" / "prepared"
-    assert prepare(tmp_path / "in", out) == 0
-    assert prepare(tmp_path / "in", out, "--overwrite") == 0  # manifest.json is not taken for a .json input
+    # --val-fraction 0: whole documents only (nine are too few for the hash split: a held-out tail would cut one)
+    assert prepare(tmp_path / "in", out, "--val-fraction", "0") == 0
+    assert prepare(tmp_path / "in", out, "--overwrite", "--val-fraction", "0") == 0  # manifest.json is no .json input
     assert collections.Counter(shard_docs(out, "train") + shard_docs(out, "val")) == collections.Counter(docs)
 
 

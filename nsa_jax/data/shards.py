@@ -240,6 +240,36 @@ class ShardWriter:
             pathlib.Path(name).unlink(missing_ok=True)
 
 
+def hold_out_tail(
+    out_dir: str | os.PathLike, train: list[dict[str, Any]], dtype: np.dtype, n_tokens: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Moves the last `n_tokens` tokens of the last train shard into a new val shard; (train entries, val entry).
+
+    For a corpus whose documents all fell in train (too few for the document-hash split):
+    the cut falls inside a document, whose head stays in train (it ends at the cut) and
+    whose tail opens the val shard. At most all but one token of the last shard moves. The
+    val shard is written first and the train shard is replaced under a temporary name, so
+    an interruption leaves complete files (and no manifest: the caller writes it last).
+    """
+    out = pathlib.Path(out_dir)
+    last = train[-1]
+    tokens = np.load(out / last["tokens_file"])
+    ends = np.load(out / last["docs_file"]).astype(np.int64)
+    n = int(min(n_tokens, len(tokens) - 1))
+    if n < 1:
+        raise ValueError(f"{last['tokens_file']} has {len(tokens)} token(s): too few to hold out")
+    cut = len(tokens) - n
+    head_ends = np.concatenate([ends[ends < cut], [cut]])
+    tail_ends = ends[ends > cut] - cut
+    val = ShardWriter(out, "val", dtype, max(n, 1))
+    val.add(tokens[cut:], np.diff(tail_ends, prepend=0))
+    (val_entry,) = val.finish()
+    rewrite = ShardWriter(out, "train", dtype, max(cut, 1))
+    rewrite.shards = list(train[:-1])  # the same file names as the shard it replaces
+    rewrite.add(tokens[:cut], np.diff(head_ends, prepend=0))
+    return rewrite.finish(), val_entry
+
+
 def write_manifest(out_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Writes manifest.json atomically (temp name, then rename): the last file of a prepared folder."""
     _write_json_atomic(pathlib.Path(out_dir) / MANIFEST, {"format": FORMAT, "version": FORMAT_VERSION, **manifest})
