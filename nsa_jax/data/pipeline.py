@@ -268,7 +268,14 @@ class FileDataset(GrainBatchStream):
         # Counts (and logs) dropped files and records; see sources.py "Bad data".
         self.skips = sources.SkipLog(f"data ({split}, process {process_index})")
         files = sources.list_files(path, dataset)
-        chunks = sources.index_chunks(files, dataset, on_skip=self.skips)
+        skipped: list[sources.Skip] = []
+        chunks = sources.index_chunks(files, dataset, on_skip=skipped.append)
+        if not chunks:  # one line for it, not a warning per file first
+            from nsa_jax.data.check import no_chunks_error
+
+            raise no_chunks_error(path, dataset, len(files), skipped)
+        for skip in skipped:
+            self.skips(skip)
         if len(chunks) < process_count:
             raise ValueError(
                 f"data.path {path} splits into {len(chunks)} chunks ({dataset}: row groups / file ranges / files) "
