@@ -35,6 +35,7 @@ backward, bfloat16.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import flax.linen as nn
@@ -349,6 +350,11 @@ def run(opts) -> tuple[dict, list[dict]]:
     x0 = jnp.zeros((1, init_T, cfg.d_model), jnp.dtype(dtype))
     layers = {"nsa": NSAAttention(cfg)}
     params = {"nsa": random_params(layers["nsa"], x0, cfg.init_std)}
+    # The same layer and parameters with another selection kernel, timed in the same run.
+    for kernel in opts.selection_kernels:
+        variant = dataclasses.replace(cfg, nsa=dataclasses.replace(a, selection_kernel=kernel))
+        layers[f"nsa[{kernel}]"] = NSAAttention(variant)
+        params[f"nsa[{kernel}]"] = params["nsa"]
     dense_params = None
     for variant in dense_variants:
         layers[f"dense_{variant}"] = DenseAttention(cfg, impl=variant, chunk=opts.dense_chunk)
@@ -376,6 +382,12 @@ def run(opts) -> tuple[dict, list[dict]]:
             # The device's high-water mark so far in this process (cumulative over rows: run one
             # T and mode alone, `--dense none`, for the peak of that program).
             row["device_peak_bytes"] = device_peak_bytes()
+            for kernel in opts.selection_kernels:
+                name = f"nsa[{kernel}]"
+                best_dense = min((row[f"dense_{v}_ms"] for v in dense_variants if row[f"dense_{v}_ms"]), default=None)
+                row[f"{name}_speedup_vs_dense"] = (
+                    best_dense / row[f"{name}_ms"] if best_dense and row[f"{name}_ms"] else None
+                )
             timed = {v: row[f"dense_{v}_ms"] for v in dense_variants if row[f"dense_{v}_ms"] is not None}
             best = min(timed, key=timed.get) if timed else None
             row["dense_best"] = best
@@ -459,6 +471,18 @@ def print_table(rows: list[dict], show_cpu: bool) -> None:
         print(f"  T={T} {mode} {name}: {note}")
 
 
+def print_variants(rows: list[dict], kernels: list[str]) -> None:
+    """The layer with each other selection kernel, beside the config's (`nsa`), timed in the same run."""
+    header = f"{'T':>6} {'mode':<7} {'nsa ms':>9} " + " ".join(f"{k + ' ms':>14} {'dense/x':>8}" for k in kernels)
+    print_table_header(header)
+    for r in rows:
+        cells = " ".join(
+            f"{fmt(r.get(f'nsa[{k}]_ms'), '{:14.2f}', 14)} {fmt(r.get(f'nsa[{k}]_speedup_vs_dense'), '{:7.2f}x', 8)}"
+            for k in kernels
+        )
+        print(f"{r['seq']:>6} {r['mode']:<7} {fmt(r['nsa_ms'])} {cells}")
+
+
 def plot(rows: list[dict], meta: dict, path: str) -> None:
     plt = import_pyplot()
     if plt is None:
@@ -514,6 +538,12 @@ def main(argv=None) -> None:
         choices=("float32", "bfloat16"),
         help="compute dtype (default: bfloat16 on GPU, float32 on CPU)",
     )
+    parser.add_argument(
+        "--selection-kernels",
+        default="",
+        help="comma-separated selection kernels (blocksparse, gather, inverted) to time as extra NSA layers "
+        "beside the config's, in the same run (rows nsa[NAME])",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
@@ -532,8 +562,16 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--plot", default=None, help="write a time / memory plot to this PNG (needs matplotlib)")
     opts = parser.parse_args(argv)
+    from nsa_jax.kernels import SELECTION_KERNELS
+
+    opts.selection_kernels = [s.strip() for s in opts.selection_kernels.split(",") if s.strip()]
+    bad = [s for s in opts.selection_kernels if s not in SELECTION_KERNELS]
+    if bad:
+        raise SystemExit(f"error: --selection-kernels {bad[0]!r} is not one of {', '.join(SELECTION_KERNELS)}")
     meta, rows = run(opts)
     print_table(rows, show_cpu=meta["backend"] == "cpu")
+    if opts.selection_kernels:
+        print_variants(rows, opts.selection_kernels)
     write_json(opts.json, meta, rows)
     if opts.plot:
         plot(rows, meta, opts.plot)

@@ -15,9 +15,10 @@ forward+backward, one row per (T, branch, mode, candidate):
 Candidates (``--impls`` picks by name, ``--selection-variants`` adds gather
 kernels with other ``SelectionBlockSizes``):
 
-* selection: ``gather`` (selection_pallas; the layer's kernel above
-  T = 2 n lp) and one ``gather[...]`` per variant, ``blocksparse``
-  (blocksparse_pallas; the layer's kernel up to there), ``xla``;
+* selection: ``gather`` and ``inverted`` (selection_pallas with the tiles the
+  layer runs, kernels.SELECTION_KERNELS) and one ``sel[...]`` per variant
+  (``sel[...]``: any ``SelectionBlockSizes``, e.g. ``forward=inverted,rows_dkv=64``),
+  ``blocksparse`` (blocksparse_pallas; the layer's kernel up to T = 2 n lp), ``xla``;
 * window: ``pallas`` (flash_pallas), ``cudnn`` (``jax.nn.dot_product_attention``
   with ``local_window_size``, GPU only), ``xla``;
 * compressed: ``pallas`` (scores and top-n in one kernel), ``xla``;
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import fmt, log, on_gpu, parse_ints, print_header, short_error, time_fn, write_json
-from nsa_jax.kernels import compressed_attention
+from nsa_jax.kernels import SELECTION_KERNELS, compressed_attention
 from nsa_jax.kernels import xla as xla_kernels
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
@@ -55,7 +56,7 @@ PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=5
 GPU_SEQ_LENS = (2048, 8192, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
 # Candidates that need a GPU to say anything about speed (the Pallas ones only interpret elsewhere).
-GPU_ONLY = ("gather", "blocksparse", "pallas", "cudnn")
+GPU_ONLY = ("gather", "inverted", "sel", "blocksparse", "pallas", "cudnn")
 # The forward+backward FLOPs over the forward's: QK^T and PV forward; the QK^T recompute, dP, dV, dQ, dK backward.
 FWD_BWD_FLOP_RATIO = 3.5
 
@@ -71,22 +72,24 @@ def with_backward(fn):
 
 
 def parse_sizes(cls, text: str, flag: str):
-    """``cls(**{name: int})`` from ``name=int,...`` (empty: None); exits with one line on a bad entry."""
+    """``cls(**values)`` from ``name=value,...`` (empty: None): integers, 0/1 for flags, words for
+    text fields (``forward=inverted``); exits with one line on a bad entry."""
     if not text:
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     for item in text.split(","):
-        name, _, value = item.partition("=")
-        if name.strip() not in names or not value.strip().isdigit():
-            raise SystemExit(f"error: {flag} entry {item!r} is not name=integer with name one of {sorted(names)}")
-        values[name.strip()] = int(value)
+        name, _, value = (x.strip() for x in item.partition("="))
+        kind = str(fields[name].type) if name in fields else ""
+        if name not in fields or not value or ("str" not in kind and not value.isdigit()):
+            raise SystemExit(f"error: {flag} entry {item!r} is not name=value with name one of {sorted(fields)}")
+        values[name] = value if "str" in kind else bool(int(value)) if "bool" in kind else int(value)
     return cls(**values)
 
 
 def variant_name(text: str) -> str:
-    """'positions=4,num_warps=2' -> 'gather[positions=4,num_warps=2]'."""
-    return f"gather[{text.replace(' ', '')}]"
+    """'positions=4,num_warps=2' -> 'sel[positions=4,num_warps=2]'."""
+    return f"sel[{text.replace(' ', '')}]"
 
 
 def _no_aux(fn):
@@ -113,7 +116,13 @@ def candidates(branch, selection_variants=(), blocksparse_sizes=None):
     lp, w = p["block_size"], p["window"]
     impls = {}
     if branch == "selection":
-        impls["gather"] = _no_aux(lambda q, k, v, idx: selection_attention_pallas(q, k, v, idx, lp))
+        for name in ("gather", "inverted"):  # the tilings the layer runs (kernels.SELECTION_KERNELS)
+            impls[name] = _no_aux(
+                functools.partial(
+                    lambda q, k, v, idx, bsz: selection_attention_pallas(q, k, v, idx, lp, block_sizes=bsz),
+                    bsz=SELECTION_KERNELS[name],
+                )
+            )
         for text in selection_variants:
             bsz = parse_sizes(SelectionBlockSizes, text, "--selection-variants")
             impls[variant_name(text)] = _no_aux(
@@ -215,8 +224,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--selection-variants",
         default="",
-        help="';'-separated SelectionBlockSizes of extra gather candidates, e.g. "
-        "'positions=1;positions=4,num_warps=2' (each a candidate named gather[...])",
+        help="';'-separated SelectionBlockSizes of extra selection candidates, e.g. "
+        "'positions=4,num_warps=2;forward=inverted,rows_dkv=64' (each a candidate named sel[...])",
     )
     parser.add_argument(
         "--blocksparse-block-sizes",
@@ -269,7 +278,7 @@ def main(argv=None):
     if not gpu:
         print("No GPU: the Pallas and cuDNN candidates are SKIPPED (the interpreter is not a benchmark).")
     seq_lens = parse_ints(opts.seq_lens) if opts.seq_lens else list(GPU_SEQ_LENS if gpu else CPU_SEQ_LENS)
-    # Commas inside a variant's brackets belong to it: gather[positions=4,num_warps=2],dense.
+    # Commas inside a variant's brackets belong to it: sel[positions=4,num_warps=2],dense.
     chosen = None if opts.impls is None else {i.strip() for i in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", opts.impls)}
     chosen = None if chosen is None else {i for i in chosen if i}
     modes = ["fwd"] + (["fwd+bwd"] if opts.backward else [])

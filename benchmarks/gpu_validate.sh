@@ -9,10 +9,12 @@
 #              against the float64 per-token reference, the NSA layer (Pallas kernels)
 #              against the naive reference, and Pallas-vs-XLA training steps
 #   kernels    python -m benchmarks.bench_kernels: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
-#   sweep      the gather selection kernel's cheap knobs side by side in one process: positions
-#              1/2/4 x num_warps 1/2/4 (forward and dQ programs; dK/dV at its default), fwd and
-#              fwd+bwd at SWEEP_SEQ_LENS (default 8192,32768,65536), then positions 1/2/4 with
-#              runs of 8 queries sharing a selection (--idx-runs 8, as trained neighbours do) at 32768
+#   selection  the selection kernels side by side in one process, fwd and fwd+bwd, against cuDNN at
+#              SELECTION_SEQ_LENS (default 8192,32768,65536): gather and inverted (the layer's tiles,
+#              kernels.SELECTION_KERNELS) and the SELECTION_VARIANTS (';'-separated SelectionBlockSizes;
+#              default: the former gather default, gather with dQ fused into dK/dV, the inverted
+#              forward with other tiles); then, with runs of 8 queries sharing a selection
+#              (--idx-runs 8, as trained neighbours do), gather, inverted and 4 positions per program
 #   window     the window branch: Pallas flash vs cuDNN's sliding window (local_window_size) vs
 #              dense cuDNN, fwd and fwd+bwd, with the outputs compared
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
@@ -43,7 +45,8 @@
 # (and .json where the benchmark has one) and a line to OUT_DIR/summary.txt; a failing
 # part does not stop the others. PYTHON picks the interpreter (default python3).
 #
-# Extra flags by part: TEST_ARGS (pytest, e.g. "-n 8 --timeout 60"; default -x), KERNEL_ARGS
+# Extra flags by part: TEST_ARGS (pytest, e.g. "-n 8 --timeout 60"; default -x), TEST_FILES and TEST_K
+# (tests: which files, and pytest -k; default "not lowers"), KERNEL_ARGS
 # (kernels; e.g. "--impls gather,blocksparse,dense"), ATTN_ARGS (attention,
 # e.g. "--dense cudnn"), TRAIN_BATCHES (train: comma-separated global batches, one row each).
 # DEADLINE=S: no part starts after S seconds and each part's limit is cut to what is left
@@ -102,25 +105,27 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
         ;;
     tests)
         # shellcheck disable=SC2086
-        run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider ${TEST_ARGS:--x} tests/test_kernels_pallas.py \
-            tests/test_pallas_model.py tests/test_nsa_layer.py tests/test_block_scores.py tests/test_blocksparse.py \
-            -k "not lowers"
+        run_part tests 420 "$PY" -m pytest -q -p no:cacheprovider ${TEST_ARGS:--x} ${TEST_FILES:-tests/test_kernels_pallas.py \
+            tests/test_pallas_model.py tests/test_nsa_layer.py tests/test_block_scores.py tests/test_blocksparse.py} \
+            -k "${TEST_K:-not lowers}"
         ;;
     kernels)
         # shellcheck disable=SC2086
         run_part kernels 420 "$PY" -m benchmarks.bench_kernels --backward ${KERNEL_ARGS:-} \
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
-    sweep)
-        variants="" sep=""
-        for w in 4 2 1; do for p in 1 2 4; do variants+="${sep}positions=$p,num_warps=$w"; sep=";"; done; done
+    selection)
+        variants=${SELECTION_VARIANTS:-"positions=2;positions=1,num_warps=1,fused_dq=1,rows_dkv=32;\
+positions=1,num_warps=1,fused_dq=1,rows_dkv=64;forward=inverted,fused_dq=1,rows_dkv=64;\
+forward=inverted,positions=1,num_warps=1,rows_dkv=32;forward=inverted,fused_dq=1,rows_dkv=32,dkv_segment=2048"}
+        impls="gather,inverted,dense,$(echo "$variants" | sed 's/\([^;]*\)/sel[\1]/g; s/;/,/g')"
         # shellcheck disable=SC2086
-        run_part sweep 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
-            --impls "gather,dense,$(echo "$variants" | sed 's/\([^;]*\)/gather[\1]/g; s/;/,/g')" \
-            --selection-variants "$variants" --seq-lens "${SWEEP_SEQ_LENS:-8192,32768,65536}" --json "$out/sweep.json"
-        run_part sweep_runs8 300 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
-            --idx-runs 8 --impls "gather[positions=1],gather[positions=2],gather[positions=4],dense" \
-            --selection-variants "positions=1;positions=2;positions=4" --seq-lens 32768 --json "$out/sweep_runs8.json"
+        run_part selection 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
+            --impls "$impls" --selection-variants "$variants" \
+            --seq-lens "${SELECTION_SEQ_LENS:-8192,32768,65536}" --json "$out/selection.json"
+        run_part selection_runs8 300 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
+            --idx-runs 8 --impls "gather,inverted,sel[positions=4,num_warps=1],dense" \
+            --selection-variants "positions=4,num_warps=1" --seq-lens 32768 --json "$out/selection_runs8.json"
         ;;
     window)
         run_part window 300 "$PY" -m benchmarks.bench_kernels --backward --branches window --impls pallas,cudnn,dense \
@@ -176,7 +181,7 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             "${NEEDLE_RECIPES:-benchmarks/needle_recipes.txt}"
         ;;
     *)
-        echo "unknown part: $part (env tests kernels sweep window attention layer train smoke profile stepprof peak kv needle)" >&2
+        echo "unknown part: $part (env tests kernels selection window attention layer train smoke profile stepprof peak kv needle)" >&2
         exit 2
         ;;
     esac

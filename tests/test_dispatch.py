@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from reference import compressed_visible, reference_attention, reference_group_probs
 
-from nsa_jax.kernels import compressed_attention, describe_impl, resolve_impl
+from nsa_jax.kernels import compressed_attention, describe_impl, resolve_impl, selection_kernel
 from nsa_jax.kernels.xla import num_compressed
 
 
@@ -39,6 +39,17 @@ def test_describe_impl_names_the_selection_kernel_when_it_knows_the_length():
     assert describe_impl("auto", "gpu", block_size=64, seq=2048, slots=16)["slc"] == "pallas-triton/blocksparse"
     assert describe_impl("auto", "gpu", block_size=64, seq=2049, slots=16)["slc"] == "pallas-triton/gather"
     assert describe_impl("auto", "cpu", block_size=64, seq=2048, slots=16)["slc"] == "xla-chunked"
+
+
+def test_selection_kernel_named_in_the_config_wins_at_every_length():
+    for seq in (2048, 65536):
+        for name in ("blocksparse", "gather", "inverted"):
+            assert selection_kernel("auto", seq, 16, 64, backend="gpu", choice=name) == name
+            assert describe_impl("auto", "gpu", block_size=64, seq=seq, slots=16, choice=name)["slc"].endswith(name)
+    # XLA stays XLA whatever is named; an unknown name is one error naming the choices.
+    assert selection_kernel("auto", 65536, 16, 64, backend="cpu", choice="inverted") == "xla"
+    with pytest.raises(ValueError, match="gather, inverted"):
+        selection_kernel("auto", 65536, 16, 64, backend="gpu", choice="sparse")
 
 
 def test_unknown_impl_is_rejected():

@@ -42,12 +42,16 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("G,K,T", [(2, 2, 53), (6, 1, 64)])
-def test_pallas_layer_matches_reference_forward_and_indices(G, K, T):
+@pytest.mark.parametrize(
+    "G,K,T,kernel", [(2, 2, 53, "auto"), (6, 1, 64, "auto"), (6, 1, 64, "gather"), (2, 2, 53, "inverted")]
+)
+def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel):
     # All three branches through the Pallas kernels (interpreted off-GPU): the compressed
     # branch's group probabilities must rank the same blocks as the per-token reference.
+    # `auto` runs the block-sparse selection kernel at these lengths; the others are named.
     cfg = tiny_model_cfg(G=G, K=K, l=16, d=8, lp=16, n=3, w=16)
-    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, attention_impl="pallas"))
+    nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas", selection_kernel=kernel)
+    cfg = dataclasses.replace(cfg, nsa=nsa)
     x, params = _setup(cfg, T, seed=5)
     out, idx = _apply(cfg, params, x)
     ref, ref_idx = nsa_layer_ref(params, x, cfg)

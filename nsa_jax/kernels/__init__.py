@@ -10,11 +10,13 @@ needs: `pallas` asked for explicitly raises instead). A branch named by
 `set_xla_fallback` (the boot-time kernel guard, kernels/guard.py, after its kernel
 failed to compile or disagreed with XLA) also runs xla under `auto`.
 
-The selection branch has two Pallas kernels. With `pallas` (or `auto` on a GPU) a
-short sequence, T <= blocksparse_pallas.BLOCKSPARSE_MAX_SEQ_RATIO * n * lp (2 n lp; n = idx.shape[-1]),
-runs blocksparse_pallas, a causal flash attention under the selected-block mask
-whose cost is at most dense causal attention's; a longer one runs selection_pallas,
-which gathers each query's n blocks. `xla` is the same at every T.
+The selection branch has three Pallas kernels (``SELECTION_KERNELS``): ``blocksparse``
+(blocksparse_pallas, a causal flash attention under the selected-block mask, whose cost
+is at most dense causal attention's), ``gather`` (selection_pallas walking each query's
+n blocks) and ``inverted`` (selection_pallas walking, for each block, the queries that
+chose it). ``NSAConfig.selection_kernel`` names one, or ``auto`` takes blocksparse for a
+short sequence, T <= blocksparse_pallas.BLOCKSPARSE_MAX_SEQ_RATIO * n * lp (2 n lp;
+n = idx.shape[-1]), and ``LONG_SELECTION_KERNEL`` above. `xla` is the same at every T.
 """
 
 from __future__ import annotations
@@ -29,13 +31,27 @@ from nsa_jax.kernels.blocksparse_pallas import (
 )
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.pallas_common import is_tile_size
-from nsa_jax.kernels.selection_pallas import selection_attention_pallas
+from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
 from nsa_jax.kernels.xla import (
     compressed_attention_xla,
     select_blocks,
     selection_attention_xla,
     window_attention_xla,
 )
+
+# The selection kernels a config may name, with the tiles each runs (None: blocksparse's own).
+# gather: one query position per program (its G heads padded to 16 rows) with one warp, and
+# dQ by a second query-centric walk: the fastest gather tiling on an H200 (docs/PERFORMANCE.md);
+# run to run deterministic. inverted: per block, the (query, head) rows that chose it in full
+# tiles of 32, dQ added from the dK/dV kernel (32 rows: no spills on an A100); fp32 atomic adds
+# make o's and dQ's last bits vary run to run.
+SELECTION_KERNELS: dict[str, SelectionBlockSizes | None] = {
+    "blocksparse": None,
+    "gather": SelectionBlockSizes(positions=1, num_warps=1),
+    "inverted": SelectionBlockSizes(forward="inverted", fused_dq=True, rows_dkv=32),
+}
+# What `auto` runs above T = 2 n lp.
+LONG_SELECTION_KERNEL = "gather"
 
 # Branches ("cmp", "slc", "win") that `auto` runs on xla for the rest of the process.
 _XLA_FALLBACK: frozenset[str] = frozenset()
@@ -89,11 +105,13 @@ def describe_impl(
     block_size: int | None = None,
     seq: int | None = None,
     slots: int | None = None,
+    choice: str = "auto",
 ) -> dict[str, str]:
     """What each branch runs, for env.json and the boot heartbeat.
 
     `block_size`: the selection lp; with `seq` (T) and `slots` (n) as well, a Pallas
-    selection also names its kernel (`pallas-triton/blocksparse` or `.../gather`).
+    selection also names its kernel (`pallas-triton/blocksparse`, `.../gather` or
+    `.../inverted`; `choice` is NSAConfig.selection_kernel).
     """
     backend = jax.default_backend() if backend is None else backend
 
@@ -104,7 +122,7 @@ def describe_impl(
 
     slc = kind(_resolve_selection(impl, block_size, backend))
     if slc != "xla-chunked" and None not in (block_size, seq, slots):
-        slc += "/" + selection_kernel(impl, seq, slots, block_size, backend)
+        slc += "/" + selection_kernel(impl, seq, slots, block_size, backend, choice)
     return {
         "cmp": kind(resolve_branch(impl, "cmp", backend)),
         "slc": slc,
@@ -117,23 +135,35 @@ def interpret_pallas() -> bool:
     return jax.default_backend() not in ("gpu", "cuda")
 
 
-def selection_kernel(impl: str, seq: int, slots: int, block_size: int, backend: str | None = None) -> str:
-    """Which selection kernel runs: `blocksparse` (T <= BLOCKSPARSE_MAX_SEQ_RATIO * n * lp), `gather` or `xla`."""
+def selection_kernel(
+    impl: str, seq: int, slots: int, block_size: int, backend: str | None = None, choice: str = "auto"
+) -> str:
+    """Which selection kernel runs: one of SELECTION_KERNELS, or `xla`.
+
+    `choice` (NSAConfig.selection_kernel) names one; `auto` takes `blocksparse` for
+    T <= BLOCKSPARSE_MAX_SEQ_RATIO * n * lp and LONG_SELECTION_KERNEL above.
+    """
+    if choice != "auto" and choice not in SELECTION_KERNELS:
+        raise ValueError(f"selection_kernel must be auto or one of {', '.join(SELECTION_KERNELS)}, got {choice!r}")
     if _resolve_selection(impl, block_size, backend) != "pallas":
         return "xla"
-    return "blocksparse" if prefers_blocksparse(seq, slots, block_size) else "gather"
+    if choice != "auto":
+        return choice
+    return "blocksparse" if prefers_blocksparse(seq, slots, block_size) else LONG_SELECTION_KERNEL
 
 
-def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512):
+def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512, kernel="auto"):
     """Selection attention through the chosen implementation (contract: docs/NSA.md, the kernels section).
 
-    On the Pallas path the kernel follows `selection_kernel`: block-sparse flash at short T, gather above.
+    On the Pallas path `kernel` (NSAConfig.selection_kernel) picks the kernel through `selection_kernel`.
     """
-    kernel = selection_kernel(impl, q.shape[1], idx.shape[-1], block_size)
+    kernel = selection_kernel(impl, q.shape[1], idx.shape[-1], block_size, choice=kernel)
     if kernel == "blocksparse":
         return selection_attention_blocksparse_pallas(q, k, v, idx, block_size, scale, interpret=interpret_pallas())
-    if kernel == "gather":
-        return selection_attention_pallas(q, k, v, idx, block_size, scale, interpret=interpret_pallas())
+    if kernel in SELECTION_KERNELS:
+        return selection_attention_pallas(
+            q, k, v, idx, block_size, scale, interpret=interpret_pallas(), block_sizes=SELECTION_KERNELS[kernel]
+        )
     return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk)
 
 

@@ -38,7 +38,8 @@ _KERNELS = {
     "cmp": "compressed_pallas/block_scores_pallas (nsa_cmp_*, nsa_block_select)",
     "win": "flash_pallas (nsa_window_*)",
     "blocksparse": "blocksparse_pallas (nsa_selection_bsp_*)",
-    "gather": "selection_pallas (nsa_selection_*)",
+    "gather": "selection_pallas, gather (nsa_selection_*)",
+    "inverted": "selection_pallas, inverted (nsa_selection_*)",
 }
 
 
@@ -60,13 +61,17 @@ def _branch_fn(nsa, branch: str, seq: int) -> tuple[str, Callable]:
         return _KERNELS["cmp"], cmp
     if branch == "win":
         return _KERNELS["win"], lambda impl, q, k, v: (K.window_attention(q, k, v, nsa.w, impl=impl), None)
-    kernel = K.selection_kernel("pallas", seq, nsa.n, nsa.lp)
+    kernel = K.selection_kernel("pallas", seq, nsa.n, nsa.lp, choice=nsa.selection_kernel)
 
     def slc(impl, q, k, v, idx):
         if impl == "xla":
             return K.selection_attention_xla(q, k, v, idx, nsa.lp), None
-        fn = K.selection_attention_blocksparse_pallas if kernel == "blocksparse" else K.selection_attention_pallas
-        return fn(q, k, v, idx, nsa.lp, interpret=K.interpret_pallas()), None
+        if kernel == "blocksparse":
+            return K.selection_attention_blocksparse_pallas(q, k, v, idx, nsa.lp, interpret=K.interpret_pallas()), None
+        sizes = K.SELECTION_KERNELS[kernel]
+        return K.selection_attention_pallas(
+            q, k, v, idx, nsa.lp, interpret=K.interpret_pallas(), block_sizes=sizes
+        ), None
 
     return _KERNELS[kernel], slc
 

@@ -224,16 +224,24 @@ class RowPass:
 
     Built inside the kernel: the constructor loads the rows ``row`` of q (and of dO,
     with lse and delta, for dQ), so the loads come where a kernel would write them.
+    ``scatter``: o and dq are the whole ``[T*H, D]`` arrays and each row is stored at
+    its own ``row``; otherwise they are the program's own ``[R, D]`` tiles. With
+    ``scatter`` a row that repeats another must compute the same values (it stores
+    them again): ``stat_row`` [R] then names the entry of the program's lse / delta
+    that each row reads (the repeated row's own), default the row's.
     """
 
-    def __init__(self, backward: bool, q_ref, refs, row, *, scale: float, scale_log2: float):
+    def __init__(
+        self, backward: bool, q_ref, refs, row, *, scale: float, scale_log2: float, scatter=False, stat_row=None
+    ):
         self.backward, self.scale, self.scale_log2 = backward, scale, scale_log2
+        self.row, self.scatter = row, scatter
         self.q_RxDk = q_ref[row, :]
         if backward:
             do_ref, lse_ref, delta_ref, self.dq_ref = refs
             self.do_RxDv = do_ref[row, :]
-            self.lse_R = lse_ref[...]
-            self.delta_R = delta_ref[...]
+            self.lse_R = lse_ref[...] if stat_row is None else lse_ref[stat_row]
+            self.delta_R = delta_ref[...] if stat_row is None else delta_ref[stat_row]
         else:
             self.o_ref, self.lse_ref = refs
 
@@ -250,10 +258,16 @@ class RowPass:
         )
         return carry + plgpu_triton.dot(ds_RxC.astype(k_CxDk.dtype), k_CxDk)
 
+    def _store(self, ref, x_RxD) -> None:
+        if self.scatter:
+            ref[self.row, :] = x_RxD.astype(ref.dtype)
+        else:
+            ref[...] = x_RxD.astype(ref.dtype)
+
     def finish(self, carry) -> None:
         if self.backward:
-            self.dq_ref[...] = (carry * self.scale).astype(self.dq_ref.dtype)
+            self._store(self.dq_ref, carry * self.scale)
             return
         o_RxDv, lse_R = online_softmax_finish(carry)
-        self.o_ref[...] = o_RxDv.astype(self.o_ref.dtype)
+        self._store(self.o_ref, o_RxDv)
         self.lse_ref[...] = lse_R

@@ -25,8 +25,8 @@ Kernel layout
 * The query rows of a group are gathered straight from ``q[B, T*H, D]`` (a
   free reshape), so q and dO are never transposed or padded in memory; the
   padded head rows repeat the group's last head and are dropped at the end.
-* Several positions per program (``SelectionBlockSizes.positions = P > 1``,
-  off by default until measured on a GPU): with G < 16 the rows above are
+* Several positions per program (``SelectionBlockSizes.positions = P > 1``;
+  kernels.SELECTION_KERNELS says which the layer runs): with G < 16 the rows above are
   mostly padding (production G = 6: 10 of 16 rows wasted). A program then
   holds P consecutive positions x G heads (row r = head r % G of position
   r // G, padded to ``Rp = max(16, next_pow2(P*G))``: G = 6, P = 2 fills 12
@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,7 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
+    MASK_VALUE,
     MIN_DOT_DIM,
     SMEM_BUDGET_BYTES,
     RowPass,
@@ -108,6 +110,7 @@ from nsa_jax.kernels.pallas_common import (
     next_pow2,
     pad_axis,
     padded_dim,
+    scores_log2,
     smem_estimate,
     softmax_grad_tile,
     validate_qkv,
@@ -127,14 +130,18 @@ class SelectionBlockSizes:
       num_warps: Triton warps per forward / dQ program (None: pick from the head dim).
       dkv_num_warps: Triton warps per dK/dV program (None: pick from the head dim).
       num_stages: Triton software-pipelining depth.
+      forward: ``gather`` (query-centric, the ``positions`` walk above) or
+        ``inverted`` (key-centric over the reverse index, ``_inverted_forward``:
+        full tiles of ``rows_dkv`` rows, each K/V block loaded once per segment).
+      fused_dq: dQ in the dK/dV kernel (each block's share added to fp32 sums with
+        atomics) instead of its own query-centric kernel: no second walk over each
+        query's n blocks, but the sum order, and so dQ's last bits, vary run to run.
       positions: query positions per forward / dQ program (a power of two).
         1: one position's G heads per program, padded to 16 rows. P > 1:
         P consecutive positions x G heads share a program and walk the union
         of their selections once (``_sel_multi_kernel``), so G = 6 with
-        P = 2 fills 12 of 16 rows instead of 6. The default, 2, also shrinks
-        the padded forward output and dQ (``[B, K, T/P * Rp, D]``) from 16/G
-        to 8/G times the unpadded size: at G = 6, T = 65536 the layer's
-        fwd+bwd temporaries drop from 1,065 to 933 MiB (A100 80GB compile).
+        P = 2 fills 12 of 16 rows instead of 6. Either way each program
+        stores its real rows straight into o and dQ ``[B, T*H, D]``.
     """
 
     rows_dkv: int | None = None
@@ -143,6 +150,8 @@ class SelectionBlockSizes:
     dkv_num_warps: int | None = None
     num_stages: int = 2
     positions: int = 2
+    fused_dq: bool = False
+    forward: str = "gather"
 
 
 # ---------------------------------------------------------------------------
@@ -151,12 +160,12 @@ class SelectionBlockSizes:
 
 
 def _group_rows(t, kv, num_heads: int, group: int, group_padded: int):
-    """Rows of ``q[T*H, D]`` holding query ``t``'s heads of KV head ``kv``.
+    """(rows of ``q[T*H, D]`` holding query ``t``'s heads of KV head ``kv``, head of each row) [Gp].
 
-    Padded rows (g >= G) repeat head G-1 so every load stays in bounds.
+    Padded rows (g >= G) repeat head G-1: they compute its values and store them again.
     """
     g_Gp = jnp.minimum(lax.iota(jnp.int32, group_padded), group - 1)
-    return t * num_heads + kv * group + g_Gp
+    return t * num_heads + kv * group + g_Gp, g_Gp
 
 
 def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks):
@@ -193,12 +202,11 @@ def _sel_kernel(
 ):
     # Refs (leading batch / KV-head dims squeezed by the BlockSpecs):
     #   idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv], then
-    #   forward: o [Gp, Dv], lse [Gp]; dQ: do [T*H, Dv], lse / delta [Gp], dq [Gp, Dk].
+    #   forward: o [T*H, Dv], lse [Gp]; dQ: do [T*H, Dv], lse / delta [Gp], dq [T*H, Dk].
     t = pl.program_id(0)
     kv = pl.program_id(2)
-    rows = RowPass(
-        backward, q_ref, refs, _group_rows(t, kv, num_heads, group, group_padded), scale=scale, scale_log2=scale_log2
-    )
+    row_Gp, g_Gp = _group_rows(t, kv, num_heads, group, group_padded)
+    rows = RowPass(backward, q_ref, refs, row_Gp, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=g_Gp)
 
     def body(s, carry):
         k_SxDk, v_SxDv, vis_1xS = _slot_tile(s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks)
@@ -210,16 +218,18 @@ def _sel_kernel(
 def _multi_rows(i, kv, *, positions, group, rows, seq, num_heads):
     """Rows of a P-position program: row r is head r % G of position i*P + r // G.
 
-    Returns the position t [R], validity [R] (rows past P*G and positions past T
-    are not), the ``q[T*H]`` row [R] (clamped in bounds) and the program-local
-    position p [R].
+    Returns the position t [R], the ``q[T*H]`` row [R], the program-local
+    position p [R] and the row's entry in the program's statistics (p*G + g) [R].
+    Rows past P*G, and positions past T (the last program when P does not
+    divide T), repeat a real row of the program exactly (same query, head,
+    selection and statistics), so they compute its values and may store them
+    again: no row needs a mask and every store lands on a real row.
     """
-    r_R = lax.iota(jnp.int32, rows)
-    p_R = jnp.minimum(lax.div(r_R, group), positions - 1)
-    t_R = i * positions + p_R
-    valid_R = (r_R < positions * group) & (t_R < seq)
-    t_c = jnp.minimum(t_R, seq - 1)
-    return t_R, valid_R, t_c * num_heads + kv * group + lax.rem(r_R, group), p_R
+    r_R = jnp.minimum(lax.iota(jnp.int32, rows), positions * group - 1)
+    g_R = lax.rem(r_R, group)
+    t_R = jnp.minimum(i * positions + lax.div(r_R, group), seq - 1)
+    p_R = t_R - i * positions
+    return t_R, t_R * num_heads + kv * group + g_R, p_R, p_R * group + g_R
 
 
 def _union_entry(e, p_R, idx_ref, *, slots, num_blocks):
@@ -268,19 +278,19 @@ def _sel_multi_kernel(
     scale_log2,
 ):
     # Refs: idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], then
-    #   forward: o [R, Dv], lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [R, Dk].
+    #   forward: o [T*H, Dv], lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [T*H, Dk].
     kv = pl.program_id(2)
-    t_R, valid_R, row_R, p_R = _multi_rows(
+    t_R, row_R, p_R, stat_R = _multi_rows(
         pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
     )
-    pass_ = RowPass(backward, q_ref, refs, row_R, scale=scale, scale_log2=scale_log2)
+    pass_ = RowPass(backward, q_ref, refs, row_R, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=stat_R)
 
     def body(e, carry):
         blk, live, member_R = _union_entry(e, p_R, idx_ref, slots=slots, num_blocks=num_blocks)
 
         def step(carry):
             k_SxDk, v_SxDv, vis_RxS = _union_tile(
-                blk, t_R, member_R & valid_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
+                blk, t_R, member_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
             )
             return pass_.step(carry, k_SxDk, v_SxDv, vis_RxS)
 
@@ -288,6 +298,40 @@ def _sel_multi_kernel(
         return lax.cond(live, step, lambda c: c, carry)
 
     pass_.finish(lax.fori_loop(0, positions * slots, body, pass_.init(rows)))
+
+
+class _Segment:
+    """One program's segment of a block's reverse-index list (the key-centric kernels).
+
+    Holds the block's first key position and its keys' positions [1, S]; ``rows``
+    gives the flattened (query, head) rows of one step: the entries [lo, hi) expand
+    to rows [lo*G, hi*G), row f being head f % G of query qlist[f // G]. Gathering
+    whole row tiles (not one query at a time) keeps the matmuls ``rows`` tall, with
+    no padding for any G.
+    """
+
+    def __init__(self, seg_blk_ref, seg_lo_ref, seg_hi_ref, *, block_size, num_blocks, group):
+        p = pl.program_id(0)
+        self.group = group
+        self.start = jnp.clip(seg_blk_ref[p], 0, num_blocks - 1) * block_size
+        self.pos_1xS = (self.start + lax.iota(jnp.int32, block_size))[None, :]
+        self.f_lo = seg_lo_ref[p] * group
+        self.f_hi = seg_hi_ref[p] * group
+
+    def steps(self, rows: int):
+        return lax.div(self.f_hi - self.f_lo + rows - 1, rows)
+
+    def rows(self, it, rows: int, qlist_ref, kv, num_heads: int):
+        """(flat index f [R], valid [R], query t [R], head g [R], ``q[T*H]`` row [R]) of step ``it``.
+
+        Rows past the segment's end (valid False) repeat its first row.
+        """
+        f_R = self.f_lo + it * rows + lax.iota(jnp.int32, rows)
+        valid_R = f_R < self.f_hi
+        f_R = jnp.where(valid_R, f_R, self.f_lo)
+        g_R = lax.rem(f_R, self.group)
+        t_R = qlist_ref[lax.div(f_R, self.group)]
+        return f_R, valid_R, t_R, g_R, t_R * num_heads + kv * self.group + g_R
 
 
 def _sel_dkv_kernel(
@@ -301,9 +345,7 @@ def _sel_dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
+    *out_refs,
     block_size,
     num_blocks,
     num_heads,
@@ -313,36 +355,28 @@ def _sel_dkv_kernel(
     rows,
     scale,
     scale_log2,
+    fuse_dq,
 ):
     # One program = one segment of one block's reverse-index list.
     # Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
-    #   do [T*H, Dv], lse / delta [T/P * Rp], dk [bs, Dk], dv [bs, Dv] (partials).
-    seg = pl.program_id(0)
+    #   do [T*H, Dv], lse / delta [T/P * Rp], then dk [bs, Dk], dv [bs, Dv] (partials);
+    #   with fuse_dq first dq's fp32 sums [T*H + 1, Dk] (aliased input, then output; row T*H
+    #   takes the rows past the segment's end, which add nothing, so no atomic needs a mask).
+    if fuse_dq:
+        _, dk_ref, dv_ref, dq_ref = out_refs
+        dummy_row = dq_ref.shape[0] - 1
+        col_RxDk = lax.broadcasted_iota(jnp.int32, (rows, dq_ref.shape[-1]), 1)
+    else:
+        dk_ref, dv_ref = out_refs
     kv = pl.program_id(2)
-    blk = seg_blk_ref[seg]
-    lo = seg_lo_ref[seg]
-    hi = seg_hi_ref[seg]
-    start = jnp.clip(blk, 0, num_blocks - 1) * block_size
-    k_SxDk = k_ref[pl.ds(start, block_size), :]
-    v_SxDv = v_ref[pl.ds(start, block_size), :]
-    pos_1xS = (start + lax.iota(jnp.int32, block_size))[None, :]
-
-    # The entries [lo, hi) expand to flattened rows [lo*G, hi*G): row f is
-    # head f % G of query qlist[f // G]. Gathering whole row tiles (not one
-    # query at a time) keeps the matmuls `rows` tall even for G = 1.
-    f_lo = lo * group
-    f_hi = hi * group
-    r_R = lax.iota(jnp.int32, rows)
+    seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
+    k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
+    v_SxDv = v_ref[pl.ds(seg.start, block_size), :]
+    pos_1xS = seg.pos_1xS
 
     def body(it, carry):
         dk_SxDk, dv_SxDv = carry
-        f_R = f_lo + it * rows + r_R
-        valid_R = f_R < f_hi
-        f_R = jnp.where(valid_R, f_R, f_lo)
-        e_R = lax.div(f_R, group)
-        g_R = lax.rem(f_R, group)
-        t_R = qlist_ref[e_R]
-        row_R = t_R * num_heads + kv * group + g_R
+        _, valid_R, t_R, g_R, row_R = seg.rows(it, rows, qlist_ref, kv, num_heads)
         q_RxDk = q_ref[row_R, :]
         do_RxDv = do_ref[row_R, :]
         # Statistics are stored per forward program: Rp rows for P positions x G heads.
@@ -352,17 +386,105 @@ def _sel_dkv_kernel(
         vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
         p_RxS, ds_RxS = softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
         dv_SxDv = dv_SxDv + plgpu_triton.dot(p_RxS.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
-        dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
+        ds_RxS = ds_RxS.astype(q_RxDk.dtype)
+        dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS, q_RxDk, trans_a=True)
+        if fuse_dq:
+            # This block's share of each row's dQ; a query's n blocks add theirs in any order.
+            dq_RxDk = plgpu_triton.dot(ds_RxS, k_SxDk) * scale
+            at_RxDk = jnp.broadcast_to(jnp.where(valid_R, row_R, dummy_row)[:, None], dq_RxDk.shape)
+            plgpu_triton.atomic_add(dq_ref, (at_RxDk, col_RxDk), dq_RxDk)
         return dk_SxDk, dv_SxDv
 
-    num_steps = lax.div(f_hi - f_lo + rows - 1, rows)
     init = (
         jnp.zeros((block_size, k_ref.shape[-1]), jnp.float32),
         jnp.zeros((block_size, v_ref.shape[-1]), jnp.float32),
     )
-    dk_SxDk, dv_SxDv = lax.fori_loop(0, num_steps, body, init)
+    dk_SxDk, dv_SxDv = lax.fori_loop(0, seg.steps(rows), body, init)
     dk_ref[...] = dk_SxDk * scale
     dv_ref[...] = dv_SxDv
+
+
+def _sel_inv_stats_kernel(
+    seg_blk_ref,
+    seg_lo_ref,
+    seg_hi_ref,
+    qlist_ref,
+    q_ref,
+    k_ref,
+    m_ref,
+    l_ref,
+    *,
+    block_size,
+    num_blocks,
+    num_heads,
+    group,
+    rows,
+    scale_log2,
+):
+    # Pass 1 of the inverted forward: each (query, head) row's softmax statistics over
+    # this block alone. Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], then
+    # m / l [T*n*G + rows] (base-2 running max and sum, at the row's flat index).
+    kv = pl.program_id(2)
+    seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
+    k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
+
+    def body(it, carry):
+        _, valid_R, t_R, _, row_R = seg.rows(it, rows, qlist_ref, kv, num_heads)
+        vis_RxS = valid_R[:, None] & (seg.pos_1xS <= t_R[:, None])
+        s_RxS = jnp.where(vis_RxS, scores_log2(q_ref[row_R, :], k_SxDk, scale_log2), MASK_VALUE)
+        m_R = jnp.max(s_RxS, axis=1)
+        l_R = jnp.sum(jnp.where(vis_RxS, jnp.exp2(s_RxS - m_R[:, None]), 0.0), axis=1)
+        # The step's rows are contiguous flat indices; those past the segment belong to the next one.
+        at = pl.ds(seg.f_lo + it * rows, rows)
+        plgpu_triton.store(m_ref.at[at], m_R, mask=valid_R)
+        plgpu_triton.store(l_ref.at[at], l_R, mask=valid_R)
+        return carry
+
+    lax.fori_loop(0, seg.steps(rows), body, 0)
+
+
+def _sel_inv_out_kernel(
+    seg_blk_ref,
+    seg_lo_ref,
+    seg_hi_ref,
+    qlist_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    lse_ref,
+    _o_in_ref,
+    o_ref,
+    *,
+    block_size,
+    num_blocks,
+    num_heads,
+    group,
+    rows,
+    scale_log2,
+):
+    # Pass 2 of the inverted forward: this block's share of each row's output, normalised by
+    # the row's final log-sum-exp, added to o's fp32 sums. Refs: seg_* [P], qlist [T*n],
+    # q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], lse [T*G] (base 2), o (aliased) [T*H + 1, Dv]
+    # (row T*H takes the rows past the segment's end, which add nothing).
+    kv = pl.program_id(2)
+    seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
+    k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
+    v_SxDv = v_ref[pl.ds(seg.start, block_size), :]
+    dummy_row = o_ref.shape[0] - 1
+    col_RxDv = lax.broadcasted_iota(jnp.int32, (rows, o_ref.shape[-1]), 1)
+
+    def body(it, carry):
+        _, valid_R, t_R, g_R, row_R = seg.rows(it, rows, qlist_ref, kv, num_heads)
+        vis_RxS = valid_R[:, None] & (seg.pos_1xS <= t_R[:, None])
+        lse_R = lse_ref[t_R * group + g_R]
+        s_RxS = scores_log2(q_ref[row_R, :], k_SxDk, scale_log2)
+        p_RxS = jnp.where(vis_RxS, jnp.exp2(s_RxS - lse_R[:, None]), 0.0)
+        o_RxDv = plgpu_triton.dot(p_RxS.astype(v_SxDv.dtype), v_SxDv)
+        at_RxDv = jnp.broadcast_to(jnp.where(valid_R, row_R, dummy_row)[:, None], o_RxDv.shape)
+        plgpu_triton.atomic_add(o_ref, (at_RxDv, col_RxDv), o_RxDv)
+        return carry
+
+    lax.fori_loop(0, seg.steps(rows), body, 0)
 
 
 def _segment_reduce_kernel(first_ref, count_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
@@ -441,12 +563,10 @@ def _flat_heads(x_BxTxHxD, d_pad: int):
     return pad_axis(x_BxTxHxD, 3, d_pad).reshape(b, t * h, d_pad)
 
 
-def _ungroup(x_BxKxRowsxD, d: _Dims, d_out: int):
-    """[B, K, T/P * Rp, D] (per-program row layout) -> [B, T, H, d_out]."""
-    x = x_BxKxRowsxD.reshape(d.batch, d.kv_heads, d.programs, d.rows_padded, -1)
-    x = x[:, :, :, : d.positions * d.group, :d_out]
-    x = x.reshape(d.batch, d.kv_heads, d.programs * d.positions, d.group, d_out)[:, :, : d.seq]
-    return x.transpose(0, 2, 1, 3, 4).reshape(d.batch, d.seq, d.heads, d_out)
+def _unflat_heads(x_BxRowsxD, d: _Dims, d_out: int):
+    """[B, T*H, D_padded] -> [B, T, H, d_out] (a reshape, and a slice where D was padded)."""
+    x = x_BxRowsxD.reshape(d.batch, d.seq, d.heads, -1)
+    return x if x.shape[-1] == d_out else x[..., :d_out]
 
 
 def _common_specs(d: _Dims):
@@ -479,29 +599,135 @@ def _row_kernel(backward: bool, d, idx, block_size, scale):
 
 
 def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
+    """(o [B, T, H, Dv], lse in the per-program layout [B, K, T/P * Rp], the reverse index or None)."""
+    if bsz.forward == "inverted":
+        return _inverted_forward(q, k, v, idx, block_size, scale, interpret, bsz)
     d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
     idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
     kernel, idx = _row_kernel(False, d, idx, block_size, scale)
     rows_g = d.programs * d.rows_padded
-    o_pad, lse = pl.pallas_call(
+    # Each program stores its rows straight into o [B, T*H, Dv] (the layout of q), so no
+    # padded rows reach memory and no transpose follows.
+    o_f, lse = pl.pallas_call(
         kernel,
         grid=(d.programs, d.batch, d.kv_heads),
         in_specs=[idx_spec, q_spec, k_spec, v_spec],
         out_specs=[
-            pl.BlockSpec((None, None, d.rows_padded, d.dv), lambda i, b, kv: (b, kv, i, 0)),
+            pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda i, b, kv: (b, 0, 0)),
             pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g, d.dv), q.dtype),
+            jax.ShapeDtypeStruct((d.batch, d.seq * d.heads, d.dv), q.dtype),
             jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g), jnp.float32),
         ],
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_fwd",
     )(idx, q_f, k_p, v_p)
-    return _ungroup(o_pad, d, v.shape[-1]), lse
+    return _unflat_heads(o_f, d, v.shape[-1]), lse, None
+
+
+def _segment_specs(d: _Dims, num_segments: int):
+    """BlockSpecs of the key-centric kernels' first inputs: seg_blk, seg_lo, seg_hi, qlist, q (grid: segment, b, kv)."""
+    seg_spec = pl.BlockSpec((None, None, num_segments), lambda p, b, kv: (b, kv, 0))
+    return [
+        seg_spec,
+        seg_spec,
+        seg_spec,
+        pl.BlockSpec((None, None, d.seq * d.slots), lambda p, b, kv: (b, kv, 0)),
+        pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda p, b, kv: (b, 0, 0)),
+    ]
+
+
+def _kv_specs(d: _Dims):
+    tp = d.num_blocks * d.block_size
+    return [
+        pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
+        pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
+    ]
+
+
+def _merge_block_stats(m_BxKxF, l_BxKxF, rev, idx_BxTxKxN, d: _Dims):
+    """Each row's log-sum-exp (base 2) [B, K, T, G] from its blocks' (max, sum) at the flat indices entry*G + g.
+
+    The exact merge of partial softmax sums: M = max_s m_s, lse = M + log2(sum_s l_s 2^(m_s - M)).
+    Unused slots (-1 or past the last block) hold no statistics and are left out; a row
+    that sees no key gets 0, as in the gather kernel.
+    """
+    b, kvh, t, n, g = d.batch, d.kv_heads, d.seq, d.slots, d.group
+    f_BxKxTNG = (rev.entry_pos[..., None] * g + jnp.arange(g, dtype=jnp.int32)).reshape(b, kvh, t * n * g)
+    m = jnp.take_along_axis(m_BxKxF, f_BxKxTNG, axis=-1).reshape(b, kvh, t, n, g)
+    l = jnp.take_along_axis(l_BxKxF, f_BxKxTNG, axis=-1).reshape(b, kvh, t, n, g)
+    idx_BxKxTxN = idx_BxTxKxN.transpose(0, 2, 1, 3)
+    live = ((idx_BxKxTxN >= 0) & (idx_BxKxTxN < d.num_blocks))[..., None]
+    m = jnp.where(live, m, MASK_VALUE)
+    l = jnp.where(live, l, 0.0)
+    m_max = jnp.max(m, axis=3)
+    total = jnp.sum(l * jnp.exp2(m - m_max[:, :, :, None, :]), axis=3)
+    return jnp.where(total > 0.0, m_max + jnp.log2(jnp.where(total > 0.0, total, 1.0)), 0.0)
+
+
+def _inverted_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
+    """The key-centric forward: one program per segment of a block's reverse-index list.
+
+    Each program loads its K/V block once and walks the (query, head) rows that selected
+    it in full tiles of ``rows_dkv`` (G heads of each query packed, no padding). Two
+    passes merge a row's n blocks exactly: the first writes each (row, block) pair's
+    softmax max and sum, an XLA gather merges them into the row's log-sum-exp, and the
+    second adds each block's normalised share P V to o's fp32 sums with atomics (so
+    o's last bits vary run to run with the order of the adds). The reverse index is
+    returned for the backward, which walks the same segments.
+    """
+    d = _dims(q, k, v, idx, block_size, bsz.positions)
+    k_p, v_p = _prep_kv(k, v, d)
+    q_f = _flat_heads(q, d.dk)
+    rev = reverse_index(idx, d.num_blocks, bsz.dkv_segment)
+    num_segments = rev.seg_blk.shape[-1]
+    rows = bsz.rows_dkv
+    flat = d.seq * d.slots * d.group + rows  # flat (entry, head) statistics, one step of slack
+    common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group, rows=rows)
+    common["scale_log2"] = scale * LOG2E
+    params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
+    seg_args = (rev.seg_blk, rev.seg_lo, rev.seg_hi, rev.qlist, q_f)
+    stat_spec = pl.BlockSpec((None, None, flat), lambda p, b, kv: (b, kv, 0))
+    m, l = pl.pallas_call(
+        functools.partial(_sel_inv_stats_kernel, **common),
+        grid=(num_segments, d.batch, d.kv_heads),
+        in_specs=_segment_specs(d, num_segments) + _kv_specs(d)[:1],
+        out_specs=[stat_spec, stat_spec],
+        out_shape=[jax.ShapeDtypeStruct((d.batch, d.kv_heads, flat), jnp.float32)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_selection_fwd_stats",
+    )(*seg_args, k_p)
+    lse_BxKxTxG = _merge_block_stats(m, l, rev, idx, d)
+
+    o_rows = d.seq * d.heads + 1
+    o_spec = pl.BlockSpec((None, o_rows, d.dv), lambda p, b, kv: (b, 0, 0))
+    o_acc = pl.pallas_call(
+        functools.partial(_sel_inv_out_kernel, **common),
+        grid=(num_segments, d.batch, d.kv_heads),
+        in_specs=_segment_specs(d, num_segments)
+        + _kv_specs(d)
+        + [pl.BlockSpec((None, None, d.seq * d.group), lambda p, b, kv: (b, kv, 0)), o_spec],
+        out_specs=o_spec,
+        out_shape=jax.ShapeDtypeStruct((d.batch, o_rows, d.dv), jnp.float32),
+        input_output_aliases={8: 0},
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_selection_fwd_out",
+    )(
+        *seg_args,
+        k_p,
+        v_p,
+        lse_BxKxTxG.reshape(d.batch, d.kv_heads, -1),
+        jnp.zeros((d.batch, o_rows, d.dv), jnp.float32),
+    )
+    o = _unflat_heads(o_acc[:, : d.seq * d.heads].astype(q.dtype), d, v.shape[-1])
+    lse_BxTxH = lse_BxKxTxG.transpose(0, 2, 1, 3).reshape(d.batch, d.seq, d.heads)
+    return o, _group_stat(lse_BxTxH, d), rev
 
 
 def _group_stat(x_BxTxH, d: _Dims):
@@ -556,10 +782,22 @@ def _ranks_within_key(key_BxKxTxN, num_keys: int, chunk_elems: int = 1 << 22):
     return rank + in_row[:, :, :t], counts_BxKxM
 
 
-def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int = 1 << 22):
+class ReverseIndex(NamedTuple):
+    """A selection's CSR reverse index, cut into work segments (``reverse_index``); all int32."""
+
+    qlist: jax.Array  # [B, K, T*n]
+    seg_blk: jax.Array  # [B, K, P]
+    seg_lo: jax.Array  # [B, K, P]
+    seg_hi: jax.Array  # [B, K, P]
+    blk_first: jax.Array  # [B, K, NB]
+    blk_count: jax.Array  # [B, K, NB]
+    entry_pos: jax.Array  # [B, K, T*n]: where entry (t, s), at t*n + s, stands in qlist
+
+
+def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int = 1 << 22) -> ReverseIndex:
     """CSR reverse index of a selection, cut into work segments (no comparison sort).
 
-    Returns (all int32):
+    Returns a ``ReverseIndex`` (all int32):
       qlist [B, K, T*n]: query positions grouped by the block they selected,
         ascending t within a block (what a stable sort by block id gives);
         unused slots (-1, or ids outside [0, num_blocks)) fill the tail.
@@ -568,6 +806,8 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
         empty range for the unused tail); ``P = ceil(T*n/segment) + NB``.
       blk_first, blk_count [B, K, NB]: each block's segments are
         ``seg_first .. seg_first + blk_count - 1``.
+      entry_pos [B, K, T*n]: the inverse permutation, where each (query, slot)
+        entry stands in qlist.
 
     Built as a counting sort: per-block counts, their exclusive cumsum as the
     block offsets, and each entry's rank among the entries of its block
@@ -612,10 +852,10 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
 
     per_bk = jax.vmap(jax.vmap(per_row))
     seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(counts_BxKxM)
-    return qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count
+    return ReverseIndex(qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count, pos_BxKxE)
 
 
-def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
+def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes, rev=None):
     d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
@@ -628,22 +868,24 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
     do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda t, b, kv: (b, 0, 0))
     stat_spec = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i))
 
-    # ---- dQ: query-centric, same walk as the forward.
-    dq_kernel, idx_q = _row_kernel(True, d, idx, block_size, scale)
-    dq_pad = pl.pallas_call(
-        dq_kernel,
-        grid=(d.programs, d.batch, d.kv_heads),
-        in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
-        out_specs=pl.BlockSpec((None, None, d.rows_padded, d.dk), lambda i, b, kv: (b, kv, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.programs * d.rows_padded, d.dk), q.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="nsa_selection_dq",
-    )(idx_q, q_f, k_p, v_p, do_f, lse, delta)
-    dq = _ungroup(dq_pad, d, q.shape[-1])
+    # ---- dQ: query-centric, same walk as the forward (or fused into dK/dV below).
+    if not bsz.fused_dq:
+        dq_kernel, idx_q = _row_kernel(True, d, idx, block_size, scale)
+        dq_f = pl.pallas_call(
+            dq_kernel,
+            grid=(d.programs, d.batch, d.kv_heads),
+            in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
+            out_specs=pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda i, b, kv: (b, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((d.batch, d.seq * d.heads, d.dk), q.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="nsa_selection_dq",
+        )(idx_q, q_f, k_p, v_p, do_f, lse, delta)
 
     # ---- dK/dV: key-centric over the reverse index, in segments.
-    qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = reverse_index(idx, d.num_blocks, bsz.dkv_segment)
+    # The forward's reverse index when it built one (the inverted forward), else built here.
+    rev = reverse_index(idx, d.num_blocks, bsz.dkv_segment) if rev is None else rev
+    qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = rev[:6]
     num_segments = seg_blk.shape[-1]
     entries = d.seq * d.slots
     rows_g = d.programs * d.rows_padded
@@ -660,34 +902,54 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
         rows=bsz.rows_dkv,
         scale=scale,
         scale_log2=scale * LOG2E,
+        fuse_dq=bsz.fused_dq,
     )
-    dk_part, dv_part = pl.pallas_call(
+    in_specs = [
+        seg_spec,
+        seg_spec,
+        seg_spec,
+        pl.BlockSpec((None, None, entries), lambda p, b, kv: (b, kv, 0)),
+        pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda p, b, kv: (b, 0, 0)),
+        pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
+        pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
+        pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda p, b, kv: (b, 0, 0)),
+        pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
+        pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
+    ]
+    args = [seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta]
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_size, d.dk), lambda p, b, kv: (b, kv, p, 0, 0)),
+        pl.BlockSpec((None, None, None, block_size, d.dv), lambda p, b, kv: (b, kv, p, 0, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dk), jnp.float32),
+        jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dv), jnp.float32),
+    ]
+    aliases = {}
+    if bsz.fused_dq:
+        # fp32 sums of dQ, zeroed here, one extra row for the atomics of rows past a segment's end.
+        dq_rows = d.seq * d.heads + 1
+        dq_spec = pl.BlockSpec((None, dq_rows, d.dk), lambda p, b, kv: (b, 0, 0))
+        in_specs.append(dq_spec)
+        args.append(jnp.zeros((d.batch, dq_rows, d.dk), jnp.float32))
+        out_specs.append(dq_spec)
+        out_shape.append(jax.ShapeDtypeStruct((d.batch, dq_rows, d.dk), jnp.float32))
+        aliases = {len(args) - 1: 2}
+    outs = pl.pallas_call(
         dkv_kernel,
         grid=(num_segments, d.batch, d.kv_heads),
-        in_specs=[
-            seg_spec,
-            seg_spec,
-            seg_spec,
-            pl.BlockSpec((None, None, entries), lambda p, b, kv: (b, kv, 0)),
-            pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda p, b, kv: (b, 0, 0)),
-            pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
-            pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
-            pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda p, b, kv: (b, 0, 0)),
-            pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
-            pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_size, d.dk), lambda p, b, kv: (b, kv, p, 0, 0)),
-            pl.BlockSpec((None, None, None, block_size, d.dv), lambda p, b, kv: (b, kv, p, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dk), jnp.float32),
-            jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dv), jnp.float32),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=compiler_params(bsz.dkv_num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_dkv",
-    )(seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
+    )(*args)
+    dk_part, dv_part = outs[:2]
+    if bsz.fused_dq:
+        dq_f = outs[2][:, : d.seq * d.heads].astype(q.dtype)
+    dq = _unflat_heads(dq_f, d, q.shape[-1])
 
     blk_spec = pl.BlockSpec((None, None, d.num_blocks), lambda j, b, kv: (b, kv, 0))
     dk_p, dv_p = pl.pallas_call(
@@ -718,18 +980,17 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _selection(q, k, v, idx, block_size, scale, interpret, bsz):
-    o, _ = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
-    return o
+    return _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)[0]
 
 
 def _selection_vjp_fwd(q, k, v, idx, block_size, scale, interpret, bsz):
-    o, lse = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
-    return o, (q, k, v, idx, o, lse)
+    o, lse, rev = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
+    return o, (q, k, v, idx, o, lse, rev)
 
 
 def _selection_vjp_bwd(block_size, scale, interpret, bsz, res, do):
-    q, k, v, idx, o, lse = res
-    dq, dk, dv = _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz)
+    q, k, v, idx, o, lse, rev = res
+    dq, dk, dv = _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz, rev)
     return dq, dk, dv, None
 
 
@@ -810,6 +1071,8 @@ def selection_attention_pallas(
     if bsz.rows_dkv is not None:
         check_tile_size("rows_dkv", bsz.rows_dkv)
     check_tile_size("positions", bsz.positions, minimum=1)
+    if bsz.forward not in ("gather", "inverted"):
+        raise ValueError(f"SelectionBlockSizes.forward must be gather or inverted, got {bsz.forward!r}")
     bsz = fit_block_sizes(bsz, q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, block_size)
     if bsz.dkv_segment < 1:
         raise ValueError("dkv_segment must be >= 1")

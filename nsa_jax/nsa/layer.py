@@ -225,7 +225,7 @@ class NSAAttention(nn.Module):
         outputs = {"cmp": o_cmp}
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
-                outputs["slc"] = selection_attention(q, k_slc, v_slc, idx, a.lp, **kernel_kw)
+                outputs["slc"] = selection_attention(q, k_slc, v_slc, idx, a.lp, kernel=a.selection_kernel, **kernel_kw)
                 if self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
                     # The scorer's keys again, from a detached layer input: the KL trains the
                     # k_cmp projection and phi only, never the residual stream below (as DSA
