@@ -541,7 +541,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--selection-kernels",
         default="",
-        help="comma-separated selection kernels (blocksparse, gather, inverted) to time as extra NSA layers "
+        help="comma-separated selection kernels (blocksparse, gather) to time as extra NSA layers "
         "beside the config's, in the same run (rows nsa[NAME])",
     )
     parser.add_argument("--batch", type=int, default=1)

@@ -15,9 +15,9 @@ forward+backward, one row per (T, branch, mode, candidate):
 Candidates (``--impls`` picks by name, ``--selection-variants`` adds gather
 kernels with other ``SelectionBlockSizes``):
 
-* selection: ``gather`` and ``inverted`` (selection_pallas with the tiles the
-  layer runs, kernels.SELECTION_KERNELS) and one ``sel[...]`` per variant
-  (``sel[...]``: any ``SelectionBlockSizes``, e.g. ``forward=inverted,rows_dkv=64``),
+* selection: ``gather`` (selection_pallas with the tiles the layer runs,
+  kernels.SELECTION_KERNELS) and one ``sel[...]`` per variant (any
+  ``SelectionBlockSizes``, e.g. ``positions=4,num_warps=1``),
   ``blocksparse`` (blocksparse_pallas; the layer's kernel up to T = 2 n lp), ``xla``;
 * window: ``pallas`` (flash_pallas), ``cudnn`` (``jax.nn.dot_product_attention``
   with ``local_window_size``, GPU only), ``xla``;
@@ -56,7 +56,7 @@ PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=5
 GPU_SEQ_LENS = (2048, 8192, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
 # Candidates that need a GPU to say anything about speed (the Pallas ones only interpret elsewhere).
-GPU_ONLY = ("gather", "inverted", "sel", "blocksparse", "pallas", "cudnn")
+GPU_ONLY = ("gather", "sel", "blocksparse", "pallas", "cudnn")
 # The forward+backward FLOPs over the forward's: QK^T and PV forward; the QK^T recompute, dP, dV, dQ, dK backward.
 FWD_BWD_FLOP_RATIO = 3.5
 
@@ -73,7 +73,7 @@ def with_backward(fn):
 
 def parse_sizes(cls, text: str, flag: str):
     """``cls(**values)`` from ``name=value,...`` (empty: None): integers, 0/1 for flags, words for
-    text fields (``forward=inverted``); exits with one line on a bad entry."""
+    text fields; exits with one line on a bad entry."""
     if not text:
         return None
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -116,13 +116,10 @@ def candidates(branch, selection_variants=(), blocksparse_sizes=None):
     lp, w = p["block_size"], p["window"]
     impls = {}
     if branch == "selection":
-        for name in ("gather", "inverted"):  # the tilings the layer runs (kernels.SELECTION_KERNELS)
-            impls[name] = _no_aux(
-                functools.partial(
-                    lambda q, k, v, idx, bsz: selection_attention_pallas(q, k, v, idx, lp, block_sizes=bsz),
-                    bsz=SELECTION_KERNELS[name],
-                )
-            )
+        # The tiling the layer runs (kernels.SELECTION_KERNELS).
+        impls["gather"] = _no_aux(
+            lambda q, k, v, idx: selection_attention_pallas(q, k, v, idx, lp, block_sizes=SELECTION_KERNELS["gather"])
+        )
         for text in selection_variants:
             bsz = parse_sizes(SelectionBlockSizes, text, "--selection-variants")
             impls[variant_name(text)] = _no_aux(
@@ -225,7 +222,7 @@ def parse_args(argv=None):
         "--selection-variants",
         default="",
         help="';'-separated SelectionBlockSizes of extra selection candidates, e.g. "
-        "'positions=4,num_warps=2;forward=inverted,rows_dkv=64' (each a candidate named sel[...])",
+        "'positions=4,num_warps=2;positions=1,rows_dkv=32' (each a candidate named sel[...])",
     )
     parser.add_argument(
         "--blocksparse-block-sizes",

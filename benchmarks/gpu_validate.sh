@@ -10,11 +10,10 @@
 #              against the naive reference, and Pallas-vs-XLA training steps
 #   kernels    python -m benchmarks.bench_kernels: Pallas vs XLA vs dense, fwd and fwd+bwd, bf16
 #   selection  the selection kernels side by side in one process, fwd and fwd+bwd, against cuDNN at
-#              SELECTION_SEQ_LENS (default 8192,32768,65536): gather and inverted (the layer's tiles,
-#              kernels.SELECTION_KERNELS) and the SELECTION_VARIANTS (';'-separated SelectionBlockSizes;
-#              default: the former gather default, gather with dQ fused into dK/dV, the inverted
-#              forward with other tiles); then, with runs of 8 queries sharing a selection
-#              (--idx-runs 8, as trained neighbours do), gather, inverted and 4 positions per program
+#              SELECTION_SEQ_LENS (default 8192,32768,65536): gather (the layer's tiles,
+#              kernels.SELECTION_KERNELS) and the SELECTION_VARIANTS (';'-separated
+#              SelectionBlockSizes, each a candidate sel[...]); then the same with runs of 8 queries
+#              sharing a selection at 32768 (--idx-runs 8, as trained neighbours do)
 #   window     the window branch: Pallas flash vs cuDNN's sliding window (local_window_size) vs
 #              dense cuDNN, fwd and fwd+bwd, with the outputs compared
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
@@ -115,17 +114,16 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
     selection)
-        variants=${SELECTION_VARIANTS:-"positions=2;positions=1,num_warps=1,fused_dq=1,rows_dkv=32;\
-positions=1,num_warps=1,fused_dq=1,rows_dkv=64;forward=inverted,fused_dq=1,rows_dkv=64;\
-forward=inverted,positions=1,num_warps=1,rows_dkv=32;forward=inverted,fused_dq=1,rows_dkv=32,dkv_segment=2048"}
-        impls="gather,inverted,dense,$(echo "$variants" | sed 's/\([^;]*\)/sel[\1]/g; s/;/,/g')"
+        variants=${SELECTION_VARIANTS:-"positions=1,num_warps=1,dkv_segment=2048;positions=1,num_warps=1,rows_dkv=128;\
+positions=2,num_warps=1;positions=4,num_warps=1"}
+        impls="gather,dense,$(echo "$variants" | sed 's/\([^;]*\)/sel[\1]/g; s/;/,/g')"
         # shellcheck disable=SC2086
         run_part selection 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
             --impls "$impls" --selection-variants "$variants" \
             --seq-lens "${SELECTION_SEQ_LENS:-8192,32768,65536}" --json "$out/selection.json"
         run_part selection_runs8 300 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
-            --idx-runs 8 --impls "gather,inverted,sel[positions=4,num_warps=1],dense" \
-            --selection-variants "positions=4,num_warps=1" --seq-lens 32768 --json "$out/selection_runs8.json"
+            --idx-runs 8 --impls "$impls" --selection-variants "$variants" --seq-lens 32768 \
+            --json "$out/selection_runs8.json"
         ;;
     window)
         run_part window 300 "$PY" -m benchmarks.bench_kernels --backward --branches window --impls pallas,cudnn,dense \

@@ -71,7 +71,7 @@ class NSAConfig:
     attention_impl: Literal["auto", "pallas", "xla"] = "auto"
     # The selection branch's Pallas kernel: auto = the one measured fastest at the run's T
     # (kernels.selection_kernel; docs/PERFORMANCE.md), or one named (kernels.SELECTION_KERNELS).
-    selection_kernel: Literal["auto", "blocksparse", "gather", "inverted"] = "auto"
+    selection_kernel: Literal["auto", "blocksparse", "gather"] = "auto"
     # Query chunk of the XLA path: bounds the live memory of every branch.
     query_chunk: int = 512
 

@@ -43,12 +43,12 @@ def test_describe_impl_names_the_selection_kernel_when_it_knows_the_length():
 
 def test_selection_kernel_named_in_the_config_wins_at_every_length():
     for seq in (2048, 65536):
-        for name in ("blocksparse", "gather", "inverted"):
+        for name in ("blocksparse", "gather"):
             assert selection_kernel("auto", seq, 16, 64, backend="gpu", choice=name) == name
             assert describe_impl("auto", "gpu", block_size=64, seq=seq, slots=16, choice=name)["slc"].endswith(name)
     # XLA stays XLA whatever is named; an unknown name is one error naming the choices.
-    assert selection_kernel("auto", 65536, 16, 64, backend="cpu", choice="inverted") == "xla"
-    with pytest.raises(ValueError, match="gather, inverted"):
+    assert selection_kernel("auto", 65536, 16, 64, backend="cpu", choice="gather") == "xla"
+    with pytest.raises(ValueError, match="blocksparse, gather"):
         selection_kernel("auto", 65536, 16, 64, backend="gpu", choice="sparse")
 
 

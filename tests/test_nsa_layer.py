@@ -42,9 +42,7 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "G,K,T,kernel", [(2, 2, 53, "auto"), (6, 1, 64, "auto"), (6, 1, 64, "gather"), (2, 2, 53, "inverted")]
-)
+@pytest.mark.parametrize("G,K,T,kernel", [(2, 2, 53, "auto"), (6, 1, 64, "auto"), (6, 1, 64, "gather")])
 def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel):
     # All three branches through the Pallas kernels (interpreted off-GPU): the compressed
     # branch's group probabilities must rank the same blocks as the per-token reference.

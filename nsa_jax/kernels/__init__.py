@@ -10,13 +10,12 @@ needs: `pallas` asked for explicitly raises instead). A branch named by
 `set_xla_fallback` (the boot-time kernel guard, kernels/guard.py, after its kernel
 failed to compile or disagreed with XLA) also runs xla under `auto`.
 
-The selection branch has three Pallas kernels (``SELECTION_KERNELS``): ``blocksparse``
+The selection branch has two Pallas kernels (``SELECTION_KERNELS``): ``blocksparse``
 (blocksparse_pallas, a causal flash attention under the selected-block mask, whose cost
-is at most dense causal attention's), ``gather`` (selection_pallas walking each query's
-n blocks) and ``inverted`` (selection_pallas walking, for each block, the queries that
-chose it). ``NSAConfig.selection_kernel`` names one, or ``auto`` takes blocksparse for a
-short sequence, T <= blocksparse_pallas.BLOCKSPARSE_MAX_SEQ_RATIO * n * lp (2 n lp;
-n = idx.shape[-1]), and ``LONG_SELECTION_KERNEL`` above. `xla` is the same at every T.
+is at most dense causal attention's) and ``gather`` (selection_pallas walking each
+query's n blocks). ``NSAConfig.selection_kernel`` names one, or ``auto`` takes
+blocksparse for a short sequence, T <= blocksparse_pallas.BLOCKSPARSE_MAX_SEQ_RATIO * n * lp
+(2 n lp; n = idx.shape[-1]), and gather above. `xla` is the same at every T.
 """
 
 from __future__ import annotations
@@ -40,18 +39,12 @@ from nsa_jax.kernels.xla import (
 )
 
 # The selection kernels a config may name, with the tiles each runs (None: blocksparse's own).
-# gather: one query position per program (its G heads padded to 16 rows) with one warp, and
-# dQ by a second query-centric walk: the fastest gather tiling on an H200 (docs/PERFORMANCE.md);
-# run to run deterministic. inverted: per block, the (query, head) rows that chose it in full
-# tiles of 32, dQ added from the dK/dV kernel (32 rows: no spills on an A100); fp32 atomic adds
-# make o's and dQ's last bits vary run to run.
+# gather: one query position per program (its G heads padded to 16 rows) with one warp: the
+# fastest gather tiling on an H200 for random selections (docs/PERFORMANCE.md).
 SELECTION_KERNELS: dict[str, SelectionBlockSizes | None] = {
     "blocksparse": None,
     "gather": SelectionBlockSizes(positions=1, num_warps=1),
-    "inverted": SelectionBlockSizes(forward="inverted", fused_dq=True, rows_dkv=32),
 }
-# What `auto` runs above T = 2 n lp.
-LONG_SELECTION_KERNEL = "gather"
 
 # Branches ("cmp", "slc", "win") that `auto` runs on xla for the rest of the process.
 _XLA_FALLBACK: frozenset[str] = frozenset()
@@ -110,8 +103,8 @@ def describe_impl(
     """What each branch runs, for env.json and the boot heartbeat.
 
     `block_size`: the selection lp; with `seq` (T) and `slots` (n) as well, a Pallas
-    selection also names its kernel (`pallas-triton/blocksparse`, `.../gather` or
-    `.../inverted`; `choice` is NSAConfig.selection_kernel).
+    selection also names its kernel (`pallas-triton/blocksparse` or `.../gather`;
+    `choice` is NSAConfig.selection_kernel).
     """
     backend = jax.default_backend() if backend is None else backend
 
@@ -141,7 +134,7 @@ def selection_kernel(
     """Which selection kernel runs: one of SELECTION_KERNELS, or `xla`.
 
     `choice` (NSAConfig.selection_kernel) names one; `auto` takes `blocksparse` for
-    T <= BLOCKSPARSE_MAX_SEQ_RATIO * n * lp and LONG_SELECTION_KERNEL above.
+    T <= BLOCKSPARSE_MAX_SEQ_RATIO * n * lp and `gather` above.
     """
     if choice != "auto" and choice not in SELECTION_KERNELS:
         raise ValueError(f"selection_kernel must be auto or one of {', '.join(SELECTION_KERNELS)}, got {choice!r}")
@@ -149,7 +142,7 @@ def selection_kernel(
         return "xla"
     if choice != "auto":
         return choice
-    return "blocksparse" if prefers_blocksparse(seq, slots, block_size) else LONG_SELECTION_KERNEL
+    return "blocksparse" if prefers_blocksparse(seq, slots, block_size) else "gather"
 
 
 def selection_attention(q, k, v, idx, block_size, scale=None, *, impl="xla", query_chunk=512, kernel="auto"):

@@ -38,8 +38,7 @@ _KERNELS = {
     "cmp": "compressed_pallas/block_scores_pallas (nsa_cmp_*, nsa_block_select)",
     "win": "flash_pallas (nsa_window_*)",
     "blocksparse": "blocksparse_pallas (nsa_selection_bsp_*)",
-    "gather": "selection_pallas, gather (nsa_selection_*)",
-    "inverted": "selection_pallas, inverted (nsa_selection_*)",
+    "gather": "selection_pallas (nsa_selection_*)",
 }
 
 

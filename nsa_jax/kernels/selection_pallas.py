@@ -23,23 +23,32 @@ Kernel layout
   is the query position so neighbouring programs, which select mostly the
   same blocks, run close together and share K/V through L2.
 * The query rows of a group are gathered straight from ``q[B, T*H, D]`` (a
-  free reshape), so q and dO are never transposed or padded in memory; the
-  padded head rows repeat the group's last head and are dropped at the end.
+  free reshape), and each program stores its rows of o and dQ straight into
+  ``[B, T*H, D]`` the same way, so q, dO, o and dQ are never transposed or
+  padded in memory. A padded row repeats a real row (same query, head,
+  blocks and statistics), computes its values and stores them again.
 * Several positions per program (``SelectionBlockSizes.positions = P > 1``;
-  kernels.SELECTION_KERNELS says which the layer runs): with G < 16 the rows above are
-  mostly padding (production G = 6: 10 of 16 rows wasted). A program then
-  holds P consecutive positions x G heads (row r = head r % G of position
-  r // G, padded to ``Rp = max(16, next_pow2(P*G))``: G = 6, P = 2 fills 12
-  of 16) and walks the union of their selections: the P*n (position, slot)
-  entries in order, skipping (``lax.cond``, no tile load) an entry whose
-  block an earlier entry already brought, and masking each row to the blocks
-  its own position selected. Neighbouring positions share most blocks (0,
-  the current and previous ones, and usually the top-scored ones), so the
-  union is close to n blocks and each K/V tile feeds P*G rows. Forward and
-  dQ share this walk; the log-sum-exp and delta are stored per program
-  (``T/P * Rp`` rows), which the dK/dV kernel indexes by (t // P, t % P, g).
-  The rows are still gathered from ``q[B, T*H, D]``; the -1-padded block ids
-  ``[P, next_pow2(n)]`` are the only extra input.
+  kernels.SELECTION_KERNELS says which the layer runs): with G < 16 the rows
+  above are mostly padding (production G = 6: 10 of 16 rows wasted). A
+  program then holds P consecutive positions x G heads (row r = head r % G
+  of position r // G, padded to ``Rp = max(16, next_pow2(P*G))``: G = 6,
+  P = 2 fills 12 of 16) and walks the union of their selections: the P*n
+  (position, slot) entries in order, skipping (``lax.cond``, no tile load)
+  an entry whose block an earlier entry already brought, and masking each
+  row to the blocks its own position selected. When neighbours share most
+  blocks the union is close to n blocks and each K/V tile feeds P*G rows;
+  when they do not (random selections) the walk grows towards P*n tiles.
+  Forward and dQ share this walk; the log-sum-exp and delta are stored per
+  program (``T/P * Rp`` rows), which the dK/dV kernel indexes by
+  (t // P, t % P, g). The -1-padded block ids ``[P, next_pow2(n)]`` are the
+  only extra input.
+* On an H200 (docs/PERFORMANCE.md) the walk is bound by loading K/V tiles,
+  not by the padded rows: one position with one warp per program is the
+  fastest tiling for random selections, four positions when runs of 8
+  queries share a selection. A key-centric forward (per block, the rows
+  that chose it in full tiles, merged exactly over two passes with atomic
+  adds) and dQ added with atomics from the dK/dV kernel were both slower
+  at every T and were removed (measured at commit 3a09e79).
 
 dK/dV strategy: reverse index, not atomics
 ------------------------------------------
@@ -100,7 +109,6 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
-    MASK_VALUE,
     MIN_DOT_DIM,
     SMEM_BUDGET_BYTES,
     RowPass,
@@ -110,7 +118,6 @@ from nsa_jax.kernels.pallas_common import (
     next_pow2,
     pad_axis,
     padded_dim,
-    scores_log2,
     smem_estimate,
     softmax_grad_tile,
     validate_qkv,
@@ -127,15 +134,9 @@ class SelectionBlockSizes:
         kernel's tiles exceed the shared-memory budget (``smem_estimates``).
       dkv_segment: most reverse-index entries (query, slot pairs) one dK/dV
         program handles; bounds the longest program (block 0).
-      num_warps: Triton warps per forward / dQ program (None: pick from the head dim).
-      dkv_num_warps: Triton warps per dK/dV program (None: pick from the head dim).
+      num_warps: Triton warps per forward / dQ program (None: pick from the head dim;
+        the dK/dV programs always do).
       num_stages: Triton software-pipelining depth.
-      forward: ``gather`` (query-centric, the ``positions`` walk above) or
-        ``inverted`` (key-centric over the reverse index, ``_inverted_forward``:
-        full tiles of ``rows_dkv`` rows, each K/V block loaded once per segment).
-      fused_dq: dQ in the dK/dV kernel (each block's share added to fp32 sums with
-        atomics) instead of its own query-centric kernel: no second walk over each
-        query's n blocks, but the sum order, and so dQ's last bits, vary run to run.
       positions: query positions per forward / dQ program (a power of two).
         1: one position's G heads per program, padded to 16 rows. P > 1:
         P consecutive positions x G heads share a program and walk the union
@@ -147,11 +148,8 @@ class SelectionBlockSizes:
     rows_dkv: int | None = None
     dkv_segment: int = 512
     num_warps: int | None = None
-    dkv_num_warps: int | None = None
     num_stages: int = 2
     positions: int = 2
-    fused_dq: bool = False
-    forward: str = "gather"
 
 
 # ---------------------------------------------------------------------------
@@ -301,7 +299,7 @@ def _sel_multi_kernel(
 
 
 class _Segment:
-    """One program's segment of a block's reverse-index list (the key-centric kernels).
+    """One program's segment of a block's reverse-index list (the dK/dV kernel).
 
     Holds the block's first key position and its keys' positions [1, S]; ``rows``
     gives the flattened (query, head) rows of one step: the entries [lo, hi) expand
@@ -345,7 +343,9 @@ def _sel_dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    *out_refs,
+    dk_ref,
+    dv_ref,
+    *,
     block_size,
     num_blocks,
     num_heads,
@@ -355,19 +355,10 @@ def _sel_dkv_kernel(
     rows,
     scale,
     scale_log2,
-    fuse_dq,
 ):
     # One program = one segment of one block's reverse-index list.
     # Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
-    #   do [T*H, Dv], lse / delta [T/P * Rp], then dk [bs, Dk], dv [bs, Dv] (partials);
-    #   with fuse_dq first dq's fp32 sums [T*H + 1, Dk] (aliased input, then output; row T*H
-    #   takes the rows past the segment's end, which add nothing, so no atomic needs a mask).
-    if fuse_dq:
-        _, dk_ref, dv_ref, dq_ref = out_refs
-        dummy_row = dq_ref.shape[0] - 1
-        col_RxDk = lax.broadcasted_iota(jnp.int32, (rows, dq_ref.shape[-1]), 1)
-    else:
-        dk_ref, dv_ref = out_refs
+    #   do [T*H, Dv], lse / delta [T/P * Rp], dk [bs, Dk], dv [bs, Dv] (partials).
     kv = pl.program_id(2)
     seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
     k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
@@ -386,13 +377,7 @@ def _sel_dkv_kernel(
         vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
         p_RxS, ds_RxS = softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
         dv_SxDv = dv_SxDv + plgpu_triton.dot(p_RxS.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
-        ds_RxS = ds_RxS.astype(q_RxDk.dtype)
-        dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS, q_RxDk, trans_a=True)
-        if fuse_dq:
-            # This block's share of each row's dQ; a query's n blocks add theirs in any order.
-            dq_RxDk = plgpu_triton.dot(ds_RxS, k_SxDk) * scale
-            at_RxDk = jnp.broadcast_to(jnp.where(valid_R, row_R, dummy_row)[:, None], dq_RxDk.shape)
-            plgpu_triton.atomic_add(dq_ref, (at_RxDk, col_RxDk), dq_RxDk)
+        dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
         return dk_SxDk, dv_SxDv
 
     init = (
@@ -402,89 +387,6 @@ def _sel_dkv_kernel(
     dk_SxDk, dv_SxDv = lax.fori_loop(0, seg.steps(rows), body, init)
     dk_ref[...] = dk_SxDk * scale
     dv_ref[...] = dv_SxDv
-
-
-def _sel_inv_stats_kernel(
-    seg_blk_ref,
-    seg_lo_ref,
-    seg_hi_ref,
-    qlist_ref,
-    q_ref,
-    k_ref,
-    m_ref,
-    l_ref,
-    *,
-    block_size,
-    num_blocks,
-    num_heads,
-    group,
-    rows,
-    scale_log2,
-):
-    # Pass 1 of the inverted forward: each (query, head) row's softmax statistics over
-    # this block alone. Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], then
-    # m / l [T*n*G + rows] (base-2 running max and sum, at the row's flat index).
-    kv = pl.program_id(2)
-    seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
-    k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
-
-    def body(it, carry):
-        _, valid_R, t_R, _, row_R = seg.rows(it, rows, qlist_ref, kv, num_heads)
-        vis_RxS = valid_R[:, None] & (seg.pos_1xS <= t_R[:, None])
-        s_RxS = jnp.where(vis_RxS, scores_log2(q_ref[row_R, :], k_SxDk, scale_log2), MASK_VALUE)
-        m_R = jnp.max(s_RxS, axis=1)
-        l_R = jnp.sum(jnp.where(vis_RxS, jnp.exp2(s_RxS - m_R[:, None]), 0.0), axis=1)
-        # The step's rows are contiguous flat indices; those past the segment belong to the next one.
-        at = pl.ds(seg.f_lo + it * rows, rows)
-        plgpu_triton.store(m_ref.at[at], m_R, mask=valid_R)
-        plgpu_triton.store(l_ref.at[at], l_R, mask=valid_R)
-        return carry
-
-    lax.fori_loop(0, seg.steps(rows), body, 0)
-
-
-def _sel_inv_out_kernel(
-    seg_blk_ref,
-    seg_lo_ref,
-    seg_hi_ref,
-    qlist_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    lse_ref,
-    _o_in_ref,
-    o_ref,
-    *,
-    block_size,
-    num_blocks,
-    num_heads,
-    group,
-    rows,
-    scale_log2,
-):
-    # Pass 2 of the inverted forward: this block's share of each row's output, normalised by
-    # the row's final log-sum-exp, added to o's fp32 sums. Refs: seg_* [P], qlist [T*n],
-    # q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], lse [T*G] (base 2), o (aliased) [T*H + 1, Dv]
-    # (row T*H takes the rows past the segment's end, which add nothing).
-    kv = pl.program_id(2)
-    seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
-    k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
-    v_SxDv = v_ref[pl.ds(seg.start, block_size), :]
-    dummy_row = o_ref.shape[0] - 1
-    col_RxDv = lax.broadcasted_iota(jnp.int32, (rows, o_ref.shape[-1]), 1)
-
-    def body(it, carry):
-        _, valid_R, t_R, g_R, row_R = seg.rows(it, rows, qlist_ref, kv, num_heads)
-        vis_RxS = valid_R[:, None] & (seg.pos_1xS <= t_R[:, None])
-        lse_R = lse_ref[t_R * group + g_R]
-        s_RxS = scores_log2(q_ref[row_R, :], k_SxDk, scale_log2)
-        p_RxS = jnp.where(vis_RxS, jnp.exp2(s_RxS - lse_R[:, None]), 0.0)
-        o_RxDv = plgpu_triton.dot(p_RxS.astype(v_SxDv.dtype), v_SxDv)
-        at_RxDv = jnp.broadcast_to(jnp.where(valid_R, row_R, dummy_row)[:, None], o_RxDv.shape)
-        plgpu_triton.atomic_add(o_ref, (at_RxDv, col_RxDv), o_RxDv)
-        return carry
-
-    lax.fori_loop(0, seg.steps(rows), body, 0)
 
 
 def _segment_reduce_kernel(first_ref, count_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
@@ -599,9 +501,7 @@ def _row_kernel(backward: bool, d, idx, block_size, scale):
 
 
 def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
-    """(o [B, T, H, Dv], lse in the per-program layout [B, K, T/P * Rp], the reverse index or None)."""
-    if bsz.forward == "inverted":
-        return _inverted_forward(q, k, v, idx, block_size, scale, interpret, bsz)
+    """(o [B, T, H, Dv], lse in the per-program layout [B, K, T/P * Rp])."""
     d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
@@ -626,108 +526,7 @@ def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: Selectio
         interpret=interpret,
         name="nsa_selection_fwd",
     )(idx, q_f, k_p, v_p)
-    return _unflat_heads(o_f, d, v.shape[-1]), lse, None
-
-
-def _segment_specs(d: _Dims, num_segments: int):
-    """BlockSpecs of the key-centric kernels' first inputs: seg_blk, seg_lo, seg_hi, qlist, q (grid: segment, b, kv)."""
-    seg_spec = pl.BlockSpec((None, None, num_segments), lambda p, b, kv: (b, kv, 0))
-    return [
-        seg_spec,
-        seg_spec,
-        seg_spec,
-        pl.BlockSpec((None, None, d.seq * d.slots), lambda p, b, kv: (b, kv, 0)),
-        pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda p, b, kv: (b, 0, 0)),
-    ]
-
-
-def _kv_specs(d: _Dims):
-    tp = d.num_blocks * d.block_size
-    return [
-        pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
-        pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
-    ]
-
-
-def _merge_block_stats(m_BxKxF, l_BxKxF, rev, idx_BxTxKxN, d: _Dims):
-    """Each row's log-sum-exp (base 2) [B, K, T, G] from its blocks' (max, sum) at the flat indices entry*G + g.
-
-    The exact merge of partial softmax sums: M = max_s m_s, lse = M + log2(sum_s l_s 2^(m_s - M)).
-    Unused slots (-1 or past the last block) hold no statistics and are left out; a row
-    that sees no key gets 0, as in the gather kernel.
-    """
-    b, kvh, t, n, g = d.batch, d.kv_heads, d.seq, d.slots, d.group
-    f_BxKxTNG = (rev.entry_pos[..., None] * g + jnp.arange(g, dtype=jnp.int32)).reshape(b, kvh, t * n * g)
-    m = jnp.take_along_axis(m_BxKxF, f_BxKxTNG, axis=-1).reshape(b, kvh, t, n, g)
-    l = jnp.take_along_axis(l_BxKxF, f_BxKxTNG, axis=-1).reshape(b, kvh, t, n, g)
-    idx_BxKxTxN = idx_BxTxKxN.transpose(0, 2, 1, 3)
-    live = ((idx_BxKxTxN >= 0) & (idx_BxKxTxN < d.num_blocks))[..., None]
-    m = jnp.where(live, m, MASK_VALUE)
-    l = jnp.where(live, l, 0.0)
-    m_max = jnp.max(m, axis=3)
-    total = jnp.sum(l * jnp.exp2(m - m_max[:, :, :, None, :]), axis=3)
-    return jnp.where(total > 0.0, m_max + jnp.log2(jnp.where(total > 0.0, total, 1.0)), 0.0)
-
-
-def _inverted_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
-    """The key-centric forward: one program per segment of a block's reverse-index list.
-
-    Each program loads its K/V block once and walks the (query, head) rows that selected
-    it in full tiles of ``rows_dkv`` (G heads of each query packed, no padding). Two
-    passes merge a row's n blocks exactly: the first writes each (row, block) pair's
-    softmax max and sum, an XLA gather merges them into the row's log-sum-exp, and the
-    second adds each block's normalised share P V to o's fp32 sums with atomics (so
-    o's last bits vary run to run with the order of the adds). The reverse index is
-    returned for the backward, which walks the same segments.
-    """
-    d = _dims(q, k, v, idx, block_size, bsz.positions)
-    k_p, v_p = _prep_kv(k, v, d)
-    q_f = _flat_heads(q, d.dk)
-    rev = reverse_index(idx, d.num_blocks, bsz.dkv_segment)
-    num_segments = rev.seg_blk.shape[-1]
-    rows = bsz.rows_dkv
-    flat = d.seq * d.slots * d.group + rows  # flat (entry, head) statistics, one step of slack
-    common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group, rows=rows)
-    common["scale_log2"] = scale * LOG2E
-    params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
-    seg_args = (rev.seg_blk, rev.seg_lo, rev.seg_hi, rev.qlist, q_f)
-    stat_spec = pl.BlockSpec((None, None, flat), lambda p, b, kv: (b, kv, 0))
-    m, l = pl.pallas_call(
-        functools.partial(_sel_inv_stats_kernel, **common),
-        grid=(num_segments, d.batch, d.kv_heads),
-        in_specs=_segment_specs(d, num_segments) + _kv_specs(d)[:1],
-        out_specs=[stat_spec, stat_spec],
-        out_shape=[jax.ShapeDtypeStruct((d.batch, d.kv_heads, flat), jnp.float32)] * 2,
-        compiler_params=params,
-        interpret=interpret,
-        name="nsa_selection_fwd_stats",
-    )(*seg_args, k_p)
-    lse_BxKxTxG = _merge_block_stats(m, l, rev, idx, d)
-
-    o_rows = d.seq * d.heads + 1
-    o_spec = pl.BlockSpec((None, o_rows, d.dv), lambda p, b, kv: (b, 0, 0))
-    o_acc = pl.pallas_call(
-        functools.partial(_sel_inv_out_kernel, **common),
-        grid=(num_segments, d.batch, d.kv_heads),
-        in_specs=_segment_specs(d, num_segments)
-        + _kv_specs(d)
-        + [pl.BlockSpec((None, None, d.seq * d.group), lambda p, b, kv: (b, kv, 0)), o_spec],
-        out_specs=o_spec,
-        out_shape=jax.ShapeDtypeStruct((d.batch, o_rows, d.dv), jnp.float32),
-        input_output_aliases={8: 0},
-        compiler_params=params,
-        interpret=interpret,
-        name="nsa_selection_fwd_out",
-    )(
-        *seg_args,
-        k_p,
-        v_p,
-        lse_BxKxTxG.reshape(d.batch, d.kv_heads, -1),
-        jnp.zeros((d.batch, o_rows, d.dv), jnp.float32),
-    )
-    o = _unflat_heads(o_acc[:, : d.seq * d.heads].astype(q.dtype), d, v.shape[-1])
-    lse_BxTxH = lse_BxKxTxG.transpose(0, 2, 1, 3).reshape(d.batch, d.seq, d.heads)
-    return o, _group_stat(lse_BxTxH, d), rev
+    return _unflat_heads(o_f, d, v.shape[-1]), lse
 
 
 def _group_stat(x_BxTxH, d: _Dims):
@@ -791,7 +590,6 @@ class ReverseIndex(NamedTuple):
     seg_hi: jax.Array  # [B, K, P]
     blk_first: jax.Array  # [B, K, NB]
     blk_count: jax.Array  # [B, K, NB]
-    entry_pos: jax.Array  # [B, K, T*n]: where entry (t, s), at t*n + s, stands in qlist
 
 
 def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int = 1 << 22) -> ReverseIndex:
@@ -806,8 +604,6 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
         empty range for the unused tail); ``P = ceil(T*n/segment) + NB``.
       blk_first, blk_count [B, K, NB]: each block's segments are
         ``seg_first .. seg_first + blk_count - 1``.
-      entry_pos [B, K, T*n]: the inverse permutation, where each (query, slot)
-        entry stands in qlist.
 
     Built as a counting sort: per-block counts, their exclusive cumsum as the
     block offsets, and each entry's rank among the entries of its block
@@ -852,10 +648,10 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
 
     per_bk = jax.vmap(jax.vmap(per_row))
     seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(counts_BxKxM)
-    return ReverseIndex(qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count, pos_BxKxE)
+    return ReverseIndex(qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count)
 
 
-def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes, rev=None):
+def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
     d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
@@ -868,24 +664,22 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
     do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda t, b, kv: (b, 0, 0))
     stat_spec = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i))
 
-    # ---- dQ: query-centric, same walk as the forward (or fused into dK/dV below).
-    if not bsz.fused_dq:
-        dq_kernel, idx_q = _row_kernel(True, d, idx, block_size, scale)
-        dq_f = pl.pallas_call(
-            dq_kernel,
-            grid=(d.programs, d.batch, d.kv_heads),
-            in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
-            out_specs=pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda i, b, kv: (b, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((d.batch, d.seq * d.heads, d.dk), q.dtype),
-            compiler_params=params,
-            interpret=interpret,
-            name="nsa_selection_dq",
-        )(idx_q, q_f, k_p, v_p, do_f, lse, delta)
+    # ---- dQ: query-centric, same walk as the forward.
+    dq_kernel, idx_q = _row_kernel(True, d, idx, block_size, scale)
+    dq_f = pl.pallas_call(
+        dq_kernel,
+        grid=(d.programs, d.batch, d.kv_heads),
+        in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
+        out_specs=pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda i, b, kv: (b, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((d.batch, d.seq * d.heads, d.dk), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_selection_dq",
+    )(idx_q, q_f, k_p, v_p, do_f, lse, delta)
+    dq = _unflat_heads(dq_f, d, q.shape[-1])
 
     # ---- dK/dV: key-centric over the reverse index, in segments.
-    # The forward's reverse index when it built one (the inverted forward), else built here.
-    rev = reverse_index(idx, d.num_blocks, bsz.dkv_segment) if rev is None else rev
-    qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = rev[:6]
+    qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = reverse_index(idx, d.num_blocks, bsz.dkv_segment)
     num_segments = seg_blk.shape[-1]
     entries = d.seq * d.slots
     rows_g = d.programs * d.rows_padded
@@ -902,54 +696,34 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
         rows=bsz.rows_dkv,
         scale=scale,
         scale_log2=scale * LOG2E,
-        fuse_dq=bsz.fused_dq,
     )
-    in_specs = [
-        seg_spec,
-        seg_spec,
-        seg_spec,
-        pl.BlockSpec((None, None, entries), lambda p, b, kv: (b, kv, 0)),
-        pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda p, b, kv: (b, 0, 0)),
-        pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
-        pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
-        pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda p, b, kv: (b, 0, 0)),
-        pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
-        pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
-    ]
-    args = [seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta]
-    out_specs = [
-        pl.BlockSpec((None, None, None, block_size, d.dk), lambda p, b, kv: (b, kv, p, 0, 0)),
-        pl.BlockSpec((None, None, None, block_size, d.dv), lambda p, b, kv: (b, kv, p, 0, 0)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dk), jnp.float32),
-        jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dv), jnp.float32),
-    ]
-    aliases = {}
-    if bsz.fused_dq:
-        # fp32 sums of dQ, zeroed here, one extra row for the atomics of rows past a segment's end.
-        dq_rows = d.seq * d.heads + 1
-        dq_spec = pl.BlockSpec((None, dq_rows, d.dk), lambda p, b, kv: (b, 0, 0))
-        in_specs.append(dq_spec)
-        args.append(jnp.zeros((d.batch, dq_rows, d.dk), jnp.float32))
-        out_specs.append(dq_spec)
-        out_shape.append(jax.ShapeDtypeStruct((d.batch, dq_rows, d.dk), jnp.float32))
-        aliases = {len(args) - 1: 2}
-    outs = pl.pallas_call(
+    dk_part, dv_part = pl.pallas_call(
         dkv_kernel,
         grid=(num_segments, d.batch, d.kv_heads),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=compiler_params(bsz.dkv_num_warps, bsz.num_stages, d.dk),
+        in_specs=[
+            seg_spec,
+            seg_spec,
+            seg_spec,
+            pl.BlockSpec((None, None, entries), lambda p, b, kv: (b, kv, 0)),
+            pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda p, b, kv: (b, 0, 0)),
+            pl.BlockSpec((None, tp, None, d.dk), lambda p, b, kv: (b, 0, kv, 0)),
+            pl.BlockSpec((None, tp, None, d.dv), lambda p, b, kv: (b, 0, kv, 0)),
+            pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda p, b, kv: (b, 0, 0)),
+            pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
+            pl.BlockSpec((None, None, rows_g), lambda p, b, kv: (b, kv, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_size, d.dk), lambda p, b, kv: (b, kv, p, 0, 0)),
+            pl.BlockSpec((None, None, None, block_size, d.dv), lambda p, b, kv: (b, kv, p, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dk), jnp.float32),
+            jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dv), jnp.float32),
+        ],
+        compiler_params=compiler_params(None, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_dkv",
-    )(*args)
-    dk_part, dv_part = outs[:2]
-    if bsz.fused_dq:
-        dq_f = outs[2][:, : d.seq * d.heads].astype(q.dtype)
-    dq = _unflat_heads(dq_f, d, q.shape[-1])
+    )(seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
 
     blk_spec = pl.BlockSpec((None, None, d.num_blocks), lambda j, b, kv: (b, kv, 0))
     dk_p, dv_p = pl.pallas_call(
@@ -984,13 +758,13 @@ def _selection(q, k, v, idx, block_size, scale, interpret, bsz):
 
 
 def _selection_vjp_fwd(q, k, v, idx, block_size, scale, interpret, bsz):
-    o, lse, rev = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
-    return o, (q, k, v, idx, o, lse, rev)
+    o, lse = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
+    return o, (q, k, v, idx, o, lse)
 
 
 def _selection_vjp_bwd(block_size, scale, interpret, bsz, res, do):
-    q, k, v, idx, o, lse, rev = res
-    dq, dk, dv = _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz, rev)
+    q, k, v, idx, o, lse = res
+    dq, dk, dv = _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz)
     return dq, dk, dv, None
 
 
@@ -1071,8 +845,6 @@ def selection_attention_pallas(
     if bsz.rows_dkv is not None:
         check_tile_size("rows_dkv", bsz.rows_dkv)
     check_tile_size("positions", bsz.positions, minimum=1)
-    if bsz.forward not in ("gather", "inverted"):
-        raise ValueError(f"SelectionBlockSizes.forward must be gather or inverted, got {bsz.forward!r}")
     bsz = fit_block_sizes(bsz, q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, block_size)
     if bsz.dkv_segment < 1:
         raise ValueError("dkv_segment must be >= 1")
