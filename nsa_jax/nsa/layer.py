@@ -80,8 +80,8 @@ def aux_stats(sums: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Arr
     entropy of the normalised gates), sel_far_frac (share of the selected blocks that
     lie beyond the window), cmp_k_ratio / cmp_v_ratio (RMS of the compressed keys
     (values) over the selection keys' (values'); 0 with no compressed token: the MLP
-    compressor's output can grow far past the projections', docs/EXPERIMENTS.md fourth
-    round, and the training loop warns when it does).
+    compressor's output can grow far past the projections', docs/EXPERIMENTS.md "Why the
+    MLP compressor fails on retrieval", and the training loop warns when it does).
     """
     H, K, N, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.nsa.n, cfg.head_dim, cfg.v_head_dim
     tok, cmp = sums["tokens"], sums["cmp"]
