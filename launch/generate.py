@@ -20,6 +20,12 @@ to its own length and decoded at its own position; one JSON line
 Temperature 0 is greedy decoding. Text goes through `cfg.data.tokenizer`
 (the byte tokenizer by default); generation of a row stops at its EOS id.
 Bad input prints one line `error: ...` on stderr and exits with status 2.
+
+On stderr, before generating: one `note:` line when the checkpoint was trained on
+synthetic data (its output is noise, not text), and one when a prompt (or prompt +
+--max-new-tokens) goes beyond the training length. While it works, a line every
+10 s of silence says what it is doing (a long prompt's prefill is one compiled call
+and takes minutes on a CPU), and a phase so reported ends with its time.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from nsa_jax.config import ConfigError, load_config, replace
 from nsa_jax.data.tokenizers import make_tokenizer
 from nsa_jax.inference import generate, stack_layers
 from nsa_jax.inference.decode import inference_config
+from nsa_jax.inference.notes import TEXT_DATASETS, synthetic_note, times, trained_positions
+from nsa_jax.inference.progress import Progress
 from nsa_jax.info import param_shapes
 from nsa_jax.model import init_params
 
@@ -156,23 +164,36 @@ def check_params(cfg, params) -> dict:
 
 
 class _Streamer:
-    """Prints a single row's text as it grows; holds back an incomplete UTF-8 sequence."""
+    """Prints a single row's text as it grows; holds back an incomplete UTF-8 sequence.
 
-    def __init__(self, tok, out):
-        self.tok, self.out, self.ids, self.printed = tok, out, [], ""
+    `prefix` (the prompt) is written with the first token, after the prefill, so progress
+    lines on stderr come before the text rather than inside it.
+    """
+
+    def __init__(self, tok, out, prefix: str = ""):
+        self.tok, self.out, self.ids, self.printed, self.prefix = tok, out, [], "", prefix
+
+    def _prefix(self):
+        if self.prefix:
+            self.out.write(self.prefix)
+            self.prefix = ""
 
     def __call__(self, step, ids, active):
+        self._prefix()
         if not active[0]:
+            self.out.flush()
             return
         self.ids.append(int(ids[0]))
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd") or not text.startswith(self.printed):
+            self.out.flush()
             return
         self.out.write(text[len(self.printed) :])
         self.out.flush()
         self.printed = text
 
     def finish(self):
+        self._prefix()
         text = self.tok.decode(self.ids)
         if text.startswith(self.printed):
             self.out.write(text[len(self.printed) :])
@@ -180,41 +201,101 @@ class _Streamer:
         self.out.flush()
 
 
-def run(args, out=sys.stdout) -> int:
+class _Phases:
+    """`on_token` of one `generate` call: the prefill ends at the first token, then decoded tokens are counted.
+
+    Tells `progress` what is under way (its lines name the phase and, while decoding,
+    the tokens so far), and passes each token on to `inner` (the streamer).
+    """
+
+    def __init__(self, progress: Progress, label: str, prompt_tokens: int, max_new: int, inner=None):
+        self.progress, self.label, self.max_new, self.inner, self.tokens = progress, label, max_new, inner, 0
+        progress.doing(f"{label}prefill of {prompt_tokens:,} prompt tokens", count=(prompt_tokens, "tokens"))
+
+    def __call__(self, step, ids, active):
+        if step == 0:
+            self.progress.doing(lambda: f"{self.label}decoding: {self.tokens} of {self.max_new} tokens")
+        self.tokens = step + 1
+        if self.inner is not None:
+            self.inner(step, ids, active)
+            self.progress.touch()
+
+
+def notes(args, cfg, encoded: list[list[int]]) -> list[str]:
+    """The `note:` lines to print before generating (none for --random-init: nothing was trained)."""
+    if args.random_init:
+        return []
+    out = []
+    synthetic = synthetic_note(cfg, f"expect noise, not text; a language model trains on text ({TEXT_DATASETS})")
+    if synthetic:
+        out.append(synthetic)
+    T = cfg.train.seq_len
+    longest = max(len(e) for e in encoded)
+    expect = "so expect the completion to degrade (docs/LONG_CONTEXT.md)"
+    if longest > T:
+        n_over = sum(len(e) > T for e in encoded)
+        if len(encoded) == 1:
+            subject = f"the prompt is {longest:,} tokens"
+        else:
+            subject = f"the longest prompt is {longest:,} tokens ({n_over} of {len(encoded)} go beyond)"
+        out.append(f"note: {subject}, {times(longest, cfg)} {trained_positions(cfg)}, {expect}")
+    elif longest + args.max_new_tokens > T:
+        total = longest + args.max_new_tokens
+        subject = f"the prompt{'s' if len(encoded) > 1 else ''} and --max-new-tokens {args.max_new_tokens}"
+        out.append(
+            f"note: {subject} reach {total:,} tokens, {times(total, cfg)} {trained_positions(cfg)}, "
+            f"so expect the text to degrade from there (docs/LONG_CONTEXT.md)"
+        )
+    return out
+
+
+def run(args, out=None) -> int:
+    out = sys.stdout if out is None else out  # the stream of the call, not of the import
     _check_sampling(args)
     prompts = _read_prompts(args)
-    try:
-        cfg, params = load_model(args)
-        tok = make_tokenizer(cfg.data)
-    except (ConfigError, ValueError, OSError) as e:
-        raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    params = check_params(cfg, params)
-    V = cfg.model.vocab_size
-    encoded = [tok.encode(p) for p in prompts]
-    for p, ids in zip(prompts, encoded):
-        if not ids:
-            raise UsageError(f"prompt {p!r} encodes to no tokens")
-        if max(ids) >= V:
-            raise UsageError(f"prompt token id {max(ids)} is outside the model vocabulary ({V})")
-    # Only ids the tokenizer can emit, never its padding id.
-    allowed = np.arange(V) < min(V, tok.vocab_size)
-    if 0 <= tok.pad_id < V:
-        allowed[tok.pad_id] = False
-    eos = tok.eos_id if 0 <= tok.eos_id < V else None
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=eos, allowed_V=allowed)
-    if args.prompt is not None:
-        out.write(prompts[0])
-        out.flush()
-        streamer = _Streamer(tok, out)
-        generate(cfg.model, params, encoded, args.max_new_tokens, seed=args.seed, on_token=streamer, **kw)
-        streamer.finish()
-        return 0
-    for start in range(0, len(prompts), args.batch_size):
-        batch = encoded[start : start + args.batch_size]
-        outs = generate(cfg.model, params, batch, args.max_new_tokens, seed=args.seed + start, **kw)
-        for text, ids in zip(prompts[start : start + args.batch_size], outs):
-            out.write(json.dumps({"prompt": text, "completion": tok.decode(ids)}, ensure_ascii=False) + "\n")
-        out.flush()
+    with Progress() as progress:
+        progress.doing("initialising parameters" if args.random_init else f"loading the checkpoint {args.ckpt}")
+        try:
+            cfg, params = load_model(args)
+            tok = make_tokenizer(cfg.data)
+        except (ConfigError, ValueError, OSError) as e:
+            raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        params = check_params(cfg, params)
+        progress.done()
+        V = cfg.model.vocab_size
+        encoded = [tok.encode(p) for p in prompts]
+        for p, ids in zip(prompts, encoded):
+            if not ids:
+                raise UsageError(f"prompt {p!r} encodes to no tokens")
+            if max(ids) >= V:
+                raise UsageError(f"prompt token id {max(ids)} is outside the model vocabulary ({V})")
+        for line in notes(args, cfg, encoded):
+            progress.emit(line)
+        # Only ids the tokenizer can emit, never its padding id.
+        allowed = np.arange(V) < min(V, tok.vocab_size)
+        if 0 <= tok.pad_id < V:
+            allowed[tok.pad_id] = False
+        eos = tok.eos_id if 0 <= tok.eos_id < V else None
+        kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=eos, allowed_V=allowed)
+        if args.prompt is not None:
+            streamer = _Streamer(tok, out, prefix=prompts[0])
+            phases = _Phases(progress, "", len(encoded[0]), args.max_new_tokens, streamer)
+            generate(cfg.model, params, encoded, args.max_new_tokens, seed=args.seed, on_token=phases, **kw)
+            streamer.finish()
+            progress.done()
+            return 0
+        n_batches = -(-len(prompts) // args.batch_size)
+        for i, start in enumerate(range(0, len(prompts), args.batch_size)):
+            batch = encoded[start : start + args.batch_size]
+            label = f"batch {i + 1}/{n_batches}: " if n_batches > 1 else ""
+            phases = _Phases(progress, label, sum(map(len, batch)), args.max_new_tokens)
+            seed = args.seed + start
+            outs = generate(cfg.model, params, batch, args.max_new_tokens, seed=seed, on_token=phases, **kw)
+            progress.done()
+            for text, ids in zip(prompts[start : start + args.batch_size], outs):
+                out.write(json.dumps({"prompt": text, "completion": tok.decode(ids)}, ensure_ascii=False) + "\n")
+            out.flush()
+            progress.touch()
     return 0
 
 

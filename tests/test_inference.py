@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -329,3 +330,111 @@ def test_sampling_filters():
         top5 = [int(i) for i in order[b] if allowed[i]][:5]
         assert set(seen[:, b].tolist()) <= set(top5)
     assert len(set(seen[:, 0].tolist())) > 1  # it does sample
+
+
+def _inference_dir(tmp_path, name, dataset, seq_len):
+    """A params.msgpack directory of the G3K1n4 model with the given training data and length."""
+    from launch.generate import write_inference_dir
+
+    cfg = _cfg("G3K1n4")
+    base = Config()
+    full = dataclasses.replace(
+        base,
+        model=cfg,
+        train=dataclasses.replace(base.train, seq_len=seq_len),
+        data=dataclasses.replace(base.data, dataset=dataset),
+    )
+    write_inference_dir(tmp_path / name, full, _random_params(cfg, 1))
+    return str(tmp_path / name)
+
+
+def test_cli_notes_and_prefill_progress(tmp_path, capsys, monkeypatch):
+    """A synthetic-data checkpoint and a prompt beyond the training length: one note each, before the
+    prefill; a prefill longer than the quiet interval is reported while it runs and when it ends."""
+    import time
+
+    from launch.generate import build_parser, main, notes
+    from nsa_jax.inference import decode, progress
+
+    prompt = _PROMPTS[3]  # 30 bytes
+    synthetic = _inference_dir(tmp_path, "synthetic", "synthetic", seq_len=16)
+    real_prefill = decode.prefill
+
+    def slow_prefill(*a, **k):
+        time.sleep(0.5)
+        return real_prefill(*a, **k)
+
+    monkeypatch.setattr(decode, "prefill", slow_prefill)
+    monkeypatch.setattr(progress, "QUIET_S", 0.1)
+    monkeypatch.setattr(progress, "REPEAT_S", 0.1)
+    argv = ["--prompt", prompt, "--max-new-tokens", "4", "--temperature", "0"]
+    assert main(["--ckpt", synthetic, *argv]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(prompt) and out.endswith("\n") and "note" not in out and "prefill" not in out
+    lines = err.splitlines()
+    remarks = [line for line in lines if line.startswith("note: ")]
+    assert remarks == [
+        "note: this checkpoint was trained on synthetic data (data.dataset=synthetic: Markov-chain token rows, "
+        "not text): expect noise, not text; a language model trains on text (data.dataset=text, jsonl, "
+        "fineweb_edu or tokenized)",
+        "note: the prompt is 30 tokens, 1.9x the training length (train.seq_len=16): positions from 16 on were "
+        "never trained, so expect the completion to degrade (docs/LONG_CONTEXT.md)",
+    ]
+    ticks = [line for line in lines if line.startswith("prefill of 30 prompt tokens: ")]
+    assert ticks[0] == "prefill of 30 prompt tokens: 0s so far" and len(ticks) >= 3, err
+    assert ticks[-1].startswith("prefill of 30 prompt tokens: done in ") and ticks[-1].endswith(" tokens/s)")
+    assert lines.index(remarks[-1]) < lines.index(ticks[0])  # the notes come before the work
+
+    # A file of prompts in two batches: each batch's phases are named.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{prompt}\n{prompt.upper()}\n")  # the same compiled programs as above
+    assert main(["--ckpt", synthetic, "--prompt-file", str(prompts), "--batch-size", "1", *argv[2:]]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["prompt"] for line in out.splitlines()] == [prompt, prompt.upper()]
+    assert "batch 1/2: prefill of 30 prompt tokens: 0s so far" in err.splitlines()
+    assert "batch 2/2: prefill of 30 prompt tokens: 0s so far" in err.splitlines()
+    assert "note: the longest prompt is 30 tokens (2 of 2 go beyond), 1.9x the training length" in err
+
+    # Text data within the training length: no note; prompt + new tokens beyond it: one note.
+    monkeypatch.setattr(decode, "prefill", real_prefill)
+    monkeypatch.setattr(progress, "QUIET_S", 10.0)
+    text = _inference_dir(tmp_path, "text", "text", seq_len=32)
+    assert main(["--ckpt", text, *argv]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "note: the prompt and --max-new-tokens 4 reach 34 tokens, 1.1x the training length (train.seq_len=32): "
+        "positions from 32 on were never trained, so expect the text to degrade from there (docs/LONG_CONTEXT.md)"
+    ]
+    assert main(["--ckpt", _inference_dir(tmp_path, "long", "text", seq_len=64), *argv]) == 0
+    assert capsys.readouterr().err == ""  # nothing to remark, and a quick run prints no progress
+    # --random-init trained nothing: no note.
+    args = build_parser().parse_args(["--random-init", "--config", "cpu_tiny", "--prompt", "x"])
+    assert notes(args, Config(), [[1] * 5000]) == []
+
+
+def test_progress_reports_long_activities_only():
+    import time
+
+    from nsa_jax.inference.progress import Progress, fmt_duration
+
+    lines = []
+    with Progress(lines.append, quiet_s=0.1, repeat_s=0.1) as p:
+        p.doing("short")
+        p.done()
+        p.doing("long", count=(500, "tokens"))
+        time.sleep(0.6)
+        p.done()
+        p.doing("streamed")
+        for _ in range(40):  # output of its own every 10 ms: no line needed
+            p.touch()
+            time.sleep(0.01)
+        n = [0]
+        p.doing(lambda: f"decoding: {n[0]} of 9")
+        n[0] = 3
+        time.sleep(0.3)
+    assert not [line for line in lines if line.startswith(("short", "streamed"))], lines
+    long = [line for line in lines if line.startswith("long")]
+    assert long[0] == "long: 0s so far" and len(long) >= 3, lines
+    assert re.fullmatch(r"long: done in \ds \([\d,]+ tokens/s\)", long[-1]), long
+    # A callable activity is read at each line: the tokens so far.
+    assert lines[-2] == "decoding: 3 of 9: 0s so far" and re.fullmatch(r"decoding: 3 of 9: done in \ds", lines[-1])
+    assert [fmt_duration(s) for s in (4.4, 83, 7500)] == ["4s", "1m23s", "2h05m"]
