@@ -14,14 +14,22 @@ compiled forward needs more than the device's memory (or `--device-memory`) is
 refused with one `error:` line naming both figures. Results: `<out>/evaluation.json`
 and one PNG per suite (needle.png: L x depth heatmap; loss_by_position.png;
 kv_recall.png). The summary is printed. Suites and scoring: nsa_jax/evaluation.
+
+Before the suites run, one `note:` line on stderr names the lengths beyond the
+training length (train.seq_len: positions never trained), and one says when the
+checkpoint was trained on synthetic data where a suite reads text (needle, --text).
+The progress bar (stderr) is redrawn every few seconds, so its clock moves while a
+long forward or a compile runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
+import threading
 import time
 
 from launch.cli import Parser, UsageError, run_main
@@ -30,8 +38,11 @@ from nsa_jax.config import ConfigError
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import min_row_len
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, SUITES, TextRows, count_batches, run_suites
+from nsa_jax.inference.notes import synthetic_note, times, trained_positions
 
 RESULTS_FILE = "evaluation.json"
+# Seconds between redraws of the progress bar while nothing advances it.
+REFRESH_S = 5.0
 
 
 def _ints(s: str) -> list[int]:
@@ -95,6 +106,47 @@ def _check_args(args) -> None:
         raise UsageError(f"--out {args.out} already holds {RESULTS_FILE}; pass another --out or move it away")
 
 
+def notes(args, cfg) -> list[str]:
+    """The `note:` lines printed before the suites run (none for --random-init: nothing was trained)."""
+    if args.random_init:
+        return []
+    out = []
+    T = cfg.train.seq_len
+    over = [L for L in args.lengths if L > T]
+    if over:
+        which = ", ".join(f"L={L:,} ({times(L, cfg)})" for L in over)
+        verb = "is" if len(over) == 1 else "are"
+        out.append(
+            f"note: {which} {verb} beyond {trained_positions(cfg)}, so expect lower scores there (docs/LONG_CONTEXT.md)"
+        )
+    why = []
+    if "needle" in args.suites:
+        why.append("the needle rows' text and question are new to it, so expect needle accuracy near 0")
+    if args.text:
+        why.append("the --text files are text it never learned")
+    if why and (line := synthetic_note(cfg, "; ".join(why))):
+        out.append(line)
+    return out
+
+
+@contextlib.contextmanager
+def _redrawn(bar, every: float = REFRESH_S):
+    """Redraws `bar` every `every` seconds (its elapsed time moves during one long call)."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(every):
+            bar.refresh()
+
+    thread = threading.Thread(target=loop, name="progress", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+
+
 def summary_lines(results: dict) -> list[str]:
     lines = []
     if "needle" in results:
@@ -135,12 +187,15 @@ def run(args) -> int:
     scorer = ModelScorer(cfg.model, params, args.batch_size, args.device_memory)
     total = count_batches(args.suites, args.lengths, args.depths, args.samples, args.rows, args.batch_size)
     t0 = time.perf_counter()
-    with tqdm(total=total, desc="evaluate", unit="batch", disable=args.no_progress, file=sys.stderr) as bar:
+    bar = tqdm(total=total, desc="evaluate", unit="batch", disable=args.no_progress, file=sys.stderr)
+    with bar, _redrawn(bar):
         try:
             for L in args.lengths:
                 bar.set_postfix_str(f"compiling L={L}")
                 scorer.prepare(L)
             bar.set_postfix_str("")
+            for line in notes(args, cfg):
+                tqdm.write(line, file=sys.stderr)
             results = run_suites(
                 scorer,
                 cfg,

@@ -200,6 +200,9 @@ def test_cli_end_to_end(tmp_path):
     proc = _cli(*args, "--samples", "2", "--rows", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "needle accuracy" in proc.stdout and "evaluate" in proc.stderr  # the summary and the progress bar
+    # cpu_tiny trains on synthetic data: said once, on stderr; 128 and 256 are within its training length.
+    assert proc.stderr.count("note: this checkpoint was trained on synthetic data") == 1
+    assert "beyond the training length" not in proc.stderr
     res = json.loads((out / "evaluation.json").read_text())
     assert res["needle"]["lengths"] == [128, 256] and res["needle"]["depths"] == [0.0, 0.5, 1.0]
     acc = np.array(res["needle"]["accuracy"])
@@ -330,3 +333,51 @@ def test_needle_training_source_and_its_loss_weights(tmp_path):
     ds.set_state(state)
     np.testing.assert_array_equal(next(ds), second)
     assert not np.array_equal(next(make_dataset(cfg, "val")), first)
+
+
+def test_cli_notes_lengths_beyond_training_and_synthetic_data():
+    """One note names the lengths beyond train.seq_len; one says the checkpoint saw synthetic data where
+    a suite reads text; --random-init (nothing trained) gets neither."""
+    from launch.evaluate import build_parser, notes
+
+    def args(*extra):
+        return build_parser().parse_args(["--ckpt", "x", *extra])
+
+    cfg = load_config("cpu_tiny", ["train.seq_len=256"])  # data.dataset: synthetic
+    got = notes(args("--lengths", "128,512,4096"), cfg)
+    assert got == [
+        "note: L=512 (2.0x), L=4,096 (16x) are beyond the training length (train.seq_len=256): positions from 256 "
+        "on were never trained, so expect lower scores there (docs/LONG_CONTEXT.md)",
+        "note: this checkpoint was trained on synthetic data (data.dataset=synthetic: Markov-chain token rows, not "
+        "text): the needle rows' text and question are new to it, so expect needle accuracy near 0",
+    ]
+    assert notes(args("--lengths", "256", "--suites", "kv_recall,loss-by-position"), cfg) == []
+    text = notes(args("--lengths", "300", "--suites", "loss-by-position", "--text", __file__), cfg)
+    assert text[0].startswith("note: L=300 (1.2x) is beyond the training length (train.seq_len=256)")
+    assert text[1].endswith("not text): the --text files are text it never learned")
+    rope = load_config("cpu_tiny", ["train.seq_len=256", "train.rope_positions=1024", "data.dataset=text"])
+    assert notes(args("--lengths", "1024"), rope) == [
+        "note: L=1,024 (4.0x) is beyond the training length (train.seq_len=256; RoPE positions up to 1,023, "
+        "train.rope_positions): rows longer than 256 tokens were never trained, so expect lower scores there "
+        "(docs/LONG_CONTEXT.md)"
+    ]
+    assert notes(build_parser().parse_args(["--random-init", "--lengths", "4096"]), cfg) == []
+
+
+def test_progress_bar_is_redrawn_while_nothing_advances_it():
+    import time
+
+    from launch.evaluate import _redrawn
+
+    class Bar:
+        n = 0
+
+        def refresh(self):
+            self.n += 1
+
+    bar = Bar()
+    with _redrawn(bar, every=0.05):
+        time.sleep(0.4)
+    after = bar.n
+    time.sleep(0.15)
+    assert after >= 3 and bar.n == after  # redrawn while inside, not after
