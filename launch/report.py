@@ -12,8 +12,12 @@ tokens / total step time; within --tie-pct percent to the lower pstdev), as the 
 overlaid plots and comparison.md go to REPORT_DIR (default <common parent>/comparison).
 
 A run that is still going, died, or lacks some artifacts is reported from what is
-there, with the rest named as missing. A path that does not exist: one `error:`
-line, exit status 2. Exit status 0 otherwise; with --strict, 1 when a verdict is not GO.
+there, with the rest named as missing. What could not be read (a malformed or cut-off
+line) is a `warning:` line on stderr and makes the `files` criterion NO-GO; remarks
+that are no damage (a run still writing its last line) are `note:` lines on stderr.
+A path that does not exist, or a folder that holds no run (an empty folder, the parent
+of runs: the error names the runs inside it): one `error:` line, exit status 2, and
+nothing is written. Exit status 0 otherwise; with --strict, 1 when a verdict is not GO.
 """
 
 from __future__ import annotations
@@ -144,12 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --last must be at least 1", file=sys.stderr)
         return 2
     try:
-        dirs = [S.resolve_run_dir(p) for p in args.runs]
+        dirs = [S.resolve_run_dir(p, require_run=True) for p in args.runs]
     except S.RunPathError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     th = thresholds_from_args(args)
     summaries = [S.summarize(S.load_run(d, label), args.last, th) for d, label in zip(dirs, labels_for(dirs))]
+    for s in summaries:
+        for line in S.warning_lines(s):
+            print(line, file=sys.stderr)
     try:
         if len(summaries) == 1:
             s = summaries[0]

@@ -109,6 +109,7 @@ def write_run(
     loss=None,
     gates=True,
     mem=None,
+    entropy=None,
     csv_rows: bool = True,
     heartbeats: bool = True,
     env: bool = True,
@@ -123,6 +124,7 @@ def write_run(
     step_time = step_time or [0.5 + 0.001 * (s % 2) for s in steps]
     loss = loss or [5.0 - 0.05 * s for s in steps]
     mem = mem or [2 * S.GIB] * n
+    entropy = entropy or [1.08] * n
     cols = list(S.CSV_COLUMNS if gates else S.CSV_COLUMNS[:11])
     if csv_rows:
         lines = [",".join(cols)] if header else []
@@ -142,7 +144,7 @@ def write_run(
                 "gate_cmp": 0.4,
                 "gate_slc": 0.5,
                 "gate_win": 0.6,
-                "gate_entropy": 1.08,
+                "gate_entropy": entropy[i],
                 "sel_far_frac": 0.3,
                 "cmp_k_ratio": 0.8,
                 "cmp_v_ratio": 0.5 + 0.01 * s,
@@ -251,6 +253,7 @@ def test_report_cli_prints_criteria_and_writes_plots(run_dir, tmp_path, capsys):
     assert f"last {LAST} of 6 steps, steps 3-6, from {run_dir / 'training.csv'}" in text
     crit = [line for line in text.splitlines() if line.startswith("  ")]
     assert [line[9:].split("  ")[0].strip() for line in crit] == [
+        "files",
         "completion",
         "throughput",
         "loss",
@@ -306,10 +309,12 @@ def test_partial_run_reports_what_is_there(run_dir, tmp_path, capsys):
         p.unlink()
     (d / "env.json").unlink()
     assert R.main([str(d), "--last", str(LAST)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "Traceback" not in out
     assert "missing: env.json; heartbeat_rank*.jsonl" in out
-    assert "training.csv: last line incomplete" in out
+    # No 'done' event: the cut line may still be being written, a note (stderr), no damage.
+    assert f"note: {d}: training.csv: last line incomplete" in err
+    assert "GO     files" in out and "problem" not in out
     assert f"last {LAST} of 5 steps, steps 2-5" in out
     s = S.summarize(S.load_run(d), LAST)
     assert status(s)["heartbeats"] == "NO-GO" and status(s)["memory"] == "N/A"
@@ -330,13 +335,7 @@ def test_rows_come_from_heartbeats_when_training_csv_is_off(run_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_empty_dir_and_missing_path(tmp_path, capsys):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert R.main([str(empty)]) == 0
-    out = capsys.readouterr().out
-    assert "missing: env.json; training.csv; heartbeat_rank*.jsonl" in out
-    assert "N/A    throughput" in out and (empty / "report" / "report.md").is_file()
+def test_missing_path_is_one_error_line(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "launch.report", str(tmp_path / "nope")],
         cwd=ROOT,
@@ -470,6 +469,127 @@ def test_ranking_prefers_higher_mean_and_breaks_ties_on_spread(tmp_path, capsys)
     assert ranked == ["b", "a", "c"]  # within 1%: lower spread first
     assert "best: b" in text and (tmp_path / "comparison" / "comparison.md").is_file()
     assert order("--tie-pct", "0")[0] == ["a", "b", "c"]
+
+
+def _tree(root: pathlib.Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_folder_that_is_not_a_run_is_refused_and_nothing_is_written(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert R.main([str(empty)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"error: {empty} is not a run folder (no training.csv, env.json or heartbeat_rank*.jsonl) and holds no "
+        "run: pass the out dir of a launch.train run (--out-dir, train.out_dir)"
+    ]
+    assert not any(empty.iterdir())
+    # The parent of runs: the error names them; a run given next to it does not make it pass.
+    parent = tmp_path / "runs"
+    a, b = write_run(parent / "a", n=10), write_run(parent / "b", n=10)
+    before = _tree(tmp_path)
+    for argv in ([str(parent)], [str(a), str(parent)], [str(parent), "--out", str(tmp_path / "rep")]):
+        assert R.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [
+            f"error: {parent} is not a run folder (no training.csv, env.json or heartbeat_rank*.jsonl); "
+            f"runs inside it: {a}, {b}: pass one of them, or several to compare them"
+        ], argv
+    assert _tree(tmp_path) == before
+    # One run two levels down (a sweep's root under a folder) is found and named.
+    assert R.main([str(tmp_path)]) == 2
+    assert f"runs inside it: {a}, {b}: pass one" in capsys.readouterr().err
+    only = write_run(tmp_path / "solo" / "deeper" / "r", n=10)
+    assert R.main([str(tmp_path / "solo")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"runs inside it: {only}: pass it")
+    # A run folder passes: a folder with a run file or checkpoints/ is a run.
+    assert R.main([str(a), "--last", "5"]) == 0
+    assert (a / "report" / "report.md").is_file()
+    ckpt_only = tmp_path / "ckpt_only"
+    (ckpt_only / "checkpoints").mkdir(parents=True)
+    assert S.is_run_dir(ckpt_only) and not S.is_run_dir(empty)
+
+
+def _problem_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(("problem", "warning"))]
+
+
+def test_a_problem_reading_the_files_is_never_next_to_go(tmp_path, capsys):
+    # A run that never evaluated (val.csv holds its header alone) is no problem: GO.
+    d = write_run(tmp_path / "noeval")
+    (d / "val.csv").write_text("step,tokens,val_loss,val_ppl,retrieval_acc,answers,elapsed_s,eval_s\n")
+    env = json.loads((d / "env.json").read_text())
+    env["config"]["train"]["eval_every"] = 100
+    (d / "env.json").write_text(json.dumps(env))
+    assert R.main([str(d), "--last", "20", "--strict"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and not _problem_lines(out) and out.splitlines()[-2] == "verdict: GO"
+    assert "no evaluation yet (val.csv has no rows; train.eval_every=100)" in out
+    # A malformed line: a warning on stderr, `files` NO-GO, so the verdict is NO-GO.
+    lines = (d / "training.csv").read_text().splitlines()
+    lines[4] = "4,5.0,oops"
+    (d / "training.csv").write_text("\n".join(lines) + "\n")
+    assert R.main([str(d), "--last", "20", "--strict"]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"warning: {d}: training.csv: line 5 has 3 fields, header 18; skipped"]
+    assert not _problem_lines(out)  # the problem is on stderr and in the files criterion
+    assert "  NO-GO  files       1 problem(s) reading training.csv (each listed as a problem)" in out
+    assert out.splitlines()[-2] == "verdict: NO-GO (files)"
+    s = judge(d)
+    assert s.verdict == "NO-GO" and s.failing() == ["files"] and status(s)["throughput"] == "GO"
+    page = (d / "report" / "report.md").read_text()
+    assert "- problem: training.csv: line 5 has 3 fields" in page and "**NO-GO**" in page
+    # A cut-off last line: a note while the run goes on, a problem once it has finished.
+    for done, want in ((False, "note"), (True, "problem")):
+        r = write_run(tmp_path / f"cut_{done}", done=done)
+        text = (r / "training.csv").read_text()
+        (r / "training.csv").write_text(text[:-10])
+        s = judge(r)
+        assert status(s)["files"] == ("NO-GO" if done else "GO"), (done, s.criteria[0])
+        assert (s.problems, s.notes)[want == "note"][0].startswith("training.csv: last line ")
+        assert not (s.problems if want == "note" else s.notes)
+    # Every summary: a problem line implies a NO-GO verdict.
+    for run in tmp_path.iterdir():
+        s = judge(run)
+        assert not s.problems or s.verdict == "NO-GO", run
+
+
+def test_plot_axes_read_as_values(tmp_path):
+    """No offset notation ('1e-5+1.0985') on any axis; a series flat up to float noise is drawn flat."""
+    n = 40
+    ent = [1.0986 + 1e-6 * (s % 3) for s in range(n)]  # the gate entropy at ln 3, float noise around it
+    mem = [int(2 * S.GIB) + 4096 * (s % 2) for s in range(n)]  # a constant memory reading, to 4 KiB
+    d = write_run(tmp_path / "flat", n=n, entropy=ent, mem=mem)
+    run = S.load_run(d)
+    figs, _ = P.run_figures(run, S.summarize(run, 20))
+    compared, _ = P.comparison_figures([run, S.load_run(write_run(tmp_path / "b"))])
+    figs.update({f"cmp_{k}": f for k, f in compared.items()})
+    res = {"by_length": {"128": {"edges": [0, 1, 2, 4, 128], "loss": [2.0000001, 2.0000002, 2.0, 2.0000001]}}}
+    figs["loss_by_position"] = P.loss_by_position_figure(res)
+    for name, fig in figs.items():
+        fig.canvas.draw()
+        for ax in fig.axes:
+            for axis in (ax.xaxis, ax.yaxis):
+                assert axis.get_offset_text().get_text() == "", (name, axis.get_offset_text().get_text())
+            labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+            assert len(set(labels)) == len(labels) > 1, (name, labels)
+            lo, hi = ax.get_ylim()
+            assert hi - lo >= 0.01 * abs(lo + hi) / 2, (name, lo, hi)
+    entropy_ax = figs["gates"].axes[1]
+    labels = [float(t.get_text().replace("\u2212", "-")) for t in entropy_ax.get_yticklabels()]
+    assert np.allclose(labels, entropy_ax.get_yticks(), rtol=0, atol=1e-9)  # the labels are the values
+    # Late steps of a resumed run and tiny values: no '+1e5' offset, no '1e-6' factor either.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.plot(np.arange(100_000, 100_040), 1e-7 * np.arange(40))
+    P.readable(fig).canvas.draw()
+    assert ax.xaxis.get_offset_text().get_text() == ax.yaxis.get_offset_text().get_text() == ""
+    assert "100000" in [t.get_text() for t in ax.get_xticklabels()]
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,11 @@ window mean), step time, memory per rank, gate means and entropy, and the share 
 selected blocks beyond the sliding window. `comparison_figures(runs)` overlays
 several runs (one line per run). Each returns (figures by name, plots not drawn with
 the reason) so a report can say what is absent instead of drawing empty axes.
+
+Every linear axis is labelled with the values themselves (`readable`): no offset
+(`1e-5+1.0985`) or scale factor, and a y range of at least MIN_SPAN of the values'
+size, so a series that is flat up to float noise (gate entropy at ln 3, a constant
+memory reading) is drawn flat instead of as a zoom into its noise.
 """
 
 from __future__ import annotations
@@ -16,11 +21,36 @@ from typing import Callable, Sequence
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 
 from nsa_jax.report.summary import GATE_COLUMNS, GIB, Run, Summary, memory_series
 
 _SIZE = (8, 4)
 _DPI = 100
+# The least span of a linear y axis, as a share of the largest magnitude it shows.
+MIN_SPAN = 0.01
+
+
+def _plain(axis) -> None:
+    formatter = ScalarFormatter(useOffset=False)
+    formatter.set_scientific(False)
+    axis.set_major_formatter(formatter)
+
+
+def readable(fig: Figure) -> Figure:
+    """Tick labels that read as values on every linear axis with numeric ticks, and y ranges of at
+    least MIN_SPAN of their magnitude (see the module docstring)."""
+    for ax in fig.axes:
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale == "linear" and isinstance(axis.get_major_formatter(), ScalarFormatter):
+                _plain(axis)
+        if ax.get_yscale() == "linear" and isinstance(ax.yaxis.get_major_formatter(), ScalarFormatter):
+            lo, hi = ax.get_ylim()
+            need = MIN_SPAN * max(abs(lo), abs(hi))
+            if hi - lo < need:
+                mid = (lo + hi) / 2
+                ax.set_ylim(mid - need / 2, mid + need / 2)
+    return fig
 
 
 def _figure(rows: int = 1) -> tuple[Figure, list]:
@@ -153,6 +183,8 @@ def run_figures(run: Run, summary: Summary | None = None) -> tuple[dict[str, Fig
     else:
         skipped["gates"] = "no gate columns (aux stats off)"
 
+    for fig in figs.values():
+        readable(fig)
     return _in_report_order(figs), _in_report_order(skipped)
 
 
@@ -189,6 +221,8 @@ def comparison_figures(runs: Sequence[Run]) -> tuple[dict[str, Figure], dict[str
         figs["memory"] = fig
     else:
         skipped["memory"] = "no run has heartbeat memory readings"
+    for fig in figs.values():
+        readable(fig)
     return figs, skipped
 
 
@@ -247,7 +281,7 @@ def _by_length_figure(by_length: dict, key: str, ylabel: str, title: str) -> Fig
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(loc="best", fontsize="small")
-    return fig
+    return readable(fig)
 
 
 def loss_by_position_figure(result: dict) -> Figure:

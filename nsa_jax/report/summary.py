@@ -9,6 +9,9 @@ Reads what `nsa_jax.train.artifacts` writes into a run's out dir:
   env.json                  the configuration (train.steps, logging.*) and process count
   .HALT, .anomaly_type      written by the trainer (or a watchdog) to stop a run
 and turns them into the runbooks' hand judgements, each with GO / NO-GO / N/A:
+  files        every artifact read cleanly: a malformed or cut-off line, an unreadable
+               env.json is a problem, and a problem is NO-GO (the figures below rest
+               on what could be read); the last line of a run still writing is a note
   completion   the run reached train.steps without a halt
   throughput   mean and population stdev of toks_per_s over the last N steps
   loss         every loss finite; mean of the last k steps below the mean of the first k
@@ -21,8 +24,12 @@ and turns them into the runbooks' hand judgements, each with GO / NO-GO / N/A:
                long silence between events
 
 Everything here is plain Python over files: no jax, no plotting. Missing or partial
-artifacts (a run still writing, a run that died) are named in `Run.missing` and
-`Run.problems`; nothing in this module raises on bad file contents.
+artifacts (a run still writing, a run that died) are named in `Run.missing`,
+`Run.problems` and `Run.notes` (then `Summary.problems` / `Summary.notes`, which
+`warning_lines` words for stderr); nothing in this module raises on bad file
+contents. The verdict is GO only when no criterion is NO-GO, files included: a
+`problem` never stands next to a GO. `resolve_run_dir(path, require_run=True)`
+refuses a folder that holds no run (naming the runs inside it, if any).
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ _MAX_PROBLEM_LINES = 5
 
 class RunPathError(ValueError):
     """A run path that does not exist or is not a run directory."""
+
+
+# How many runs a refusal names before it counts the rest.
+_MAX_RUNS_NAMED = 6
+_INCOMPLETE = "last line incomplete"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +102,13 @@ class Run:
     anomaly_type: str | None = None
     missing: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
+    # Remarks on the files that are no damage (a training.csv with its header alone).
+    notes: list[str] = dataclasses.field(default_factory=list)
+    # Files whose last line had no newline (ignored): a run still writing them, or cut off.
+    partial: list[str] = dataclasses.field(default_factory=list)
+    # Files read (their names), and whether val.csv held only its header (no evaluation yet).
+    read: list[str] = dataclasses.field(default_factory=list)
+    val_empty: bool = False
 
     @property
     def csv_path(self) -> pathlib.Path:
@@ -115,8 +134,48 @@ class Run:
         return any(r.get(column) is not None for r in self.rows)
 
 
-def resolve_run_dir(path: str | os.PathLike) -> pathlib.Path:
-    """The run directory a command-line path names (a training.csv names its directory)."""
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """Whether a folder holds a run: any file the trainer writes (training.csv, env.json,
+    heartbeats, ...) or a checkpoints/ folder."""
+    p = pathlib.Path(path)
+    return p.is_dir() and (bool(rf.run_files(p)) or (p / rf.CHECKPOINT_DIR).is_dir())
+
+
+def runs_inside(path: str | os.PathLike, depth: int = 2) -> list[pathlib.Path]:
+    """The run folders below `path`, from the shallowest level that holds any (at most `depth` down)."""
+    level = [pathlib.Path(path)]
+    for _ in range(depth):
+        found, deeper = [], []
+        for d in level:
+            try:
+                children = sorted(c for c in d.iterdir() if c.is_dir() and not c.name.startswith("."))
+            except OSError:
+                continue
+            for c in children:
+                (found if is_run_dir(c) else deeper).append(c)
+        if found:
+            return found
+        level = deeper
+    return []
+
+
+def not_a_run_message(p: pathlib.Path) -> str:
+    """Why `p` is refused, and what to pass instead."""
+    head = f"{p} is not a run folder (no {rf.TRAINING_CSV}, {rf.ENV_JSON} or {rf.HEARTBEAT_GLOB})"
+    runs = runs_inside(p)
+    if not runs:
+        return f"{head} and holds no run: pass the out dir of a launch.train run (--out-dir, train.out_dir)"
+    named = ", ".join(str(r) for r in runs[:_MAX_RUNS_NAMED])
+    more = f" and {len(runs) - _MAX_RUNS_NAMED} more" if len(runs) > _MAX_RUNS_NAMED else ""
+    which = "pass it" if len(runs) == 1 else "pass one of them, or several to compare them"
+    return f"{head}; runs inside it: {named}{more}: {which}"
+
+
+def resolve_run_dir(path: str | os.PathLike, require_run: bool = False) -> pathlib.Path:
+    """The run directory a command-line path names (a training.csv names its directory).
+
+    `require_run`: a folder that holds no run is refused too (RunPathError naming the runs inside it).
+    """
     p = pathlib.Path(path)
     if p.is_file() and p.name == rf.TRAINING_CSV:
         return p.parent
@@ -124,6 +183,8 @@ def resolve_run_dir(path: str | os.PathLike) -> pathlib.Path:
         raise RunPathError(f"no such run directory: {p}")
     if not p.is_dir():
         raise RunPathError(f"not a run directory: {p}")
+    if require_run and not is_run_dir(p):
+        raise RunPathError(not_a_run_message(p))
     return p
 
 
@@ -156,6 +217,16 @@ def read_jsonl(path: pathlib.Path, problems: list[str]) -> list[dict[str, Any]]:
         events.append(rec)
     _problem_lines(problems, path.name, bad)
     return events
+
+
+def _sort_problems(run: Run, found: list[str]) -> None:
+    """Problems of one file into the run's: an incomplete last line goes to `partial` (judged later)."""
+    for p in found:
+        name, _, what = p.partition(": ")
+        if what.startswith(_INCOMPLETE):
+            run.partial.append(name)
+        else:
+            run.problems.append(p)
 
 
 def _rows_from_heartbeats(events: list[dict[str, Any]]) -> list[dict[str, float | None]]:
@@ -193,6 +264,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
     run = Run(path=root, label=label or root.name or str(root))
     env_path = root / rf.ENV_JSON
     if env_path.is_file():
+        run.read.append(rf.ENV_JSON)
         try:
             env = json.loads(env_path.read_text(errors="replace"))
             run.env = env if isinstance(env, dict) else None
@@ -207,17 +279,23 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
         return run.config("logging", key, True) is False
 
     if run.csv_path.is_file():
-        run.columns, run.rows = read_csv(run.csv_path, run.problems)
+        found: list[str] = []
+        run.columns, run.rows = read_csv(run.csv_path, found)
+        _sort_problems(run, found)
+        run.read.append(rf.TRAINING_CSV)
         run.series_path = run.csv_path
         if not run.rows:
-            run.problems.append(f"{rf.TRAINING_CSV}: no complete step rows yet")
+            run.notes.append(f"{rf.TRAINING_CSV}: no complete step rows yet")
     else:
         run.missing.append(f"{rf.TRAINING_CSV} (off: logging.csv=false)" if disabled("csv") else rf.TRAINING_CSV)
 
     for f in sorted(root.glob(rf.HEARTBEAT_GLOB)):
         rank = rf.heartbeat_rank(f.name)
         if rank is not None:
-            run.heartbeats[rank] = read_jsonl(f, run.problems)
+            found = []
+            run.heartbeats[rank] = read_jsonl(f, found)
+            _sort_problems(run, found)
+            run.read.append(f.name)
     expected = run.env.get("process_count") if run.env else None
     if not run.heartbeats:
         run.missing.append(
@@ -235,11 +313,16 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
 
     val_path = root / rf.VAL_CSV
     if val_path.is_file():
-        _, vrows = read_csv(val_path, run.problems)
+        found = []
+        _, vrows = read_csv(val_path, found)
+        _sort_problems(run, found)
+        run.read.append(rf.VAL_CSV)
         key = next((k for k in ("val_loss", "loss") if any(r.get(k) is not None for r in vrows)), None)
         if key:
             run.val = [(int(r["step"]), r[key]) for r in vrows if r.get(key) is not None]
             run.val_source = rf.VAL_CSV
+        elif not vrows and all(p.partition(": ")[2].startswith(_INCOMPLETE) for p in found):
+            run.val_empty = True  # the header alone: no evaluation has run yet
         else:
             run.problems.append(f"{rf.VAL_CSV}: no val_loss or loss values")
     if not run.val:
@@ -250,7 +333,10 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
 
     long_path = root / rf.LONG_EVAL_CSV
     if long_path.is_file():
-        _, lrows = read_csv(long_path, run.problems)
+        found = []
+        _, lrows = read_csv(long_path, found)
+        _sort_problems(run, found)
+        run.read.append(rf.LONG_EVAL_CSV)
         if lrows:
             run.long_eval = {k: v for k, v in lrows[-1].items() if v is not None and k != "tokens"}
 
@@ -281,10 +367,14 @@ class Summary:
     window: str
     criteria: list[Criterion]
     figures: dict[str, Any]
+    # What went wrong reading the files (each makes `files` NO-GO), and remarks that do not.
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def verdict(self) -> str:
-        """NO-GO if any criterion is; GO if none is and throughput and loss were judged; else INCOMPLETE."""
+        """NO-GO if any criterion is (files too: a problem reading them); GO if none is and throughput
+        and loss were judged; else INCOMPLETE."""
         by_name = {c.name: c.status for c in self.criteria}
         if NO_GO in by_name.values():
             return NO_GO
@@ -358,7 +448,9 @@ def summarize(run: Run, last: int = 50, thresholds: Thresholds | None = None) ->
         window = "no step rows (training.csv and step_end heartbeats absent or empty)"
     state, info = _state(run)
     fig.update(info)
+    files, problems, notes = _files(run, info)
     criteria = [
+        files,
         _completion(run, info),
         _throughput(window_rows, th, fig, window),
         _loss(run, last, th, fig),
@@ -368,7 +460,32 @@ def summarize(run: Run, last: int = 50, thresholds: Thresholds | None = None) ->
         _anomalies(run, fig),
         _heartbeat_health(run, th, fig),
     ]
-    return Summary(run, last, th, state, window, criteria, fig)
+    return Summary(run, last, th, state, window, criteria, fig, problems, notes)
+
+
+def _files(run: Run, info: dict[str, Any]) -> tuple[Criterion, list[str], list[str]]:
+    """(criterion, problems, notes): every file read cleanly, or what was skipped.
+
+    A last line without its newline is a note while the run has not finished (it is
+    still writing), and a problem once it has (the line was cut off).
+    """
+    problems, notes = list(run.problems), list(run.notes)
+    for name in run.partial:
+        if info["finished"]:
+            problems.append(f"{name}: last line cut off (no newline after the run finished); ignored")
+        else:
+            notes.append(f"{name}: last line incomplete (the run is still writing it, or it was cut off); ignored")
+    if not run.read:
+        return Criterion("files", NA, "no run files read"), problems, notes
+    if problems:
+        names = sorted({p.partition(": ")[0] for p in problems})
+        detail = (
+            f"{len(problems)} problem(s) reading {', '.join(names)} (each listed as a problem); "
+            f"the other criteria judge what could be read"
+        )
+        return Criterion("files", NO_GO, detail), problems, notes
+    note = f"; {len(notes)} note(s), listed as notes" if notes else ""
+    return Criterion("files", GO, f"read cleanly: {', '.join(run.read)}{note}"), problems, notes
 
 
 def _completion(run: Run, info: dict[str, Any]) -> Criterion:
@@ -429,6 +546,9 @@ def _loss(run: Run, last: int, th: Thresholds, fig: dict) -> Criterion:
     if run.val:
         fig.update(val_first=run.val[0][1], val_last=run.val[-1][1], val_n=len(run.val))
         val = f"; val {run.val[0][1]:.4f} -> {run.val[-1][1]:.4f} ({len(run.val)} evals, {run.val_source})"
+    elif run.val_empty:
+        every = run.config("train", "eval_every")
+        val = f"; no evaluation yet ({rf.VAL_CSV} has no rows" + (f"; train.eval_every={every})" if every else ")")
     if not losses:
         return Criterion("loss", NA, "no loss values")
     nonfinite = f"non-finite at steps {bad[:5]}{'...' if len(bad) > 5 else ''}" if bad else f"all {len(losses)} finite"
@@ -676,7 +796,6 @@ def format_summary(s: Summary) -> str:
     out = [f"run: {run.path} ({s.state})", f"window: {s.window}"]
     if run.missing:
         out.append("missing: " + "; ".join(run.missing))
-    out.extend(f"problem: {p}" for p in run.problems)
     width = max(len(c.name) for c in s.criteria)
     for c in s.criteria:
         out.append(f"  {c.status:<6} {c.name:<{width}}  {c.detail}")
@@ -685,6 +804,11 @@ def format_summary(s: Summary) -> str:
     fail = s.failing()
     out.append(f"verdict: {s.verdict}" + (f" ({', '.join(fail)})" if fail else ""))
     return "\n".join(out)
+
+
+def warning_lines(s: Summary) -> list[str]:
+    """The run's problems and notes as lines for stderr ('warning: RUN: ...', 'note: RUN: ...')."""
+    return [f"warning: {s.run.path}: {p}" for p in s.problems] + [f"note: {s.run.path}: {n}" for n in s.notes]
 
 
 def _md_escape(text: str) -> str:
@@ -705,7 +829,8 @@ def markdown_summary(s: Summary, images: dict[str, str], skipped: dict[str, str]
     ]
     if run.missing:
         lines.append("- missing: " + "; ".join(f"`{m}`" for m in run.missing))
-    lines += [f"- problem: {_md_escape(p)}" for p in run.problems]
+    lines += [f"- problem: {_md_escape(p)}" for p in s.problems]
+    lines += [f"- note: {_md_escape(n)}" for n in s.notes]
     if long_eval_line(run):
         lines.append(f"- {long_eval_line(run)}")
     lines += ["", "| criterion | verdict | detail |", "|---|---|---|"]
