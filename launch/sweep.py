@@ -102,6 +102,15 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def print_comparison(entries, last: int, tie_pct: float) -> None:
+    """The runs' summaries and ranked table on stdout; problems reading their files and notes on stderr."""
+    print()
+    print(comparison_text(entries, last, tie_pct))
+    for e in entries:
+        for line in S.warning_lines(e.summary) if e.summary else ():
+            print(line, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     own, train_args = split_argv(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(own)
@@ -147,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         out = root / name
         summary = S.summarize(S.load_run(out, name), args.last, th) if out.is_dir() else None
         entries.append(S.Entry(name, summary, failed=failed, status=status, error=err))
-    print()
-    print(comparison_text(entries, args.last, args.tie_pct))
+    print_comparison(entries, args.last, args.tie_pct)
     try:
         print(f"report: {write_comparison(entries, root / 'comparison', args.last, args.tie_pct)}")
     except OSError as e:

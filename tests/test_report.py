@@ -657,3 +657,16 @@ def test_sweep_argument_errors_are_one_line(tmp_path, capsys):
     assert len(cmds) == 2 and cmds[1].endswith(
         f"-m launch.train --config cpu_tiny --set parallel.bucket_mb=50 --out-dir {tmp_path / 'parallel.bucket_mb=50'}"
     )
+
+
+def test_sweep_comparison_puts_problems_on_stderr(tmp_path, capsys):
+    good = write_run(tmp_path / "a")
+    bad = write_run(tmp_path / "b")
+    lines = (bad / "training.csv").read_text().splitlines()
+    lines[4] = "4,5.0,oops"
+    (bad / "training.csv").write_text("\n".join(lines) + "\n")
+    entries = [S.Entry(d.name, S.summarize(S.load_run(d, d.name), 20)) for d in (good, bad)]
+    SW.print_comparison(entries, 20, 1.0)
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"warning: {bad}: training.csv: line 5 has 3 fields, header 18; skipped"]
+    assert "rank  run" in out and "warning:" not in out
