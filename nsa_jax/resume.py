@@ -9,10 +9,19 @@
   checkpoints present       --overwrite refused (it never deletes them); a config whose checkpoint
                             must not be resumed (`resume_conflicts`) refused; the newest complete
                             step >= train.steps: "finished", nothing to run; else "resume"
-  an earlier run's files    no finished step and no checkpoint (a run that died in boot or compile,
-                            or was refused): "restart", its files moved to previous/<utc time>/;
-                            otherwise refused unless --overwrite ("overwrite": files deleted)
+  an earlier run's files    no checkpoint: a run that died in boot or compile, or stopped or crashed
+                            before its first save (a kill, a second Ctrl-C): "restart" from step 0,
+                            its files moved to previous/<utc time>/ (nothing is deleted); refused,
+                            naming what is there, when it is another run (env.json: a model or data
+                            setting that differs, as for checkpoints) or a finished run saved without
+                            checkpoints (checkpoint.enabled=false); --overwrite deletes its files
+                            ("overwrite")
   nothing                   "fresh"
+
+Why a folder without a checkpoint is restarted rather than refused: its steps cannot be
+resumed, and the run that wrote them is the one the same command asks for again; moving
+its files aside keeps them (its logs say how far it got) and the command goes on. A
+refusal would leave only --overwrite, which deletes them.
 
 `apply_plan` carries the decision out (moves or deletes files). The checkpoint
 directory inspection used here (`complete_steps`, `saved_config`, ...) is shared
@@ -254,14 +263,49 @@ def check_writable(out: pathlib.Path) -> None:
 
 def _finished_steps(out: pathlib.Path) -> bool:
     """True when an earlier run's artifacts record a finished optimizer step."""
+    return _earlier_run(out).last_step > 0
+
+
+@dataclasses.dataclass
+class EarlierRun:
+    """What an out_dir's run files say about the run that wrote them (no checkpoints read)."""
+
+    last_step: int = 0  # the newest finished step in training.csv or a heartbeat
+    config: dict[str, Any] | None = None  # env.json's config
+    done: dict[str, Any] | None = None  # the last `done` heartbeat event (summary fields)
+
+    def finished_without_checkpoints(self) -> bool:
+        """It ran to its train.steps with checkpoint.enabled=false: nothing to resume, nothing lost."""
+        if self.config is None or self.done is None or self.done.get("halted") is not None:
+            return False
+        train, saving = self.config.get("train", {}), self.config.get("checkpoint", {})
+        return saving.get("enabled") is False and self.done.get("steps_done") == train.get("steps")
+
+
+def _earlier_run(out: pathlib.Path) -> EarlierRun:
+    run = EarlierRun()
     csv_path = out / rf.TRAINING_CSV
-    if csv_path.is_file() and rf.read_csv(csv_path)[1]:
-        return True
+    if csv_path.is_file():
+        run.last_step = max((int(r["step"]) for r in rf.read_csv(csv_path)[1]), default=0)
     for hb in out.glob(rf.HEARTBEAT_GLOB):
         with open(hb, errors="replace") as f:
-            if any('"event": "step_end"' in line for line in f):
-                return True
-    return False
+            for line in f:
+                if '"event": "step_end"' not in line and '"event": "done"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                if rec.get("event") == "step_end":
+                    run.last_step = max(run.last_step, int(rec.get("step", 0)))
+                elif rec.get("rank") == 0:
+                    run.done = rec
+    try:
+        env = json.loads((out / rf.ENV_JSON).read_text())
+        run.config = env["config"] if isinstance(env.get("config"), dict) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        run.config = None
+    return run
 
 
 def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints: bool = False) -> Plan:
@@ -300,7 +344,8 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
                 "finished",
                 out,
                 f"done: {out} already holds step {steps[-1]} (train.steps={cfg.train.steps}); nothing to run - "
-                "raise --steps to train further",
+                "raise --steps to train further (the LR schedule is then recomputed for the new train.steps: a "
+                "cosine that ended at min_lr rises again; train.decay_steps holds the peak until the last N steps)",
                 steps,
             )
         return Plan("resume", out, f"resume: newest checkpoint step {steps[-1]} in {checkpoint_dir(out)}", steps)
@@ -310,21 +355,42 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
         return Plan("overwrite", out, "overwrite: deleting the earlier run's files", [], files, delete_checkpoints=True)
     if not files:
         return Plan("fresh", out)
-    if not _finished_steps(out) and not corrupt.exists():
+    earlier = _earlier_run(out)
+    moved = f"its files move to {out / rf.PREVIOUS_DIR}/"
+    if earlier.last_step == 0 and not corrupt.exists():
         return Plan(
             "restart",
             out,
-            f"restart: the earlier run in {out} finished no step and saved no checkpoint; its files move to "
-            f"{out / rf.PREVIOUS_DIR}/",
+            f"restart: the earlier run in {out} finished no step and saved no checkpoint; {moved}",
             [],
             files,
         )
-    if not overwrite:
+    if overwrite:
+        return Plan("overwrite", out, "overwrite: deleting the earlier run's files", [], files)
+    what = f"training.csv to step {earlier.last_step}" if earlier.last_step else ", ".join(p.name for p in files[:3])
+    keep = (
+        "to keep it choose another directory with --out-dir (or --set train.out_dir=...); "
+        "pass --overwrite to delete its files and train here"
+    )
+    blocking = resume_conflicts(earlier.config, cfg)[0] if earlier.config is not None else []
+    if blocking:
         raise ConfigError(
-            f"{out} already holds a run ({', '.join(p.name for p in files[:3])}); choose another directory with "
-            "--out-dir or --set train.out_dir=..., or pass --overwrite to replace it"
+            f"{out} holds another run, without a checkpoint ({what}; env.json: {'; '.join(blocking[:3])}); {keep}"
         )
-    return Plan("overwrite", out, "overwrite: deleting the earlier run's files", [], files)
+    if earlier.finished_without_checkpoints():
+        raise ConfigError(
+            f"{out} holds a finished run ({what} of {earlier.done.get('steps_done')}) saved without checkpoints "
+            f"(checkpoint.enabled=false), so there is nothing to resume; {keep}"
+        )
+    kept = f"; {rf.CORRUPT_DIR}/ stays" if corrupt.exists() else ""
+    return Plan(
+        "restart",
+        out,
+        f"restart: the earlier run in {out} stopped after step {earlier.last_step} without a checkpoint "
+        f"(interrupted or crashed before its first save); training starts again from step 0; {moved}{kept}",
+        [],
+        files,
+    )
 
 
 def apply_plan(plan: Plan) -> pathlib.Path | None:

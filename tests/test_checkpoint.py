@@ -460,14 +460,19 @@ def test_launcher_policy_protects_checkpoints(env, reference, tmp_path):
         prepare_out_dir(str(out), False, cfg=other)
     # Longer training or another LR is a resume, not a conflict.
     prepare_out_dir(str(out), False, cfg=cfg_of(env, **{"train.steps": 20, "train.lr": 5e-4}))
-    # Only uncommitted saves: no checkpoint; the artifacts still need --overwrite.
+    # Only uncommitted saves: no checkpoint. Another model's run is refused, naming it; the same
+    # run is started again from step 0, its files moved aside (nothing deleted).
     shutil.move(str(C.checkpoint_dir(out) / "8"), str(C.checkpoint_dir(out) / "8.orbax-checkpoint-tmp-1"))
     for s in (4, 6):
         shutil.rmtree(C.checkpoint_dir(out) / str(s))
-    with pytest.raises(ConfigError, match="already holds a run"):
-        prepare_out_dir(str(out), False, cfg=cfg)
+    with pytest.raises(ConfigError, match=r"holds another run, without a checkpoint.*model.n_layers 1 -> 2"):
+        prepare_out_dir(str(out), False, cfg=other)
+    plan = prepare_out_dir(str(out), False, cfg=cfg)
+    assert plan.action == "restart" and "stopped after step 8 without a checkpoint" in plan.message
+    assert (out / "previous").is_dir() and not (out / "training.csv").exists()
     # --overwrite-checkpoints deletes them, and the artifacts, explicitly.
     shutil.copytree(C.checkpoint_dir(reference), C.checkpoint_dir(out), dirs_exist_ok=True)
+    shutil.copy(reference / "training.csv", out / "training.csv")
     prepare_out_dir(str(out), False, overwrite_checkpoints=True, cfg=cfg)
     assert not C.checkpoint_dir(out).exists() and not (out / "training.csv").exists()
 

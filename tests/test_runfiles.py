@@ -98,14 +98,67 @@ def test_an_attempt_that_finished_no_step_is_restarted_and_kept(tmp_path):
     assert prepare_out_dir(str(out), False, cfg=cfg(out)).action == "fresh"
 
 
-def test_a_run_with_finished_steps_is_refused_without_overwrite(tmp_path):
+def _earlier_run(out: pathlib.Path, c, last_step: int, done: dict | None = None) -> None:
+    """The files of a run of config `c` that finished `last_step` steps and saved no checkpoint."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "env.json").write_text(json.dumps({"config": c.to_dict()}))
+    rows = "".join(f"{s},{5.0 - s / 100}\n" for s in range(1, last_step + 1))
+    (out / "training.csv").write_text("step,loss\n" + rows)
+    beats = [{"event": "step_end", "step": s, "rank": 0} for s in range(1, last_step + 1)]
+    if done is not None:
+        beats.append({"event": "done", "step": last_step, "rank": 0, **done})
+    (out / "heartbeat_rank0.jsonl").write_text("".join(json.dumps(b) + "\n" for b in beats))
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_restarted_from_step_0_and_kept(tmp_path):
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "training.csv").write_text("step,loss\n1,3.0\n")
-    with pytest.raises(ConfigError, match="already holds a run.*--overwrite"):
+    c = cfg(out)
+    # Killed (or a second Ctrl-C) at step 37 of a run saving every 100 steps.
+    _earlier_run(out, c, 37, done=None)
+    before = (out / "training.csv").read_text()
+    plan = prepare_out_dir(str(out), False, cfg=c)
+    assert plan.action == "restart", plan
+    assert "stopped after step 37 without a checkpoint" in plan.message and "from step 0" in plan.message
+    (prev,) = list((out / rf.PREVIOUS_DIR).iterdir())
+    assert (prev / "training.csv").read_text() == before  # moved, not deleted
+    assert rf.run_files(out) == []
+    # A longer run of the same model is the same run asked for again: restarted too.
+    _earlier_run(out, c, 5)
+    assert prepare_out_dir(str(out), False, cfg=cfg(out, "train.steps=500")).action == "restart"
+
+
+def test_a_folder_with_corrupt_checkpoints_only_is_restarted_keeping_them(tmp_path):
+    out = tmp_path / "run"
+    c = cfg(out)
+    _earlier_run(out, c, 12)
+    (out / rf.CORRUPT_DIR / "10-1700000000").mkdir(parents=True)
+    plan = prepare_out_dir(str(out), False, cfg=c)
+    assert plan.action == "restart" and f"{rf.CORRUPT_DIR}/ stays" in plan.message
+    assert (out / rf.CORRUPT_DIR / "10-1700000000").is_dir()
+
+
+def test_another_run_without_checkpoints_is_refused_naming_it_safe_choice_first(tmp_path):
+    out = tmp_path / "run"
+    _earlier_run(out, cfg(out, "model.d_model=96"), 37)
+    with pytest.raises(ConfigError) as e:
         prepare_out_dir(str(out), False, cfg=cfg(out))
+    msg = str(e.value)
+    assert "holds another run" in msg and "training.csv to step 37" in msg and "model.d_model 96 -> 192" in msg
+    assert "\n" not in msg and msg.index("--out-dir") < msg.index("--overwrite")
+    assert (out / "training.csv").is_file() and not (out / rf.PREVIOUS_DIR).exists()
     assert prepare_out_dir(str(out), True, cfg=cfg(out)).action == "overwrite"
     assert not (out / "training.csv").exists()
+
+
+def test_a_finished_run_without_checkpoints_is_refused(tmp_path):
+    out = tmp_path / "run"
+    c = cfg(out, "train.steps=20", "checkpoint.enabled=false")
+    _earlier_run(out, c, 20, done={"steps_done": 20, "halted": None})
+    with pytest.raises(ConfigError, match=r"finished run \(training.csv to step 20 of 20\).*--out-dir.*--overwrite"):
+        prepare_out_dir(str(out), False, cfg=c)
+    # Stopped by Ctrl-C at step 12 instead: nothing finished, restarted.
+    _earlier_run(out, c, 12, done={"steps_done": 12, "halted": "sigint"})
+    assert prepare_out_dir(str(out), False, cfg=c).action == "restart"
 
 
 def test_finished_and_halted_runs_are_known_before_compiling(tmp_path):

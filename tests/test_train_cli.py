@@ -218,8 +218,10 @@ def test_overwrite_clears_an_earlier_run(tmp_path):
     for name in ("heartbeat_rank0.jsonl", "env.json", "notes.txt"):
         (tmp_path / name).write_text("x")
     (tmp_path / "training.csv").write_text("step,loss\n1,5.0\n")  # a finished step: not a restart
-    with pytest.raises(ConfigError, match="already holds a run"):
-        prepare_out_dir(str(tmp_path), overwrite=False)
+    other = load_config("cpu_tiny", ["model.n_layers=2"]).to_dict()
+    (tmp_path / "env.json").write_text(json.dumps({"config": other}))  # of another model
+    with pytest.raises(ConfigError, match="holds another run"):
+        prepare_out_dir(str(tmp_path), overwrite=False, cfg=load_config("cpu_tiny", []))
     prepare_out_dir(str(tmp_path), overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     prepare_out_dir(str(tmp_path), overwrite=False)  # nothing left to protect
