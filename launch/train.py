@@ -26,11 +26,18 @@ is restarted (its files move to previous/<utc time>/); one with finished steps i
 unless --overwrite. Checkpoints are deleted only with --overwrite-checkpoints.
 Compilation cache: jax's persistent cache in ~/.cache/nsa_jax/jax_compilation_cache, so a
 resumed or repeated run does not compile again; --compile-cache DIR|off or NSA_COMPILE_CACHE.
-SIGTERM finishes the step in flight, saves a checkpoint and exits with status 0.
-Exit status: 0 done (or halted by .HALT), 1 crash or NaN halt, 2 bad input / unusable out
-dir / a batch that cannot fit in memory, 74 a checkpoint save or a run file (training.csv,
-val.csv, env.json) write failed (disk full, permission; the last committed checkpoint is
-kept, and the same command resumes from it), 75 the stall watchdog ended a hung process.
+SIGTERM and Ctrl-C (SIGINT) finish the step in flight, save a checkpoint and exit: status 0
+after SIGTERM, 130 after Ctrl-C (with one line saying how to resume: the same command). A
+second one quits at once without saving (the newest committed checkpoint stays).
+Exit status: 0 done (or halted by .HALT, or SIGTERM), 1 crash or NaN halt, 2 bad input /
+unusable out dir / a batch that cannot fit in memory, 74 a checkpoint save or a run file
+(training.csv, val.csv, env.json) write failed (disk full, permission; the last committed
+checkpoint is kept, and the same command resumes from it), 75 the stall watchdog ended a
+hung process, 130 Ctrl-C.
+Data is checked before the out dir is touched (nsa_jax/data/check.py): files that hold no
+usable text (empty, not UTF-8) are one `error:` line; data without a validation split (a
+small corpus whose documents all hash into train, a prepared folder without val shards)
+trains without evaluation, with one warning at boot.
 File datasets: the model's vocabulary follows the tokenizer. When model.vocab_size is
 smaller than the tokenizer's vocabulary it is raised to that size rounded up to a
 multiple of 64 (the byte tokenizer's 258 ids -> 320), with a printed note.
@@ -42,13 +49,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
+import threading
 
 from launch.cli import Parser
 from nsa_jax import resume, runlock
 from nsa_jax import runfiles as rf
 from nsa_jax.config import Config, ConfigError, load_config
 from nsa_jax.data import FILE_DATASETS, make_tokenizer
+from nsa_jax.data.check import check_data
 from nsa_jax.data.tokenizers import fitted_vocab_size
 from nsa_jax.ops import distributed as dist
 
@@ -233,7 +243,41 @@ def fit_vocab_to_tokenizer(cfg: Config) -> tuple[Config, str | None]:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab)), note
 
 
+def resume_command(argv: list[str] | None = None) -> str:
+    """The command line that runs this launch again (the same command resumes)."""
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", "-m", "launch.train", *args])
+
+
+def interrupted_line(summary: dict, out_dir: str, argv: list[str] | None = None) -> str:
+    """The one line after a Ctrl-C stop: what was kept and how to go on."""
+    saved = summary.get("checkpoint")
+    if saved is not None:
+        return (
+            f"interrupted: stopped after step {summary.get('steps_done')}; checkpoint step {saved} is in "
+            f"{os.path.join(out_dir, rf.CHECKPOINT_DIR)}; to resume run the same command: {resume_command(argv)}"
+        )
+    return (
+        f"interrupted: stopped after step {summary.get('steps_done')} with no checkpoint; the same command starts "
+        f"again from step 0 (this attempt's files move to {os.path.join(out_dir, rf.PREVIOUS_DIR)}/): "
+        f"{resume_command(argv)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before the run's own handler is installed (boot) or after it is gone (shutdown).
+        print(
+            "interrupted: Ctrl-C before training started or after it ended; nothing new was saved; "
+            "run the same command to go on",
+            file=sys.stderr,
+        )
+        return rf.EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         env_sets, applied = env_overrides(os.environ)
@@ -241,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, vocab_note = fit_vocab_to_tokenizer(cfg)
         if vocab_note:
             print(vocab_note, flush=True)
+        # Data problems are found before the out dir is locked or touched (nsa_jax/data/check.py).
+        data_check = check_data(cfg)
         spec = dist.resolve(args.coordinator, args.num_processes, args.process_id)
         # Before anything is read, moved or written in the folder, and before XLA starts.
         lock_out_dir(cfg.train.out_dir, spec)
@@ -286,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     enable_compile_cache(cache)
     try:
-        trainer = Trainer(cfg, applied_env=applied)
+        trainer = Trainer(cfg, applied_env=applied, eval_off=data_check.no_val)
     except (ConfigError, ValueError, TimeoutError, OSError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return rf.EXIT_USAGE
@@ -298,8 +344,25 @@ def main(argv: list[str] | None = None) -> int:
     if summary.get("halted") in ("checkpoint_failed", "output_failed"):
         print(f"error: {summary['error']}", file=sys.stderr)
         return rf.EXIT_CHECKPOINT_FAILED
+    if summary.get("halted") == "sigint":
+        print(interrupted_line(summary, cfg.train.out_dir, argv), file=sys.stderr, flush=True)
+        return rf.EXIT_INTERRUPTED
     return rf.EXIT_FAILED if summary.get("halted") in ("nan_loss", "nan_grad") else rf.EXIT_OK
 
 
+# Threads a stop signal leaves behind inside XLA (Trainer.compile): at interpreter shutdown they
+# would be torn down mid-compile and abort the process.
+ABANDONED_THREADS = ("nsa-compile", "nsa-init-state")
+
+
+def exit_process(code: int) -> None:
+    """sys.exit(code), or os._exit(code) once the output is flushed where a compile was left running."""
+    if any(t.name in ABANDONED_THREADS and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -14,7 +14,7 @@ and the launcher agree on what a run writes without importing each other:
   <out_dir>/stackdump_<ts>_rank<r>.txt  every thread's stack (SIGUSR1, stall watchdog)
   <out_dir>/checkpoints/<step>/      orbax checkpoints (nsa_jax/checkpoint.py)
   <out_dir>/checkpoints_corrupt/     checkpoints that did not read back, moved aside
-  <out_dir>/previous/<utc-time>/     an earlier attempt that finished no step, moved aside
+  <out_dir>/previous/<utc-time>/     an earlier attempt that saved no checkpoint, moved aside
 
 CSV files are written with `CsvWriter` (the `csv` module: quoting, one header row)
 and read with `read_csv` / `CsvRows`, which skip what they cannot parse (a line cut
@@ -297,7 +297,9 @@ EVENTS = {
     "selection_top_n": "the dense selection (train.dense_selection_steps) is over: top-n from this step",
     "branch_scale": "compressed keys or values first above CMP_SCALE_WARN x the selection branch's (ratio, layer)",
     "anomaly": "a non-finite loss or gradient (anomaly_type)",
-    "halt": "the run stops early (.HALT file, SIGTERM)",
+    "halt": "the run stops early (.HALT file, SIGTERM, SIGINT)",
+    "eval_off": "the run evaluates nothing (msg: why, e.g. no validation split in the data)",
+    "projection": "a CPU run's projected time, warned after its first step (step_time_s)",
     "watchdog_dump": "stacks were dumped (reason: sigusr1 or stall)",
     "done": "the run ended normally or by a halt (summary fields)",
     "crash": "the trainer raised (msg: the error)",
@@ -313,3 +315,4 @@ EXIT_USAGE = 2  # bad input, an unusable out_dir, a batch that cannot fit: nothi
 EXIT_CHECKPOINT_FAILED = 74  # EX_IOERR: a checkpoint save or a run file write failed (disk full, permission);
 # the last committed checkpoint stays
 EXIT_STALL = 75  # EX_TEMPFAIL: the stall watchdog ended a hung process; worth a restart
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C; the run stopped after a step and saved a checkpoint

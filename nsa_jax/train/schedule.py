@@ -5,13 +5,22 @@ split training into at most three phases. A phase changes only what the loss com
 (the model's n: every block selected; the distillation weight), never the parameters,
 so the train step compiles one loss per phase and the step counter picks one
 (step.make_phased_grad_fn). Pure: no jax.
+
+`lr_change_on_resume` says what a resume with changed learning-rate settings does: the
+LR is a function of the step and of train.steps, warmup, lr, min_lr and decay_steps
+(nsa_jax/train/optimizer.py), so the resumed run follows the new schedule from the
+restored step on; a cosine that had reached min_lr rises again when train.steps grows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
-from nsa_jax.config import Config, ModelConfig
+from nsa_jax.config import Config, ModelConfig, TrainConfig
+
+# The settings the learning rate is a function of (besides the step).
+LR_SCHEDULE_KEYS = ("steps", "warmup", "lr", "min_lr", "decay_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +68,28 @@ def phases(cfg: Config) -> list[Phase]:
         model = dense_selection_model(cfg) if start < dense_until else cfg.model
         out.append(Phase(start, model, 0.0 if distill_until and start >= distill_until else weight))
     return out
+
+
+def lr_change_on_resume(
+    saved_train: dict[str, Any], now: TrainConfig, step: int, lr_at: Callable[[int, TrainConfig], float]
+) -> str | None:
+    """One line on the LR of a run resumed at `step` whose schedule settings changed since the
+    checkpoint (`saved_train`: the checkpoint's train section); None when none changed.
+
+    `lr_at(s, train)`: the LR of the update that follows s completed steps.
+    """
+    changed = [k for k in LR_SCHEDULE_KEYS if k in saved_train and saved_train[k] != getattr(now, k)]
+    if not changed or step < 1:
+        return None
+    old = dataclasses.replace(now, **{k: saved_train[k] for k in changed})
+    last, nxt = lr_at(step - 1, old), lr_at(step, now)
+    what = ", ".join(f"train.{k} {saved_train[k]} -> {getattr(now, k)}" for k in changed)
+    if now.decay_steps:
+        shape = f"held at {now.lr:.2e} until the last {now.decay_steps} steps, then a cosine"
+    else:
+        shape = "a cosine from the end of the warm-up"
+    return (
+        f"resume: {what}: the LR schedule is recomputed for the new settings ({shape} to {now.min_lr:.2e} "
+        f"at step {now.steps}); step {step} trained at lr {last:.2e}, step {step + 1} trains at {nxt:.2e}; "
+        "to continue at the peak and decay only at the end (staged training), set train.decay_steps"
+    )

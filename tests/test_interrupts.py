@@ -1,0 +1,293 @@
+"""Ctrl-C and long steps: a stop saves, says how to resume, and the same command resumes.
+
+The runs are launch.train subprocesses on TINY_SAVING_RUN. A subprocess started from a
+script that runs in the background inherits SIGINT ignored; each run starts through a
+small exec wrapper that restores the default action, as an interactive shell gives it
+(no preexec_fn: forking a process that has jax loaded is unsafe). The long-step runs make their steps
+long with train.accumulate (the micro-batch loop is inside the compiled step) and send
+themselves SIGINT from a driver, so the step in flight at the signal is known.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import pathlib
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from helpers import TINY_SAVING_RUN, cpu_env, set_flags  # noqa: E402
+
+from nsa_jax import checkpoint as C  # noqa: E402
+from nsa_jax.config import load_config  # noqa: E402
+from nsa_jax.train import loop, schedule  # noqa: E402
+from nsa_jax.train import optimizer as O  # noqa: E402
+
+# exec keeps a default disposition: the trainer starts with SIGINT as a terminal gives it.
+WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> pathlib.Path:
+    """One compilation cache for the module's runs: the same program compiles once."""
+    return tmp_path_factory.mktemp("compile_cache")
+
+
+class Run:
+    """A launch.train subprocess whose output lines are read as they come, with their times."""
+
+    def __init__(self, args: list[str], cache: pathlib.Path, driver: str | None = None, **env: str):
+        cmd = [sys.executable, "-c", driver, *args] if driver else [sys.executable, "-m", "launch.train", *args]
+        cmd = [sys.executable, "-c", WITH_SIGINT, *cmd]
+        self.t0 = time.monotonic()
+        self.p = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=cpu_env(1, cache=cache, **env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.err: list[str] = []
+        self._done = threading.Event()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read_err(self) -> None:
+        self.err.extend(self.p.stderr)
+
+    def until(self, prefix: str, timeout: float = 180) -> float:
+        """Reads stdout until a line starts with `prefix`; the time it came."""
+        deadline = time.monotonic() + timeout
+        for line in self.p.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            if line.startswith(prefix):
+                return self.lines[-1][0]
+            if time.monotonic() > deadline:
+                break
+        raise AssertionError(f"no line {prefix!r} in:\n" + self.out + "".join(self.err))
+
+    def finish(self, timeout: float = 180) -> int:
+        for line in self.p.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        rc = self.p.wait(timeout)
+        time.sleep(0.1)
+        return rc
+
+    @property
+    def out(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+
+def train_args(out: pathlib.Path, steps: int, *sets: str) -> list[str]:
+    return ["--config", "cpu_tiny", "--steps", str(steps), "--out-dir", str(out), *set_flags([*TINY_SAVING_RUN, *sets])]
+
+
+def csv_steps(out: pathlib.Path) -> list[int]:
+    with open(out / "training.csv") as f:
+        return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+# A launch.train process that sends itself SIGINT (COUNT times, 0.2 s apart) DELAY seconds after
+# step AT is logged; LONG_STEP_S and QUIET_S override the loop's.
+DRIVER = r"""
+import os, signal, sys, threading, time
+from nsa_jax.train import loop
+for name in ("LONG_STEP_S", "QUIET_S"):
+    if os.environ.get(name):
+        setattr(loop, name, float(os.environ[name]))
+at, delay, count = int(os.environ["AT"]), float(os.environ["DELAY"]), int(os.environ.get("COUNT", "1"))
+record = loop.Trainer._record
+
+def fire():
+    sys.stdout.write(f"driver: SIGINT x{count}\n")  # one write: not inside another thread's line
+    sys.stdout.flush()
+    for _ in range(count):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+
+def _record(self, p):
+    ok = record(self, p)
+    if p.step == at:
+        threading.Timer(delay, fire).start()
+    return ok
+
+loop.Trainer._record = _record
+from launch.train import main
+sys.argv = ["launch.train", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+# ---------------------------------------------------------------------------
+# the guard
+
+
+def test_first_signal_sets_the_flag_and_a_second_quits_at_once(capfd):
+    exits: list[int] = []
+    quit_ = threading.Event()
+    guard = C.PreemptionGuard(
+        on_first=lambda name: f"first {name}",
+        abort_note=lambda: "the newest checkpoint is step 7",
+        exit_fn=lambda code: (exits.append(code), quit_.set()),
+    )
+    before = signal.getsignal(signal.SIGINT)
+    guard.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: a flag
+        time.sleep(0.05)
+        assert guard.stop_requested() and guard.signal_name == "SIGINT" and not exits
+        os.kill(os.getpid(), signal.SIGINT)
+        assert quit_.wait(5), "a second SIGINT did not end the process"
+        assert exits == [130]
+    finally:
+        guard.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
+    time.sleep(C.PreemptionGuard.ANNOUNCE_AFTER_S + 0.3)
+    out, err = capfd.readouterr()
+    assert "first SIGINT" in out
+    assert err.strip() == "SIGINT again: quitting now without saving; the newest checkpoint is step 7"
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C end to end
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_says_how_to_resume_and_the_same_command_resumes(tmp_path, cache):
+    out = tmp_path / "run"
+    args = train_args(out, 400, "checkpoint.save_every=1000")
+    # A crash before the first save (SIGKILL at step 3): nothing to resume.
+    first = Run(args, cache)
+    first.until("step 3/")
+    first.p.kill()
+    first.finish()
+    assert not C.complete_steps(C.checkpoint_dir(out)) and csv_steps(out)
+    # The same command starts again from step 0 and keeps the crashed attempt's files.
+    run = Run(args, cache)
+    run.until("step 5/")
+    assert "restart: the earlier run" in run.out and "without a checkpoint" in run.out and "from step 0" in run.out
+    assert list((out / "previous").iterdir())
+    t_sent = time.monotonic()
+    run.p.send_signal(signal.SIGINT)  # Ctrl-C
+    rc = run.finish()
+    assert rc == 130, run.stderr[-3000:]
+    assert time.monotonic() - t_sent < 10
+    assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr
+    saved = C.complete_steps(C.checkpoint_dir(out))
+    last = csv_steps(out)[-1]
+    assert saved == [last] and last >= 5
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"interrupted: stopped after step {last}; checkpoint step {last} is in "), lines
+    assert lines[-1].endswith("to resume run the same command: " + shlex.join(["python", "-m", "launch.train", *args]))
+    assert f"interrupted: Ctrl-C (SIGINT) received; stopping after step {last}; saving a checkpoint" in run.out
+    # The same command resumes from it.
+    again = Run(args[:2] + ["--steps", str(last + 3)] + args[4:], cache)
+    assert again.finish() == 0, again.stderr[-3000:]
+    assert f"resume: step {last} from" in again.out
+    assert csv_steps(out) == list(range(1, last + 4))
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path, cache):
+    out = tmp_path / "run"
+    args = train_args(out, 400, "checkpoint.save_every=2", "checkpoint.max_to_keep=10")
+    run = Run(args, cache, driver=DRIVER, AT="5", DELAY="0", COUNT="2")
+    run.until("driver: SIGINT x2")
+    t_sent = time.monotonic()
+    rc = run.finish()
+    assert rc == 130, run.stderr[-3000:]
+    assert time.monotonic() - t_sent < 3
+    assert "Traceback" not in run.stderr
+    quit_line = [line for line in run.stderr.splitlines() if line.startswith("SIGINT again: quitting now")]
+    assert len(quit_line) == 1, run.stderr[-3000:]
+    kept = C.complete_steps(C.checkpoint_dir(out))
+    assert kept and kept[-1] >= 4 and f"the newest checkpoint is step {kept[-1]}" in quit_line[0]
+    # The checkpoint the line names reads back: the same command resumes from it.
+    again = Run(args[:2] + ["--steps", str(kept[-1] + 2)] + args[4:], cache)
+    assert again.finish() == 0, again.stderr[-3000:]
+    assert f"resume: step {kept[-1]} from" in again.out
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_compile_stops_in_seconds_without_a_traceback(tmp_path):
+    out = tmp_path / "run"
+    run = Run(train_args(out, 50), tmp_path / "empty_cache")  # nothing cached: a full compile
+    t_sent = run.until("compile: tracing")
+    run.p.send_signal(signal.SIGINT)
+    assert run.finish() == 130, run.stderr[-3000:]
+    assert time.monotonic() - t_sent < 8
+    assert "received during the compile; stopping before step 1" in run.out and "step 1/" not in run.out
+    assert "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("interrupted: stopped after step 0 with no checkpoint")
+
+
+# ---------------------------------------------------------------------------
+# long steps
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_long_step_waits_for_that_step_only_and_long_waits_say_so(tmp_path, cache):
+    out = tmp_path / "run"
+    # ~1-3 s steps on a CPU (1,500 micro-batches per step); every step one at a time (LONG_STEP_S 0) so
+    # the test does not depend on this machine's speed, and a progress line after 1 s of silence.
+    args = train_args(out, 50, "train.accumulate=1500", "checkpoint.save_every=1000")
+    run = Run(args, cache, driver=DRIVER, AT="2", DELAY="0.3", LONG_STEP_S="0", QUIET_S="1")
+    t_sent = run.until("driver: SIGINT")
+    assert run.finish() == 130, run.stderr[-3000:]
+    # Step 3 was running when the signal came: it ends, is saved, and no step 4 starts.
+    assert csv_steps(out) == [1, 2, 3] and C.complete_steps(C.checkpoint_dir(out)) == [3], run.out
+    said = {line.split(":")[0]: t for t, line in run.lines}
+    assert said["SIGINT"] - t_sent < 2, run.out  # the announcement comes at once, not at the step's end
+    assert "SIGINT: the run stops when step 3 ends" in run.out
+    assert any(line.startswith("step 3/50: running: ") and "so far" in line for _, line in run.lines), run.out
+    assert "step 1/50 |" in run.out  # a step line from the first step
+
+
+# ---------------------------------------------------------------------------
+# messages
+
+
+def test_durations_and_the_cpu_projection():
+    assert loop.fmt_duration(45) == "45s" and loop.fmt_duration(7500) == "2h05m"
+    assert loop.fmt_duration(70 * 86400 + 3600) == "70d01h"
+    gpu = load_config("a100_pcie", [])
+    assert loop.gpu_settings(gpu) == ["model.dtype bfloat16", "model.nsa.attention_impl auto"]
+    warning = loop.cpu_projection(gpu, 50_000, 120.0, "cpu")
+    assert warning.startswith("warning: 2m00s a step a config meant for a GPU") and "about 69d10h" in warning
+    assert loop.cpu_projection(gpu, 50_000, 0.1, "gpu") is None
+    tiny = load_config("cpu_tiny", [])
+    assert loop.gpu_settings(tiny) == [] and loop.cpu_projection(tiny, 200, 2.0, "cpu") is None
+    assert "about 55h" not in (loop.cpu_projection(tiny, 100_000, 2.0, "cpu") or "")
+    assert loop.cpu_projection(tiny, 100_000, 2.0, "cpu").startswith("warning: 2s a step on a CPU")
+
+
+def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():
+    cfg = load_config("cpu_tiny", ["train.steps=40"]).train  # warmup 20, lr 1e-3, min_lr 1e-4
+
+    def lr_at(step, train):
+        return float(O.learning_rate(step, train))
+
+    saved = {**cfg.__dict__, "steps": 30}
+    line = schedule.lr_change_on_resume(saved, cfg, 30, lr_at)
+    assert line.startswith("resume: train.steps 30 -> 40: the LR schedule is recomputed")
+    # The finished run ended at min_lr; the longer schedule puts step 31 back up the cosine.
+    assert "step 30 trained at lr 1.00e-04" in line and f"step 31 trains at {lr_at(30, cfg):.2e}" in line
+    assert lr_at(30, cfg) > 4e-4 and "set train.decay_steps" in line
+    assert schedule.lr_change_on_resume({**cfg.__dict__}, cfg, 30, lr_at) is None
+    assert schedule.lr_change_on_resume({**cfg.__dict__, "log_every": 1}, cfg, 30, lr_at) is None
