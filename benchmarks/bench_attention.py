@@ -62,7 +62,7 @@ from benchmarks.common import (
     write_json,
 )
 from nsa_jax.config import ModelConfig, load_config
-from nsa_jax.kernels import describe_impl
+from nsa_jax.kernels import plan_kernels
 from nsa_jax.layers import rope
 from nsa_jax.nsa.layer import NSAAttention
 
@@ -322,7 +322,8 @@ def run(opts) -> tuple[dict, list[dict]]:
     seq_lens = parse_ints(opts.seq_lens) if opts.seq_lens else list(GPU_SEQ_LENS if gpu else CPU_SEQ_LENS)
     backward = opts.backward if opts.backward is not None else gpu
     modes = ["fwd"] + (["fwd+bwd"] if backward else [])
-    impl = describe_impl(a.attention_impl, block_size=a.lp)
+    backend = jax.default_backend()
+    impl = plan_kernels(a, seq_lens[0], backend).describe()
     # On a GPU the strongest dense baseline is cuDNN's fused attention.
     dense_variants = dense_choice(opts.dense, gpu)
     print(
@@ -330,7 +331,7 @@ def run(opts) -> tuple[dict, list[dict]]:
         f"Dv={cfg.v_head_dim} | NSA l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} branches={','.join(a.branches)} "
         f"kernels cmp/slc/win={impl['cmp']}/{impl['slc']}/{impl['win']} query_chunk={a.query_chunk}"
     )
-    by_len = {T: describe_impl(a.attention_impl, block_size=a.lp, seq=T, slots=a.n)["slc"] for T in seq_lens}
+    by_len = {T: plan_kernels(a, T, backend).describe()["slc"] for T in seq_lens}
     if len(set(by_len.values())) > 1 or by_len[seq_lens[0]] != impl["slc"]:
         print("selection kernel by T: " + ", ".join(f"{T} {k.split('/')[-1]}" for T, k in by_len.items()))
     print(

@@ -52,7 +52,7 @@ from benchmarks.common import (
 )
 from nsa_jax.aot import train_step_args
 from nsa_jax.config import Config, load_config
-from nsa_jax.kernels import describe_impl
+from nsa_jax.kernels import plan_kernels
 from nsa_jax.model import NSALM, cross_entropy, init_params
 
 
@@ -140,7 +140,7 @@ def main(argv=None) -> None:
     base = load_config(opts.config, [f"train.seq_len={opts.seq_len}", *opts.set])
     depths = parse_ints(opts.n_layers) if opts.n_layers else [base.model.n_layers]
     m, t = base.model, base.train
-    impl = describe_impl(m.nsa.attention_impl, block_size=m.nsa.lp, seq=t.seq_len, slots=m.nsa.n)
+    impl = plan_kernels(m.nsa, t.seq_len, jax.default_backend()).describe()
     print(
         f"config {opts.config}: L={m.n_layers} D={m.d_model} H={m.n_heads} K={m.n_kv_heads} F={m.d_ff} "
         f"V={m.vocab_size} dtype={m.dtype} | T={t.seq_len} micro-batch B={t.global_batch} "

@@ -1,4 +1,6 @@
-"""How large each branch's keys and values grow during training (docs/EXPERIMENTS.md "Why the MLP compressor fails on retrieval").
+"""How large each branch's keys and values grow during training.
+
+Why it matters: docs/EXPERIMENTS.md "Why the MLP compressor fails on retrieval".
 
 Trains one config (the experiments harness's base config, overrides and rows) and, at
 step 0 and at --at steps, prints the root mean square of every key/value tensor the NSA

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
+from nsa_jax.kernels import KernelPlan
 from nsa_jax.layers import RMSNorm, SwiGLU
 from nsa_jax.nsa.layer import MODES, NSAAttention
 
@@ -37,6 +38,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     mode: str = "train"
+    kernels: KernelPlan | None = None
 
     @nn.compact
     def __call__(
@@ -49,7 +51,7 @@ class Block(nn.Module):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="attn_norm")(x_BxTxD)
-        attn = NSAAttention(cfg, self.mode, name="attn")
+        attn = NSAAttention(cfg, self.mode, self.kernels, name="attn")
         x_BxTxD = x_BxTxD + attn(h, layer=layer, pos_B=pos_B, rope_positions_T=rope_positions_T)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="mlp_norm")(x_BxTxD)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
@@ -64,10 +66,13 @@ class NSALM(nn.Module):
     (train.rope_positions). "prefill": the forward over left-aligned,
     right-padded prompts, row b of length lengths_B[b]; writes the cache.
     "decode": tokens [B, 1], row b at position cache["pos"][b]; updates the cache.
+    `kernels`: what each NSA branch runs (kernels.plan_kernels; None: each layer's
+    default, the config's plan on jax's backend).
     """
 
     cfg: ModelConfig
     mode: str = "train"
+    kernels: KernelPlan | None = None
 
     @nn.compact
     def __call__(
@@ -104,7 +109,8 @@ class NSALM(nn.Module):
                 in_axes=(0, nn.broadcast),
                 length=cfg.n_layers,
             )
-            x, _ = stack(cfg, self.mode, name="layers")(x, jnp.arange(cfg.n_layers, dtype=jnp.int32), pos_B)
+            layer_L = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+            x, _ = stack(cfg, self.mode, self.kernels, name="layers")(x, layer_L, pos_B)
             pos.value = pos_B if self.mode == "prefill" else pos_B + 1
         elif cfg.scan_layers:
             stack = nn.scan(
@@ -115,10 +121,10 @@ class NSALM(nn.Module):
                 length=cfg.n_layers,
                 unroll=cfg.scan_unroll,
             )
-            x, _ = stack(cfg, name="layers")(x, None, None, rope_positions_T)
+            x, _ = stack(cfg, "train", self.kernels, name="layers")(x, None, None, rope_positions_T)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, name=f"layer_{i}")(x, None, None, rope_positions_T)
+                x, _ = block(cfg, "train", self.kernels, name=f"layer_{i}")(x, None, None, rope_positions_T)
         x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             return embed.attend(x.astype(jnp.float32))

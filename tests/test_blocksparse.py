@@ -19,6 +19,7 @@ from helpers import random_inputs, run_with_grads
 from reference import random_block_indices, reference_attention, selection_visible, window_visible
 
 from nsa_jax import kernels
+from nsa_jax.config import NSAConfig
 from nsa_jax.kernels import blocksparse_pallas, flash_pallas
 from nsa_jax.kernels.blocksparse_pallas import (
     BLOCKSPARSE_MAX_SEQ_RATIO,
@@ -205,13 +206,17 @@ def test_window_takes_dkv_splits_too():
 def test_threshold_is_twice_the_selected_keys():
     assert BLOCKSPARSE_MAX_SEQ_RATIO == 2
     assert prefers_blocksparse(2048, 16, 64) and not prefers_blocksparse(2049, 16, 64)
-    assert kernels.selection_kernel("pallas", 2048, 16, 64, backend="cpu") == "blocksparse"
-    assert kernels.selection_kernel("auto", 2048, 16, 64, backend="gpu") == "blocksparse"
-    assert kernels.selection_kernel("auto", 4096, 16, 64, backend="gpu") == "gather"
-    assert kernels.selection_kernel("auto", 2048, 16, 64, backend="cpu") == "xla"
-    assert kernels.selection_kernel("xla", 64, 16, 64, backend="gpu") == "xla"
+
+    def slc(impl, seq, lp, backend):
+        return kernels.plan_kernels(NSAConfig(attention_impl=impl, n=16, lp=lp), seq, backend).slc
+
+    assert slc("pallas", 2048, 64, "cpu") == "blocksparse"
+    assert slc("auto", 2048, 64, "gpu") == "blocksparse"
+    assert slc("auto", 4096, 64, "gpu") == "gather"
+    assert slc("auto", 2048, 64, "cpu") == "xla"
+    assert slc("xla", 64, 64, "gpu") == "xla"
     # auto keeps a block length the Pallas kernels cannot take on XLA, at any T.
-    assert kernels.selection_kernel("auto", 64, 16, 8, backend="gpu") == "xla"
+    assert slc("auto", 64, 8, "gpu") == "xla"
 
 
 @pytest.mark.parametrize("t,expected", [(64, "blocksparse"), (65, "gather")])
@@ -236,9 +241,10 @@ def test_selection_attention_dispatches_on_length(monkeypatch, t, expected):
         spy("blocksparse", kernels.selection_attention_blocksparse_pallas),
     )
     monkeypatch.setattr(kernels, "selection_attention_pallas", spy("gather", kernels.selection_attention_pallas))
-    fn = lambda q, k, v: kernels.selection_attention(q, k, v, jnp.asarray(idx), lp, impl="pallas")  # noqa: E731
+    kernel = kernels.plan_kernels(NSAConfig(attention_impl="pallas", n=n, lp=lp), t, "cpu").slc
+    fn = lambda q, k, v: kernels.selection_attention(q, k, v, jnp.asarray(idx), lp, kernel=kernel)  # noqa: E731
     results = run_with_grads(fn, q, k, v, do)
-    assert set(calls) == {expected}
+    assert kernel == expected and set(calls) == {expected}
     reference = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, lp, t), d**-0.5)
     check_all(results, reference, jnp.float32)
 
@@ -303,10 +309,11 @@ def test_blocksparse_lowers_at_other_shapes(t, h, kvh, d, n, lp, dtype):
 
 
 @pytest.mark.parametrize("t,kernel_name", [(2048, "nsa_selection_bsp"), (4096, "nsa_selection_dkv")])
-def test_dispatch_lowers_the_chosen_kernel(monkeypatch, t, kernel_name):
-    monkeypatch.setattr(kernels, "interpret_pallas", lambda: False)  # Triton lowering, not the interpreter
+def test_dispatch_lowers_the_chosen_kernel(t, kernel_name):
     lp = PROD["lp"]
-    fwd = lambda q, k, v, i: kernels.selection_attention(q, k, v, i, lp, impl="pallas")  # noqa: E731
+    plan = kernels.plan_kernels(NSAConfig(attention_impl="pallas", n=PROD["n"], lp=lp), t, "gpu")
+    # The plan of a GPU: the Triton lowering, not the interpreter.
+    fwd = lambda q, k, v, i: kernels.selection_attention(q, k, v, i, lp, kernel=plan.slc, interpret=plan.interpret)  # noqa: E731
     text = _export_text(_grad(fwd), *_prod_args(t))
     assert kernel_name in text
     other = "nsa_selection_dkv" if kernel_name == "nsa_selection_bsp" else "nsa_selection_bsp"

@@ -1,4 +1,4 @@
-"""Kernel dispatch: what `attention_impl` resolves to, and that each branch's entry point runs it."""
+"""The kernel plan (what `attention_impl` and `selection_kernel` resolve to) and each branch's entry point."""
 
 from __future__ import annotations
 
@@ -8,48 +8,65 @@ import numpy as np
 import pytest
 from reference import compressed_visible, reference_attention, reference_group_probs
 
-from nsa_jax.kernels import compressed_attention, describe_impl, resolve_impl, selection_kernel
+from nsa_jax.config import NSAConfig
+from nsa_jax.kernels import compressed_attention, plan_kernels, resolve_impl
 from nsa_jax.kernels.xla import num_compressed
 
 
 @pytest.mark.parametrize(
     "impl,backend,expected",
-    [("auto", "gpu", "pallas"), ("auto", "cpu", "xla"), ("xla", "gpu", "xla"), ("pallas", "cpu", "pallas")],
+    [("auto", "gpu", "pallas"), ("auto", "cuda", "pallas"), ("auto", "cpu", "xla"), ("pallas", "cpu", "pallas")],
 )
 def test_resolve_impl(impl, backend, expected):
     assert resolve_impl(impl, backend) == expected
 
 
-def test_describe_impl_names_every_branch():
-    assert describe_impl("auto", "gpu") == {"cmp": "pallas-triton", "slc": "pallas-triton", "win": "pallas-triton"}
-    assert describe_impl("auto", "cpu") == {"cmp": "xla-chunked", "slc": "xla-chunked", "win": "xla-chunked"}
-    assert describe_impl("pallas", "cpu")["slc"] == "pallas-interpret"
+def _plan(seq=4096, backend="gpu", fallback=(), **nsa):
+    return plan_kernels(NSAConfig(**{"n": 16, "lp": 64, **nsa}), seq, backend, fallback=set(fallback))
+
+
+def test_plan_names_every_branch():
+    assert _plan().describe() == {"cmp": "pallas-triton", "slc": "pallas-triton/gather", "win": "pallas-triton"}
+    assert _plan(backend="cpu").describe() == {"cmp": "xla-chunked", "slc": "xla-chunked", "win": "xla-chunked"}
+    assert _plan(backend="cpu", attention_impl="pallas").describe()["slc"] == "pallas-interpret/gather"
+    assert _plan(backend="cpu", attention_impl="pallas").interpret and not _plan().interpret
 
 
 def test_auto_keeps_selection_on_xla_when_the_kernel_cannot_take_the_blocks():
-    assert describe_impl("auto", "gpu", block_size=8)["slc"] == "xla-chunked"
-    assert describe_impl("auto", "gpu", block_size=48)["slc"] == "xla-chunked"
-    assert describe_impl("auto", "gpu", block_size=64) == describe_impl("auto", "gpu")
-    # Asked for explicitly, pallas stays pallas (and its argument check names the problem).
-    assert describe_impl("pallas", "gpu", block_size=8)["slc"] == "pallas-triton"
+    assert _plan(lp=8).slc == "xla"
+    assert _plan(lp=48).slc == "xla"
+    assert _plan(lp=64).slc == "gather"
+    # Asked for explicitly, pallas stays pallas (and the kernel's argument check names the problem).
+    assert _plan(lp=8, attention_impl="pallas").slc == "gather"
 
 
-def test_describe_impl_names_the_selection_kernel_when_it_knows_the_length():
+def test_plan_picks_the_selection_kernel_by_length():
     # T <= 2 n lp: the block-sparse flash kernel; longer: the gather kernel; xla stays xla.
-    assert describe_impl("auto", "gpu", block_size=64, seq=2048, slots=16)["slc"] == "pallas-triton/blocksparse"
-    assert describe_impl("auto", "gpu", block_size=64, seq=2049, slots=16)["slc"] == "pallas-triton/gather"
-    assert describe_impl("auto", "cpu", block_size=64, seq=2048, slots=16)["slc"] == "xla-chunked"
+    assert _plan(seq=2048).slc == "blocksparse"
+    assert _plan(seq=2049).slc == "gather"
+    assert _plan(seq=2048, backend="cpu").slc == "xla"
 
 
 def test_selection_kernel_named_in_the_config_wins_at_every_length():
     for seq in (2048, 65536):
         for name in ("blocksparse", "gather"):
-            assert selection_kernel("auto", seq, 16, 64, backend="gpu", choice=name) == name
-            assert describe_impl("auto", "gpu", block_size=64, seq=seq, slots=16, choice=name)["slc"].endswith(name)
+            assert _plan(seq=seq, selection_kernel=name).slc == name
+            assert _plan(seq=seq, selection_kernel=name).describe()["slc"].endswith(name)
     # XLA stays XLA whatever is named; an unknown name is one error naming the choices.
-    assert selection_kernel("auto", 65536, 16, 64, backend="cpu", choice="gather") == "xla"
+    assert _plan(backend="cpu", selection_kernel="gather").slc == "xla"
     with pytest.raises(ValueError, match="blocksparse, gather"):
-        selection_kernel("auto", 65536, 16, 64, backend="gpu", choice="sparse")
+        _plan(selection_kernel="sparse")
+
+
+def test_fallback_moves_only_auto_branches_to_xla():
+    assert _plan(fallback=["win"]).describe() == {
+        "cmp": "pallas-triton",
+        "slc": "pallas-triton/gather",
+        "win": "xla-chunked",
+    }
+    assert _plan(fallback=["win"], attention_impl="pallas").win == "pallas"
+    with pytest.raises(ValueError, match="unknown NSA branches"):
+        _plan(fallback=["mlp"])
 
 
 def test_unknown_impl_is_rejected():

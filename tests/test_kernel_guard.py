@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 import nsa_jax.kernels as K
 from nsa_jax.config import load_config
 from nsa_jax.kernels.guard import guard_kernels
@@ -34,13 +32,6 @@ def _model_cfg():
     return load_config("cpu_tiny", overrides).model
 
 
-@pytest.fixture(autouse=True)
-def _no_fallback_left():
-    K.set_xla_fallback(())
-    yield
-    K.set_xla_fallback(())
-
-
 def test_guard_costs_nothing_on_cpu_unless_forced(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the guard ran a kernel on a CPU run")
@@ -50,7 +41,6 @@ def test_guard_costs_nothing_on_cpu_unless_forced(monkeypatch):
     assert guard_kernels(cfg, 1, SEQ, warn=boom) == {}
     pallas = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, attention_impl="pallas"))
     assert guard_kernels(pallas, 1, SEQ, force=True, warn=boom) == {}  # only `auto` is guarded
-    assert K.xla_fallback() == frozenset()
 
 
 def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypatch):
@@ -68,7 +58,6 @@ def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypat
     failed = guard_kernels(_model_cfg(), 1, SEQ, force=True, warn=lines.append)
 
     assert set(failed) == {"win", "slc"}  # the compressed kernels are intact and stay on Pallas
-    assert K.xla_fallback() == {"win", "slc"}
     assert len(lines) == 2
     win = next(line for line in lines if "win branch" in line)
     slc = next(line for line in lines if "slc branch" in line)
@@ -77,7 +66,9 @@ def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypat
     assert win.endswith("the win branch runs on XLA")
     assert slc.startswith("warning: kernel guard: blocksparse_pallas (nsa_selection_bsp_*) disagrees with XLA")
     assert "output differs from XLA" in slc
-    # `auto` now resolves the failed branches to XLA, as on a GPU the step would trace them.
-    desc = K.describe_impl("auto", "gpu", block_size=16, seq=SEQ, slots=3)
+    # The run's plan takes the failed branches to XLA, as on a GPU the step would trace them.
+    cfg = _model_cfg()
+    desc = K.plan_kernels(cfg.nsa, SEQ, "gpu", fallback=set(failed)).describe()
     assert desc == {"cmp": "pallas-triton", "slc": "xla-chunked", "win": "xla-chunked"}
-    assert K.resolve_branch("pallas", "win", "gpu") == "pallas"  # asked for explicitly: no fallback
+    pallas = dataclasses.replace(cfg.nsa, attention_impl="pallas")  # asked for explicitly: no fallback
+    assert K.plan_kernels(pallas, SEQ, "gpu", fallback=set(failed)).win == "pallas"

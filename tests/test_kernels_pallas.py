@@ -415,19 +415,19 @@ def test_selection_lowers_to_triton_for_cuda():
     _assert_triton_without_txt(_export_text(multi_grad, *_prod_args(True)), 4)
 
 
-def test_nsa_layer_gradient_has_no_sort(monkeypatch):
+def test_nsa_layer_gradient_has_no_sort():
     # The whole NSA layer with Pallas kernels, forward and backward, exported for CUDA at a
     # production-like shape: no sort at all. The reverse index of the selection backward is a
     # counting sort, and block selection is the fused scoring + top-n kernel (on the XLA path
     # lax.top_k lowers to a sort on CUDA).
-    monkeypatch.setattr(kernels, "interpret_pallas", lambda: False)  # Triton lowering, not the interpreter
     cfg = tiny_model_cfg(G=6, K=2, l=32, d=16, lp=64, n=16, w=512)
     nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas")
     cfg = dataclasses.replace(cfg, head_dim=64, v_head_dim=64, d_model=256, nsa=nsa)
     t = 2048
+    plan = kernels.plan_kernels(nsa, t, "gpu")  # a GPU's plan: the Triton lowering, not the interpreter
     params = jax.eval_shape(lambda: NSAAttention(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, t, cfg.d_model))))
     x = jax.ShapeDtypeStruct((1, t, cfg.d_model), jnp.bfloat16)
-    loss = lambda p, xx: NSAAttention(cfg).apply(p, xx).astype(jnp.float32).sum()
+    loss = lambda p, xx: NSAAttention(cfg, kernels=plan).apply(p, xx).astype(jnp.float32).sum()
     text = _export_text(jax.grad(loss, argnums=(0, 1)), params, x)
     assert text.count(TRITON_TARGET) >= 10  # three branches, forward and backward
     functions = text.split("func.func ")

@@ -9,16 +9,18 @@ uses and
 2. runs the Pallas and the XLA path (kernels/xla.py, the reference) on a small slice
    of random inputs and compares outputs and gradients.
 
-A branch whose kernel fails either check runs on XLA for the rest of the process
-(`set_xla_fallback`), and the guard prints one warning line naming the kernel and
-the error. On any other backend, or with `pallas` / `xla` asked for explicitly, it
-returns at once: a CPU run pays nothing unless `force=True` (the tests force it with
-the interpreted kernels). The selection branch is checked with the kernel the run's
-length picks (block-sparse or gather, `selection_kernel`).
+A branch whose kernel fails either check is returned, with one warning line naming
+the kernel and the error; the run passes the failed branches to its kernel plan
+(`plan_kernels(..., fallback=...)`, through the train step's ShardingPlan), which
+runs them on XLA. On any other backend, or with `pallas` / `xla` asked for
+explicitly, it returns at once: a CPU run pays nothing unless `force=True` (the
+tests force it with the interpreted kernels). The selection branch is checked with
+the kernel the run's plan picks at its length (block-sparse or gather).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -46,33 +48,30 @@ class KernelMismatch(Exception):
     """The Pallas path's result differs from the XLA path's beyond the tolerance."""
 
 
-def _branch_fn(nsa, branch: str, seq: int) -> tuple[str, Callable]:
-    """(kernel name, fn(impl, *inputs) -> (differentiable output, index output or None))."""
+def _branch_fn(plan, nsa, branch: str) -> tuple[str, Callable]:
+    """(kernel name, fn(impl, *inputs) -> (differentiable output, index output or None)) of `plan`'s kernel.
+
+    `impl` is "pallas" (the plan's kernel for the branch) or "xla" (the reference).
+    """
     from nsa_jax import kernels as K  # the dispatch module: what a test monkeypatches is what runs
 
+    run = {"interpret": plan.interpret}
     if branch == "cmp":
         select_n = nsa.n if "slc" in nsa.branches else None
 
         def cmp(impl, q, kc, vc):
-            o, idx = K.compressed_attention(q, kc, vc, l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n)
+            o, idx = K.compressed_attention(q, kc, vc, l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n, **run)
             return o, (idx if select_n is not None else None)
 
         return _KERNELS["cmp"], cmp
     if branch == "win":
-        return _KERNELS["win"], lambda impl, q, k, v: (K.window_attention(q, k, v, nsa.w, impl=impl), None)
-    kernel = K.selection_kernel("pallas", seq, nsa.n, nsa.lp, choice=nsa.selection_kernel)
+        return _KERNELS["win"], lambda impl, q, k, v: (K.window_attention(q, k, v, nsa.w, impl=impl, **run), None)
 
     def slc(impl, q, k, v, idx):
-        if impl == "xla":
-            return K.selection_attention_xla(q, k, v, idx, nsa.lp), None
-        if kernel == "blocksparse":
-            return K.selection_attention_blocksparse_pallas(q, k, v, idx, nsa.lp, interpret=K.interpret_pallas()), None
-        sizes = K.SELECTION_KERNELS[kernel]
-        return K.selection_attention_pallas(
-            q, k, v, idx, nsa.lp, interpret=K.interpret_pallas(), block_sizes=sizes
-        ), None
+        kernel = plan.slc if impl == "pallas" else "xla"
+        return K.selection_attention(q, k, v, idx, nsa.lp, kernel=kernel, **run), None
 
-    return _KERNELS[kernel], slc
+    return _KERNELS[plan.slc], slc
 
 
 def _shapes(cfg, branch: str, batch: int, seq: int) -> list[tuple[tuple[int, ...], jnp.dtype]]:
@@ -128,12 +127,12 @@ def _compare(name: str, got, want, tol: float) -> None:
         raise KernelMismatch(f"{name} differs from XLA by {err:.3g} (max |XLA| {scale:.3g}, tolerance {tol:g})")
 
 
-def check_branch(cfg, branch: str, batch: int, seq: int, *, seed: int = 0) -> str:
-    """Compiles `branch`'s Pallas kernels at [batch, seq] and compares them with XLA on a slice.
+def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0) -> str:
+    """Compiles `branch`'s Pallas kernel of `plan` at [batch, seq] and compares it with XLA on a slice.
 
     Returns the kernel's name; raises what the compile raised, or KernelMismatch.
     """
-    kernel, fn = _branch_fn(cfg.nsa, branch, seq)
+    kernel, fn = _branch_fn(plan, cfg.nsa, branch)
     shapes = _shapes(cfg, branch, batch, seq)
     n_diff = 3
     run = _loss_and_grads(fn, "pallas", n_diff)
@@ -142,7 +141,7 @@ def check_branch(cfg, branch: str, batch: int, seq: int, *, seed: int = 0) -> st
     short = min(seq, SLICE_SEQ)
     xs = _slice_inputs(cfg, branch, short, np.random.default_rng(seed))
     o_p, idx_p, g_p = jax.jit(run)(*xs)
-    o_x, idx_x, g_x = jax.jit(_loss_and_grads(_branch_fn(cfg.nsa, branch, seq)[1], "xla", n_diff))(*xs)
+    o_x, idx_x, g_x = jax.jit(_loss_and_grads(fn, "xla", n_diff))(*xs)
     tol = TOLERANCE.get(jnp.dtype(cfg.dtype).name, 5e-2)
     _compare("output", o_p, o_x, tol)
     for name, gp, gx in zip(("dq", "dk", "dv"), g_p, g_x):
@@ -155,26 +154,29 @@ def check_branch(cfg, branch: str, batch: int, seq: int, *, seed: int = 0) -> st
 
 
 def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Callable[[str], None] = print) -> dict:
-    """Checks the Pallas kernels of the branches `auto` runs on Pallas; falls back to XLA per failure.
+    """Checks the Pallas kernels of the branches `auto` runs on Pallas at length `seq`.
 
     `cfg`: the ModelConfig; `batch`: rows per device; `seq`: the training length.
-    Returns {branch: error line} of the branches now on XLA ({} when nothing was checked
-    or everything passed). Does nothing unless attention_impl is `auto` and the backend
-    is a GPU, or `force`.
+    Returns {branch: error line} of the branches whose kernel failed ({} when nothing
+    was checked or everything passed): the run's kernel plan takes them as its
+    `fallback`. Does nothing unless attention_impl is `auto` and the backend is a GPU,
+    or `force`.
     """
     from nsa_jax import kernels as K
 
     a = cfg.nsa
-    if a.attention_impl != "auto" or not (force or K.resolve_impl("auto") == "pallas"):
+    backend = jax.default_backend()
+    if a.attention_impl != "auto" or not (force or K.resolve_impl("auto", backend) == "pallas"):
         return {}
-    K.set_xla_fallback(())
+    # What `auto` runs on this backend's GPU path (forced on a CPU: the interpreted kernels).
+    plan = K.plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend)
     failed = {}
     for branch in a.branches:
         if branch == "slc" and not K.selection_kernel_fits(a.lp):
             continue  # auto already runs it on XLA
-        kernel = _branch_fn(a, branch, seq)[0]
+        kernel = _branch_fn(plan, a, branch)[0]
         try:
-            check_branch(cfg, branch, batch, seq)
+            check_branch(cfg, branch, batch, seq, plan)
         except KernelMismatch as e:
             failed[branch] = f"{kernel} disagrees with XLA: {e}"
         except Exception as e:  # a compile error of any kind: the branch must not take the run down
@@ -182,5 +184,4 @@ def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Calla
             failed[branch] = f"{kernel} failed to compile: {type(e).__name__}: {first}"
     for branch, why in failed.items():
         warn(f"warning: kernel guard: {why}; the {branch} branch runs on XLA")
-    K.set_xla_fallback(failed)
     return failed

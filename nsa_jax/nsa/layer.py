@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import BRANCHES, ModelConfig
-from nsa_jax.kernels import compressed_attention, selection_attention, window_attention
+from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, selection_attention, window_attention
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
 from nsa_jax.layers import DenseParams, fused_dense, rope
 from nsa_jax.nsa.compression import Compressor
@@ -146,11 +146,13 @@ class NSAAttention(nn.Module):
     `mode`: "train" (the forward), "prefill" (the forward, and writes the cache
     of the first pos_B[b] tokens of each row) or "decode" (T = 1: the token of
     row b sits at position pos_B[b]). Prefill and decode need `layer` (index
-    into the cache's layer axis) and `pos_B`.
+    into the cache's layer axis) and `pos_B`. `kernels`: what each branch runs
+    (kernels.plan_kernels); None: the plan of the config at this T on jax's backend.
     """
 
     cfg: ModelConfig
     mode: str = "train"
+    kernels: KernelPlan | None = None
 
     @nn.compact
     def __call__(
@@ -171,7 +173,8 @@ class NSAAttention(nn.Module):
         positions_T = jnp.arange(T, dtype=jnp.int32) if positions_T is None else positions_T
         check_mode(self.mode, T, layer, pos_B)
         decode = self.mode == "decode"
-        kernel_kw = {"impl": a.attention_impl, "query_chunk": a.query_chunk}
+        plan = self.kernels or plan_kernels(a, T, jax.default_backend())
+        run_kw = {"interpret": plan.interpret, "query_chunk": a.query_chunk}
 
         # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,
         # the window and causality stay at the indices.
@@ -221,11 +224,13 @@ class NSAAttention(nn.Module):
             # scores and selects, with no probability or block-score tensor.
             select_n = a.n if "slc" in a.branches else None
             t_T = positions_T - positions_T[0]
-            o_cmp, idx = compressed_attention(q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T, **kernel_kw)
+            o_cmp, idx = compressed_attention(
+                q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T, impl=plan.cmp, **run_kw
+            )
         outputs = {"cmp": o_cmp}
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
-                outputs["slc"] = selection_attention(q, k_slc, v_slc, idx, a.lp, kernel=a.selection_kernel, **kernel_kw)
+                outputs["slc"] = selection_attention(q, k_slc, v_slc, idx, a.lp, kernel=plan.slc, **run_kw)
                 if self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
                     # The scorer's keys again, from a detached layer input: the KL trains the
                     # k_cmp projection and phi only, never the residual stream below (as DSA
@@ -236,7 +241,7 @@ class NSAAttention(nn.Module):
                     self.sow("losses", "scorer_kl", kl)
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):
-                outputs["win"] = window_attention(q, k_win, v_win, a.w, **kernel_kw)
+                outputs["win"] = window_attention(q, k_win, v_win, a.w, impl=plan.win, **run_kw)
 
         o = combine_branches(g_BxTxHx3, outputs, a.branches)
         if self.mode == "prefill":

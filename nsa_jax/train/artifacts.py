@@ -41,7 +41,7 @@ import jax
 
 from nsa_jax import runfiles as rf
 from nsa_jax.config import Config
-from nsa_jax.kernels import describe_impl
+from nsa_jax.kernels import plan_kernels
 from nsa_jax.runfiles import BRANCHES, VAL_COLUMNS  # noqa: F401 - re-exported for callers of this module
 
 # Torch-runbook variables that are accepted and do nothing here, and why.
@@ -133,8 +133,15 @@ def toggle_effects(environ: dict[str, str], applied: dict[str, str]) -> dict[str
     return out
 
 
-def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None) -> dict[str, Any]:
+def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None, kernel_plans=None) -> dict[str, Any]:
+    """env.json's record. `kernel_plans`: [(first step, KernelPlan)] per schedule phase, what
+    the step runs (default: the config's plan on the mesh's backend); `attention_impl` names
+    the last phase's, `attention_impl_phases` each phase's when there are several."""
     environ = dict(os.environ)
+    if kernel_plans is None:
+        backend = mesh.devices.flat[0].platform
+        kernel_plans = [(0, plan_kernels(cfg.model.nsa, cfg.train.seq_len, backend))]
+    phases = [{"from_step": start, **plan.describe()} for start, plan in kernel_plans]
     return {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -161,9 +168,8 @@ def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None) -> dict[s
             "shape": dict(mesh.shape),
             "devices": [str(d) for d in mesh.devices.flat],
         },
-        "attention_impl": describe_impl(
-            cfg.model.nsa.attention_impl, block_size=cfg.model.nsa.lp, seq=cfg.train.seq_len, slots=cfg.model.nsa.n
-        ),
+        "attention_impl": kernel_plans[-1][1].describe(),
+        **({"attention_impl_phases": phases} if len(phases) > 1 else {}),
         "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
         "nsa_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NSA_")},
         "nccl_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_")},
@@ -281,6 +287,7 @@ class RunArtifacts:
         mesh,
         applied_env: dict[str, str] | None = None,
         resume_step: int | None = None,
+        kernel_plans=None,
     ):
         self.cfg, self.out = cfg, pathlib.Path(out_dir)
         self.rank = jax.process_index()
@@ -289,7 +296,7 @@ class RunArtifacts:
         log = cfg.logging
         self.failed: OutputWriteError | None = None
         self.env_path = self.out / rf.ENV_JSON
-        self.env = env_info(cfg, mesh, applied_env) if log.env_json and lead else None
+        self.env = env_info(cfg, mesh, applied_env, kernel_plans) if log.env_json and lead else None
         if self.env is not None:
             self.write_env()
             if self.failed is not None:  # at boot nothing is lost: say it as the boot's error

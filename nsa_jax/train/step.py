@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data.kv_recall import kv_answer_mask
 from nsa_jax.data.needle import needle_answer_mask
+from nsa_jax.kernels import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer
 from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
@@ -156,7 +157,12 @@ def random_rope_positions(inputs_BxT: jax.Array, n: int) -> jax.Array | None:
 
 
 def loss_and_stats(
-    params, tokens_BxT1: jax.Array, *, cfg: Config, phase: schedule.Phase | None = None
+    params,
+    tokens_BxT1: jax.Array,
+    *,
+    cfg: Config,
+    phase: schedule.Phase | None = None,
+    kernels: KernelPlan | None = None,
 ) -> tuple[jax.Array, dict]:
     """Loss of one micro-batch and its aux statistics when enabled.
 
@@ -169,14 +175,15 @@ def loss_and_stats(
     reductions per layer, finished here for all layers at once): gate_mean [L, 3],
     gate_entropy, sel_far_frac, cmp_k_ratio, cmp_v_ratio [L] (none without a
     selection branch).
-    `phase`: default cfg.model with train.scorer_distill at every step.
+    `phase`: default cfg.model with train.scorer_distill at every step. `kernels`: what
+    each NSA branch runs (ShardingPlan.kernels; None: the layers' default for jax's backend).
     """
     phase = phase or schedule.Phase(0, cfg.model, schedule.scorer_distill(cfg))
     params = cast_dense_kernels(params, phase.model.dtype)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
     rope_T = random_rope_positions(inputs_BxT, cfg.train.rope_positions)
-    logits_BxTxV, variables = NSALM(phase.model).apply(
+    logits_BxTxV, variables = NSALM(phase.model, kernels=kernels).apply(
         {"params": params}, inputs_BxT, rope_positions_T=rope_T, mutable=mutable
     )
     loss = cross_entropy(logits_BxTxV, targets_BxT, loss_weights(tokens_BxT1, cfg))
@@ -204,7 +211,8 @@ def make_grad_fn(
     runs per device). `phase`: the loss's schedule phase (loss_and_stats).
     """
     plan = as_plan(plan, mesh)
-    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg, phase=phase)
+    kernels = plan.kernels(phase.model if phase else plan.cfg.model)
+    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg, phase=phase, kernels=kernels)
     if plan.strategy == "dp":
         return strategies.make_dp_grad_fn(plan, loss_fn)
     if plan.strategy == "pmap":
@@ -274,7 +282,8 @@ def make_train_step(
     update = make_update(plan.cfg)
 
     if plan.strategy == "pmap":
-        train_step = strategies.make_pmap_step(plan, functools.partial(loss_and_stats, cfg=plan.cfg), update)
+        loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg, kernels=plan.kernels(plan.cfg.model))
+        train_step = strategies.make_pmap_step(plan, loss_fn, update)
     else:
         grad_fn = make_phased_grad_fn(plan)
 

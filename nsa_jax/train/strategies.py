@@ -58,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
+from nsa_jax.kernels import KernelPlan, plan_kernels
 from nsa_jax.train.state import TrainState, init_state
 
 AXIS = "data"
@@ -152,6 +153,15 @@ class ShardingPlan:
     grads: Any  # a NamedSharding per parameter leaf: the reduced mean gradient and its update
     batch: NamedSharding  # tokens_AxBxT1, sharded on B
     replicated: NamedSharding  # scalars and metrics
+    kernel_fallback: frozenset = frozenset()  # NSA branches the kernel guard moved to XLA
+
+    def kernels(self, model) -> KernelPlan:
+        """What each NSA branch of `model` (cfg.model, or a schedule phase's) runs in this plan's step.
+
+        The backend is the mesh's (a compile for another card plans for that card).
+        """
+        backend = self.mesh.devices.flat[0].platform
+        return plan_kernels(model.nsa, self.cfg.train.seq_len, backend, self.kernel_fallback)
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs of a fresh state that carry their shardings (AOT lowering, restore target)."""
@@ -160,11 +170,12 @@ class ShardingPlan:
         )
 
 
-def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
+def make_plan(cfg: Config, mesh: Mesh, kernel_fallback=frozenset()) -> ShardingPlan:
     """The plan of `cfg` on `mesh`, checked: a known strategy and a batch that divides over the devices.
 
     Traces the state's init once (eval_shape, nothing allocated); a run builds it once
     and passes it on, so strategy, shapes and shardings are derived in one place.
+    `kernel_fallback`: the NSA branches the kernel guard found broken (kernels/guard.py).
     """
     strategy = check_strategy(cfg)
     n_devices = mesh.shape[AXIS]
@@ -180,6 +191,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
         grads=grad_shardings(cfg, mesh, shapes.params),
         batch=NamedSharding(mesh, P(None, AXIS)),
         replicated=NamedSharding(mesh, P()),
+        kernel_fallback=frozenset(kernel_fallback),
     )
 
 

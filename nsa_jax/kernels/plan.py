@@ -1,0 +1,121 @@
+"""The kernel plan: which implementation runs each NSA branch, decided in one place.
+
+A ``KernelPlan`` names, for one sequence length and one backend, what the
+compressed (``cmp``), selection (``slc``) and window (``win``) branches run and
+whether the Pallas kernels run compiled or in the interpreter. ``plan_kernels``
+makes it from the config (``attention_impl``, ``selection_kernel``, ``lp``, ``n``),
+the backend and the branches the kernel guard moved to XLA; the layer takes it as
+an argument (``NSAAttention.kernels``), the train step makes one per schedule phase
+(the dense-selection phase changes ``n`` and with it the selection kernel), and
+env.json and the boot line print ``describe()`` of exactly those plans. Nothing
+here is process-wide state: a compile for another card (nsa_jax/aot.py) asks for
+the plan of that card's backend.
+
+The rules:
+
+* ``attention_impl: xla``: every branch on XLA; ``pallas``: every branch on its
+  Pallas kernel (interpreted off a GPU; a selection block length the kernels cannot
+  take is an error there); ``auto``: Pallas on a GPU, XLA elsewhere, and XLA for
+  the selection branch when lp is not a power of two >= 16 and for any branch in
+  ``fallback``.
+* The selection branch's Pallas kernel: ``selection_kernel`` when it names one,
+  else ``blocksparse`` for T <= 2 n lp (blocksparse_pallas.prefers_blocksparse) and
+  ``gather`` above (docs/PERFORMANCE.md has the figures behind the rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nsa_jax.kernels.blocksparse_pallas import prefers_blocksparse
+from nsa_jax.kernels.pallas_common import is_tile_size
+from nsa_jax.kernels.selection_pallas import SelectionBlockSizes
+
+BRANCHES = ("cmp", "slc", "win")
+IMPLS = ("auto", "pallas", "xla")
+GPU_BACKENDS = ("gpu", "cuda", "rocm")
+
+# The selection kernels a config may name, with the tiles each runs (None: blocksparse's own).
+# gather: one query position per program (its G heads padded to 16 rows) with one warp: the
+# fastest gather tiling on an H200 for random selections (docs/PERFORMANCE.md).
+SELECTION_KERNELS: dict[str, SelectionBlockSizes | None] = {
+    "blocksparse": None,
+    "gather": SelectionBlockSizes(positions=1, num_warps=1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What each branch runs: cmp and win ``pallas`` or ``xla``; slc ``blocksparse``, ``gather`` or ``xla``.
+
+    ``interpret``: the Pallas kernels run in the Pallas interpreter (a backend without a GPU).
+    """
+
+    cmp: str = "xla"
+    slc: str = "xla"
+    win: str = "xla"
+    interpret: bool = False
+
+    def __post_init__(self):
+        for branch, allowed in (
+            ("cmp", ("pallas", "xla")),
+            ("slc", (*SELECTION_KERNELS, "xla")),
+            ("win", ("pallas", "xla")),
+        ):
+            if getattr(self, branch) not in allowed:
+                raise ValueError(
+                    f"KernelPlan.{branch} must be one of {', '.join(allowed)}, got {getattr(self, branch)!r}"
+                )
+
+    def describe(self) -> dict[str, str]:
+        """Per branch, for env.json and the boot line: ``pallas-triton`` (selection:
+        ``pallas-triton/gather``, ...), ``pallas-interpret`` or ``xla-chunked``."""
+        pallas = "pallas-interpret" if self.interpret else "pallas-triton"
+        slc = "xla-chunked" if self.slc == "xla" else f"{pallas}/{self.slc}"
+        return {
+            "cmp": pallas if self.cmp == "pallas" else "xla-chunked",
+            "slc": slc,
+            "win": pallas if self.win == "pallas" else "xla-chunked",
+        }
+
+
+def resolve_impl(impl: str, backend: str) -> str:
+    """What `impl` (NSAConfig.attention_impl) stands for on `backend`: ``pallas`` or ``xla``."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention_impl must be auto, pallas or xla, got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "pallas" if backend in GPU_BACKENDS else "xla"
+
+
+def selection_kernel_fits(block_size: int) -> bool:
+    """Whether the Pallas selection kernels take blocks of `block_size` (a power of two >= 16)."""
+    return is_tile_size(block_size)
+
+
+def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset()) -> KernelPlan:
+    """The plan of `nsa` (an NSAConfig) at sequence length `seq` on `backend` (see the module docstring).
+
+    `fallback`: branches the kernel guard found broken, which ``auto`` runs on XLA.
+    """
+    unknown = set(fallback) - set(BRANCHES)
+    if unknown:
+        raise ValueError(f"unknown NSA branches {sorted(unknown)}")
+    choice = nsa.selection_kernel
+    if choice != "auto" and choice not in SELECTION_KERNELS:
+        raise ValueError(f"selection_kernel must be auto or one of {', '.join(SELECTION_KERNELS)}, got {choice!r}")
+    chosen = resolve_impl(nsa.attention_impl, backend)
+    auto = nsa.attention_impl == "auto"
+
+    def impl(branch: str) -> str:
+        return "xla" if auto and branch in fallback else chosen
+
+    slc = impl("slc")
+    if slc == "pallas":
+        if auto and not selection_kernel_fits(nsa.lp):
+            slc = "xla"
+        elif choice != "auto":
+            slc = choice
+        else:
+            slc = "blocksparse" if prefers_blocksparse(seq, nsa.n, nsa.lp) else "gather"
+    return KernelPlan(cmp=impl("cmp"), slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS)
