@@ -65,7 +65,6 @@ from nsa_jax import resume
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
-from nsa_jax.kernels import set_xla_fallback
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.ops.health import Health, agree_any, write_halt
 from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, HALT_FILE, SCALE_COLUMNS
@@ -257,7 +256,9 @@ class Trainer:
         self.plan = S.make_plan(cfg, self.mesh)
         n_dev = self.plan.n_devices
         self.tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
-        self._guard_kernels(cfg.train.global_batch // n_dev)
+        fallback = self._guard_kernels(cfg.train.global_batch // n_dev)
+        if fallback:  # the kernel plan of every phase runs the failed branches on XLA
+            self.plan = dataclasses.replace(self.plan, kernel_fallback=frozenset(fallback))
         self.train_step = S.make_train_step(self.plan)
         # Opening the stream validates the data settings before any artifact is written.
         self.data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
@@ -269,7 +270,10 @@ class Trainer:
         if data_state is not None:
             self.data.set_state(data_state)
         # The CSVs keep their rows up to the checkpoint; later steps are re-run and appended.
-        self.art = RunArtifacts(cfg, self.out, self.mesh, applied_env, resume_step=restored.step if restored else None)
+        kernel_plans = [(p.start, self.plan.kernels(p.model)) for p in schedule.phases(cfg)]
+        self.art = RunArtifacts(
+            cfg, self.out, self.mesh, applied_env, restored.step if restored else None, kernel_plans
+        )
         if restored is not None:
             how = "" if restored.train_data is not None else " (data stream restarted: checkpoint.restore_data=false)"
             self.say(f"resume: step {restored.step} from {restored.path}{how}")
@@ -318,8 +322,8 @@ class Trainer:
 
         return schedule.lr_change_on_resume(saved, self.cfg.train, restored.step, lr_at)
 
-    def _guard_kernels(self, batch_per_device: int) -> None:
-        """`auto` on a GPU: a branch whose Pallas kernel fails to compile or disagrees with XLA runs on XLA.
+    def _guard_kernels(self, batch_per_device: int) -> set[str]:
+        """`auto` on a GPU: the branches whose Pallas kernel fails to compile or disagrees with XLA.
 
         Before the step is traced, so the fallback is in its program; every process takes the
         union of the failures, so all of them compile the same program.
@@ -327,7 +331,7 @@ class Trainer:
         failed = set(guard_kernels(self.cfg.model, batch_per_device, self.cfg.train.seq_len, warn=self.say))
         if jax.process_count() > 1 and self.cfg.model.nsa.attention_impl == "auto":
             failed = {b for b in ("cmp", "slc", "win") if agree_any(b in failed)}
-            set_xla_fallback(failed)
+        return failed
 
     # -- output ---------------------------------------------------------------
 
