@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nsa_jax import layers
 from nsa_jax.config import load_config
 from nsa_jax.info import keys_per_query, parameter_counts
 from nsa_jax.train import step as S
@@ -58,17 +57,7 @@ def flops_per_token(cfg) -> dict[str, float]:
     return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attn_fwd, "keys_per_query": attn_keys}
 
 
-def separate_matmuls(x_BxTxD, kernels):
-    """matmul_parts without its custom backward: autodiff's one matmul and add per part for x's gradient."""
-    return tuple(jnp.dot(x_BxTxD, k) for k in kernels)
-
-
-X_GRADS = {"parts": layers.matmul_parts, "separate": separate_matmuls}
-
-
-def bench(name: str, overrides: list[str], steps: int, x_grad: str = "parts") -> dict:
-    # fused_dense looks matmul_parts up at trace time: the variant holds for this step's compilation.
-    layers.matmul_parts = X_GRADS[x_grad]
+def bench(name: str, overrides: list[str], steps: int, variant: str = "") -> dict:
     cfg = load_config(name, overrides)
     mesh = S.make_mesh(cfg)
     plan = S.make_plan(cfg, mesh)
@@ -92,7 +81,7 @@ def bench(name: str, overrides: list[str], steps: int, x_grad: str = "parts") ->
     f = flops_per_token(cfg)
     return {
         "config": name,
-        "x_grad": x_grad,
+        "variant": variant,
         "dtype": cfg.model.dtype,
         "params": parameter_counts(cfg.model)["total"],
         "global_batch": B,
@@ -119,10 +108,10 @@ def main() -> None:
         help="comma-separated train.global_batch values, one row each per config (default: the config's)",
     )
     ap.add_argument(
-        "--x-grads",
-        default="parts",
-        help="comma-separated backward forms of the fused input projections, one row each: parts (one matmul "
-        "for x's gradient, layers.matmul_parts) and/or separate (autodiff's matmul and add per projection)",
+        "--variants",
+        default="",
+        help="';'-separated sets of comma-separated KEY=VALUE overrides, each timed as its own row beside the "
+        "config's, e.g. 'logging.aux_stats=false;model.remat=dots'",
     )
     ap.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak")
     ap.add_argument("--json")
@@ -131,17 +120,16 @@ def main() -> None:
     dev = jax.devices()[0]
     print(f"backend {jax.default_backend()} | {len(jax.devices())} x {dev.device_kind}")
     batches = [None] if not args.global_batches else [int(b) for b in args.global_batches.split(",") if b]
-    x_grads = [x.strip() for x in args.x_grads.split(",") if x.strip()]
-    if not x_grads or set(x_grads) - set(X_GRADS):
-        raise SystemExit(f"error: --x-grads {args.x_grads!r}: name one or more of {', '.join(X_GRADS)}")
+    variants = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
     rows = []
     for name in args.configs.split(","):
-        for batch, x_grad in [(b, x) for b in batches for x in x_grads]:
+        for batch, variant in [(b, v) for b in batches for v in variants]:
             extra = [] if batch is None else [f"train.global_batch={batch}"]
-            r = bench(name, [*args.overrides, *extra], args.steps, x_grad)
+            extra += [kv.strip() for kv in variant.split(",") if kv.strip()]
+            r = bench(name, [*args.overrides, *extra], args.steps, variant)
             print(
-                f"  {name} batch {r['global_batch']}x{r['accumulate']} x-grad {x_grad}: compile + first step "
-                f"{r['compile_and_first_step_s']:.1f} s, step {1e3 * r['step_s']:.1f} ms, "
+                f"  {name} batch {r['global_batch']}x{r['accumulate']} {variant or 'as configured'}: "
+                f"compile + first step {r['compile_and_first_step_s']:.1f} s, step {1e3 * r['step_s']:.1f} ms, "
                 f"{r['tokens_per_s']:,.0f} tok/s",
                 flush=True,
             )
@@ -149,14 +137,14 @@ def main() -> None:
     peaks = {dt: matmul_peak(dt, args.peak_n) for dt in sorted({r["dtype"] for r in rows})}
     print(f"matmul peak ({args.peak_n}^3): " + ", ".join(f"{dt} {p / 1e9:.1f} GFLOP/s" for dt, p in peaks.items()))
     print(
-        f"{'config':<12} {'x-grad':<9} {'params':>11} {'batch':>9} {'tok/step':>9} {'step s':>8} {'tok/s':>10} "
+        f"{'config':<12} {'variant':<24} {'params':>11} {'batch':>9} {'tok/step':>9} {'step s':>8} {'tok/s':>10} "
         f"{'GFLOP/tok':>10} {'attn %':>7} {'GFLOP/s':>9} {'MFU':>7}"
     )
     for r in rows:
         r["peak_flops"] = peaks[r["dtype"]]
         r["mfu"] = r["achieved_flops"] / r["peak_flops"]
         print(
-            f"{r['config']:<12} {r['x_grad']:<9} {r['params']:>11,} "
+            f"{r['config']:<12} {r['variant'] or '-':<24} {r['params']:>11,} "
             f"{str(r['global_batch']) + 'x' + str(r['accumulate']):>9} "
             f"{r['tokens_per_step']:>9} {r['step_s']:>8.3f} "
             f"{r['tokens_per_s']:>10,.0f} {r['flops_per_token'] / 1e9:>10.4f} {100 * r['attention_share']:>6.1f}% "
