@@ -86,6 +86,10 @@ def test_a_prepared_folder_without_val_shards_trains_without_evaluation(tmp_path
     assert prepare_data.main(["--input", str(inp), "--output", str(again)]) == 0
     cfg = load_config("cpu_tiny", ["data.dataset=tokenized", f"data.path={again}", "model.vocab_size=320"])
     assert check_data(cfg).no_val is None
+    # A model vocabulary the prepared tokenizer does not fit: refused here, before any out dir.
+    small = load_config("cpu_tiny", ["data.dataset=tokenized", f"data.path={again}", "model.vocab_size=128"])
+    with pytest.raises(ValueError, match=r"model.vocab_size \(128\) is smaller .* set model.vocab_size=320"):
+        check_data(small)
 
 
 @pytest.mark.parametrize("what", ["empty", "binary"])

@@ -11,7 +11,7 @@
       skipped: not UTF-8, no text), is a ValueError naming the files and why.
   tokenized
       the manifest (shards.read_manifest raises for a folder that is not prepared) must list
-      training tokens.
+      training tokens, and its tokenizer must be data.tokenizer and fit model.vocab_size.
   synthetic, kv_recall, needle
       generated: nothing to check.
 
@@ -140,6 +140,7 @@ def _check_tokenized(cfg: Any) -> DataCheck:
 
     d = cfg.data
     m = shards.read_manifest(d.path)
+    shards.check_manifest_fits(cfg, m)
     tokens = {s: 0 for s in shards.SPLITS}
     for entry in m.get("shards", []):
         if entry.get("split") in tokens:

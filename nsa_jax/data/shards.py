@@ -312,6 +312,26 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return m
 
 
+def check_manifest_fits(cfg: Any, m: dict[str, Any]) -> None:
+    """ValueError when the prepared folder's tokenizer is not data.tokenizer or does not fit model.vocab_size.
+
+    No grain or jax: launch.train runs it (nsa_jax/data/check.py) before the out dir is touched."""
+    d = cfg.data
+    tok = m["tokenizer"]
+    if not same_tokenizer(tokenizer_identity(d.tokenizer), tok):
+        raise ValueError(
+            f"data.path {d.path} was prepared with tokenizer {tok['spec']!r} but data.tokenizer is "
+            f"{d.tokenizer!r}; pass --tokenizer {tok['spec']} (evaluation and generation decode with "
+            "data.tokenizer)"
+        )
+    if tok["vocab_size"] > cfg.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the vocabulary ({tok['vocab_size']}) of "
+            f"the tokenizer {tok['spec']!r} that data.path {d.path} was prepared with; "
+            f"set model.vocab_size={-(-tok['vocab_size'] // 64) * 64}"
+        )
+
+
 def npy_length(path: pathlib.Path, dtype: np.dtype | None = None) -> int:
     """Length of a 1-D .npy file from its header (ValueError when it is missing, not .npy or another dtype)."""
     try:

@@ -43,7 +43,6 @@ import numpy as np
 from nsa_jax.data import shards as fmt
 from nsa_jax.data.pipeline import GrainBatchStream, stream_seed
 from nsa_jax.data.stream import GlobalRowStream, check_state
-from nsa_jax.data.tokenizers import padded_vocab_size
 
 CHUNK_TOKENS = 1 << 16  # tokens per shuffled/sharded chunk (whole documents; a long document is one chunk)
 OPEN_SHARDS = 64  # memory maps kept open per stream (each holds file descriptors)
@@ -169,19 +168,7 @@ class TokenizedDataset(GlobalRowStream):
         """`batch`: train.global_batch, the rows of one micro-batch over all processes."""
         d = cfg.data
         m = fmt.read_manifest(d.path)
-        tok = m["tokenizer"]
-        if not fmt.same_tokenizer(fmt.tokenizer_identity(d.tokenizer), tok):
-            raise ValueError(
-                f"data.path {d.path} was prepared with tokenizer {tok['spec']!r} but data.tokenizer is "
-                f"{d.tokenizer!r}; pass --tokenizer {tok['spec']} (evaluation and generation decode with "
-                "data.tokenizer)"
-            )
-        if tok["vocab_size"] > cfg.model.vocab_size:
-            raise ValueError(
-                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the vocabulary ({tok['vocab_size']}) of "
-                f"the tokenizer {tok['spec']!r} that data.path {d.path} was prepared with; "
-                f"set model.vocab_size={padded_vocab_size(tok['vocab_size'])}"
-            )
+        fmt.check_manifest_fits(cfg, m)
         return cls(
             d.path,
             cfg.train.seed,
