@@ -21,11 +21,17 @@ trainer on a held folder exits 2 at once, naming the holder, and changes nothing
 Out dir policy (nsa_jax/resume.py), decided before XLA starts: a folder holding checkpoints
 is resumed from its newest complete one (training.csv and the heartbeats continue), or,
 when that step is train.steps already, nothing runs (exit 0); a .HALT in it stops the
-launch until it is removed; an earlier run that finished no step and saved no checkpoint
-is restarted (its files move to previous/<utc time>/); one with finished steps is refused
-unless --overwrite. Checkpoints are deleted only with --overwrite-checkpoints.
+launch until it is removed; an earlier run that saved no checkpoint (it died in boot or
+compile, or was killed or stopped by a second Ctrl-C before its first save) is started
+again from step 0, its files moved to previous/<utc time>/; the files of another run
+(env.json: a model or data setting differs) or of a finished run without checkpoints are
+refused unless --overwrite. Checkpoints are deleted only with --overwrite-checkpoints.
+Raising --steps on a resume recomputes the LR schedule for the new length (one line says
+what it does at the resumed step); train.decay_steps keeps the peak LR until the last N steps.
 Compilation cache: jax's persistent cache in ~/.cache/nsa_jax/jax_compilation_cache, so a
-resumed or repeated run does not compile again; --compile-cache DIR|off or NSA_COMPILE_CACHE.
+repeated run, or a resume with the same settings, loads the compiled step instead of compiling
+it; a resume that changes train.steps (or another LR setting: the schedule's numbers are
+constants of the compiled step) compiles again. --compile-cache DIR|off or NSA_COMPILE_CACHE.
 SIGTERM and Ctrl-C (SIGINT) finish the step in flight, save a checkpoint and exit: status 0
 after SIGTERM, 130 after Ctrl-C (with one line saying how to resume: the same command). A
 second one quits at once without saving (the newest committed checkpoint stays).

@@ -246,6 +246,18 @@ class Trainer:
         self._last_said = time.perf_counter()  # when a line was last printed (QUIET_S)
         self._activity: tuple[str, float] | None = None  # what the progress thread reports while quiet
         self.eval_off = eval_off
+        # The progress thread, from boot on (a kernel guard, a restore or a first batch can take long).
+        self._quiet_stop = threading.Event()
+        threading.Thread(target=self._report_quiet, args=(self._quiet_stop,), name="nsa-progress", daemon=True).start()
+        try:
+            self._boot(cfg, applied_env, state, data_state, devices)
+        except BaseException:
+            self._quiet_stop.set()
+            raise
+        finally:
+            self._doing(None)
+
+    def _boot(self, cfg: Config, applied_env, state, data_state, devices) -> None:
         self.mesh = S.make_mesh(cfg, devices)
         # A checkpoint saved on another device count: the same rows per step, split anew into micro-batches.
         elastic = None
@@ -256,15 +268,19 @@ class Trainer:
         self.plan = S.make_plan(cfg, self.mesh)
         n_dev = self.plan.n_devices
         self.tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
+        self._doing("boot: kernel guard (each branch's kernel compiled once)")
         fallback = self._guard_kernels(cfg.train.global_batch // n_dev)
         if fallback:  # the kernel plan of every phase runs the failed branches on XLA
             self.plan = dataclasses.replace(self.plan, kernel_fallback=frozenset(fallback))
         self.train_step = S.make_train_step(self.plan)
         # Opening the stream validates the data settings before any artifact is written.
+        self._doing("boot: opening the data stream")
         self.data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
         # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/checkpoint.py).
         self.ckpt = ckpt.Checkpointer(self.plan, self.out, warn=self.say)
+        self._doing("boot: restoring the newest checkpoint")
         restored = self.ckpt.restore_latest() if state is None and data_state is None else None
+        self._doing(None)
         if restored is not None:
             state, data_state = restored.state, restored.train_data
         if data_state is not None:
@@ -305,6 +321,7 @@ class Trainer:
         self.art.event(
             "boot", 0, "boot", devices=n_dev, processes=jax.process_count(), tokens_per_step=self.tokens_per_step
         )
+        self._doing("boot: reading the first batch")
         self._first = self._first_batch()
         self.evaluator: Evaluator | None = None  # built at the first evaluation
         self.long_eval = None  # eval.suites, built at the first evaluation (nsa_jax/evaluation/training.py)
@@ -486,8 +503,7 @@ class Trainer:
         self.health = Health(
             self.out, rank=jax.process_index(), stall_seconds=cfg.ops.stall_seconds, event=self.art.event
         ).start()
-        quiet_stop = threading.Event()
-        threading.Thread(target=self._report_quiet, args=(quiet_stop,), name="nsa-progress", daemon=True).start()
+        quiet_stop = self._quiet_stop
         try:
             with self.health.paused():
                 batch = self._next_batch()
@@ -576,8 +592,8 @@ class Trainer:
                 "checkpoint_failed",
                 "output_failed",
             ):
-                self._doing(f"checkpoint: saving step {self.summary['steps_done']}")
                 if self._checkpoint():
+                    self._doing(f"checkpoint: writing step {self.summary['steps_done']}")
                     self._poll_checkpoint(block=True)
         except BaseException as e:
             error = e
@@ -675,6 +691,7 @@ class Trainer:
         if int(jax.device_get(self.state.step)) != step:  # a step was dispatched but never recorded
             return True
         t0 = time.perf_counter()
+        self._doing(f"checkpoint: saving step {step}")
         try:
             # The held-out rows are fixed (evaluate.py): no validation stream position to save.
             info = self.ckpt.save(step, self.state, self.data.get_state(), None)
@@ -683,6 +700,7 @@ class Trainer:
             return False
         # The next step's time starts after the save's blocking part.
         self._last_done = time.perf_counter()
+        self._doing(None)
         if info is not None:
             self.art.event(
                 "checkpoint_start",
