@@ -31,14 +31,14 @@
 #              in OUT_DIR (<part>_trace): `profile_step --read-trace` reads them on any machine
 #   peak       the NSA layer alone at T=PEAK_SEQ_LEN (default 65536), forward then fwd+bwd, in
 #              its own process: the device's measured high-water mark beside the compiled memory
-#   kv         python -m benchmarks.kv_recall_ablation: NSA vs NSA without selection (KV_ARGS adds flags)
+#   kv         python -m experiments.kv_recall_ablation: NSA vs NSA without selection (KV_ARGS adds flags)
 #   needle     benchmarks/needle_seeds.sh: whole runs of the needle recipe, several recipes over
 #              seeds side by side (NEEDLE_RECIPES, default benchmarks/needle_recipes.txt; NEEDLE_SEEDS,
 #              default 1,2,3,4; NEEDLE_P runs at a time, default 16; NEEDLE_DEADLINE seconds, default
 #              480), fp32 matmuls at full precision as on the CPU the recipe is for, and XLA's
 #              autotuning off (16 runs compiling at once spent 7 minutes autotuning gemm fusions
 #              without reaching a first step); the runs' figures packed into OUT_DIR/needle.tgz
-#              (`python -m benchmarks.needle_seeds DIR` reads them)
+#              (`python -m experiments.needle_seeds DIR` reads them)
 #
 # Each part has its own time limit (seconds, PART_TIMEOUT_<part>), writes OUT_DIR/<part>.log
 # (and .json where the benchmark has one) and a line to OUT_DIR/summary.txt; a failing
@@ -169,7 +169,7 @@ positions=2,num_warps=1;positions=4,num_warps=1"}
         ;;
     kv)
         # shellcheck disable=SC2086
-        run_part kv 540 "$PY" -m benchmarks.kv_recall_ablation --json "$out/kv.json" ${KV_ARGS:-}
+        run_part kv 540 "$PY" -m experiments.kv_recall_ablation --json "$out/kv.json" ${KV_ARGS:-}
         ;;
     needle)
         run_part needle "$((${NEEDLE_DEADLINE:-480} + 60))" env JAX_DEFAULT_MATMUL_PRECISION=highest NSA_TB_DISABLE=1 \

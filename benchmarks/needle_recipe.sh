@@ -69,7 +69,7 @@ for seed in ${SEEDS//,/ }; do
     done
     $PY -m launch.evaluate --ckpt "$run" --suites "${EVAL_SUITES:-needle,loss-by-position}" --lengths "${EVAL_LENGTHS:-1024,2048,4096}" \
       --samples 16 --text README.md docs/NSA.md --out "$run/eval" | tee "$run/evaluate.log"
-    by_len=$($PY -c 'import sys; from benchmarks.needle_seeds import summary_line; print(summary_line(sys.argv[1]))' "$run")
+    by_len=$($PY -c 'import sys; from experiments.needle_seeds import summary_line; print(summary_line(sys.argv[1]))' "$run")
     echo "$variant seed $seed: $(IFS=,; echo "${times[*]}") | $by_len" >>"$OUT/summary.txt"
     tail -n 1 "$OUT/summary.txt"
   done

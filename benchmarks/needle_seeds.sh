@@ -14,7 +14,7 @@
 # summary.txt). EVAL_LENGTHS, EVAL_SUITES and PYTHON go through to needle_recipe.sh.
 # Writes OUT_DIR/NAME/nsa_sSEED/ (the run) and OUT_DIR/NAME/summary.txt, then
 # OUT_DIR.tgz (or ARCHIVE): OUT_DIR without checkpoints, TensorBoard files or heartbeats. Read it with
-# `python -m benchmarks.needle_seeds OUT_DIR`.
+# `python -m experiments.needle_seeds OUT_DIR`.
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/needle_seeds.sh OUT_DIR SEEDS RECIPES_FILE}
 SEEDS=${2:?usage: bash benchmarks/needle_seeds.sh OUT_DIR SEEDS RECIPES_FILE}

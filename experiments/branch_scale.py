@@ -2,7 +2,7 @@
 
 Why it matters: docs/EXPERIMENTS.md "Why the MLP compressor fails on retrieval".
 
-Trains one config (the experiments harness's base config, overrides and rows) and, at
+Trains one config (experiments.compare's base config, overrides and rows) and, at
 step 0 and at --at steps, prints the root mean square of every key/value tensor the NSA
 layers feed their branches, over one held-out batch and all layers:
 
@@ -13,7 +13,7 @@ layers feed their branches, over one held-out batch and all layers:
 A branch whose values grow far beyond the others' dominates the gated sum and, after
 the next RMSNorm, hides the other branches' signal. Any dataset works:
 
-    python -m benchmarks.branch_scale $(KV_BASE of docs/EXPERIMENTS.md) --seed 2 \\
+    python -m experiments.branch_scale $(KV_BASE of docs/EXPERIMENTS.md) --seed 2 \\
         --set model.nsa.branches=cmp,slc --set model.nsa.n=8 --at 25,50,100,200,300
 """
 

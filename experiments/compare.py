@@ -6,7 +6,7 @@ variant's model overrides, a wider window for instance, never change the rows),
 evaluates every --eval-every steps on fixed held-out rows, and reports per evaluation
 the mean +- standard error over seeds, plus a learning-curve PNG:
 
-    python benchmarks/experiments.py --config cpu_tiny --steps 600 --seeds 1,2,3 \\
+    python -m experiments.compare --config cpu_tiny --steps 600 --seeds 1,2,3 \\
         --set data.dataset=kv_recall --set data.kv_format=fused \\
         --variant nsa --variant "no_slc;model.nsa.branches=cmp,win" \\
         --variant "full;model.nsa.branches=win;model.nsa.w=256" --json runs.json --png curves.png

@@ -6,9 +6,9 @@ selection branch has to find their block) with different NSA branch sets, side b
 side in one run, and prints the retrieval accuracy of each on held-out rows,
 every --eval-every steps and at the end:
 
-    python benchmarks/kv_recall_ablation.py --steps 600
-    python benchmarks/kv_recall_ablation.py --variants cmp,slc,win:cmp,win --json out.json
-    python benchmarks/kv_recall_ablation.py --variants "cmp,slc,win:win;model.nsa.w=512" --data-window 64
+    python -m experiments.kv_recall_ablation --steps 600
+    python -m experiments.kv_recall_ablation --variants cmp,slc,win:cmp,win --json out.json
+    python -m experiments.kv_recall_ablation --variants "cmp,slc,win:win;model.nsa.w=512" --data-window 64
 
 A variant is a branch set, optionally followed by `;key=value` overrides of its own
 (the second example adds a full-attention control: one window branch wider than the

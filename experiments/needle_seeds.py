@@ -1,6 +1,6 @@
 """Reads what benchmarks/needle_seeds.sh wrote: each recipe over its seeds, side by side.
 
-    python -m benchmarks.needle_seeds OUT_DIR [--json FILE]
+    python -m experiments.needle_seeds OUT_DIR [--json FILE]
 
 Per run: the digit recall on the validation rows at every evaluation (val.csv
 `retrieval_acc`) and the needle exact match at each evaluated length (mean over depths,

@@ -12,7 +12,7 @@ the model's forward with the selection's block indices sown, and prints
 A model can fail with the block found (it does not read the key from it) or without
 (the compressed scores never rank the needle's block high enough): this tells which.
 
-    python -m benchmarks.needle_selection --ckpt RUN/checkpoints/1700 [--ckpt ...] \\
+    python -m experiments.needle_selection --ckpt RUN/checkpoints/1700 [--ckpt ...] \\
         --length 1024 --text README.md docs/NSA.md
 """
 

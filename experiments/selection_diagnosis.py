@@ -1,6 +1,6 @@
 """Where block selection fails on kv_recall: the selection branch's own attention vs the block scorer.
 
-Trains one variant (the experiments harness's config, overrides and rows) for --steps
+Trains one variant (experiments.compare's config, overrides and rows) for --steps
 steps, then on one held-out batch, for every answer whose queried pair lies in a free
 block (not block 0 nor the two local blocks, which are always selected), per layer:
 
@@ -15,7 +15,7 @@ block (not block 0 nor the two local blocks, which are always selected), per lay
                     slot, n = 4 here, this is the selection recall over free blocks)
   uniform           1 / number of free blocks, the chance level of the last two
 
-    python -m benchmarks.selection_diagnosis $(KV_BASE of docs/EXPERIMENTS.md) --steps 600 \\
+    python -m experiments.selection_diagnosis $(KV_BASE of docs/EXPERIMENTS.md) --steps 600 \\
         --set model.nsa.gate_bias_init=-2,2,-2 --set train.scorer_distill=1.0
 """
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import add_config_args
-from benchmarks.experiments import make_evaluator, pair_positions
+from experiments.compare import make_evaluator, pair_positions
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.model import NSALM

@@ -1,0 +1,196 @@
+"""The learning studies of experiments/: each CLI at tiny sizes, and the measures they print.
+
+The CLIs run in a subprocess, as a user would run them; no learning outcome is asserted
+(the runs are a step or two long), only what each study computes from what it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+from helpers import cpu_env, run_module
+
+
+def run_cli(module: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m experiments.<module> ARGS` from the repository root (check: exit status 0)."""
+    proc = run_module(f"experiments.{module}", *args, env=cpu_env(devices=None), timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_kv_recall_ablation_cli_variant_overrides(tmp_path):
+    """A variant's own overrides apply to its model only; --data-window keeps the rows the same."""
+    out = tmp_path / "kv.json"
+    run_cli(
+        "kv_recall_ablation",
+        "--steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--variants",
+        "win;model.nsa.w=512",
+        "--data-window",
+        "64",
+        "--set",
+        "model.n_layers=1",
+        "--set",
+        "data.kv_format=fused",
+        "--json",
+        str(out),
+    )
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["variant"] == "win model.nsa.w=512" and row["branches"] == "win"
+    assert row["answers"] == 8 * 4 and 0.0 <= row["accuracy"] <= 1.0
+
+
+def test_selection_diagnosis_measures_on_constructed_attention():
+    """Zero queries attend uniformly; a query equal to (a large multiple of) the pair token's key finds it."""
+    from experiments.selection_diagnosis import diagnose, free_blocks
+
+    B, T, H, K, D, l, d, lp = 1, 64, 2, 1, 8, 8, 4, 8
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(B, T, K, D))
+    kc = rng.normal(size=(B, (T - l) // d + 1, K, D))
+    qpos, tpos = np.array([[60, 63]]), np.array([[20, 13]])
+    uniform = diagnose(np.zeros((B, T, H, D)), kc, k, qpos, tpos, l=l, d=d, lp=lp)
+    assert uniform["answers"] == 2
+    assert uniform["pair-token mass"] == pytest.approx(np.mean([1 / 61, 1 / 64]))
+    assert uniform["target on block"] == pytest.approx(np.mean([1 / len(free_blocks(t, lp)) for t in (60, 63)]))
+    assert uniform["uniform"] == pytest.approx(uniform["target on block"])
+    q = np.zeros((B, T, H, D))
+    for t, p in zip(qpos[0], tpos[0]):
+        k[0, p, 0] *= 4.0 / np.linalg.norm(k[0, p, 0])  # longer than any other key (norm ~ sqrt(D))
+        q[0, t, :] = 20.0 * k[0, p, 0]
+    sharp = diagnose(q, kc, k, qpos, tpos, l=l, d=d, lp=lp)
+    assert sharp["pair-token mass"] > 0.99 and sharp["target on block"] > 0.99
+
+
+def test_experiments_paired_differences_seed_by_seed():
+    from experiments.compare import paired
+
+    def run(variant, seed, accs):
+        return {"variant": variant, "seed": seed, "curve": [{"step": s, "accuracy": a} for s, a in accs]}
+
+    runs = [
+        run("ref", 1, [(0, 0.0), (10, 0.2), (20, 0.3)]),
+        run("ref", 2, [(0, 0.0), (10, 0.1), (20, 0.5)]),
+        run("ref", 3, [(0, 0.0), (10, 0.1)]),  # no partner seed 3 below
+        run("b", 1, [(0, 0.0), (10, 0.6), (20, 0.4)]),
+        run("b", 2, [(0, 0.0), (10, 0.3), (20, 0.9)]),
+        run("c", 4, [(0, 0.0), (10, 0.9)]),  # no seed in common with ref: left out
+    ]
+    (name, step, diffs, m, se), *rest = paired(runs, "ref", "accuracy")
+    assert not rest and name == "b" and step == 20
+    assert [s for s, _ in diffs] == [1, 2]
+    np.testing.assert_allclose([d for _, d in diffs], [0.1, 0.4])
+    np.testing.assert_allclose(m, 0.25)
+    np.testing.assert_allclose(se, np.std([0.1, 0.4], ddof=1) / np.sqrt(2))
+
+
+def test_experiments_warn_when_runs_mix_software_environments():
+    import importlib.metadata as md
+
+    from experiments.compare import environments_warning, software
+
+    here = software()
+    assert here["jax"] == md.version("jax") and here["numpy"] == md.version("numpy")
+    other = {**here, "numpy": "0.0.1"}
+    same = [{"variant": "a", "seed": 1, "software": here}, {"variant": "b", "seed": 1, "software": dict(here)}]
+    assert environments_warning(same) is None
+    mixed = [*same, {"variant": "c", "seed": 2, "software": other}, {"variant": "d", "seed": 3}]
+    text = environments_warning(mixed)
+    assert text.startswith("warning: these runs come from 3 software environments")
+    assert "a/1, b/1" in text and "numpy 0.0.1" in text and "versions not recorded: d/3" in text
+
+
+def test_branch_scale_measures_each_branch_tensor():
+    """Scaling the v_slc projection by 3 triples the v_slc figure and leaves every other tensor's as it was."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    from experiments.branch_scale import TENSORS, tensor_rms
+    from nsa_jax.config import load_config
+    from nsa_jax.model import NSALM
+
+    cfg = load_config("cpu_tiny", ["model.n_layers=1", "train.seq_len=64"])
+    model = NSALM(cfg.model)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, cfg.model.vocab_size)
+    params = model.init(jax.random.PRNGKey(1), tokens)["params"]
+    before = {k: float(v) for k, v in tensor_rms(model, params, tokens).items()}
+    assert sorted(before) == sorted(TENSORS) and all(v > 0 for v in before.values())
+    flat = flatten_dict(params)
+    scaled = {k: v * 3.0 if "v_slc" in k else v for k, v in flat.items()}
+    assert sum("v_slc" in k for k in flat) == 1
+    after = {k: float(v) for k, v in tensor_rms(model, unflatten_dict(scaled), tokens).items()}
+    for name in TENSORS:
+        want = before[name] * (3.0 if name == "v_slc" else 1.0)
+        assert after[name] == pytest.approx(want, rel=1e-5), name
+
+
+def test_needle_selection_finds_the_key_blocks_and_the_share_selected():
+    """The key's blocks from the row's text (str.find on bytes); the share from a hand-made index array."""
+    from experiments.needle_selection import key_blocks, selected_share
+    from nsa_jax.data.needle import make_needle_row
+    from nsa_jax.data.tokenizers import ByteTokenizer
+
+    tok, lp = ByteTokenizer(), 8
+    hay = np.frombuffer(b"abcdefghij" * 40, np.uint8).astype(np.int32)
+    row = make_needle_row(hay, 300, 0.5, "71432", tok)
+    text = bytes(row.tokens_T1.astype(np.uint8)).decode()
+    first = text.find("71432")
+    second = text.find("71432", first + 1)
+    assert first >= 0 and second > first and second < text.find("What is")  # both copies in the needle
+    assert key_blocks(row, tok, lp) == {(p + j) // lp for p in (first, second) for j in range(5)}
+
+    idx_LxTxKxN = np.full((2, 10, 2, 3), -1)
+    idx_LxTxKxN[0, 7] = [[3, 0, 1], [3, -1, -1]]
+    idx_LxTxKxN[0, 8] = [[0, 1, 3], [0, 1, 2]]
+    idx_LxTxKxN[1, 7] = [[5, 6, -1], [0, 1, 2]]
+    idx_LxTxKxN[1, 8] = [[0, 5, -1], [4, 5, 6]]
+    idx_LxTxKxN[1, 9] = [[3, 3, 3], [3, 3, 3]]  # not an answer query
+    share = selected_share(idx_LxTxKxN, np.array([7, 8]), {3, 5})
+    np.testing.assert_allclose(share, [[1.0, 0.5], [1.0, 0.5]])
+    assert selected_share(idx_LxTxKxN, np.array([7, 8]), {9}).sum() == 0
+
+
+def test_needle_seeds_reads_runs_and_counts_the_seeds_at_the_target(tmp_path, capsys):
+    """Two recipes written by hand: recall series from val.csv, needle figures from evaluation.json."""
+    from experiments import needle_seeds
+
+    def run(recipe, seed, recall, acc_by_len):
+        d = tmp_path / recipe / f"nsa_s{seed}"
+        (d / "eval").mkdir(parents=True)
+        lines = ["step,tokens,val_loss,val_ppl,retrieval_acc,answers,elapsed_s,eval_s"]
+        lines += [f"{s},0,1.0,2.7,{a},320,1.0,0.1" for s, a in recall]
+        (d / "val.csv").write_text("\n".join(lines) + "\n")
+        if acc_by_len is not None:
+            needle = {"lengths": list(acc_by_len), "accuracy": list(acc_by_len.values())}
+            (d / "eval" / "evaluation.json").write_text(json.dumps({"needle": needle}))
+
+    run("plain", 1, [(800, 0.98), (1100, 0.97)], {1024: [1.0, 0.9375, 0.9375], 2048: [0.5, 0.0, 0.25]})
+    run("plain", 2, [(800, 0.99), (1100, 0.60)], {1024: [0.0, 0.0, 0.25]})
+    run("plain", 3, [(800, 0.97)], None)  # stopped before its evaluation
+    run("gradual", 1, [(800, 0.98)], {1024: [1.0, 0.875, 1.0]})
+    recipes = needle_seeds.read(tmp_path)
+    assert sorted(recipes) == ["gradual", "plain"]
+    plain = {r["seed"]: r for r in recipes["plain"]}
+    assert plain[2]["recall"] == [(800, 0.99), (1100, 0.60)]
+    assert plain[1]["needle"][2048]["mean"] == pytest.approx(0.25)
+    assert plain[1]["needle"][1024]["min"] == pytest.approx(0.9375)
+    assert plain[3]["needle"] == {}
+    text = "\n".join(needle_seeds.report(recipes))
+    # plain: seeds 1 and 2 evaluated, mean of (0.9583, 0.0833); seed 1 alone reaches 0.90 at every depth.
+    assert "2 evaluated: mean 0.52" in text and ">= 0.90 at every depth: 1" in text
+    # gradual: 0.875 at one depth misses the target although its mean (0.958) is above 0.90.
+    assert "1 evaluated: mean 0.96" in text.split("== plain")[0]
+    assert ">= 0.90 mean: 1; >= 0.90 at every depth: 0" in text.split("== plain")[0]
+    assert needle_seeds.main([str(tmp_path / "missing")]) == 2
+    assert "error:" in capsys.readouterr().err
