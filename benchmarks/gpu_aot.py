@@ -88,13 +88,13 @@ def measure(opts, cfg, seq_lens: list[int], dump_root: str) -> dict:
         t = aot.get_target(name)
         row: dict = {"target": name, "device": t.description, "arch": t.arch, "memory_bytes": t.device_memory_size}
         if not opts.skip_step:
-            log(f"{name}: train step on {opts.devices} device(s) ...")
-            row["step"] = measure_step(cfg, name, opts.devices, f"{dump_root}/{name}/step")
+            with aot.heartbeat(log, f"{name}: train step on {opts.devices} device(s)"):
+                row["step"] = measure_step(cfg, name, opts.devices, f"{dump_root}/{name}/step")
         row["layer"] = []
         if not opts.skip_layer:
             for T in seq_lens:
-                log(f"{name}: layer fwd+bwd T={T} ...")
-                row["layer"].append(measure_layer(cfg, name, T, f"{dump_root}/{name}/layer_{T}"))
+                with aot.heartbeat(log, f"{name}: layer fwd+bwd T={T}"):
+                    row["layer"].append(measure_layer(cfg, name, T, f"{dump_root}/{name}/layer_{T}"))
         out[name] = row
     return out
 
@@ -203,6 +203,7 @@ def print_report(results: dict, meta: dict) -> None:
 
 
 def main(argv=None) -> int:
+    aot.compile_on_host()  # before jax starts: a GPU-less host's CUDA plugin fails its check otherwise
     parser = Parser(description=__doc__.splitlines()[0], in_process=argv is not None)
     parser.add_argument("--target", action="append", default=None, choices=list(aot.TARGETS), help="repeatable")
     parser.add_argument("--config", default="a100_pcie", help="config name or YAML path")

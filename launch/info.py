@@ -54,23 +54,32 @@ def main(argv: list[str] | None = None) -> int:
         "--devices", type=int, default=None, help="cards on the data axis (default parallel.num_devices, else 1)"
     )
     args = parser.parse_args(argv)
+    if args.target is not None:
+        from nsa_jax import aot
+
+        # Compiling for a card runs on this host's CPU: set before jax starts (a GPU-less host's CUDA check fails).
+        aot.compile_on_host()
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        if args.target is not None:
+            target = aot.get_target(args.target)
+            n = args.devices if args.devices is not None else (cfg.parallel.num_devices or 1)
+            if n < 1:
+                raise ValueError(f"--devices {n} must be >= 1")
+            if not aot.cuda_plugin_available():
+                raise aot.PluginMissing(
+                    f"--target {target.name} compiles with jax's CUDA plugin, which is not installed: "
+                    + aot.INSTALL_HINT
+                )
+    except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(describe(cfg))
+    print(describe(cfg), flush=True)
     if args.target is None:
         return 0
 
-    from nsa_jax import aot
-
-    n = args.devices or cfg.parallel.num_devices or 1
     try:
-        target = aot.get_target(args.target)
-        if n < 1:
-            raise ValueError(f"--devices {n} must be >= 1")
-        log(f"compiling the train step for {target.name} ...")
+        log(f"compiling the train step for {target.name} on this host ({n} device(s); a minute or more per compile)")
         r = aot.fit_check(cfg, target.name, n, log=log)
     except (aot.PluginMissing, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -173,9 +174,36 @@ def get_target(name: str) -> GpuTarget:
     return TARGETS[name]
 
 
+# jax's CUDA plugins: jax[cuda12] (the `cuda12` extra) and jax[cuda13].
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # find_spec imports the parent package, which may be absent
+        return False
+
+
 def cuda_plugin_available() -> bool:
-    """Whether jax's CUDA plugin (jax[cuda12]) is importable; it compiles for a card without one."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    """Whether one of jax's CUDA plugins is installed; it compiles for a card without one."""
+    return any(_module_exists(name) for name in CUDA_PLUGINS)
+
+
+def compile_on_host() -> bool:
+    """Run this process's jax on the CPU unless JAX_PLATFORMS chose: compiling for a card needs no local GPU.
+
+    Without a GPU the CUDA plugin fails its start-up check when jax starts every
+    backend it finds, and then cannot describe a card either; with JAX_PLATFORMS=cpu
+    it skips that check and still compiles for the card. Returns whether it set it:
+    only before jax has started its backends, and never over the user's own choice.
+    """
+    from jax._src import xla_bridge
+
+    if jax.config.jax_platforms or xla_bridge.backends_are_initialized():
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,11 +220,37 @@ def target_devices(target: str | GpuTarget, n_devices: int = 1) -> list:
     name = target.name if isinstance(target, GpuTarget) else get_target(target).name
     if not cuda_plugin_available():
         raise PluginMissing(f"compiling for {name} needs jax's CUDA plugin, which is not installed: {INSTALL_HINT}")
+    compile_on_host()
     try:
         return list(_topology(name, n_devices).devices)
     except Exception as e:  # a plugin that cannot load reads like a missing one to the user
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if "not implemented for cuda" in first:  # jax started before JAX_PLATFORMS could be set, on no GPU
+            raise PluginMissing(
+                f"jax's CUDA plugin did not start in this process ({first}): on a machine without a GPU "
+                f"start it with JAX_PLATFORMS=cpu; else reinstall: {INSTALL_HINT}"
+            ) from e
         raise PluginMissing(f"jax's CUDA plugin could not describe {name} ({first}); reinstall: {INSTALL_HINT}") from e
+
+
+def abstract_gpu(target: str | GpuTarget = "a100-40"):
+    """A context in which Pallas lowers its Triton kernels for `target`, with or without a GPU here.
+
+    jax >= 0.12 asks the context's abstract device which card to lower a Triton
+    kernel for, and refuses without a GPU and without one (`No supported GPU devices
+    found`); jax 0.10 lowers for sm_90 when there is no GPU and ignores it. The mesh
+    has no axes: a jit's own shardings still place its arguments.
+    """
+    t = target if isinstance(target, GpuTarget) else get_target(target)
+    device = jax.sharding.AbstractDevice(device_kind=t.description, num_cores=t.core_count, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+def export_for_cuda(fn: Callable, *args, target: str | GpuTarget = "a100-40"):
+    """`jax.export` of `fn` for CUDA with the Pallas kernels as Triton calls, on any host (no GPU needed)."""
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+    with abstract_gpu(target):
+        return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(*args)
 
 
 # ---------------------------------------------------------------------------
@@ -265,8 +319,11 @@ def _compile(target: str, fn: Callable, args, dump_dir: str | None, **jit_kwargs
         if Path(dump_dir).exists():
             shutil.rmtree(dump_dir)  # one program per folder: the parsers read every module in it
         options["xla_dump_to"] = str(dump_dir)
+        # The kernels' PTX (ptxas reads it for registers and spills): jax 0.10 dumps it with the rest, newer
+        # XLA only for the emitters this names.
+        options["xla_dump_emitter_re"] = "ptx"
     t0 = time.perf_counter()
-    with compiled_kernels():
+    with compiled_kernels(), abstract_gpu(target):
         lowered = (fn if hasattr(fn, "lower") else jax.jit(fn, **jit_kwargs)).lower(*args)
         t1 = time.perf_counter()
         executable = lowered.compile(compiler_options=options or None)
@@ -325,8 +382,8 @@ def largest_batch(
 
     `fits(b)` -> (bool, detail). Probes 1 and 2, then `guess(probes)` (e.g. an affine
     extrapolation of the bytes; a right guess costs two more probes: it and the next),
-    then doubling and bisection between the proven bounds. Returns (b, or 0 when even
-    1 does not fit; {b: detail} of every probe).
+    then doubling and bisection between the proven bounds (a guess past `limit` probes
+    `limit`). Returns (b, or 0 when even 1 does not fit; {b: detail} of every probe).
     """
     probes: dict[int, Any] = {}
 
@@ -340,6 +397,8 @@ def largest_batch(
         return 1, probes
     lo, hi = 2, None
     g = guess(probes) if guess else None
+    if g is not None and g > limit:  # a guess past the limit: the limit itself is the one probe that may end it
+        g = limit
     if g is not None and lo < g <= limit:
         if not probe(g):
             hi = g
@@ -378,6 +437,36 @@ def affine_guess(budget: int) -> Callable[[dict[int, dict]], int | None]:
     return guess
 
 
+HEARTBEAT_S = 15.0
+
+
+@contextlib.contextmanager
+def heartbeat(log: Callable[[str], None] | None, what: str, every: float | None = None):
+    """`log(what ...)` when the block starts and every `every` (HEARTBEAT_S) seconds while it runs.
+
+    A compile for a card takes a minute or more on a CPU; no command stays silent that long.
+    """
+    if log is None:
+        yield
+        return
+    every = HEARTBEAT_S if every is None else every
+    log(f"{what} ...")
+    t0 = time.perf_counter()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log(f"{what}: {time.perf_counter() - t0:.0f} s so far")
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def with_batch(cfg: Config, rows_per_device: int, n_devices: int) -> Config:
     """`cfg` with train.global_batch = rows_per_device x n_devices (the micro-batch summed over the data axis)."""
     return config.replace(cfg, [f"train.global_batch={rows_per_device * n_devices}"])
@@ -397,9 +486,11 @@ def fit_check(cfg: Config, target: str, n_devices: int, limit: int = 4096, log: 
 
     def memory(b: int) -> dict:
         if b not in memo:
-            memo[b] = compile_train_step(with_batch(cfg, b, n_devices), target, n_devices).memory
+            t0 = time.perf_counter()
+            with heartbeat(log, f"  {b} row(s) per device: compiling"):
+                memo[b] = compile_train_step(with_batch(cfg, b, n_devices), target, n_devices).memory
             if log:
-                log(f"  {b} row(s) per device: {memo[b]['total'] / MiB:.0f} MiB")
+                log(f"  {b} row(s) per device: {memo[b]['total'] / MiB:.0f} MiB ({time.perf_counter() - t0:.0f} s)")
         return memo[b]
 
     def fits(b: int) -> tuple[bool, dict]:

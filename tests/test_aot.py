@@ -15,12 +15,18 @@ one, or a larger one, fails.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
+import threading
+import time
 
 import pytest
+from helpers import ROOT
 
 from benchmarks import gpu_aot
 from launch import info as info_cli
@@ -158,6 +164,17 @@ def test_largest_batch_right_guess_costs_two_compiles():
     assert found == 10 and calls == [1, 2, 10, 11]
 
 
+def test_largest_batch_guess_past_the_limit_probes_the_limit():
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return True, {"total": 1000 + b}
+
+    found, _ = aot.largest_batch(fits, limit=4096, guess=lambda p: 10**6)
+    assert found == 4096 and calls == [1, 2, 4096]
+
+
 def test_target_config_text_states_the_card():
     text = aot.TARGETS["h100"].config_text()
     assert "cuda_compute_capability { major: 9 minor: 0 }" in text
@@ -222,6 +239,82 @@ def test_gpu_aot_prints_cards_side_by_side(capsys):
     assert "34 / 57" in out and "a100-40: most registers 255 (nsa_k (T=2048)); most spills 10 B stores" in out
 
 
+def test_plugin_check_without_the_jax_plugins_package(monkeypatch):
+    # Where no jax plugin is installed, the namespace package jax_plugins is absent too and find_spec raises.
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name.startswith("jax_plugins"):
+            raise ModuleNotFoundError("No module named 'jax_plugins'")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert aot.cuda_plugin_available() is False
+    with pytest.raises(aot.PluginMissing, match=r'not installed: pip install -e "\.\[cuda12\]"'):
+        aot.target_devices("a100-40", 2)
+
+
+def _env_without_platforms() -> dict[str, str]:
+    """The user's environment: no JAX_PLATFORMS (conftest sets it for the test process)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.mark.skipif(aot.cuda_plugin_available(), reason="jax's CUDA plugin is installed here")
+def test_info_target_without_plugin_is_one_line():
+    # The README's fresh machine: `.[test]` without the cuda12 extra, no JAX_PLATFORMS.
+    r = subprocess.run(
+        [sys.executable, "-m", "launch.info", "--config", "a100_pcie", "--target", "a100-40", "--devices", "2"],
+        cwd=ROOT,
+        env=_env_without_platforms(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        'error: --target a100-40 compiles with jax\'s CUDA plugin, which is not installed: pip install -e ".[cuda12]"'
+    ]
+
+
+def test_heartbeat_logs_while_the_block_runs():
+    lines = []
+    with aot.heartbeat(lines.append, "compiling", every=0.05):
+        time.sleep(0.4)
+    assert lines[0] == "compiling ..."
+    assert len(lines) >= 4 and all(line.startswith("compiling: ") and line.endswith(" s so far") for line in lines[1:])
+    n = len(lines)
+    time.sleep(0.15)
+    assert len(lines) == n  # stopped with the block
+    assert not any(t.name == "heartbeat" for t in threading.enumerate())
+    with aot.heartbeat(None, "quiet", every=0.01):  # no log: no thread, no lines
+        assert not any(t.name == "heartbeat" for t in threading.enumerate())
+
+
+def test_fit_check_says_what_it_compiles(monkeypatch):
+    usable = aot.TARGETS["a100-40"].usable_bytes()
+    per_row = usable // 10  # 9 rows fit beside the arguments, 10 do not
+
+    def compile_train_step(cfg, target, n_devices, dump_dir=None):
+        rows = cfg.train.global_batch // n_devices
+        total = per_row // 2 + rows * per_row
+        mem = dict(argument=0, output=0, alias=0, temp=total, generated_code=0, total=total)
+        time.sleep(0.12)
+        return aot.Compiled(target, None, mem, 0.0, 0.0, None)
+
+    monkeypatch.setattr(aot, "compile_train_step", compile_train_step)
+    monkeypatch.setattr(aot, "HEARTBEAT_S", 0.05)
+    lines = []
+    r = aot.fit_check(load_config("cpu_tiny"), "a100-40", 2, log=lines.append)
+    assert r["largest_rows"] == 9 and r["configured_fits"]
+    for b in r["probes"]:  # each compile: announced, ticking while it runs, then its figure
+        i = lines.index(f"  {b} row(s) per device: compiling ...")
+        assert lines[i + 1].startswith(f"  {b} row(s) per device: compiling: ")
+        done = [line for line in lines if line.startswith(f"  {b} row(s) per device: ") and "MiB" in line]
+        assert len(done) == 1 and lines.index(done[0]) > i + 1
+
+
 def test_fit_check_unknown_target(capsys):
     assert info_cli.main(["--config", "a100_pcie", "--target", "v100"]) == 2
     assert "unknown GPU target 'v100'" in capsys.readouterr().err
@@ -257,6 +350,47 @@ def dump_root(tmp_path_factory):
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "aot_compiles"
     root.mkdir(exist_ok=True)
     return root
+
+
+@pytest.mark.aot
+@needs_plugin
+def test_target_devices_need_no_jax_platforms():
+    # A user's process: no JAX_PLATFORMS; on a host without a GPU the plugin's start-up check used to fail.
+    code = "from nsa_jax import aot; import jax; print(len(aot.target_devices('h100', 2)), jax.default_backend())"
+    env = _env_without_platforms()
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["2", "cpu"]
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+def test_info_target_prints_progress_and_the_fit():
+    # `launch.info --target` as a user runs it: no JAX_PLATFORMS, a line at least every HEARTBEAT_S while it compiles.
+    # One layer, one row as configured: three compiles (1, 2 rows, then the search's limit, 4096 rows, which fits).
+    small = ["--set", "model.n_layers=1", "--set", "train.global_batch=1"]
+    cmd = [sys.executable, "-u", "-m", "launch.info", "--config", "cpu_tiny", *small, "--target", "a100-40"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env_without_platforms(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    stamps = []
+    reader = threading.Thread(target=lambda: stamps.extend((time.monotonic(), line) for line in proc.stderr))
+    t0 = time.monotonic()
+    reader.start()
+    try:
+        out = proc.stdout.read()
+        assert proc.wait(timeout=900) in (0, 1)  # 1: the configured batch does not fit
+    finally:
+        proc.kill()
+        reader.join()
+    assert "parameters:" in out and "fit on a100-40 (NVIDIA A100-PCIE-40GB), 1 device(s)" in out, out
+    assert "largest micro-batch that fits: 4096 row(s) per device" in out, out
+    lines = [line for _, line in stamps]
+    assert any("row(s) per device: compiling ..." in line for line in lines), lines
+    times = [t0] + [t for t, _ in stamps]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < 30, f"{max(gaps):.0f} s without a line on stderr: {lines}"
 
 
 def aot_case(card, T):
