@@ -32,10 +32,10 @@
 #   peak       the NSA layer alone at T=PEAK_SEQ_LEN (default 65536), forward then fwd+bwd, in
 #              its own process: the device's measured high-water mark beside the compiled memory
 #   kv         python -m experiments.kv_recall_ablation: NSA vs NSA without selection (KV_ARGS adds flags)
-#   needle     benchmarks/needle_seeds.sh: whole runs of the needle recipe, several recipes over
-#              seeds side by side (NEEDLE_RECIPES, default benchmarks/needle_recipes.txt; NEEDLE_SEEDS,
-#              default 1,2,3,4; NEEDLE_P runs at a time, default 16; NEEDLE_DEADLINE seconds, default
-#              480), fp32 matmuls at full precision as on the CPU the recipe is for, and XLA's
+#   needle     python -m launch.stages: whole runs of the needle recipes (configs/recipes/needle.yaml),
+#              several recipes over seeds side by side (NEEDLE_RECIPES, default needle:plain,rope,ropedecay;
+#              NEEDLE_SEEDS, default 1,2,3,4; NEEDLE_P runs at a time, default 16; NEEDLE_DEADLINE seconds,
+#              default 480), fp32 matmuls at full precision as on the CPU the recipe is for, and XLA's
 #              autotuning off (16 runs compiling at once spent 7 minutes autotuning gemm fusions
 #              without reaching a first step); the runs' figures packed into OUT_DIR/needle.tgz
 #              (`python -m experiments.needle_seeds DIR` reads them)
@@ -174,9 +174,9 @@ positions=2,num_warps=1;positions=4,num_warps=1"}
     needle)
         run_part needle "$((${NEEDLE_DEADLINE:-480} + 60))" env JAX_DEFAULT_MATMUL_PRECISION=highest NSA_TB_DISABLE=1 \
             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-            P="${NEEDLE_P:-16}" DEADLINE="${NEEDLE_DEADLINE:-480}" EVAL_SUITES=needle EVAL_LENGTHS=1024 PYTHON="$PY" \
-            ARCHIVE="$out/needle.tgz" bash benchmarks/needle_seeds.sh "$out/needle" "${NEEDLE_SEEDS:-1,2,3,4}" \
-            "${NEEDLE_RECIPES:-benchmarks/needle_recipes.txt}"
+            "$PY" -m launch.stages --recipe "${NEEDLE_RECIPES:-needle:plain,rope,ropedecay}" --variants nsa \
+            --seeds "${NEEDLE_SEEDS:-1,2,3,4}" --parallel "${NEEDLE_P:-16}" --deadline "${NEEDLE_DEADLINE:-480}" \
+            --eval-suites needle --eval-lengths 1024 --out "$out/needle" --archive "$out/needle.tgz"
         ;;
     *)
         echo "unknown part: $part (env tests kernels selection window attention layer train smoke profile stepprof peak kv needle)" >&2

@@ -161,36 +161,24 @@ def test_needle_selection_finds_the_key_blocks_and_the_share_selected():
     assert selected_share(idx_LxTxKxN, np.array([7, 8]), {9}).sum() == 0
 
 
-def test_needle_seeds_reads_runs_and_counts_the_seeds_at_the_target(tmp_path, capsys):
-    """Two recipes written by hand: recall series from val.csv, needle figures from evaluation.json."""
+def test_needle_seeds_prints_launch_stages_report_of_an_out_dir(tmp_path, capsys):
+    """The reading and the report are launch.stages's; the CLI reads a --out of launch.stages later."""
     from experiments import needle_seeds
+    from launch import stages
 
-    def run(recipe, seed, recall, acc_by_len):
-        d = tmp_path / recipe / f"nsa_s{seed}"
+    for recipe, seed, acc in (("rope", 1, [1.0, 0.875]), ("rope", 2, [1.0, 1.0]), ("plain", 1, [0.0, 0.5])):
+        d = tmp_path / "out" / recipe / f"nsa_s{seed}"
         (d / "eval").mkdir(parents=True)
-        lines = ["step,tokens,val_loss,val_ppl,retrieval_acc,answers,elapsed_s,eval_s"]
-        lines += [f"{s},0,1.0,2.7,{a},320,1.0,0.1" for s, a in recall]
-        (d / "val.csv").write_text("\n".join(lines) + "\n")
-        if acc_by_len is not None:
-            needle = {"lengths": list(acc_by_len), "accuracy": list(acc_by_len.values())}
-            (d / "eval" / "evaluation.json").write_text(json.dumps({"needle": needle}))
-
-    run("plain", 1, [(800, 0.98), (1100, 0.97)], {1024: [1.0, 0.9375, 0.9375], 2048: [0.5, 0.0, 0.25]})
-    run("plain", 2, [(800, 0.99), (1100, 0.60)], {1024: [0.0, 0.0, 0.25]})
-    run("plain", 3, [(800, 0.97)], None)  # stopped before its evaluation
-    run("gradual", 1, [(800, 0.98)], {1024: [1.0, 0.875, 1.0]})
-    recipes = needle_seeds.read(tmp_path)
-    assert sorted(recipes) == ["gradual", "plain"]
-    plain = {r["seed"]: r for r in recipes["plain"]}
-    assert plain[2]["recall"] == [(800, 0.99), (1100, 0.60)]
-    assert plain[1]["needle"][2048]["mean"] == pytest.approx(0.25)
-    assert plain[1]["needle"][1024]["min"] == pytest.approx(0.9375)
-    assert plain[3]["needle"] == {}
-    text = "\n".join(needle_seeds.report(recipes))
-    # plain: seeds 1 and 2 evaluated, mean of (0.9583, 0.0833); seed 1 alone reaches 0.90 at every depth.
-    assert "2 evaluated: mean 0.52" in text and ">= 0.90 at every depth: 1" in text
-    # gradual: 0.875 at one depth misses the target although its mean (0.958) is above 0.90.
-    assert "1 evaluated: mean 0.96" in text.split("== plain")[0]
-    assert ">= 0.90 mean: 1; >= 0.90 at every depth: 0" in text.split("== plain")[0]
+        (d / "val.csv").write_text("step,retrieval_acc\n800,0.9\n1100,\n")
+        (d / "eval" / "evaluation.json").write_text(json.dumps({"needle": {"lengths": [1024], "accuracy": [acc]}}))
+    want = stages.report(stages.read(tmp_path / "out"))
+    assert needle_seeds.main([str(tmp_path / "out"), "--json", str(tmp_path / "runs.json")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == want and printed[0] == "== plain"
+    assert any(line.startswith("  2 evaluated: mean 0.97 ") for line in printed)
+    saved = json.loads((tmp_path / "runs.json").read_text())
+    assert sorted(saved) == ["plain", "rope"] and [r["recall"] for r in saved["rope"]] == [[[800, 0.9]]] * 2
     assert needle_seeds.main([str(tmp_path / "missing")]) == 2
     assert "error:" in capsys.readouterr().err
+    assert needle_seeds.main([str(tmp_path / "out"), "--variant", "full"]) == 2
+    assert "no runs (NAME/full_sSEED)" in capsys.readouterr().err

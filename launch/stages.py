@@ -1,0 +1,710 @@
+"""`python -m launch.stages --recipe FILE:NAME[,NAME...] --seeds 1,2 --out OUT [--parallel N] [--deadline S]`
+
+Staged training recipes, written as data: configs/recipes/FILE.yaml (or a YAML path)
+names recipes, each a list of stages. A stage is one `python -m launch.train` on the
+run's folder with the stage's own settings and train.steps, so it continues the previous
+stage's checkpoint (weights, optimizer state, step; launch.train resumes its out dir).
+After the last stage `python -m launch.evaluate` scores the run. The needle recipe:
+
+    python -m launch.stages --recipe needle:ropedecay --seeds 1,2,3 --out OUT --variants nsa
+    python -m launch.stages --recipe needle:plain,rope,ropedecay --seeds 1,2,3,4 --out OUT \\
+        --variants nsa --parallel 16 --deadline 480 --eval-suites needle --eval-lengths 1024
+
+A recipe file (paths in it are relative to the repository root, where every process runs):
+  env:       {VARIABLE: value} for every process started, unless the environment sets it
+  train:     config, dataset, data_path, set: [KEY=VALUE ...]: launch.train's flags, every stage
+  variants:  {NAME: [KEY=VALUE ...]}: model variants, run side by side (--variants picks;
+             default: all, in the file's order)
+  evaluate:  suites, lengths, samples, text: launch.evaluate's flags after the last stage
+  recipes:   {NAME: [{steps: N, set: [KEY=VALUE ...]}, ...]}: `steps` is train.steps at the
+             stage's end (it counts on over the stages), `set` the stage's --set items
+Every stage's whole configuration is loaded before anything starts: a bad key or value is
+one `error:` line naming the recipe and stage, and nothing runs.
+
+One run per (recipe, variant, seed), started seed by seed (a seed's recipes and variants
+together, so that a --deadline cut leaves every recipe with the same seeds), at most
+--parallel at a time. A run's stages go in order; a stage that fails ends its run (the
+others go on). --deadline S: no run starts later than S - 60 seconds after the command
+did, and a stage still going at S is sent SIGTERM (it saves a checkpoint and exits).
+Ctrl-C (SIGINT) and SIGTERM are passed to the running stages once each (they save a
+checkpoint), and no new stage starts; a second Ctrl-C is passed on too (the stages quit
+at once). --resume continues the runs of an earlier command in the same OUT: a finished
+stage is a no-op, a stopped one resumes from its checkpoint, an evaluated run keeps its
+evaluation.
+
+Progress: one line per run start, stage and end on stdout, every line the run's processes
+print prefixed with `[recipe variant sSEED]`, then each run's summary line and, per
+variant, each recipe over its seeds (`python -m experiments.needle_seeds OUT` prints the
+same from the files later). Writes
+  OUT/<recipe>/<variant>_s<seed>/       the run (launch.train's files; eval/ with
+                                        evaluation.json and the PNGs; evaluate.log)
+  OUT/<recipe>/<variant>_s<seed>.log    everything the run's processes printed
+  OUT/<recipe>/summary.txt              a line per run: seconds per stage and the needle
+                                        accuracy by length, or where and why it stopped
+  --archive FILE.tgz                    OUT without checkpoints, TensorBoard files and heartbeats
+Exit status: 0 every run finished (or was cut by --deadline), 1 a stage or an evaluation
+failed, 2 bad input (one `error:` line; OUT is not touched), 130 Ctrl-C, 143 SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import glob
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import yaml
+
+from launch.cli import Parser, UsageError, run_main
+from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, load_config
+
+ROOT = CONFIG_DIR.parent
+RECIPE_DIR = CONFIG_DIR / "recipes"
+# A run starts only with at least this many seconds left before --deadline.
+MIN_START_S = 60
+# Seconds a stage sent SIGTERM at the deadline has to save before it is killed.
+KILL_AFTER_S = 10
+# Needle exact match a seed must reach at every depth of the first length (the report's target).
+TARGET = 0.90
+EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 1, 130, 143
+
+_FILE_KEYS = {"env", "train", "variants", "evaluate", "recipes"}
+_TRAIN_KEYS = {"config", "dataset", "data_path", "set"}
+_EVAL_KEYS = {"suites", "lengths", "samples", "text"}
+_STAGE_KEYS = {"steps", "set"}
+
+
+# ---------------------------------------------------------------------------
+# recipe files
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    steps: int  # train.steps at the stage's end
+    overrides: tuple[str, ...]  # the stage's --set items
+    seq_len: int  # train.seq_len of the stage's whole configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeFile:
+    path: Path
+    env: dict[str, str]
+    config: str  # launch.train's --config
+    data: dict[str, str]  # {"--dataset": ..., "--data-path": ...}, those the file gives
+    overrides: tuple[str, ...]  # the --set items of every stage
+    variants: dict[str, tuple[str, ...]]
+    evaluate: dict  # suites, lengths, samples, text
+    recipes: dict[str, list]  # as read; `stages` checks them
+
+    def train_args(self) -> list[str]:
+        """launch.train's flags for every stage of every recipe."""
+        return ["--config", self.config, *(a for kv in self.data.items() for a in kv), *set_flags(self.overrides)]
+
+
+def recipe_path(name: str) -> Path:
+    """`needle` -> configs/recipes/needle.yaml; a YAML path is taken as is (relative to the working directory)."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise UsageError(f"--recipe: file {name} not found")
+        return p
+    candidate = RECIPE_DIR / f"{name}.yaml"
+    if not candidate.is_file():
+        names = ", ".join(sorted(q.stem for q in RECIPE_DIR.glob("*.yaml"))) or "none"
+        raise UsageError(f"--recipe: no recipe file '{name}' in {RECIPE_DIR} (there: {names}); or pass a YAML path")
+    return candidate
+
+
+def _str_list(value, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"{where} must be a list of KEY=VALUE strings, got {value!r}")
+    bad = [v for v in value if "=" not in v]
+    if bad:
+        raise UsageError(f"{where}: {bad[0]!r} must look like section.key=value")
+    return tuple(value)
+
+
+def _mapping(value, where: str, keys: set[str] | None = None) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{where} must be a mapping, got {type(value).__name__}")
+    unknown = sorted(set(map(str, value)) - keys) if keys is not None else []
+    if unknown:
+        raise UsageError(f"{where}: unknown key '{unknown[0]}' (it holds {', '.join(sorted(keys))})")
+    return value
+
+
+def _comma_list(value, where: str) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else None
+    if items is None:
+        raise UsageError(f"{where} must be a list or a comma-separated string, got {value!r}")
+    return [str(x).strip() for x in items if str(x).strip()]
+
+
+def check_evaluate(ev: dict, where: str) -> dict:
+    """{suites, lengths, samples, text} with their types checked; UsageError naming `where`."""
+    suites = _comma_list(ev.get("suites", ["needle"]), f"{where}: suites")
+    bad = [s for s in suites if s not in EVAL_SUITES]
+    if bad or not suites:
+        raise UsageError(
+            f"{where}: unknown suite {bad[0] if bad else '(none)'!r}; choose from {', '.join(EVAL_SUITES)}"
+        )
+    try:
+        lengths = [int(x) for x in _comma_list(ev.get("lengths", []), f"{where}: lengths")]
+    except ValueError:
+        raise UsageError(f"{where}: lengths must be positive integers, got {ev.get('lengths')!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise UsageError(f"{where}: lengths must be positive integers, got {ev.get('lengths')!r}")
+    samples = ev.get("samples", 16)
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise UsageError(f"{where}: samples must be a positive integer, got {samples!r}")
+    text = ev.get("text", [])
+    if isinstance(text, str):
+        text = [text]
+    if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
+        raise UsageError(f"{where}: text must be a list of files, got {text!r}")
+    missing = [t for t in text if not (ROOT / t).is_file()]
+    if missing:
+        raise UsageError(f"{where}: text file {missing[0]} not found (paths are relative to {ROOT})")
+    return {"suites": suites, "lengths": lengths, "samples": samples, "text": text}
+
+
+def load_recipe_file(name: str) -> RecipeFile:
+    """The recipe file `name` read and its layout checked (the stages: `stages`); UsageError when it is bad."""
+    path = recipe_path(name)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"--recipe: cannot read {path}: {str(e).splitlines()[0]}") from None
+    where = str(path)
+    data = _mapping(data, where, _FILE_KEYS)
+    env = {str(k): str(v) for k, v in _mapping(data.get("env"), f"{where}: env").items()}
+    train = _mapping(data.get("train"), f"{where}: train", _TRAIN_KEYS)
+    if not isinstance(train.get("config"), str):
+        raise UsageError(f"{where}: train.config must name a config (configs/ or a YAML path)")
+    data_flags = {}
+    if train.get("dataset") is not None:
+        data_flags["--dataset"] = str(train["dataset"])
+    if train.get("data_path") is not None:
+        pattern = str(train["data_path"])
+        if not glob.glob(pattern if os.path.isabs(pattern) else str(ROOT / pattern)):
+            raise UsageError(f"{where}: train.data_path {pattern} matches nothing (paths are relative to {ROOT})")
+        data_flags["--data-path"] = pattern
+    overrides = _str_list(train.get("set"), f"{where}: train.set")
+    variants = {
+        str(k): _str_list(v, f"{where}: variant {k}")
+        for k, v in _mapping(data.get("variants") or {"default": []}, f"{where}: variants").items()
+    }
+    bad = [v for v in variants if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v)]
+    if bad:
+        raise UsageError(
+            f"{where}: variant name {bad[0]!r} must be a word of letters, digits, _ . - (it names folders)"
+        )
+    evaluate = check_evaluate(_mapping(data.get("evaluate"), f"{where}: evaluate", _EVAL_KEYS), f"{where}: evaluate")
+    recipes = _mapping(data.get("recipes"), f"{where}: recipes")
+    if not recipes:
+        raise UsageError(f"{where}: no recipes (a `recipes:` mapping of NAME: [stages])")
+    recipes = {str(k): v for k, v in recipes.items()}
+    return RecipeFile(path, env, train["config"], data_flags, overrides, variants, evaluate, recipes)
+
+
+def set_flags(overrides) -> list[str]:
+    return [a for s in overrides for a in ("--set", s)]
+
+
+def _config_overrides(rf: RecipeFile) -> tuple[str, list[str]]:
+    """(config name or path, the overrides launch.train makes of the file's --dataset, --data-path and --set)."""
+    config = rf.config
+    if config.endswith((".yaml", ".yml")) and not os.path.isabs(config):
+        config = str(ROOT / config)
+    keys = {"--dataset": "data.dataset", "--data-path": "data.path"}
+    return config, [*(f"{keys[flag]}={value}" for flag, value in rf.data.items()), *rf.overrides]
+
+
+def stages(rf: RecipeFile, recipe: str, variant: str) -> list[Stage]:
+    """The recipe's stages for `variant`, every one's whole configuration loaded; UsageError naming the stage."""
+    where = f"{rf.path}: recipe {recipe}"
+    raw = rf.recipes[recipe]
+    if not isinstance(raw, list) or not raw:
+        raise UsageError(f"{where} must be a non-empty list of stages ({{steps: N, set: [KEY=VALUE ...]}})")
+    config, base = _config_overrides(rf)
+    out, last = [], 0
+    for i, st in enumerate(raw, 1):
+        at = f"{where} stage {i}"
+        st = _mapping(st, at, _STAGE_KEYS)
+        steps = st.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= last:
+            raise UsageError(f"{at}: steps must be an integer above the previous stage's ({last}), got {steps!r}")
+        overrides = _str_list(st.get("set"), f"{at}: set")
+        try:
+            cfg = load_config(config, [*base, *rf.variants[variant], *overrides, f"train.steps={steps}"])
+        except ConfigError as e:
+            raise UsageError(f"{at} (variant {variant}): {e}") from None
+        out.append(Stage(steps, overrides, cfg.train.seq_len))
+        last = steps
+    return out
+
+
+# ---------------------------------------------------------------------------
+# reading what the runs wrote
+
+
+def read_run(run: Path) -> dict:
+    """One run directory (<variant>_sSEED): its recall series and needle accuracy, whatever exists."""
+    out: dict = {"seed": int(run.name.rsplit("_s", 1)[1]), "recall": [], "needle": {}}
+    val = run / "val.csv"
+    if val.exists():
+        with val.open() as f:
+            rows = [r for r in csv.DictReader(f) if r["retrieval_acc"]]
+        out["recall"] = [(int(r["step"]), float(r["retrieval_acc"])) for r in rows]
+    ev = run / "eval" / "evaluation.json"
+    if ev.exists():
+        needle = json.loads(ev.read_text()).get("needle")
+        if needle:
+            for length, acc in zip(needle["lengths"], needle["accuracy"]):
+                out["needle"][int(length)] = {"mean": sum(acc) / len(acc), "min": min(acc), "by_depth": acc}
+    return out
+
+
+def summary_line(run: str | Path) -> str:
+    """A run's needle accuracy: "L=1024: mean M min N  L=2048: ..."."""
+    needle = read_run(Path(run))["needle"]
+    return "  ".join(f"L={n}: mean {v['mean']:.2f} min {v['min']:.2f}" for n, v in sorted(needle.items()))
+
+
+def read(out_dir: Path, variant: str = "nsa") -> dict[str, list[dict]]:
+    """{recipe name: [run, ...] by seed}: the `variant` runs of OUT/<recipe>/<variant>_sSEED."""
+    recipes = {}
+    for d in sorted(p for p in out_dir.iterdir() if p.is_dir()):
+        found = (r for r in d.glob(f"{variant}_s*") if r.is_dir() and r.name.rsplit("_s", 1)[1].isdigit())
+        runs = sorted((read_run(r) for r in found), key=lambda r: r["seed"])
+        if runs:
+            recipes[d.name] = runs
+    return recipes
+
+
+def report(recipes: dict[str, list[dict]]) -> list[str]:
+    """Per recipe: each seed's needle accuracy and recall series, then the mean and spread over seeds
+    and how many seeds reach TARGET at the first length."""
+    lines = []
+    for name, runs in recipes.items():
+        lines.append(f"== {name}")
+        means = []
+        reached = 0
+        for r in runs:
+            series = " ".join(f"{s}:{a:.2f}" for s, a in r["recall"])
+            needle = "  ".join(f"L={n}: {v['mean']:.2f} (min {v['min']:.2f})" for n, v in sorted(r["needle"].items()))
+            lines.append(f"  seed {r['seed']:>2} | {needle or 'not evaluated'} | recall {series}")
+            if r["needle"]:
+                first = r["needle"][min(r["needle"])]
+                means.append(first["mean"])
+                reached += first["min"] >= TARGET
+        if means:
+            spread = statistics.pstdev(means) if len(means) > 1 else 0.0
+            lines.append(
+                f"  {len(means)} evaluated: mean {statistics.mean(means):.2f} (sd {spread:.2f}, "
+                f"{min(means):.2f}-{max(means):.2f}); >= {TARGET:.2f} mean: {sum(m >= TARGET for m in means)}; "
+                f">= {TARGET:.2f} at every depth: {reached}"
+            )
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# running
+
+
+@dataclasses.dataclass
+class Run:
+    recipe: str
+    variant: str
+    seed: int
+    stages: list[Stage]
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.recipe} {self.variant} seed {self.seed}"
+
+    @property
+    def log(self) -> Path:
+        return self.dir.parent / f"{self.dir.name}.log"
+
+
+def train_command(rf: RecipeFile, run: Run, stage: Stage) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "launch.train",
+        *rf.train_args(),
+        *set_flags(rf.variants[run.variant]),
+        *("--set", f"train.seed={run.seed}", "--out-dir", str(run.dir), "--steps", str(stage.steps)),
+        *set_flags(stage.overrides),
+    ]
+
+
+def evaluate_command(ev: dict, run: Run) -> list[str]:
+    text = ["--text", *ev["text"]] if ev["text"] else []
+    return [
+        sys.executable,
+        "-m",
+        "launch.evaluate",
+        *("--ckpt", str(run.dir), "--suites", ",".join(ev["suites"])),
+        *("--lengths", ",".join(map(str, ev["lengths"])), "--samples", str(ev["samples"])),
+        *text,
+        *("--out", str(run.dir / "eval")),
+    ]
+
+
+class Runner:
+    """Runs the runs, at most `parallel` at a time, each in a thread that starts its processes one by one."""
+
+    def __init__(self, rf: RecipeFile, ev: dict, runs: list[Run], parallel: int, deadline: float):
+        self.rf, self.ev, self.runs, self.parallel = rf, ev, runs, parallel
+        self.t0 = time.monotonic()
+        self.deadline_at = self.t0 + deadline if deadline > 0 else None
+        self.lock = threading.RLock()  # RLock: the signal handler runs on the main thread, which may hold it
+        self.procs: set[subprocess.Popen] = set()
+        self.signals: list[tuple[int, int]] = []  # (signal, processes it was passed to)
+        self.results: dict[str, str] = {}  # run dir -> "ok", "deadline", "skipped", "failed", "interrupted"
+        self.lines: list[str] = []  # summary lines, in the order the runs ended
+        self.env = {**rf.env, **os.environ}  # the file's env only where the environment has none
+
+    def say(self, msg: str) -> None:
+        with self.lock:
+            print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+    def on_signal(self, signum, _frame) -> None:
+        """Ctrl-C / SIGTERM: passed to every running process (each saves a checkpoint); no new stage starts.
+        It prints nothing (it may interrupt a print of the main thread): run_all says what happened."""
+        with self.lock:
+            procs = list(self.procs)
+            self.signals.append((signum, len(procs)))
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signum)
+
+    def process(self, cmd: list[str], run: Run, log, also: Path | None = None) -> tuple[int, str]:
+        """One process of `run`, its output into the run's log (and `also`) and on stdout with the run's
+        prefix; (exit status, "" or "deadline" / "interrupted")."""
+        prefix = f"[{run.recipe} {run.variant} s{run.seed}] "
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        with self.lock:
+            if self.signals:
+                return 0, "interrupted"
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                start_new_session=True,  # signals reach it through on_signal, once each
+            )
+            self.procs.add(proc)
+        extra = open(also, "a") if also else contextlib.nullcontext()
+
+        def pump():
+            with extra as f:
+                for line in proc.stdout:
+                    log.write(line)
+                    if f:
+                        f.write(line)
+                    with self.lock:
+                        print(prefix + line, end="", flush=True)
+            log.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        why = ""
+        try:
+            while True:
+                left = None if self.deadline_at is None else self.deadline_at - time.monotonic()
+                if left is not None and left <= 0:
+                    why = "deadline"
+                    proc.terminate()
+                    try:
+                        proc.wait(KILL_AFTER_S)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                    break
+                try:
+                    proc.wait(1.0 if left is None else min(1.0, left))
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.wait()
+        finally:
+            with self.lock:
+                self.procs.discard(proc)
+        reader.join()
+        if not why and self.signals:
+            why = "interrupted"
+        return rc, why
+
+    def stopped(self, run: Run, rc: int, why: str, where: str, t0: float) -> str:
+        what = {"deadline": "at the deadline", "interrupted": "by a signal"}.get(why, "failed")
+        line = f"{run.variant} seed {run.seed}: stopped rc={rc} after {int(time.monotonic() - t0)} s ({what}, {where})"
+        if not why:
+            line += f"; see {run.log}"
+        self.finish(run, line)
+        return why or "failed"
+
+    def finish(self, run: Run, line: str) -> None:
+        with self.lock:
+            with open(run.dir.parent / "summary.txt", "a") as f:
+                f.write(line + "\n")
+            self.lines.append(f"{run.recipe}: {line}")
+        self.say(f"{run.recipe}: {line}")
+
+    def run_one(self, run: Run) -> str:
+        t0 = time.monotonic()
+        n = len(run.stages)
+        times = []
+        with open(run.log, "a") as log:
+            for i, stage in enumerate(run.stages, 1):
+                self.say(f"{run.label}: stage {i}/{n}: T={stage.seq_len} to step {stage.steps}")
+                s0 = time.monotonic()
+                rc, why = self.process(train_command(self.rf, run, stage), run, log)
+                if rc or why:
+                    return self.stopped(run, rc, why, f"stage {i}/{n}", t0)
+                times.append(f"T={stage.seq_len} {int(time.monotonic() - s0)} s")
+            if (run.dir / "eval" / "evaluation.json").exists():
+                self.say(f"{run.label}: evaluated before; keeping {run.dir / 'eval'}")
+            else:
+                lengths = ",".join(map(str, self.ev["lengths"]))
+                self.say(f"{run.label}: evaluation: {','.join(self.ev['suites'])} at L={lengths}")
+                rc, why = self.process(evaluate_command(self.ev, run), run, log, also=run.dir / "evaluate.log")
+                if rc or why:
+                    return self.stopped(run, rc, why, "evaluation", t0)
+        self.finish(run, f"{run.variant} seed {run.seed}: {','.join(times)} | {summary_line(run.dir)}")
+        return "ok"
+
+    def _thread(self, run: Run) -> None:
+        try:
+            result = self.run_one(run)
+        except Exception as e:  # an OSError writing the log or the summary: this run ends, the others go on
+            self.say(f"{run.label}: failed: {type(e).__name__}: {e}")
+            result = "failed"
+        with self.lock:
+            self.results[str(run.dir)] = result
+
+    def run_all(self) -> None:
+        pending, running, told = deque(self.runs), [], 0
+        while pending or running:
+            for signum, n in self.signals[told:]:
+                self.say(f"{signal.Signals(signum).name}: passed to {n} running process(es); no new stage starts")
+            told = len(self.signals)
+            while pending and len(running) < self.parallel and not self.signals:
+                run = pending.popleft()
+                run.dir.parent.mkdir(parents=True, exist_ok=True)
+                if self.deadline_at is not None and self.deadline_at - time.monotonic() < MIN_START_S:
+                    self.finish(
+                        run, f"{run.variant} seed {run.seed}: skipped (under {MIN_START_S} s left before --deadline)"
+                    )
+                    self.results[str(run.dir)] = "skipped"
+                    continue
+                self.say(f"start {run.label} ({len(run.stages)} stages; log {run.log})")
+                t = threading.Thread(target=self._thread, args=(run,), name=run.label)
+                t.start()
+                running.append((run, t))
+            if self.signals and pending:
+                for run in pending:
+                    self.results[str(run.dir)] = "interrupted"
+                pending.clear()
+            for run, t in list(running):
+                if not t.is_alive():
+                    t.join()
+                    running.remove((run, t))
+                    self.say(
+                        f"done {run.label}: {self.results.get(str(run.dir))} "
+                        f"({int(time.monotonic() - self.t0)} s since the start)"
+                    )
+            time.sleep(0.2)
+
+
+def write_archive(out: Path, archive: Path) -> None:
+    """OUT packed into `archive` without checkpoints, TensorBoard files or heartbeats (written whole, then renamed)."""
+    tmp = archive.with_name(archive.name + ".tmp")
+
+    def keep(info: tarfile.TarInfo):
+        base = os.path.basename(info.name)
+        if base in ("checkpoints", "tb") or base.startswith("heartbeat_") or base == tmp.name:
+            return None
+        return info
+
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(out, arcname=out.name, filter=keep)
+    os.replace(tmp, archive)
+
+
+# ---------------------------------------------------------------------------
+# command line
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 0:
+        raise UsageError(f"{flag} must be comma-separated integers >= 0, got {text!r}")
+    if len(set(out)) != len(out):
+        raise UsageError(f"{flag} repeats a value: {text!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="python -m launch.stages",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        in_process=True,
+    )
+    p.add_argument("--recipe", required=True, metavar="FILE:NAME[,NAME...]", help="e.g. needle:ropedecay")
+    p.add_argument("--seeds", required=True, metavar="S[,S...]", help="train.seed of each run, e.g. 1,2,3")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the runs (OUT/<recipe>/<variant>_s<seed>)")
+    p.add_argument("--variants", metavar="V[,V...]", help="variants of the recipe file to run (default: all)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="runs at a time (default 1)")
+    p.add_argument("--deadline", type=float, default=0, metavar="S", help="seconds from the start (0: none)")
+    p.add_argument("--eval-suites", metavar="S[,S...]", help="replace the recipe file's evaluation suites")
+    p.add_argument("--eval-lengths", metavar="L[,L...]", help="replace the recipe file's evaluation lengths")
+    p.add_argument("--archive", type=Path, metavar="FILE.tgz", help="pack OUT (without checkpoints) at the end")
+    p.add_argument("--resume", action="store_true", help="continue the runs of an earlier command in OUT")
+    p.add_argument("--dry-run", action="store_true", help="print every run's commands and stop")
+    return p
+
+
+def plan(args) -> tuple[RecipeFile, dict, list[Run]]:
+    """Everything checked before OUT is touched: (recipe file, evaluation, runs in start order)."""
+    file_name, sep, names = args.recipe.rpartition(":")
+    if not sep or not file_name or not names.strip():
+        which = "e.g. needle:ropedecay"
+        with contextlib.suppress(UsageError):
+            rf = load_recipe_file(file_name or names)
+            which = f"{rf.path} has {', '.join(rf.recipes)}"
+        raise UsageError(f"--recipe {args.recipe!r} must look like FILE:NAME[,NAME...] ({which})")
+    rf = load_recipe_file(file_name)
+    names = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in names if n not in rf.recipes]
+    if unknown:
+        raise UsageError(f"--recipe: {rf.path} has no recipe '{unknown[0]}'; choose from {', '.join(rf.recipes)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--recipe {args.recipe!r} repeats a recipe")
+    seeds = _ints(args.seeds, "--seeds")
+    variants = list(rf.variants)
+    if args.variants is not None:
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        bad = [v for v in variants if v not in rf.variants]
+        if bad or not variants:
+            which = bad[0] if bad else args.variants
+            raise UsageError(f"--variants: unknown variant {which!r}; {rf.path} has {', '.join(rf.variants)}")
+        if len(set(variants)) != len(variants):
+            raise UsageError(f"--variants {args.variants!r} repeats a variant")
+    if args.parallel < 1:
+        raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.deadline < 0:
+        raise UsageError(f"--deadline must be >= 0 seconds (0: none), got {args.deadline:g}")
+    ev = dict(rf.evaluate)
+    if args.eval_suites is not None:
+        ev["suites"] = args.eval_suites
+    if args.eval_lengths is not None:
+        ev["lengths"] = args.eval_lengths
+    ev = check_evaluate(ev, "--eval-suites/--eval-lengths" if args.eval_suites or args.eval_lengths else str(rf.path))
+    out = Path(args.out).resolve()
+    by_recipe = {(n, v): stages(rf, n, v) for n in names for v in variants}
+    runs = [Run(n, v, s, by_recipe[n, v], out / n / f"{v}_s{s}") for s in seeds for n in names for v in variants]
+    return rf, ev, runs
+
+
+def check_out(args, runs: list[Run]) -> Path:
+    """OUT usable, and no earlier run in it unless --resume; the archive new unless --resume."""
+    out = Path(args.out).resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out} is a file; pass a folder")
+    if not args.resume:
+        for run in runs:
+            for p in (run.dir, run.log):
+                if p.exists():
+                    raise UsageError(
+                        f"--out {args.out} already holds {p} (an earlier command's run); "
+                        "pass another --out, or --resume to continue its stages"
+                    )
+        if args.archive is not None and args.archive.exists():
+            raise UsageError(f"--archive {args.archive} exists; pass another file, or move it away")
+    if args.archive is not None and not args.archive.resolve().parent.is_dir():
+        raise UsageError(f"--archive {args.archive}: folder {args.archive.resolve().parent} does not exist")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot create it: {e}") from None
+    return out
+
+
+def run(args) -> int:
+    rf, ev, runs = plan(args)
+    if args.dry_run:
+        for r in runs:
+            print(f"# {r.label} -> {r.dir}")
+            for stage in r.stages:
+                print(shlex.join(train_command(rf, r, stage)))
+            print(shlex.join(evaluate_command(ev, r)))
+        return 0
+    out = check_out(args, runs)
+    runner = Runner(rf, ev, runs, args.parallel, args.deadline)
+    previous = {s: signal.signal(s, runner.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deadline = f", deadline {args.deadline:g} s" if args.deadline else ""
+        runner.say(f"{len(runs)} run(s) of {rf.path}, {args.parallel} at a time{deadline} -> {out}")
+        runner.run_all()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    print()
+    print("\n".join(runner.lines))
+    recipes = sorted({r.recipe for r in runs})
+    variants = list(dict.fromkeys(r.variant for r in runs))
+    for variant in variants:
+        found = {k: v for k, v in read(out, variant).items() if k in recipes}
+        if found and len(variants) > 1:
+            print(f"-- variant {variant}")
+        print("\n".join(report(found)))
+    if args.archive is not None:
+        try:
+            write_archive(out, args.archive)
+            print(f"archive: {args.archive}")
+        except OSError as e:
+            print(f"error: cannot write --archive {args.archive}: {e}", file=sys.stderr)
+            return EXIT_FAILED
+    unfinished = [r for r in runs if runner.results.get(str(r.dir)) != "ok"]
+    if unfinished:
+        print(f"{len(unfinished)} run(s) not finished; to go on with them: the same command with --resume")
+    if runner.signals:
+        return EXIT_SIGINT if signal.SIGINT in [s for s, _ in runner.signals] else EXIT_SIGTERM
+    return EXIT_FAILED if "failed" in runner.results.values() else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
