@@ -27,6 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The dispatch module, called through its attributes: what a test monkeypatches is what runs.
+from nsa_jax import kernels as K
+from nsa_jax.kernels.xla import num_compressed, select_blocks
+
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
 SLICE_SEQ = 256
 SLICE_BATCH = 1
@@ -53,8 +57,6 @@ def _branch_fn(plan, nsa, branch: str) -> tuple[str, Callable]:
 
     `impl` is "pallas" (the plan's kernel for the branch) or "xla" (the reference).
     """
-    from nsa_jax import kernels as K  # the dispatch module: what a test monkeypatches is what runs
-
     run = {"interpret": plan.interpret}
     if branch == "cmp":
         select_n = nsa.n if "slc" in nsa.branches else None
@@ -76,8 +78,6 @@ def _branch_fn(plan, nsa, branch: str) -> tuple[str, Callable]:
 
 def _shapes(cfg, branch: str, batch: int, seq: int) -> list[tuple[tuple[int, ...], jnp.dtype]]:
     """Shapes and dtypes of the branch's inputs (q first), as the layer calls it."""
-    from nsa_jax.kernels.xla import num_compressed
-
     a, dt = cfg.nsa, jnp.dtype(cfg.dtype)
     H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
     q = ((batch, seq, H, Dk), dt)
@@ -104,8 +104,6 @@ def _loss_and_grads(fn, impl: str, n_diff: int):
 
 
 def _slice_inputs(cfg, branch: str, seq: int, rng: np.random.Generator):
-    from nsa_jax.kernels.xla import select_blocks
-
     xs = []
     for shape, dt in _shapes(cfg, branch, SLICE_BATCH, seq):
         if dt == jnp.int32:  # selected blocks: select_blocks' rules over random scores
@@ -162,8 +160,6 @@ def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Calla
     `fallback`. Does nothing unless attention_impl is `auto` and the backend is a GPU,
     or `force`.
     """
-    from nsa_jax import kernels as K
-
     a = cfg.nsa
     backend = jax.default_backend()
     if a.attention_impl != "auto" or not (force or K.resolve_impl("auto", backend) == "pallas"):
