@@ -236,8 +236,8 @@ def target_devices(target: str | GpuTarget, n_devices: int = 1) -> list:
 def abstract_gpu(target: str | GpuTarget = "a100-40"):
     """A context in which Pallas lowers its Triton kernels for `target`, with or without a GPU here.
 
-    jax >= 0.12 asks the context's abstract device which card to lower a Triton
-    kernel for, and refuses without a GPU and without one (`No supported GPU devices
+    jax 0.11 and later ask the context's abstract device which card to lower a Triton
+    kernel for, and refuse without a GPU and without one (`No supported GPU devices
     found`); jax 0.10 lowers for sm_90 when there is no GPU and ignores it. The mesh
     has no axes: a jit's own shardings still place its arguments.
     """
@@ -655,17 +655,23 @@ _PTX_TARGET = re.compile(r"^\.target (\w+)", re.M)
 
 
 def ptxas_path() -> str | None:
-    """ptxas from the nvidia-cuda-nvcc wheel jax[cuda12] installs, else the one on PATH."""
+    """ptxas from the CUDA wheels jax's plugin installs (nvidia/cuda_nvcc for CUDA 12, nvidia/cu13 for 13),
+    else the one on PATH, else CUDA's default install."""
     try:
-        import nvidia.cuda_nvcc as nvcc
+        import nvidia
 
-        for base in list(getattr(nvcc, "__path__", [])):
-            candidate = os.path.join(base, "bin", "ptxas")
+        bases = list(getattr(nvidia, "__path__", []))
+    except ImportError:
+        bases = []
+    for base in bases:
+        for sub in ("cuda_nvcc", "cu13"):
+            candidate = os.path.join(base, sub, "bin", "ptxas")
             if os.access(candidate, os.X_OK):
                 return candidate
-    except ImportError:
-        pass
-    return shutil.which("ptxas")
+    found = shutil.which("ptxas")
+    if found is None and os.access("/usr/local/cuda/bin/ptxas", os.X_OK):
+        found = "/usr/local/cuda/bin/ptxas"
+    return found
 
 
 def ptx_entries(dump_dir: str) -> dict[str, str]:

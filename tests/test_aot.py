@@ -24,6 +24,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 from helpers import ROOT
@@ -313,6 +314,20 @@ def test_fit_check_says_what_it_compiles(monkeypatch):
         assert lines[i + 1].startswith(f"  {b} row(s) per device: compiling: ")
         done = [line for line in lines if line.startswith(f"  {b} row(s) per device: ") and "MiB" in line]
         assert len(done) == 1 and lines.index(done[0]) > i + 1
+
+
+@pytest.mark.parametrize("layout", ["cuda_nvcc", "cu13"])
+def test_ptxas_from_the_plugins_cuda_wheels(tmp_path, monkeypatch, layout):
+    # jax[cuda12] installs nvidia/cuda_nvcc/bin/ptxas, jax[cuda13] nvidia/cu13/bin/ptxas.
+    ptxas = tmp_path / "nvidia" / layout / "bin" / "ptxas"
+    ptxas.parent.mkdir(parents=True)
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    nvidia = types.ModuleType("nvidia")
+    nvidia.__path__ = [str(tmp_path / "nvidia")]
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)
+    monkeypatch.delitem(sys.modules, "nvidia.cuda_nvcc", raising=False)
+    assert aot.ptxas_path() == str(ptxas)
 
 
 def test_fit_check_unknown_target(capsys):
