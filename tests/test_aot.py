@@ -330,6 +330,17 @@ def test_ptxas_from_the_plugins_cuda_wheels(tmp_path, monkeypatch, layout):
     assert aot.ptxas_path() == str(ptxas)
 
 
+@pytest.mark.parametrize("devices", ["0", "-1"])
+def test_info_target_refuses_no_devices_before_compiling(monkeypatch, capsys, devices):
+    def fit_check(*args, **kwargs):
+        raise AssertionError("compiled although --devices was refused")
+
+    monkeypatch.setattr(aot, "fit_check", fit_check)
+    assert info_cli.main(["--config", "a100_pcie", "--target", "a100-40", "--devices", devices]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: --devices {devices} must be >= 1\n"
+
+
 def test_fit_check_unknown_target(capsys):
     assert info_cli.main(["--config", "a100_pcie", "--target", "v100"]) == 2
     assert "unknown GPU target 'v100'" in capsys.readouterr().err
