@@ -16,7 +16,7 @@ import pytest
 from helpers import rel_err, tiny_model_cfg
 from reference import nsa_layer_ref
 
-from benchmarks.experiments import pair_positions
+from experiments.compare import pair_positions
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data.kv_recall import make_kv_batch, pair_len
 from nsa_jax.nsa.distill import score_distill_kl
