@@ -38,13 +38,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -257,29 +255,6 @@ def export_for_cuda(fn: Callable, *args, target: str | GpuTarget = "a100-40"):
 # compiling
 
 
-@contextlib.contextmanager
-def compiled_kernels():
-    """Pallas kernels lowered for the GPU even on a CPU host.
-
-    The layer asks `interpret_pallas()` (the host backend) whether to interpret its
-    kernels; a compile for a GPU target needs them compiled whatever the host is, so
-    every loaded project module's reference to it answers False meanwhile.
-    """
-    with contextlib.ExitStack() as stack:
-        for name, mod in list(sys.modules.items()):
-            if name.startswith("nsa_jax") and callable(getattr(mod, "interpret_pallas", None)):
-                stack.enter_context(mock.patch.object(mod, "interpret_pallas", lambda: False))
-        yield
-
-
-def for_gpu(cfg: Config) -> Config:
-    """`cfg` with attention_impl as a GPU resolves it: `auto` runs the Pallas kernels there."""
-    from nsa_jax.kernels import resolve_impl
-
-    impl = cfg.model.nsa.attention_impl
-    return config.replace(cfg, [f"model.nsa.attention_impl={resolve_impl(impl, 'cuda')}"])
-
-
 def memory_stats(compiled) -> dict[str, int | None]:
     """Compiled (static, buffer-assignment) memory of an executable, in bytes.
 
@@ -323,7 +298,7 @@ def _compile(target: str, fn: Callable, args, dump_dir: str | None, **jit_kwargs
         # XLA only for the emitters this names.
         options["xla_dump_emitter_re"] = "ptx"
     t0 = time.perf_counter()
-    with compiled_kernels(), abstract_gpu(target):
+    with abstract_gpu(target):
         lowered = (fn if hasattr(fn, "lower") else jax.jit(fn, **jit_kwargs)).lower(*args)
         t1 = time.perf_counter()
         executable = lowered.compile(compiler_options=options or None)
@@ -342,17 +317,21 @@ def train_step_args(cfg: Config, devices: list):
 
 
 def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str | None = None) -> Compiled:
-    """One optimizer step of `cfg` (its parallel.strategy, its batch) for `n_devices` cards; memory is per device."""
-    cfg = for_gpu(cfg)
+    """One optimizer step of `cfg` (its parallel.strategy, its batch) for `n_devices` cards; memory is per device.
+
+    The step's kernel plan is the card's (the mesh's devices are GPUs): Pallas kernels compiled, not interpreted.
+    """
     step, args = train_step_args(cfg, target_devices(target, n_devices))
     return _compile(target, step, args, dump_dir)
 
 
 def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, sharding=None):
-    """(fn, abstract (params, x, ct)): the NSA layer's forward and its VJP w.r.t. parameters and input."""
+    """(fn, abstract (params, x, ct)): the NSA layer's forward and its VJP w.r.t. parameters and input,
+    with the kernel plan of a GPU (kernels compiled, not interpreted, whatever this host is)."""
+    from nsa_jax.kernels import plan_kernels
     from nsa_jax.nsa.layer import NSAAttention
 
-    module = NSAAttention(cfg)
+    module = NSAAttention(cfg, kernels=plan_kernels(cfg.nsa, seq_len, "gpu"))
     x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
     params = jax.eval_shape(lambda xx: module.init(jax.random.PRNGKey(0), xx)["params"], x)
     if sharding is not None:
@@ -367,7 +346,6 @@ def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, shard
 
 def compile_layer(cfg: Config, target: str, seq_len: int, batch: int = 1, dump_dir: str | None = None) -> Compiled:
     """The NSA layer's forward+backward of `cfg.model` at T=`seq_len` for one card."""
-    cfg = for_gpu(cfg)
     device = target_devices(target, 1)[0]
     fn, args = layer_forward_backward(cfg.model, seq_len, batch, jax.sharding.SingleDeviceSharding(device))
     return _compile(target, fn, args, dump_dir)
