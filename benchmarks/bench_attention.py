@@ -52,7 +52,6 @@ from benchmarks.common import (
     fmt_mib,
     import_pyplot,
     log,
-    memory_stats,
     on_gpu,
     parse_ints,
     print_header,
@@ -65,6 +64,7 @@ from nsa_jax.config import ModelConfig, load_config
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.layers import rope
 from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.ops.memory import compiled_memory
 
 GPU_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096, 8192)
@@ -270,8 +270,8 @@ def measure(name, module, params, x, ct, backward, opts, free_bytes):
         log(f"  {name}: compile failed: {out['note']}")
         return out
     out["compile_s"] = lower_s + compile_s
-    out["mem"] = memory_stats(compiled)
-    need = out["mem"]["total"]
+    out["mem"] = compiled_memory(compiled)
+    need = (out["mem"] or {}).get("total")
     if free_bytes is not None and need is not None and need > MEMORY_HEADROOM * free_bytes:
         out["note"] = (
             f"not run: compiled memory {need / 2**30:.1f} GiB > {MEMORY_HEADROOM:.0%} "

@@ -43,7 +43,6 @@ from benchmarks.common import (
     fmt,
     fmt_mib,
     log,
-    memory_stats,
     parse_ints,
     print_header,
     print_table_header,
@@ -54,6 +53,7 @@ from nsa_jax.aot import train_step_args
 from nsa_jax.config import Config, load_config
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.model import NSALM, cross_entropy, init_params
+from nsa_jax.ops.memory import compiled_memory
 
 
 def project_step(cfg: Config, n_devices: int):
@@ -100,7 +100,7 @@ def measure(cfg: Config, step_kind: str, n_devices: int) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    mem = memory_stats(compiled)
+    mem = compiled_memory(compiled)
     n_params = sum(int(x.size) for x in jax.tree.leaves(args[0].params if used == "project" else args[0]))
     return {
         "step": used,

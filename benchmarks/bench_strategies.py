@@ -45,8 +45,9 @@ if "XLA_FLAGS" not in os.environ:  # before jax is imported: two devices on a CP
 import jax
 import numpy as np
 
-from benchmarks.common import MiB, add_config_args, fmt, log, memory_stats, print_header, short_error, write_json
+from benchmarks.common import MiB, add_config_args, fmt, log, print_header, short_error, write_json
 from nsa_jax.config import load_config
+from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.train import step as S
 from nsa_jax.train import strategies
 
@@ -225,7 +226,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     lowered = S.make_train_step(plan).lower(state, batch)
     compiled, partitioned = compile_with_partitioned_hlo(lowered)
     row["compile_s"] = time.perf_counter() - t0
-    row["mem"] = memory_stats(compiled)
+    row["mem"] = compiled_memory(compiled)
     row["collectives"] = {
         "partitioned": collectives_in_hlo(partitioned) if partitioned else None,
         "compiled": collectives_in_hlo(compiled.as_text()),

@@ -23,8 +23,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from nsa_jax.aot import memory_stats  # noqa: F401 (the benchmarks' name for it)
-
 MiB = 1024 * 1024
 
 

@@ -334,7 +334,8 @@ def _main(argv: list[str] | None = None) -> int:
                 return rf.EXIT_USAGE
 
     # jax loads here, after XLA_FLAGS is final.
-    from nsa_jax.train.loop import Trainer, WontFitError, enable_compile_cache
+    from nsa_jax.ops.memory import WontFitError
+    from nsa_jax.train.loop import Trainer, enable_compile_cache
 
     enable_compile_cache(cache)
     try:

@@ -12,7 +12,7 @@ through Triton and ptxas to cubins. This module owns that route:
 * `compile_train_step` / `compile_layer`: the optimizer step of a config (any
   strategy, any device count) and the NSA layer's forward+backward, compiled for a
   card with the Pallas kernels (what `attention_impl: auto` runs on a GPU), with an
-  optional XLA dump; `memory_stats` of the result;
+  optional XLA dump; the result's memory in nsa_jax/ops/memory.py's schema;
 * `read_launches(dump)`: every launch of the compiled program from the dump's thunk
   sequence, multiplied by the trip counts of the while loops it sits in, in
   categories (Pallas kernels, gemm fusions, other fusions, copy kernels, then copy
@@ -49,6 +49,7 @@ import jax.numpy as jnp
 
 from nsa_jax import config
 from nsa_jax.config import Config, ModelConfig
+from nsa_jax.ops.memory import compiled_memory
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -255,27 +256,6 @@ def export_for_cuda(fn: Callable, *args, target: str | GpuTarget = "a100-40"):
 # compiling
 
 
-def memory_stats(compiled) -> dict[str, int | None]:
-    """Compiled (static, buffer-assignment) memory of an executable, in bytes.
-
-    `total` = argument + output + temp - alias: what the executable needs at once
-    when donated inputs are reused for outputs. It is what XLA planned, not a
-    measured peak; None fields mean the backend does not report them.
-    """
-    m = compiled.memory_analysis()
-    if m is None:
-        return {k: None for k in ("argument", "output", "alias", "temp", "generated_code", "total")}
-    out = {
-        "argument": int(m.argument_size_in_bytes),
-        "output": int(m.output_size_in_bytes),
-        "alias": int(m.alias_size_in_bytes),
-        "temp": int(m.temp_size_in_bytes),
-        "generated_code": int(m.generated_code_size_in_bytes),
-    }
-    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
-
-
 @dataclasses.dataclass
 class Compiled:
     """A program compiled for a card: the executable, its memory plan, seconds and dump folder."""
@@ -303,7 +283,7 @@ def _compile(target: str, fn: Callable, args, dump_dir: str | None, **jit_kwargs
         t1 = time.perf_counter()
         executable = lowered.compile(compiler_options=options or None)
     t2 = time.perf_counter()
-    return Compiled(target, executable, memory_stats(executable), t1 - t0, t2 - t1, dump_dir)
+    return Compiled(target, executable, compiled_memory(executable), t1 - t0, t2 - t1, dump_dir)
 
 
 def train_step_args(cfg: Config, devices: list):
@@ -404,7 +384,8 @@ def largest_batch(
 
 
 def affine_guess(budget: int) -> Callable[[dict[int, dict]], int | None]:
-    """A largest_batch guess from probes whose detail is memory_stats: where the line through b=1, 2 meets `budget`."""
+    """A largest_batch guess from probes whose detail is a compiled memory (`total`): where the line through
+    b=1, 2 meets `budget`."""
 
     def guess(probes: dict[int, dict]) -> int | None:
         per_row = probes[2]["total"] - probes[1]["total"]

@@ -304,21 +304,16 @@ def test_progress_line_format():
 
 
 def test_a_step_that_cannot_fit_is_refused_naming_the_figure_and_the_knobs():
-    from nsa_jax.train.loop import WontFitError, check_fits, device_memory_limit
+    from nsa_jax.ops.memory import WontFitError, check_fits, device_memory_limit
 
     cfg = load_config("cpu_tiny", [])
     limit, source = device_memory_limit(jax.devices()[0])
     assert limit > 0 and source  # CPU: the host's RAM over its local devices
-    mem = {
-        "argument_size_in_bytes": 2**20,
-        "output_size_in_bytes": 2**20,
-        "alias_size_in_bytes": 2**20,
-        "temp_size_in_bytes": 3_300_000_000_000,
-        "generated_code_size_in_bytes": 0,
-    }
+    mem = {"argument": 2**20, "output": 2**20, "alias": 2**20, "temp": 3_300_000_000_000, "generated_code": 0}
+    mem["total"] = mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
     with pytest.raises(WontFitError, match=r"needs 3\.3 TB .*global_batch \(8\).*accumulate.*seq_len \(256\).*remat"):
         check_fits(cfg, mem, jax.devices()[0])
-    check_fits(cfg, {**mem, "temp_size_in_bytes": 2**20}, jax.devices()[0])  # fits: no error
+    check_fits(cfg, {**mem, "temp": 2**20, "total": 2**21}, jax.devices()[0])  # fits: no error
     check_fits(cfg, None, jax.devices()[0])  # no memory analysis: nothing to judge
 
 

@@ -1,10 +1,10 @@
 """The model as a scorer: tokens_BxT1 -> (nll_BxT, hit_BxT) through NSALM's own forward.
 
 One program per row length L, compiled ahead of time for a fixed batch of rows
-(`prepare(L)`), so its memory is known before anything runs: `compiled_bytes`
-(argument + output - alias + temporaries of `memory_analysis()`, per device) is
-checked against the device's memory (`nsa_jax.train.loop.device_memory_limit`, or
-a given limit) and an L that does not fit raises `WontFitError` naming the figures.
+(`prepare(L)`), so its memory is known before anything runs: the compiled total
+(nsa_jax/ops/memory.py `compiled_memory`, per device) is checked against the device's
+memory (`device_memory_limit`, or a given limit) and an L that does not fit raises
+`WontFitError` naming the figures.
 The forward is the training forward with the inference settings (scanned layers, no
 remat): Pallas kernels on a GPU, the XLA path elsewhere, whose attention runs in
 query chunks of `model.nsa.query_chunk`, so long rows are processed chunk by chunk.
@@ -21,9 +21,7 @@ import numpy as np
 from nsa_jax.config import ModelConfig
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.model import NSALM, token_nll
-from nsa_jax.train.loop import WontFitError, device_memory_limit, memory_summary
-
-__all__ = ["ModelScorer", "WontFitError", "make_score_fn"]
+from nsa_jax.ops.memory import WontFitError, compiled_memory, device_memory_limit
 
 
 def make_score_fn(cfg: ModelConfig):
@@ -36,18 +34,6 @@ def make_score_fn(cfg: ModelConfig):
         return token_nll(logits_BxTxV, targets_BxT), jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
 
     return score
-
-
-def compiled_bytes(mem: dict[str, int] | None) -> int | None:
-    """Per-device bytes of a compiled program: arguments + outputs - aliased + temporaries."""
-    if not mem:
-        return None
-    return (
-        mem["argument_size_in_bytes"]
-        + mem["output_size_in_bytes"]
-        - mem["alias_size_in_bytes"]
-        + mem["temp_size_in_bytes"]
-    )
 
 
 def _gb(n: int) -> str:
@@ -76,7 +62,8 @@ class ModelScorer:
         tokens = jax.ShapeDtypeStruct((self.batch, L + 1), jnp.int32)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
         compiled = self.fn.lower(params, tokens).compile()
-        need = compiled_bytes(memory_summary(compiled))
+        mem = compiled_memory(compiled)
+        need = mem["total"] if mem else None
         if need is not None and self.limit is not None and need > self.limit:
             raise WontFitError(
                 f"L={L} needs {_gb(need)} per device for a batch of {self.batch} rows (compiled forward) and the "

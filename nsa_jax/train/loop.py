@@ -38,8 +38,8 @@ progress thread says what runs and for how long. On a CPU, a config with GPU set
 past CPU_PROJECTION_WARN_S (or any GPU config) gets one line with the projected time.
 
 Before the first step the compiled program's memory is compared with what the device
-has (`check_fits`): a step that cannot fit stops with WontFitError instead of dying
-in the allocator.
+has (nsa_jax/ops/memory.py `check_fits`): a step that cannot fit stops with
+WontFitError instead of dying in the allocator.
 
 Checkpoint seam: `Trainer(..., state=TrainState, data_state=dict)` resumes from a
 restored train state and data position; `trainer.state` / `trainer.data.get_state()`
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import pathlib
 import sys
 import threading
@@ -64,9 +63,11 @@ from nsa_jax import checkpoint as ckpt
 from nsa_jax import resume
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
+from nsa_jax.evaluation.training import TrainingSuites
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.ops.health import Health, agree_any, write_halt
+from nsa_jax.ops.memory import check_fits, compiled_memory, describe
 from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, HALT_FILE, SCALE_COLUMNS
 from nsa_jax.train import optimizer as O
 from nsa_jax.train import schedule
@@ -129,77 +130,6 @@ def cpu_projection(cfg: Config, steps_left: int, step_s: float, backend: str) ->
 def progress_line(step: int, steps: int, loss: float, lr: float, toks_per_s: float, eta_s: float) -> str:
     """`step 40/300 | loss 3.1234 | lr 1.00e-03 | 12,345 tok/s | ETA 1m23s`."""
     return f"step {step}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {toks_per_s:,.0f} tok/s | ETA {fmt_duration(eta_s)}"
-
-
-def memory_summary(compiled) -> dict[str, int] | None:
-    """Per-device bytes of the compiled step: arguments, outputs, aliased, temporaries."""
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - not every backend implements it
-        return None
-    if m is None:
-        return None
-    keys = (
-        "argument_size_in_bytes",
-        "output_size_in_bytes",
-        "alias_size_in_bytes",
-        "temp_size_in_bytes",
-        "generated_code_size_in_bytes",
-    )
-    return {k: int(getattr(m, k, 0) or 0) for k in keys}
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
-class WontFitError(ValueError):
-    """The compiled step needs more memory than the device has; one line naming the knobs."""
-
-
-def device_memory_limit(device) -> tuple[int | None, str]:
-    """(bytes one device may use, where the figure comes from): the allocator's limit where the
-    backend reports it, else the host's physical memory shared by its local devices (CPU)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - not every backend implements it
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.platform} memory_stats bytes_limit"
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None, "unknown"
-    return total // max(1, jax.local_device_count()), "host RAM / local devices"
-
-
-def check_fits(cfg: Config, mem: dict[str, int] | None, device) -> None:
-    """WontFitError when the compiled step's per-device bytes exceed the device's limit."""
-    if not mem:
-        return
-    need = (
-        mem["argument_size_in_bytes"]
-        + mem["output_size_in_bytes"]
-        - mem["alias_size_in_bytes"]
-        + mem["temp_size_in_bytes"]
-    )
-    limit, source = device_memory_limit(device)
-    if limit is None or need <= limit:
-        return
-    t = cfg.train
-    raise WontFitError(
-        f"the compiled train step needs {_size(need)} per device (temporaries {_size(mem['temp_size_in_bytes'])}) "
-        f"and the device has {_size(limit)} ({source}); lower train.global_batch ({t.global_batch}) and raise "
-        f"train.accumulate ({t.accumulate}) to keep the tokens per step, lower train.seq_len ({t.seq_len}), or set "
-        f"model.remat=full (now {cfg.model.remat})"
-    )
 
 
 def enable_compile_cache(path: str | None) -> None:
@@ -471,14 +401,8 @@ class Trainer:
             self.state = box["state"]
         self._doing(None)
         compiled, seconds = box["compiled"], box["seconds"]
-        mem = memory_summary(compiled)
-        line = f"compile: {seconds:.1f}s"
-        if mem:
-            line += (
-                f" | per device: arguments {_mib(mem['argument_size_in_bytes'])}, "
-                f"temporaries {_mib(mem['temp_size_in_bytes'])}, outputs {_mib(mem['output_size_in_bytes'])} "
-                f"({_mib(mem['alias_size_in_bytes'])} aliased to donated inputs)"
-            )
+        mem = compiled_memory(compiled)
+        line = f"compile: {seconds:.1f}s" + describe(mem)
         self.say(line)
         self.art.event("compile", int(self.state.step), line, compile_s=seconds, memory_analysis=mem)
         self.art.write_env(compile={"seconds": seconds, "memory_analysis": mem})
@@ -802,8 +726,6 @@ class Trainer:
             return {}
         t0 = time.perf_counter()
         if self.long_eval is None:
-            from nsa_jax.evaluation.training import TrainingSuites
-
             self.long_eval = TrainingSuites(self.cfg)
         return {**self.long_eval(self.state.params), "long_eval_s": time.perf_counter() - t0}
 
