@@ -308,7 +308,7 @@ def test_text_rows_from_the_validation_split(tmp_path):
 def test_needle_training_source_and_its_loss_weights(tmp_path):
     """`dataset: needle`: rows in the evaluation's format, every target in the loss, the key weighted; exact state."""
     from nsa_jax.data import make_dataset
-    from nsa_jax.train.step import loss_weights
+    from nsa_jax.data.targets import loss_weights
 
     (tmp_path / "hay.txt").write_text(HAY)
     over = ["data.dataset=needle", f"data.path={tmp_path / 'hay.txt'}", "train.seq_len=200", "train.global_batch=3"]

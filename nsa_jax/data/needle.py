@@ -22,7 +22,7 @@ and its log-probability of the answer measures how sure it is.
 `data.path` (text files, a folder of .txt files or a glob) from a random offset, the
 depth uniform in [0, 1], a new pass key per row; the loss counts every target, the
 answer's (`answer_len`, the last targets of every row) weighted by
-data.needle_answer_weight (needle_answer_mask; nsa_jax/train/step.loss_weights).
+data.needle_answer_weight (needle_answer_mask; nsa_jax/data/targets.py loss_weights).
 """
 
 from __future__ import annotations

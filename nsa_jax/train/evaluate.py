@@ -5,9 +5,9 @@ Owns which rows are evaluated and what is measured on them:
     read once and kept on the host. Every evaluation scores the same rows, so the
     curve in val.csv moves only because the model does (also across a resume);
   - the metrics: mean next-token loss over the positions the training loss counts
-    (step.loss_weights), perplexity exp(loss), and for `kv_recall` the retrieval
-    accuracy (argmax at the answer positions, marked by the QUERY token as in
-    nsa_jax/data/kv_recall.py).
+    (nsa_jax/data/targets.py loss_weights), perplexity exp(loss), and for `kv_recall`
+    and `needle` the retrieval accuracy (argmax at the answer positions of
+    targets.answer_mask: kv_recall's values, the needle's pass key).
 
 The jitted function is plain jit over a batch sharded on the `data` axis: it takes
 the parameters in whatever sharding the training strategy keeps them, and XLA
@@ -28,9 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
-from nsa_jax.data.needle import needle_answer_mask
+from nsa_jax.data.targets import answer_mask, loss_weights
 from nsa_jax.model import NSALM, cross_entropy
-from nsa_jax.train.step import kv_answer_mask, loss_weights
 
 AXIS = "data"
 
@@ -38,11 +37,10 @@ AXIS = "data"
 def make_eval_fn(cfg: Config):
     """(params, tokens_BxT1) -> {'loss_sum', 'tokens', 'correct', 'scored'}: sums over the batch.
 
-    `correct`/`scored` count kv_recall answer positions (zero for other datasets).
+    `correct`/`scored` count the answer positions (targets.answer_mask; zero for datasets without answers).
     Sums, not means, so batches of any split add up exactly.
     """
     model = NSALM(cfg.model)
-    kv = cfg.data.dataset in ("kv_recall", "needle")  # answer accuracy: kv_recall's values, the pass key
 
     def eval_fn(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
@@ -51,13 +49,10 @@ def make_eval_fn(cfg: Config):
         weight_BxT = loss_weights(tokens_BxT1, cfg)
         n_tokens = jnp.asarray(targets_BxT.size if weight_BxT is None else weight_BxT.sum(), jnp.float32)
         out = {"loss_sum": cross_entropy(logits_BxTxV, targets_BxT, weight_BxT) * n_tokens, "tokens": n_tokens}
-        if not kv:
+        answer_BxT = answer_mask(tokens_BxT1, cfg)  # answer accuracy: kv_recall's values, the pass key
+        if answer_BxT is None:
             out["correct"] = out["scored"] = jnp.zeros((), jnp.float32)
             return out
-        if cfg.data.dataset == "needle":
-            answer_BxT = needle_answer_mask(tokens_BxT1, cfg.data)
-        else:
-            answer_BxT = kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
         hit_BxT = (logits_BxTxV.argmax(-1) == targets_BxT) & answer_BxT
         out["correct"] = hit_BxT.sum().astype(jnp.float32)
         out["scored"] = answer_BxT.sum().astype(jnp.float32)

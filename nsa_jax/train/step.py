@@ -35,8 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
-from nsa_jax.data.kv_recall import kv_answer_mask
-from nsa_jax.data.needle import needle_answer_mask
+from nsa_jax.data.targets import loss_weights
 from nsa_jax.kernels import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer
 from nsa_jax.nsa.layer import aux_stats
@@ -106,25 +105,6 @@ def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> Train
 # loss and statistics
 
 
-def loss_weights(tokens_BxT1: jax.Array, cfg: Config) -> jax.Array | None:
-    """Weight [B, T] of each target in the mean loss, or None for all targets equally.
-
-    kv_recall with data.kv_loss_mask: only the answers (target t where input t - 1 is
-    the QUERY marker, id vocab_size - 1; nsa_jax/data/kv_recall.py). The rest of
-    such a row is uniform noise that no model can predict, whose gradient only
-    drowns the few positions that teach retrieval.
-    needle: every target, the pass key's weighted by data.needle_answer_weight. The
-    text and the needle's own repeat of the key teach the copy circuit that retrieval
-    needs; the key alone (a handful of targets a row) did not (docs/LONG_CONTEXT.md).
-    """
-    if cfg.data.dataset == "needle":
-        answer_BxT = needle_answer_mask(tokens_BxT1, cfg.data)
-        return jnp.where(answer_BxT, jnp.float32(cfg.data.needle_answer_weight), jnp.float32(1.0))
-    if cfg.data.dataset != "kv_recall" or not cfg.data.kv_loss_mask:
-        return None
-    return kv_answer_mask(tokens_BxT1, cfg.model.vocab_size)
-
-
 # Pieces a row is cut into by train.rope_positions. Few cuts keep almost every token's
 # neighbours at distance 1 as evaluation sees them: T distinct positions drawn uniformly
 # from [0, N) (gaps of N/T between neighbours) left the loss at contiguous positions at
@@ -166,7 +146,7 @@ def loss_and_stats(
 ) -> tuple[jax.Array, dict]:
     """Loss of one micro-batch and its aux statistics when enabled.
 
-    The loss is the mean next-token loss (weighted by loss_weights) of `phase.model`, plus
+    The loss is the mean next-token loss (weighted by data/targets.py loss_weights) of `phase.model`, plus
     `phase.distill` times the layers' mean block-scorer KL, which the layers compute
     only because the `losses` collection is mutable here. With train.scorer_distill on,
     stats carry `ce` (the next-token loss alone) and `distill_kl` in every phase (0 in
