@@ -211,7 +211,7 @@ def grad_bytes_per_device(plan: strategies.ShardingPlan) -> int:
 
 def measure(cfg, steps: int, warmup: int) -> dict:
     mesh = S.make_mesh(cfg)
-    plan = S.make_plan(cfg, mesh)
+    plan = strategies.make_plan(cfg, mesh)
     device0 = mesh.devices.flat[0]
     state = S.create_state(plan)
     row = {

@@ -23,6 +23,7 @@ import numpy as np
 from nsa_jax.config import load_config
 from nsa_jax.info import keys_per_query, parameter_counts
 from nsa_jax.train import step as S
+from nsa_jax.train.strategies import make_plan
 
 
 def matmul_peak(dtype: str, n: int, iters: int = 20) -> float:
@@ -60,7 +61,7 @@ def flops_per_token(cfg) -> dict[str, float]:
 def bench(name: str, overrides: list[str], steps: int, variant: str = "") -> dict:
     cfg = load_config(name, overrides)
     mesh = S.make_mesh(cfg)
-    plan = S.make_plan(cfg, mesh)
+    plan = make_plan(cfg, mesh)
     state = S.create_state(plan)
     train_step = S.make_train_step(plan)
     rng = np.random.default_rng(0)

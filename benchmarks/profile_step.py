@@ -40,6 +40,7 @@ from benchmarks.common import add_config_args, print_header, write_json
 from nsa_jax.config import load_config
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.train import step as S
+from nsa_jax.train.strategies import make_plan
 
 # `%name = type opcode(...), ..., metadata={op_name="..." ...}` in compiled HLO text.
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s+.*?\s([\w\-]+)\((.*)$")
@@ -252,7 +253,7 @@ def short_op(op_name: str, width: int = 90) -> str:
 
 def train_step_program(cfg):
     mesh = S.make_mesh(cfg)
-    plan = S.make_plan(cfg, mesh)
+    plan = make_plan(cfg, mesh)
     state = S.create_state(plan)
     train_step = S.make_train_step(plan)
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len

@@ -288,7 +288,8 @@ def _compile(target: str, fn: Callable, args, dump_dir: str | None, **jit_kwargs
 
 def train_step_args(cfg: Config, devices: list):
     """(jitted train step, abstract (state, tokens_AxBxT1)) of `cfg` on a data mesh of `devices`."""
-    from nsa_jax.train.step import make_mesh, make_plan, make_train_step
+    from nsa_jax.train.step import make_mesh, make_train_step
+    from nsa_jax.train.strategies import make_plan
 
     plan = make_plan(cfg, make_mesh(cfg, devices))
     t = cfg.train

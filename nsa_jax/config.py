@@ -141,7 +141,7 @@ class TrainConfig:
     scorer_distill_steps: int = 0
     # Randomized RoPE positions: 0 (off) RoPE sees positions 0..seq_len-1; N > seq_len: every
     # micro-batch's rows sit in [0, N) as a few contiguous pieces with random gaps between
-    # them (train/step.py random_rope_positions), so a short row trains the rotary distances
+    # them (train/positions.py random_rope_positions), so a short row trains the rotary distances
     # of a row of N (docs/LONG_CONTEXT.md). Only RoPE moves: blocks, window and causality
     # stay at the token indices; evaluation uses 0..L-1.
     rope_positions: int = 0

@@ -35,6 +35,7 @@ from launch.train import prepare_out_dir  # noqa: E402
 from nsa_jax import checkpoint as C  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
 from nsa_jax.train import step as S  # noqa: E402
+from nsa_jax.train.strategies import make_plan  # noqa: E402
 
 N = 8
 SETS = [
@@ -240,7 +241,7 @@ def test_saved_on_two_devices_restores_on_one(env, reference, tmp_path):
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
     saved = json.loads((C.checkpoint_dir(out) / "8" / "data" / "metadata").read_text())
     assert saved["devices"] == 2 and saved["process_count"] == 1
-    ck = C.Checkpointer(S.make_plan(cfg, mesh), out)
+    ck = C.Checkpointer(make_plan(cfg, mesh), out)
     try:
         r = ck.restore_latest()
     finally:
@@ -277,7 +278,7 @@ def test_corrupt_latest_falls_back_to_previous(env, reference, tmp_path):
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
     warnings = []
-    ck = C.Checkpointer(S.make_plan(cfg, mesh), out, warn=warnings.append)
+    ck = C.Checkpointer(make_plan(cfg, mesh), out, warn=warnings.append)
     try:
         r = ck.restore_latest()
     finally:
@@ -302,7 +303,7 @@ def _largest_file(d: pathlib.Path) -> pathlib.Path:
 
 def _restore(env, out, warnings):
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
-    ck = C.Checkpointer(S.make_plan(cfg, S.make_mesh(cfg, jax.devices())), out, warn=warnings.append)
+    ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out, warn=warnings.append)
     try:
         return ck.restore_latest()
     finally:
@@ -419,7 +420,7 @@ def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
     for s in C.complete_steps(C.checkpoint_dir(out)):
         _truncate_state(C.checkpoint_dir(out) / str(s))
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
-    ck = C.Checkpointer(S.make_plan(cfg, S.make_mesh(cfg, jax.devices())), out, warn=lambda m: None)
+    ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out, warn=lambda m: None)
     try:
         with pytest.raises(C.CheckpointError, match="no checkpoint in .* reads back"):
             ck.restore_latest()
@@ -433,7 +434,7 @@ def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
 def test_resume_with_another_model_is_refused(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     cfg = cfg_of(env, **{"train.out_dir": str(out), "model.d_model": 96})
-    ck = C.Checkpointer(S.make_plan(cfg, S.make_mesh(cfg, jax.devices())), out)
+    ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out)
     try:
         with pytest.raises(C.CheckpointError, match="model.d_model 64 -> 96"):
             ck.restore_latest()
@@ -581,7 +582,7 @@ def test_save_returns_after_the_copy_off_the_device(tmp_path):
     )
     state = bump(S.create_state(cfg, mesh))
     expect = jax.device_get(state.params)
-    ck = C.Checkpointer(S.make_plan(cfg, mesh), tmp_path)
+    ck = C.Checkpointer(make_plan(cfg, mesh), tmp_path)
     try:
         info = ck.save(1, state, {"position": 0}, None)
         for _ in range(3):

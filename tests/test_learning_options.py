@@ -23,6 +23,7 @@ from nsa_jax.nsa.distill import score_distill_kl
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.train import schedule
 from nsa_jax.train import step as S
+from nsa_jax.train.positions import ROPE_PIECES, random_rope_positions
 
 # A model and batch small enough for whole train steps in a test.
 STEP_OVERRIDES = [
@@ -328,16 +329,16 @@ def test_rope_positions_move_rope_only_as_the_reference_does():
 
 def test_random_rope_positions_are_a_sorted_draw_keyed_by_the_tokens():
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 32)
-    pos = np.asarray(S.random_rope_positions(tokens, 1000))
+    pos = np.asarray(random_rope_positions(tokens, 1000))
     assert pos.shape == (64,) and pos.dtype == np.int32
     assert np.all(np.diff(pos) > 0) and pos[0] >= 0 and pos[-1] < 1000
     assert pos[-1] - pos[0] > 500  # spread over [0, 1000), not 0..63
     # A few contiguous pieces: all but at most ROPE_PIECES - 1 neighbours at distance 1.
-    assert 1 <= np.sum(np.diff(pos) > 1) <= S.ROPE_PIECES - 1
-    np.testing.assert_array_equal(np.asarray(jax.jit(S.random_rope_positions, static_argnums=1)(tokens, 1000)), pos)
-    other = np.asarray(S.random_rope_positions(tokens.at[1, 7].add(1), 1000))
+    assert 1 <= np.sum(np.diff(pos) > 1) <= ROPE_PIECES - 1
+    np.testing.assert_array_equal(np.asarray(jax.jit(random_rope_positions, static_argnums=1)(tokens, 1000)), pos)
+    other = np.asarray(random_rope_positions(tokens.at[1, 7].add(1), 1000))
     assert not np.array_equal(other, pos)
-    assert S.random_rope_positions(tokens, 64) is None and S.random_rope_positions(tokens, 0) is None
+    assert random_rope_positions(tokens, 64) is None and random_rope_positions(tokens, 0) is None
     with pytest.raises(ConfigError, match="train.rope_positions"):
         load_config("cpu_tiny", ["train.rope_positions=-1"])
 

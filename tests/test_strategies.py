@@ -206,7 +206,7 @@ def test_state_is_placed_as_the_strategy_says(run, strategy, params_sharded, opt
 def test_plan_holds_the_strategy_shardings_and_checks_the_batch():
     """make_plan: one object with what the step and the checkpoint restore place by (nothing compiled)."""
     cfg = cfg_for("zero1")
-    plan = S.make_plan(cfg, mesh_of(2))
+    plan = strategies.make_plan(cfg, mesh_of(2))
     assert (plan.strategy, plan.n_devices) == ("zero1", 2)
     for leaf, sharding in zip(jax.tree.leaves(plan.abstract_state()), jax.tree.leaves(plan.state)):
         assert leaf.sharding == sharding
@@ -217,7 +217,7 @@ def test_plan_holds_the_strategy_shardings_and_checks_the_batch():
     assert S.as_plan(plan) is plan
     bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=3))
     with pytest.raises(ValueError, match=r"^train.global_batch \(3\) must be divisible by the number of devices"):
-        S.make_plan(bad, mesh_of(2))
+        strategies.make_plan(bad, mesh_of(2))
 
 
 def test_unknown_strategy_is_one_clear_line():
@@ -235,7 +235,7 @@ def test_unknown_strategy_is_one_clear_line():
 def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, tmp_path):
     cfg, mesh, state, _ = run("zero1", "float32")
     expect = jax.device_get(state)
-    ck = C.Checkpointer(S.make_plan(cfg, mesh), tmp_path)
+    ck = C.Checkpointer(strategies.make_plan(cfg, mesh), tmp_path)
     try:
         assert ck.save(STEPS, state, {"position": 0}, None) is not None
     finally:
@@ -243,7 +243,7 @@ def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, t
 
     # zero1 on 2 devices -> fsdp on 2 devices (params become sharded) and -> one device.
     for target_cfg, target_mesh in ((cfg_for("fsdp"), mesh), (cfg, mesh_of(1))):
-        ck = C.Checkpointer(S.make_plan(target_cfg, target_mesh), tmp_path, warn=lambda _: None)
+        ck = C.Checkpointer(strategies.make_plan(target_cfg, target_mesh), tmp_path, warn=lambda _: None)
         try:
             restored = ck.restore_latest()
         finally:

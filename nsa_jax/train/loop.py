@@ -75,6 +75,7 @@ from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.evaluate import Evaluator, format_eval
 from nsa_jax.train.state import TrainState
+from nsa_jax.train.strategies import make_plan
 
 # Steps at least this long run one at a time: the next step is dispatched once the one in
 # flight is recorded, so a stop (SIGINT, SIGTERM, .HALT) waits for one step, not two. The
@@ -195,7 +196,7 @@ class Trainer:
             cfg, elastic = resume.elastic_batch(cfg, self.mesh.size)
             self.cfg = cfg
         # Strategy, shardings and the batch split, derived and checked once for the run.
-        self.plan = S.make_plan(cfg, self.mesh)
+        self.plan = make_plan(cfg, self.mesh)
         n_dev = self.plan.n_devices
         self.tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
         self._doing("boot: kernel guard (each branch's kernel compiled once)")
