@@ -16,9 +16,9 @@ from helpers import TINY_NSA
 
 from nsa_jax.config import load_config
 from nsa_jax.data import kv_recall, make_dataset
+from nsa_jax.evaluation.heldout import Evaluator
 from nsa_jax.model import NSALM
 from nsa_jax.train import step as S
-from nsa_jax.train.evaluate import Evaluator
 from nsa_jax.train.state import init_state
 
 TINY = [
@@ -105,7 +105,7 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
         def apply(self, variables, inputs_BxT):
             return jax.nn.one_hot(jax.numpy.full(inputs_BxT.shape, guess), self.V)
 
-    monkeypatch.setattr("nsa_jax.train.evaluate.NSALM", AlwaysGuess)
+    monkeypatch.setattr("nsa_jax.evaluation.heldout.NSALM", AlwaysGuess)
     m = Evaluator.finish(Evaluator(cfg, mesh).dispatch(params))
     assert m["answers"] == scored and m["retrieval_acc"] == want / scored
 

@@ -23,7 +23,7 @@ from helpers import TINY_RUN  # noqa: E402
 from nsa_jax import checkpoint as C  # noqa: E402
 from nsa_jax import runfiles as rf  # noqa: E402
 from nsa_jax.config import load_config  # noqa: E402
-from nsa_jax.train import evaluate  # noqa: E402
+from nsa_jax.evaluation import heldout  # noqa: E402
 from nsa_jax.train.loop import Trainer  # noqa: E402
 
 TINY = [*TINY_RUN, "train.eval_batches=1", "logging.tensorboard=false"]
@@ -32,7 +32,7 @@ EXTRA_S = 1.0
 
 @pytest.mark.slow
 def test_eval_and_save_time_is_not_charged_to_the_steps(tmp_path, monkeypatch):
-    finish, save = evaluate.Evaluator.finish, C.Checkpointer.save
+    finish, save = heldout.Evaluator.finish, C.Checkpointer.save
 
     def slow_finish(pending):
         time.sleep(EXTRA_S)
@@ -42,7 +42,7 @@ def test_eval_and_save_time_is_not_charged_to_the_steps(tmp_path, monkeypatch):
         time.sleep(EXTRA_S)
         return save(self, *args, **kwargs)
 
-    monkeypatch.setattr(evaluate.Evaluator, "finish", staticmethod(slow_finish))
+    monkeypatch.setattr(heldout.Evaluator, "finish", staticmethod(slow_finish))
     monkeypatch.setattr(C.Checkpointer, "save", slow_save)
     out = tmp_path / "run"
     sets = [

@@ -1,8 +1,12 @@
-"""Long-context evaluation: needle retrieval over length x depth, loss by position, kv_recall by distance.
+"""Evaluation: the held-out metrics of a training run, and the long-context suites.
 
-scoring (pure numpy: per-token nll and greedy hits -> the reported figures), suites
-(the rows of each suite and how they go through a scorer), scorer (the model's own
-forward, compiled per length with its memory checked against the device). The needle
-format itself lives in nsa_jax/data/needle.py; the plots in nsa_jax/report/plots.py;
-the command line is `python -m launch.evaluate`.
+heldout (the fixed validation rows of a run and their loss, perplexity and retrieval
+accuracy, at every train.eval_every), scoring (pure numpy: per-token nll and greedy
+hits -> the reported figures), suites (needle retrieval over length x depth, loss by
+position, kv_recall by distance: the rows of each suite and how they go through a
+scorer), scorer (the model's own forward, compiled per length with its memory checked
+against the device), training (what a training run evaluates: `RunEvaluation`, built
+once by the Trainer; eval.suites through `TrainingSuites`). The needle format itself
+lives in nsa_jax/data/needle.py; the plots in nsa_jax/report/plots.py; the command
+line for a checkpoint is `python -m launch.evaluate`.
 """

@@ -1,21 +1,36 @@
-"""The long-context suites inside a training run: `eval.suites` at every evaluation.
+"""Evaluation inside a training run: the held-out metrics and `eval.suites` at every evaluation.
+
+`RunEvaluation(cfg, mesh)` is built once by the Trainer and called at every
+train.eval_every steps:
+  - `start()` reads the held-out rows at the first evaluation (heldout.Evaluator, on
+    every process); when some process has none it returns why, and the run evaluates
+    nothing from then on;
+  - `heldout(params)`: val_loss, val_ppl, retrieval_acc, answers (val.csv);
+  - `long(params)`: the eval.suites figures (long_eval.csv, TensorBoard `long/...`),
+    {} without suites.
 
 `TrainingSuites(cfg)(params)` scores the current parameters with run_suites (the
 run's validation text, `eval.lengths` or train.seq_len) on this process's first
 device, one row per forward, and returns the figures a run logs
-(suites.scalars: long_eval.csv columns, TensorBoard `long/...`). The parameters are
-gathered to the host whatever their sharding, so every strategy works.
+(suites.scalars). The parameters are gathered to the host whatever their sharding,
+so every strategy works.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import jax
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from nsa_jax.config import Config
+from nsa_jax.evaluation.heldout import Evaluator
 from nsa_jax.evaluation.scorer import ModelScorer
 from nsa_jax.evaluation.suites import TextRows, run_suites, scalars
 from nsa_jax.inference import stack_layers
+from nsa_jax.ops.health import agree_any
 
 
 class TrainingSuites:
@@ -38,3 +53,48 @@ class TrainingSuites:
         kw = dict(text=self.text, depths=e.depths, samples=e.samples, rows=e.rows)
         results = run_suites(self.scorer, self.cfg, e.suites, self.lengths, **kw)
         return scalars(results)
+
+
+class RunEvaluation:
+    """What a run evaluates; the held-out rows and the suites are built at the first evaluation."""
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.evaluator: Evaluator | None = None
+        self.suites: TrainingSuites | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.evaluator is not None
+
+    def start(self) -> str | None:
+        """Reads the held-out rows (once); why there are none (one line) when a process has none, else None.
+
+        A collective: every process evaluates, or none.
+        """
+        if self.evaluator is not None:
+            return None
+        error: ValueError | None = None
+        try:
+            evaluator = Evaluator(self.cfg, self.mesh)
+        except ValueError as e:
+            error, evaluator = e, None
+        if agree_any(error is not None):
+            if error is None:
+                return "on another process"
+            return f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        self.evaluator = evaluator
+        return None
+
+    def heldout(self, params) -> dict[str, Any]:
+        """The held-out metrics of `params`, waited for (`start()` first)."""
+        return Evaluator.finish(self.evaluator.dispatch(params))
+
+    def long(self, params) -> dict[str, float]:
+        """The eval.suites figures of `params` (long_eval.csv columns, with long_eval_s); {} without suites."""
+        if not self.cfg.eval.suites:
+            return {}
+        t0 = time.perf_counter()
+        if self.suites is None:
+            self.suites = TrainingSuites(self.cfg)
+        return {**self.suites(params), "long_eval_s": time.perf_counter() - t0}

@@ -11,7 +11,7 @@ the report and the watchdogs read by too:
                           what each NSA_* toggle does here, git sha, config, kernels
   val.csv                 one row per evaluation on the fixed held-out set:
                           step, tokens, val_loss, val_ppl, retrieval_acc (kv_recall), answers,
-                          elapsed_s (nsa_jax/train/evaluate.py)
+                          elapsed_s (nsa_jax/evaluation/heldout.py)
   long_eval.csv           with eval.suites: the long-context suites' figures per evaluation
   tb/                     tensorboardX event files
 On resume both CSVs keep their rows up to the restored step (rewritten atomically,

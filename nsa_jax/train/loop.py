@@ -63,7 +63,8 @@ from nsa_jax import checkpoint as ckpt
 from nsa_jax import resume
 from nsa_jax.config import Config
 from nsa_jax.data import first_batch_with_timeout, make_dataset
-from nsa_jax.evaluation.training import TrainingSuites
+from nsa_jax.evaluation.heldout import format_eval
+from nsa_jax.evaluation.training import RunEvaluation
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.ops.health import Health, agree_any, write_halt
@@ -73,7 +74,6 @@ from nsa_jax.train import optimizer as O
 from nsa_jax.train import schedule
 from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
-from nsa_jax.train.evaluate import Evaluator, format_eval
 from nsa_jax.train.state import TrainState
 from nsa_jax.train.strategies import make_plan
 
@@ -254,8 +254,8 @@ class Trainer:
         )
         self._doing("boot: reading the first batch")
         self._first = self._first_batch()
-        self.evaluator: Evaluator | None = None  # built at the first evaluation
-        self.long_eval = None  # eval.suites, built at the first evaluation (nsa_jax/evaluation/training.py)
+        # Held-out metrics and eval.suites; what they read and compile is built at the first evaluation.
+        self.evaluation = RunEvaluation(self.cfg, self.mesh)
         self.state = state
 
     def _lr_change(self, restored) -> str | None:
@@ -618,7 +618,7 @@ class Trainer:
         t0 = time.perf_counter()
         self._doing(f"checkpoint: saving step {step}")
         try:
-            # The held-out rows are fixed (evaluate.py): no validation stream position to save.
+            # The held-out rows are fixed (evaluation/heldout.py): no validation stream position to save.
             info = self.ckpt.save(step, self.state, self.data.get_state(), None)
         except ckpt.CheckpointSaveError as e:
             self._checkpoint_failed(e)
@@ -698,37 +698,29 @@ class Trainer:
         self.say(f"warning: {msg}")
         self.art.event("branch_scale", step, msg, ratio=ratio, layer=layer)
 
-    def _evaluate(self, step: int) -> tuple[dict[str, Any] | None, float]:
-        """Held-out metrics of the current state, waited for; (metrics, seconds).
+    def _evaluate(self, step: int) -> tuple[dict[str, Any] | None, float | None, dict[str, float]]:
+        """Held-out metrics (with eval_s) and eval.suites figures of the current state, waited for.
 
-        (None, seconds) when the validation rows cannot be read (a split with no document on
+        (None, None, {}) when the validation rows cannot be read (a split with no document on
         some process): evaluation is switched off with one warning, the run goes on.
         """
+        first = "" if self.evaluation.started else " (the first one reads the held-out rows and compiles)"
+        self._doing(f"eval: step {step}: evaluating{first}")
         t0 = time.perf_counter()
-        if self.evaluator is None:
-            error: ValueError | None = None
-            try:
-                evaluator = Evaluator(self.cfg, self.mesh)
-            except ValueError as e:
-                error, evaluator = e, None
-            if agree_any(error is not None):  # every process evaluates, or none
-                cause = _first_line(error) if error is not None else "on another process"
-                self.eval_off = f"no validation rows ({cause}); this run evaluates nothing from step {step} on"
-                self.say(f"warning: {self.eval_off}")
-                self.art.event("eval_off", step, self.eval_off)
-                return None, time.perf_counter() - t0
-            self.evaluator = evaluator
-        val = Evaluator.finish(self.evaluator.dispatch(self.state.params))
-        return val, time.perf_counter() - t0
-
-    def _long_evaluate(self) -> dict[str, float]:
-        """The eval.suites figures of the current state (long_eval.csv columns); {} without suites."""
-        if not self.cfg.eval.suites:
-            return {}
-        t0 = time.perf_counter()
-        if self.long_eval is None:
-            self.long_eval = TrainingSuites(self.cfg)
-        return {**self.long_eval(self.state.params), "long_eval_s": time.perf_counter() - t0}
+        cause = self.evaluation.start()
+        if cause is not None:
+            self.eval_off = f"no validation rows ({cause}); this run evaluates nothing from step {step} on"
+            self.say(f"warning: {self.eval_off}")
+            self.art.event("eval_off", step, self.eval_off)
+            self._doing(None)
+            self._last_done = time.perf_counter()
+            return None, None, {}
+        val = self.evaluation.heldout(self.state.params)
+        val["eval_s"] = eval_s = time.perf_counter() - t0
+        self._doing(None)
+        long = self.evaluation.long(self.state.params)
+        self._last_done = time.perf_counter()
+        return val, eval_s, long
 
     def _record(self, p: _Pending) -> bool:
         """Reads a finished step's metrics (blocking) and logs them; False stops the run."""
@@ -744,16 +736,7 @@ class Trainer:
         self._last_step_s = step_time
         val, eval_s, long = None, None, {}
         if p.evaluate:  # the state is still the one after p.step: nothing was dispatched since
-            first = " (the first one reads the held-out rows and compiles)" if self.evaluator is None else ""
-            self._doing(f"eval: step {p.step}: evaluating{first}")
-            val, eval_s = self._evaluate(p.step)
-            self._doing(None)
-            if val is not None:
-                val["eval_s"] = eval_s
-                long = self._long_evaluate()
-            else:
-                eval_s = None
-            self._last_done = time.perf_counter()
+            val, eval_s, long = self._evaluate(p.step)
         if p.step == self._dense_until + 1 and p.step > 1:
             self.say(f"selection: dense warm-up over; top-{cfg.model.nsa.n} from step {p.step}")
             self.art.event("selection_top_n", p.step, f"dense selection warm-up over, top-{cfg.model.nsa.n}")

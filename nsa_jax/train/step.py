@@ -1,4 +1,4 @@
-"""The pure, jitted train step, data-parallel over a 1-D `data` mesh (evaluation: evaluate.py).
+"""The pure, jitted train step, data-parallel over a 1-D `data` mesh (evaluation: nsa_jax/evaluation/heldout.py).
 
 A batch tokens_AxBxT1 holds A micro-batches, each of B = train.global_batch
 sequences of T + 1 tokens, sharded over `data` on its B axis, so each device holds
