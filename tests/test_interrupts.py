@@ -30,8 +30,8 @@ from helpers import TINY_SAVING_RUN, cpu_env, set_flags  # noqa: E402
 
 from nsa_jax import checkpoint as C  # noqa: E402
 from nsa_jax.config import load_config  # noqa: E402
-from nsa_jax.train import loop, schedule  # noqa: E402
 from nsa_jax.train import optimizer as O  # noqa: E402
+from nsa_jax.train import progress, schedule  # noqa: E402
 
 # exec keeps a default disposition: the trainer starts with SIGINT as a terminal gives it.
 WITH_SIGINT = (
@@ -105,13 +105,13 @@ def csv_steps(out: pathlib.Path) -> list[int]:
 
 
 # A launch.train process that sends itself SIGINT (COUNT times, 0.2 s apart) DELAY seconds after
-# step AT is logged; LONG_STEP_S and QUIET_S override the loop's.
+# step AT is logged; LONG_STEP_S and QUIET_S override the loop's and its progress lines'.
 DRIVER = r"""
 import os, signal, sys, threading, time
-from nsa_jax.train import loop
-for name in ("LONG_STEP_S", "QUIET_S"):
+from nsa_jax.train import loop, progress
+for module, name in ((loop, "LONG_STEP_S"), (progress, "QUIET_S")):
     if os.environ.get(name):
-        setattr(loop, name, float(os.environ[name]))
+        setattr(module, name, float(os.environ[name]))
 at, delay, count = int(os.environ["AT"]), float(os.environ["DELAY"]), int(os.environ.get("COUNT", "1"))
 record = loop.Trainer._record
 
@@ -266,17 +266,17 @@ def test_a_stop_during_a_long_step_waits_for_that_step_only_and_long_waits_say_s
 
 
 def test_durations_and_the_cpu_projection():
-    assert loop.fmt_duration(45) == "45s" and loop.fmt_duration(7500) == "2h05m"
-    assert loop.fmt_duration(70 * 86400 + 3600) == "70d01h"
+    assert progress.fmt_duration(45) == "45s" and progress.fmt_duration(7500) == "2h05m"
+    assert progress.fmt_duration(70 * 86400 + 3600) == "70d01h"
     gpu = load_config("a100_pcie", [])
-    assert loop.gpu_settings(gpu) == ["model.dtype bfloat16", "model.nsa.attention_impl auto"]
-    warning = loop.cpu_projection(gpu, 50_000, 120.0, "cpu")
+    assert progress.gpu_settings(gpu) == ["model.dtype bfloat16", "model.nsa.attention_impl auto"]
+    warning = progress.cpu_projection(gpu, 50_000, 120.0, "cpu")
     assert warning.startswith("warning: 2m00s a step a config meant for a GPU") and "about 69d10h" in warning
-    assert loop.cpu_projection(gpu, 50_000, 0.1, "gpu") is None
+    assert progress.cpu_projection(gpu, 50_000, 0.1, "gpu") is None
     tiny = load_config("cpu_tiny", [])
-    assert loop.gpu_settings(tiny) == [] and loop.cpu_projection(tiny, 200, 2.0, "cpu") is None
-    assert "about 55h" not in (loop.cpu_projection(tiny, 100_000, 2.0, "cpu") or "")
-    assert loop.cpu_projection(tiny, 100_000, 2.0, "cpu").startswith("warning: 2s a step on a CPU")
+    assert progress.gpu_settings(tiny) == [] and progress.cpu_projection(tiny, 200, 2.0, "cpu") is None
+    assert "about 55h" not in (progress.cpu_projection(tiny, 100_000, 2.0, "cpu") or "")
+    assert progress.cpu_projection(tiny, 100_000, 2.0, "cpu").startswith("warning: 2s a step on a CPU")
 
 
 def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():

@@ -21,7 +21,7 @@ from nsa_jax.config import load_config
 from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.train import optimizer as O
 from nsa_jax.train import step as S
-from nsa_jax.train.loop import fmt_duration, progress_line
+from nsa_jax.train.progress import fmt_duration, progress_line
 from nsa_jax.train.state import init_state
 
 V, T, B, STEPS = 64, 32, 4, 5
@@ -319,11 +319,11 @@ def test_a_step_that_cannot_fit_is_refused_naming_the_figure_and_the_knobs():
 
 def test_branch_scale_warning_names_the_largest_ratio_above_the_limit():
     from nsa_jax.runfiles import CMP_SCALE_WARN, EVENTS
-    from nsa_jax.train.loop import _branch_scale_warning
+    from nsa_jax.train.metrics import branch_scale_warning
 
     assert "branch_scale" in EVENTS
     below = {"cmp_k_ratio": np.array([0.5, CMP_SCALE_WARN]), "cmp_v_ratio": np.array([1.0, 2.0])}
-    assert _branch_scale_warning(below) is None
-    assert _branch_scale_warning({"gate_mean": np.zeros((2, 3))}) is None  # aux stats without a selection branch
+    assert branch_scale_warning(below) is None
+    assert branch_scale_warning({"gate_mean": np.zeros((2, 3))}) is None  # aux stats without a selection branch
     above = {"cmp_k_ratio": np.array([12.0, 3.0]), "cmp_v_ratio": np.array([1.0, 40.0])}
-    assert _branch_scale_warning(above) == (40.0, "values", 1)
+    assert branch_scale_warning(above) == (40.0, "values", 1)

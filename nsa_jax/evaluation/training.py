@@ -1,13 +1,11 @@
 """Evaluation inside a training run: the held-out metrics and `eval.suites` at every evaluation.
 
 `RunEvaluation(cfg, mesh)` is built once by the Trainer and called at every
-train.eval_every steps:
-  - `start()` reads the held-out rows at the first evaluation (heldout.Evaluator, on
-    every process); when some process has none it returns why, and the run evaluates
-    nothing from then on;
-  - `heldout(params)`: val_loss, val_ppl, retrieval_acc, answers (val.csv);
-  - `long(params)`: the eval.suites figures (long_eval.csv, TensorBoard `long/...`),
-    {} without suites.
+train.eval_every steps. The first call reads the held-out rows (heldout.Evaluator, on
+every process; when some process has none the call says why, and the run evaluates
+nothing from then on). Each call returns the held-out metrics (val_loss, val_ppl,
+retrieval_acc, answers: val.csv) and the eval.suites figures (long_eval.csv,
+TensorBoard `long/...`; {} without suites).
 
 `TrainingSuites(cfg)(params)` scores the current parameters with run_suites (the
 run's validation text, `eval.lengths` or train.seq_len) on this process's first
@@ -19,7 +17,7 @@ so every strategy works.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Callable
 
 import jax
 from jax.experimental import multihost_utils
@@ -63,11 +61,26 @@ class RunEvaluation:
         self.evaluator: Evaluator | None = None
         self.suites: TrainingSuites | None = None
 
-    @property
-    def started(self) -> bool:
-        return self.evaluator is not None
+    def __call__(self, params, step: int, doing: Callable[[str | None], None]) -> tuple:
+        """(held-out metrics with eval_s, eval_s, eval.suites figures, None) of `params` after `step`, waited for.
 
-    def start(self) -> str | None:
+        (None, None, {}, why) when the validation rows cannot be read on some process (a
+        split with no document): the run evaluates nothing from then on. `doing` names
+        what runs (the run's progress thread reports it when it takes long).
+        """
+        first = "" if self.evaluator is not None else " (the first one reads the held-out rows and compiles)"
+        doing(f"eval: step {step}: evaluating{first}")
+        t0 = time.perf_counter()
+        cause = self._start()
+        if cause is not None:
+            doing(None)
+            return None, None, {}, f"no validation rows ({cause}); this run evaluates nothing from step {step} on"
+        val = Evaluator.finish(self.evaluator.dispatch(params))
+        val["eval_s"] = eval_s = time.perf_counter() - t0
+        doing(None)
+        return val, eval_s, self._long(params), None
+
+    def _start(self) -> str | None:
         """Reads the held-out rows (once); why there are none (one line) when a process has none, else None.
 
         A collective: every process evaluates, or none.
@@ -86,11 +99,7 @@ class RunEvaluation:
         self.evaluator = evaluator
         return None
 
-    def heldout(self, params) -> dict[str, Any]:
-        """The held-out metrics of `params`, waited for (`start()` first)."""
-        return Evaluator.finish(self.evaluator.dispatch(params))
-
-    def long(self, params) -> dict[str, float]:
+    def _long(self, params) -> dict[str, float]:
         """The eval.suites figures of `params` (long_eval.csv columns, with long_eval_s); {} without suites."""
         if not self.cfg.eval.suites:
             return {}

@@ -16,7 +16,8 @@ A non-zero exit lets a scheduler restart the job from its last checkpoint.
 
 Halts: `write_halt` writes `.anomaly_type` and `.HALT` (the trainer and
 launch.watchdog share the format); `agree_any` turns one flag per process into the
-same answer on every process, so all of them stop at the same step.
+same answer on every process, so all of them stop at the same step, and
+`halt_requested` is the trainer's check for `.HALT` with it.
 
 Fatal signals (SIGSEGV, SIGABRT, ...) print every thread's stack to stderr through
 faulthandler once `Health.start` has run.
@@ -105,6 +106,15 @@ def agree_any(flag: bool) -> bool:
     if jax.process_count() == 1:
         return bool(flag)
     return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
+def halt_requested(out_dir: str | os.PathLike, step: int, every: int) -> bool:
+    """<out_dir>/.HALT present; with several processes agreed every `every` steps, so all stop together."""
+    if jax.process_count() == 1:
+        return (pathlib.Path(out_dir) / HALT_FILE).exists()
+    if step % every:
+        return False
+    return agree_any((pathlib.Path(out_dir) / HALT_FILE).exists())
 
 
 class Health:

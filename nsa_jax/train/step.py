@@ -18,7 +18,8 @@ make_train_step and create_state); this module builds the loss and the update, a
 places state and batch as the plan says. The step builders also take (cfg, mesh)
 and build the plan themselves, for one-off steps (tests, benchmarks).
 
-Nothing here does I/O; the loop (loop.py) owns files, clocks and printing.
+Nothing here does I/O; the loop (loop.py, and boot.py, saves.py, artifacts.py) owns files,
+clocks and printing.
 """
 
 from __future__ import annotations

@@ -1,0 +1,233 @@
+"""A training run before its first step: its parts built from the config, and the compile of its step.
+
+`boot(cfg, out, ...)` builds, in this order, everything that can fail on bad input, so
+a launcher can report it as one line: the mesh; on a resume from a checkpoint saved on
+another device count, the same rows per step split anew into micro-batches
+(resume.elastic_batch); the ShardingPlan; the kernel guard (`auto` on a GPU: a branch
+whose Pallas kernel fails to compile or disagrees with XLA runs on XLA, agreed by every
+process); the train step; the data stream; the Checkpointer and the newest checkpoint
+that reads back; the run artifacts; the boot lines; the first batch under
+data.loader_timeout (synthetic data instead when data.synthetic_on_fail allows). It
+returns them as `RunParts`.
+
+`compile_step` compiles the step ahead of time in one thread while another builds a
+fresh state; the caller only waits, so a stop signal ends the wait at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from nsa_jax import checkpoint as ckpt
+from nsa_jax import resume
+from nsa_jax.config import Config
+from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset
+from nsa_jax.info import learning_options
+from nsa_jax.kernels.guard import guard_kernels
+from nsa_jax.ops.health import agree_any
+from nsa_jax.train import optimizer as O
+from nsa_jax.train import schedule
+from nsa_jax.train import step as S
+from nsa_jax.train.artifacts import RunArtifacts
+from nsa_jax.train.progress import gpu_config_warning
+from nsa_jax.train.state import TrainState
+from nsa_jax.train.strategies import ShardingPlan, make_plan
+
+Say = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class RunParts:
+    """What `boot` builds for one run."""
+
+    cfg: Config  # as the run uses it: the batch split anew on a resize, synthetic data after a loader timeout
+    mesh: Mesh
+    plan: ShardingPlan
+    train_step: Callable
+    tokens_per_step: int
+    data: BatchStream
+    ckpt: ckpt.Checkpointer
+    art: RunArtifacts
+    state: TrainState | None  # given or restored; None: a fresh one is built while the step compiles
+    first: np.ndarray  # the first batch
+
+
+def boot(
+    cfg: Config,
+    out: pathlib.Path,
+    applied_env: dict[str, str] | None,
+    resume_from: tuple[TrainState | None, dict | None],
+    devices: list | None,
+    eval_off: str | None,
+    say: Say,
+    doing: Callable[[str | None], None],
+) -> RunParts:
+    """The parts of a run of `cfg` into `out` (module docstring).
+
+    `resume_from`: (train state, data position) given by the caller, or (None, None): the
+    newest checkpoint in `out`, if any. `eval_off`: why the run evaluates nothing (None:
+    it does); `say` prints a line, `doing` names what runs (the progress thread).
+    """
+    state, data_state = resume_from
+    mesh = S.make_mesh(cfg, devices)
+    # A checkpoint saved on another device count: the same rows per step, split anew into micro-batches.
+    elastic = None
+    if state is None and data_state is None:
+        cfg, elastic = resume.elastic_batch(cfg, mesh.size)
+    # Strategy, shardings and the batch split, derived and checked once for the run.
+    plan = make_plan(cfg, mesh)
+    tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
+    doing("boot: kernel guard (each branch's kernel compiled once)")
+    fallback = _guard_kernels(cfg, cfg.train.global_batch // plan.n_devices, say)
+    if fallback:  # the kernel plan of every phase runs the failed branches on XLA
+        plan = dataclasses.replace(plan, kernel_fallback=frozenset(fallback))
+    train_step = S.make_train_step(plan)
+    # Opening the stream validates the data settings before any artifact is written.
+    doing("boot: opening the data stream")
+    data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
+    # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/checkpoint.py).
+    checkpointer = ckpt.Checkpointer(plan, out, warn=say)
+    doing("boot: restoring the newest checkpoint")
+    restored = checkpointer.restore_latest() if state is None and data_state is None else None
+    doing(None)
+    if restored is not None:
+        state, data_state = restored.state, restored.train_data
+    if data_state is not None:
+        data.set_state(data_state)
+    # The CSVs keep their rows up to the checkpoint; later steps are re-run and appended.
+    kernel_plans = [(p.start, plan.kernels(p.model)) for p in schedule.phases(cfg)]
+    art = RunArtifacts(cfg, out, mesh, applied_env, restored.step if restored else None, kernel_plans)
+    if restored is not None:
+        _say_resume(cfg, restored, art, say)
+    say(
+        f"boot: {jax.process_count()} process(es), {plan.n_devices} {jax.default_backend()} device(s) on the data "
+        f"axis, per-device batch {cfg.train.global_batch // plan.n_devices} x accumulate {cfg.train.accumulate}, "
+        f"{tokens_per_step:,} tokens/step -> {out}" + (f" (resized on resume: {elastic})" if elastic else "")
+    )
+    _say_settings(cfg, int(state.step if state is not None else 0), eval_off, art, say)
+    art.event("boot", 0, "boot", devices=plan.n_devices, processes=jax.process_count(), tokens_per_step=tokens_per_step)
+    doing("boot: reading the first batch")
+    cfg, data, first = _first_batch(cfg, data, art, say)
+    return RunParts(cfg, mesh, plan, train_step, tokens_per_step, data, checkpointer, art, state, first)
+
+
+def _guard_kernels(cfg: Config, batch_per_device: int, say: Say) -> set[str]:
+    """`auto` on a GPU: the branches whose Pallas kernel fails to compile or disagrees with XLA.
+
+    Before the step is traced, so the fallback is in its program; every process takes the
+    union of the failures, so all of them compile the same program.
+    """
+    failed = set(guard_kernels(cfg.model, batch_per_device, cfg.train.seq_len, warn=say))
+    if jax.process_count() > 1 and cfg.model.nsa.attention_impl == "auto":
+        failed = {b for b in ("cmp", "slc", "win") if agree_any(b in failed)}
+    return failed
+
+
+def _say_resume(cfg: Config, restored: ckpt.Restored, art: RunArtifacts, say: Say) -> None:
+    how = "" if restored.train_data is not None else " (data stream restarted: checkpoint.restore_data=false)"
+    say(f"resume: step {restored.step} from {restored.path}{how}")
+    art.event("resume", restored.step, str(restored.path))
+    lr_note = _lr_change(cfg, restored)
+    if lr_note:
+        say(lr_note)
+
+
+def _lr_change(cfg: Config, restored: ckpt.Restored) -> str | None:
+    """The line on the LR schedule when train.steps (or another LR setting) changed since the checkpoint."""
+    try:
+        saved = resume.saved_config(restored.path)["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+    def lr_at(step: int, train) -> float:
+        return float(O.learning_rate(step, train))
+
+    return schedule.lr_change_on_resume(saved, cfg.train, restored.step, lr_at)
+
+
+def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifacts, say: Say) -> None:
+    """The boot warnings and notes: a GPU config on a CPU, no evaluation, learning options, dense selection."""
+    gpu_warning = gpu_config_warning(cfg, jax.default_backend())
+    if gpu_warning:
+        say(gpu_warning)
+    if eval_off:
+        say(f"warning: {eval_off}")
+        art.event("eval_off", 0, eval_off)
+    if learning_options(cfg):
+        say(f"nsa learning options: {learning_options(cfg)}")
+    dense_until = schedule.dense_selection_steps(cfg)
+    if step < dense_until:
+        n = cfg.model.nsa.n
+        say(f"selection: every block for steps 1-{dense_until}, then top-{n} (evaluation: top-{n})")
+
+
+def _first_batch(cfg: Config, data: BatchStream, art: RunArtifacts, say: Say) -> tuple[Config, BatchStream, np.ndarray]:
+    """(cfg, data stream, the first batch) under data.loader_timeout; synthetic data instead when allowed."""
+    art.event("loader_start", 0, f"dataset {cfg.data.dataset}")
+    try:
+        first = first_batch_with_timeout(data, cfg.data.loader_timeout)
+    except TimeoutError as e:
+        art.event("loader_timeout", 0, str(e))
+        if not cfg.data.synthetic_on_fail:
+            raise
+        say(f"warning: {e}; continuing on synthetic data (data.synthetic_on_fail)")
+        data.close()
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset="synthetic"))
+        data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
+        first = next(data)
+    art.event("loader_ready", 0, f"first batch {tuple(first.shape)}")
+    return cfg, data, first
+
+
+def compile_step(
+    train_step, abstract: Any, batch: jax.Array, init: Callable[[], TrainState] | None, stopped: Callable[[], bool]
+) -> tuple[Any, float, TrainState | None] | None:
+    """(compiled step, compile seconds, the state `init` built, or None without `init`); None once `stopped()`.
+
+    The step is lowered against `abstract` (the state's shapes), so XLA compiles it in
+    one worker thread while another builds (compiles and runs) the init. The caller only
+    waits, so a stop signal (SIGINT, SIGTERM) ends the wait at once: None then, and the
+    threads (daemons, named nsa-compile and nsa-init-state) are left behind.
+    """
+    box: dict[str, Any] = {}
+    compiled_done, state_done = threading.Event(), threading.Event()
+
+    def timed_compile():
+        try:
+            lowered = train_step.lower(abstract, batch)
+            t0 = time.perf_counter()
+            box["compiled"] = lowered.compile()
+            box["seconds"] = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread
+            box["error"] = e
+        compiled_done.set()
+
+    def init_state():
+        try:
+            box["state"] = init()
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread
+            box.setdefault("error", e)
+        state_done.set()
+
+    threading.Thread(target=timed_compile, name="nsa-compile", daemon=True).start()
+    if init is not None:
+        threading.Thread(target=init_state, name="nsa-init-state", daemon=True).start()
+    else:
+        state_done.set()
+    for done in (state_done, compiled_done):
+        while not done.wait(0.25):
+            if stopped():
+                return None
+    if stopped():
+        return None
+    if "error" in box:
+        raise box["error"]
+    return box["compiled"], box["seconds"], box.get("state")
