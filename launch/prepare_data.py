@@ -269,22 +269,7 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
 
     skips = SkipRecorder(args.strict)
     sizes = {path: os.path.getsize(path) for _, path in files}
-    chunks: list[sources.Chunk] = []
-    used: list[tuple[str, str]] = []
-    rows: dict[str, tuple[int, list[int]]] = {}
-    for dataset, path in files:
-        try:
-            found = sources.index_chunks([path], dataset, on_skip=skips)
-            if found and dataset == "fineweb_edu":
-                rows[path] = _parquet_rows(path)
-        except sources.BadDataError as e:
-            if args.strict:
-                raise
-            skips.add_error(e)
-            continue
-        if found:
-            chunks.extend(found)
-            used.append((dataset, path))
+    chunks, used, rows = _index_inputs(files, skips, args.strict)
     skips.phase = "read"
     # Written in a seeded order of chunks so that each shard mixes the sources.
     order = np.random.default_rng(args.seed).permutation(len(chunks))
@@ -292,46 +277,8 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
 
     dtype = shards.token_dtype(tokenizer.vocab_size)
     writers = {s: shards.ShardWriter(out, s, dtype, args.shard_tokens) for s in shards.SPLITS}
-    total_bytes = sum(_chunk_bytes(c, sizes, rows) for c in chunks)
-    progress = Progress(total_bytes, err_stream, t0)
-    done_bytes = text_bytes = 0
-    try:
-        for chunk in chunks:
-            try:
-                docs = sources.read_chunk(chunk, on_skip=skips)
-            except sources.BadDataError as e:
-                if args.strict:
-                    raise
-                skips.add_error(e)
-                docs = []
-            by_split: dict[str, list[str]] = {s: [] for s in shards.SPLITS}
-            for d in docs:
-                by_split["val" if sources.in_split(d, "val", args.val_fraction) else "train"].append(d)
-                text_bytes += len(d.encode("utf-8"))
-            for split, split_docs in by_split.items():
-                if split_docs:
-                    writers[split].add(*shards.encode_docs(tokenizer, split_docs, dtype))
-            done_bytes += _chunk_bytes(chunk, sizes, rows)
-            progress.update(
-                done_bytes,
-                sum(w.documents for w in writers.values()),
-                sum(w.tokens for w in writers.values()),
-                text_bytes,
-            )
-        entries = [e for s in shards.SPLITS for e in writers[s].finish()]
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        progress.close()
-        raise
-    progress.update(
-        done_bytes,
-        sum(w.documents for w in writers.values()),
-        sum(w.tokens for w in writers.values()),
-        text_bytes,
-        force=True,
-    )
-    progress.close()
+    progress = Progress(sum(_chunk_bytes(c, sizes, rows) for c in chunks), err_stream, t0)
+    entries, text_bytes = _write_shards(args, chunks, tokenizer, dtype, writers, skips, progress, (sizes, rows))
     elapsed = time.perf_counter() - t0
 
     n_docs = sum(w.documents for w in writers.values())
@@ -346,37 +293,9 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
     holdout = None
     if splits["val"]["documents"] == 0 and args.val_fraction > 0:
         entries, holdout = _hold_out(out, entries, dtype, splits, args.val_fraction, n_docs, err_stream)
-    tok_id = shards.tokenizer_identity(args.tokenizer)
-    spec = args.tokenizer
-    if tok_id["kind"] == "json":
-        spec = str(pathlib.Path(args.tokenizer).expanduser().resolve())
-    manifest = {
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "tokenizer": {
-            **tok_id,
-            "spec": spec,
-            "vocab_size": int(tokenizer.vocab_size),
-            "eos_id": int(tokenizer.eos_id),
-            "pad_id": int(tokenizer.pad_id),
-        },
-        "dtype": dtype.name,
-        "eos_id": int(tokenizer.eos_id),
-        "val_fraction": args.val_fraction,
-        "split_rule": "val when blake2b-64 of the document's UTF-8 text / 2**64 < val_fraction "
-        "(nsa_jax.data.sources.in_split)"
-        + (
-            "; no document fell in val, so the last tokens of the train text were held out as val (val_holdout)"
-            if holdout
-            else ""
-        ),
-        **({"val_holdout": holdout} if holdout else {}),
-        "seed": args.seed,
-        "shard_tokens": args.shard_tokens,
-        "splits": splits,
-        "shards": entries,
-        "sources": [{"path": str(pathlib.Path(p).resolve()), "kind": k, "bytes": sizes[p]} for k, p in used],
-        "skipped": skips.manifest(),
-    }
+    manifest = _manifest(args, tokenizer, dtype, splits, entries, holdout)
+    manifest["sources"] = [{"path": str(pathlib.Path(p).resolve()), "kind": k, "bytes": sizes[p]} for k, p in used]
+    manifest["skipped"] = skips.manifest()
     shards.write_manifest(out, manifest)
 
     n_tokens = sum(w.tokens for w in writers.values())
@@ -402,6 +321,98 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
     for line in skips.lines():
         print(line, file=out_stream)
     return 0
+
+
+def _index_inputs(files, skips, strict: bool) -> tuple[list, list[tuple[str, str]], dict]:
+    """(chunks of every input, the (dataset, path) of the files that gave some, parquet row counts)."""
+    chunks: list[sources.Chunk] = []
+    used: list[tuple[str, str]] = []
+    rows: dict[str, tuple[int, list[int]]] = {}
+    for dataset, path in files:
+        try:
+            found = sources.index_chunks([path], dataset, on_skip=skips)
+            if found and dataset == "fineweb_edu":
+                rows[path] = _parquet_rows(path)
+        except sources.BadDataError as e:
+            if strict:
+                raise
+            skips.add_error(e)
+            continue
+        if found:
+            chunks.extend(found)
+            used.append((dataset, path))
+    return chunks, used, rows
+
+
+def _write_shards(args, chunks, tokenizer, dtype, writers, skips, progress, sizes_rows) -> tuple[list[dict], int]:
+    """Tokenizes every chunk into the train and val writers; (shard entries, bytes of text read)."""
+    sizes, rows = sizes_rows
+    done_bytes = text_bytes = 0
+
+    def report(force: bool = False) -> None:
+        docs, tokens = sum(w.documents for w in writers.values()), sum(w.tokens for w in writers.values())
+        progress.update(done_bytes, docs, tokens, text_bytes, force=force)
+
+    try:
+        for chunk in chunks:
+            try:
+                docs = sources.read_chunk(chunk, on_skip=skips)
+            except sources.BadDataError as e:
+                if args.strict:
+                    raise
+                skips.add_error(e)
+                docs = []
+            by_split: dict[str, list[str]] = {s: [] for s in shards.SPLITS}
+            for d in docs:
+                by_split["val" if sources.in_split(d, "val", args.val_fraction) else "train"].append(d)
+                text_bytes += len(d.encode("utf-8"))
+            for split, split_docs in by_split.items():
+                if split_docs:
+                    writers[split].add(*shards.encode_docs(tokenizer, split_docs, dtype))
+            done_bytes += _chunk_bytes(chunk, sizes, rows)
+            report()
+        entries = [e for s in shards.SPLITS for e in writers[s].finish()]
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        progress.close()
+        raise
+    report(force=True)
+    progress.close()
+    return entries, text_bytes
+
+
+def _manifest(args, tokenizer, dtype, splits: dict, entries: list[dict], holdout: dict | None) -> dict:
+    """manifest.json up to its sources and skips (the caller adds them, in that order)."""
+    tok_id = shards.tokenizer_identity(args.tokenizer)
+    spec = args.tokenizer
+    if tok_id["kind"] == "json":
+        spec = str(pathlib.Path(args.tokenizer).expanduser().resolve())
+    return {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "tokenizer": {
+            **tok_id,
+            "spec": spec,
+            "vocab_size": int(tokenizer.vocab_size),
+            "eos_id": int(tokenizer.eos_id),
+            "pad_id": int(tokenizer.pad_id),
+        },
+        "dtype": dtype.name,
+        "eos_id": int(tokenizer.eos_id),
+        "val_fraction": args.val_fraction,
+        "split_rule": "val when blake2b-64 of the document's UTF-8 text / 2**64 < val_fraction "
+        "(nsa_jax.data.sources.in_split)"
+        + (
+            "; no document fell in val, so the last tokens of the train text were held out as val (val_holdout)"
+            if holdout
+            else ""
+        ),
+        **({"val_holdout": holdout} if holdout else {}),
+        "seed": args.seed,
+        "shard_tokens": args.shard_tokens,
+        "splits": splits,
+        "shards": entries,
+    }
 
 
 def holdout_tokens(train_tokens: int, val_fraction: float) -> int:
