@@ -37,7 +37,7 @@ import jax
 
 from benchmarks.common import add_config_args
 from launch.cli import Parser, UsageError
-from nsa_jax.aot import TRITON_TARGET, layer_forward_backward
+from nsa_jax.aot import TRITON_TARGET, export_for_cuda, layer_forward_backward
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.kernels.xla import num_compressed
 
@@ -94,11 +94,7 @@ def export_layer_text(cfg, seq_len: int, batch: int) -> str:
     limit = jax.config.jax_traceback_in_locations_limit
     jax.config.update("jax_traceback_in_locations_limit", 0)
     try:
-        exported = jax.export.export(
-            jax.jit(forward_backward),
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
-        )(*args)
+        exported = export_for_cuda(forward_backward, *args)
     finally:
         jax.config.update("jax_traceback_in_locations_limit", limit)
     return exported.mlir_module()

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from reference import reference_block_scores, reference_block_selection
 
+from nsa_jax import aot
 from nsa_jax.kernels import compressed_attention
 from nsa_jax.kernels.block_scores_pallas import (
     BlockSelectSizes,
@@ -35,7 +36,6 @@ from nsa_jax.kernels.block_scores_pallas import (
 from nsa_jax.kernels.xla import select_blocks
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
-TRITON_TARGET = "__gpu$xla.gpu.triton"
 SMALL = BlockSelectSizes(block_pos=16, block_blocks=16)
 
 
@@ -224,11 +224,9 @@ def test_select_lowers_to_triton_for_cuda_at_production_shape():
         return o.astype(jnp.float32).sum(), idx
 
     grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
     for fn, kernels in ((both, 2), (grad, 4)):  # attention + selection; + the attention's dq and dk/dv
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(*args)
-        text = exported.mlir_module()
-        assert text.count(TRITON_TARGET) == kernels
+        text = aot.export_for_cuda(fn, *args).mlir_module()
+        assert text.count(aot.TRITON_TARGET) == kernels
         # No per-query probability or score tensor: nothing with a T axis and a T_cmp or T/lp axis.
         assert not re.search(rf"\b{t}x({tc}|{tc + 1}|{t // lp})x", text)
         assert f"{b}x{t}x{kvh}x{n}xi32" in text or f"{b}x{kvh}x{t}x{n}xi32" in text

@@ -18,7 +18,7 @@ import pytest
 from helpers import random_inputs, run_with_grads
 from reference import random_block_indices, reference_attention, selection_visible, window_visible
 
-from nsa_jax import kernels
+from nsa_jax import aot, kernels
 from nsa_jax.config import NSAConfig
 from nsa_jax.kernels import blocksparse_pallas, flash_pallas
 from nsa_jax.kernels.blocksparse_pallas import (
@@ -29,7 +29,6 @@ from nsa_jax.kernels.blocksparse_pallas import (
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
 
-TRITON_TARGET = "__gpu$xla.gpu.triton"
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 
 
@@ -258,10 +257,8 @@ PROD = dict(b=1, t=2048, h=12, kvh=2, d=64, lp=64, n=16)
 
 
 def _export_text(fn, *args):
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
-    )(*args)
-    return exported.mlir_module()
+    """StableHLO of `fn` exported for CUDA, the Pallas kernels lowered for a card (no GPU needed here)."""
+    return aot.export_for_cuda(fn, *args).mlir_module()
 
 
 def _prod_args(t=PROD["t"], lp=PROD["lp"]):
@@ -284,14 +281,14 @@ def test_blocksparse_lowers_to_triton_for_cuda_at_production_shapes():
     fwd_text = _export_text(fwd, *_prod_args())
     grad_text = _export_text(_grad(fwd), *_prod_args())
     # forward: 1 kernel; gradient: forward + dq + dk/dv, and no reverse index (no sort, no scatter).
-    assert fwd_text.count(TRITON_TARGET) == 1
-    assert grad_text.count(TRITON_TARGET) == 3
+    assert fwd_text.count(aot.TRITON_TARGET) == 1
+    assert grad_text.count(aot.TRITON_TARGET) == 3
     for text in (fwd_text, grad_text):
         assert not re.search(r"\b2048x2048x", text)  # no T x T tensor
         assert "stablehlo.sort" not in text and "stablehlo.scatter" not in text
     # Key tiles shorter than the block (lp = 128 with the default tiles of 64) lower too.
     fwd128 = lambda q, k, v, i: selection_attention_blocksparse_pallas(q, k, v, i, 128)  # noqa: E731
-    assert _export_text(_grad(fwd128), *_prod_args()).count(TRITON_TARGET) == 3
+    assert _export_text(_grad(fwd128), *_prod_args()).count(aot.TRITON_TARGET) == 3
 
 
 @pytest.mark.parametrize(
@@ -305,7 +302,7 @@ def test_blocksparse_lowers_at_other_shapes(t, h, kvh, d, n, lp, dtype):
     args = [sds((1, t, h, d), dtype), sds((1, t, kvh, d), dtype), sds((1, t, kvh, d), dtype)]
     args.append(sds((1, t, kvh, n), jnp.int32))
     fwd = lambda q, k, v, i: selection_attention_blocksparse_pallas(q, k, v, i, lp)  # noqa: E731
-    assert _export_text(_grad(fwd), *args).count(TRITON_TARGET) == 3
+    assert _export_text(_grad(fwd), *args).count(aot.TRITON_TARGET) == 3
 
 
 @pytest.mark.parametrize("t,kernel_name", [(2048, "nsa_selection_bsp"), (4096, "nsa_selection_dkv")])
