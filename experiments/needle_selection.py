@@ -23,14 +23,14 @@ import argparse
 import jax
 import numpy as np
 
-from nsa_jax.checkpoint import load_for_inference
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import NeedleRow, answer_mask, needle_pieces
 from nsa_jax.evaluation.scoring import answer_scores
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, TextRows, needle_rows
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.model import NSALM, per_layer
-from nsa_jax.resume import CheckpointError
+from nsa_jax.rundir.checkpoint import load_for_inference
+from nsa_jax.rundir.resume import CheckpointError
 
 
 def key_blocks(row: NeedleRow, tokenizer, lp: int) -> set[int]:

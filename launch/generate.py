@@ -5,7 +5,7 @@
         [--top-k K] [--top-p P] [--seed S] [--batch-size B]
     python -m launch.generate --random-init --config cpu_tiny --prompt "Hello"
 
-Weights: a training checkpoint (`nsa_jax.checkpoint.load_for_inference(path)
+Weights: a training checkpoint (`nsa_jax.rundir.checkpoint.load_for_inference(path)
 -> (Config, params)`); a directory holding `config.yaml` + `params.msgpack`
 (flax.serialization) is read directly; `--random-init` uses freshly initialised
 params of `--config` (smoke tests). `--config`/`--set` give the config when the
@@ -41,7 +41,6 @@ import numpy as np
 import yaml
 
 from launch.cli import Parser, UsageError, run_main
-from nsa_jax.checkpoint import load_for_inference
 from nsa_jax.config import ConfigError, load_config, replace
 from nsa_jax.data.tokenizers import make_tokenizer
 from nsa_jax.inference import generate, stack_layers
@@ -50,6 +49,7 @@ from nsa_jax.inference.notes import TEXT_DATASETS, synthetic_note, times, traine
 from nsa_jax.inference.progress import Progress
 from nsa_jax.info import param_shapes
 from nsa_jax.model import init_params
+from nsa_jax.rundir.checkpoint import load_for_inference
 
 PARAMS_FILE = "params.msgpack"
 CONFIG_FILE = "config.yaml"
@@ -129,7 +129,7 @@ def _load_dir(path: pathlib.Path, args):
 
 
 def load_model(args):
-    """(Config, params) from --random-init, a params.msgpack directory, or nsa_jax.checkpoint."""
+    """(Config, params) from --random-init, a params.msgpack directory, or nsa_jax.rundir.checkpoint."""
     if args.random_init:
         if args.config is None:
             raise UsageError("--random-init needs --config NAME")

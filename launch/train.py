@@ -15,10 +15,10 @@ Environment variables (the torch runbooks' names):
 Multi-process (one process per host): --coordinator/--num-processes/--process-id, or
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM (nsa_jax/ops/distributed.py);
 python -m launch.spawn --nproc N -- python -m launch.train ... starts N local processes.
-One trainer per out dir (nsa_jax/runlock.py): the run holds an exclusive lock on
+One trainer per out dir (nsa_jax/rundir/lock.py): the run holds an exclusive lock on
 <out_dir>/.lock until it exits (the OS drops it on any death, SIGKILL included); a second
 trainer on a held folder exits 2 at once, naming the holder, and changes nothing in it.
-Out dir policy (nsa_jax/resume.py), decided before XLA starts: a folder holding checkpoints
+Out dir policy (nsa_jax/rundir/resume.py), decided before XLA starts: a folder holding checkpoints
 is resumed from its newest complete one (training.csv and the heartbeats continue), or,
 when that step is train.steps already, nothing runs (exit 0); a .HALT in it stops the
 launch until it is removed; an earlier run that saved no checkpoint (it died in boot or
@@ -60,13 +60,13 @@ import sys
 import threading
 
 from launch.cli import Parser
-from nsa_jax import resume, runlock
-from nsa_jax import runfiles as rf
 from nsa_jax.config import Config, ConfigError, load_config
 from nsa_jax.data import FILE_DATASETS, make_tokenizer
 from nsa_jax.data.check import check_data
 from nsa_jax.data.tokenizers import fitted_vocab_size
 from nsa_jax.ops import distributed as dist
+from nsa_jax.rundir import files as rf
+from nsa_jax.rundir import lock, resume
 
 BUCKET_FLAG = "--xla_gpu_all_reduce_combine_threshold_bytes"
 # jax's persistent compilation cache: a repeated or resumed run loads the compiled step
@@ -196,7 +196,7 @@ def prepare_out_dir(
     cfg: Config | None = None,
     apply: bool = True,
 ) -> resume.Plan:
-    """Decides what this launch does with `out_dir` (nsa_jax/resume.py) and carries it out
+    """Decides what this launch does with `out_dir` (nsa_jax/rundir/resume.py) and carries it out
     (apply=False: decides only; `apply_out_dir_plan` later).
 
     Returns the plan (its action: fresh, resume, restart, overwrite, finished, halted);
@@ -217,10 +217,10 @@ def apply_out_dir_plan(plan: resume.Plan) -> None:
 
 
 def lock_out_dir(out_dir: str, spec: dist.DistSpec | None) -> None:
-    """One trainer per out_dir (nsa_jax/runlock.py): process 0 locks it for the run's lifetime;
+    """One trainer per out_dir (nsa_jax/rundir/lock.py): process 0 locks it for the run's lifetime;
     OutDirLocked when another trainer holds it."""
     if spec is None or spec.process_id == 0:
-        runlock.acquire(out_dir, command=" ".join([os.path.basename(sys.executable), *sys.argv]))
+        lock.acquire(out_dir, command=" ".join([os.path.basename(sys.executable), *sys.argv]))
 
 
 def compile_cache_dir(flag: str | None, environ: dict[str, str]) -> str | None:

@@ -1,6 +1,6 @@
 """`python -m launch.watchdog --dir OUT [--halt 1] [--interval 30] [thresholds]`: an external run watchdog.
 
-Tails a run's artifacts (file names and columns: nsa_jax/runfiles.py) and watches for:
+Tails a run's artifacts (file names and columns: nsa_jax/rundir/files.py) and watches for:
   crash                a rank's trainer raised: its heartbeat ends with a `crash` event
                        (the error) instead of `done`
   checkpoint_failed    a checkpoint save failed (disk full, permission): the trainer
@@ -43,8 +43,8 @@ import statistics
 import sys
 import time
 
-from nsa_jax import runfiles as rf
-from nsa_jax.runfiles import ANOMALY_FILE, GATE_COLUMNS, HALT_FILE, write_halt
+from nsa_jax.rundir import files as rf
+from nsa_jax.rundir.files import ANOMALY_FILE, GATE_COLUMNS, HALT_FILE, write_halt
 
 LEGACY_CSV = rf.LEGACY_COLUMNS
 # Events that show the watchdog of the trainer speaking, not the trainer making progress.

@@ -219,7 +219,7 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints under <out_dir>/checkpoints (nsa_jax/checkpoint.py)."""
+    """Orbax checkpoints under <out_dir>/checkpoints (nsa_jax/rundir/checkpoint.py)."""
 
     save_every: int = 5000  # optimizer steps between saves; the last step is always saved
     max_to_keep: int = 3  # newest checkpoints kept; older ones are deleted after a save commits

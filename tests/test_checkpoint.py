@@ -32,8 +32,11 @@ sys.path.insert(0, str(ROOT))
 from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, set_flags  # noqa: E402
 
 from launch.train import prepare_out_dir  # noqa: E402
-from nsa_jax import checkpoint as C  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
+from nsa_jax.ops import preemption  # noqa: E402
+from nsa_jax.rundir import checkpoint as C  # noqa: E402
+from nsa_jax.rundir import checksums, resume  # noqa: E402
+from nsa_jax.rundir import files as rf  # noqa: E402
 from nsa_jax.train import step as S  # noqa: E402
 from nsa_jax.train.strategies import make_plan  # noqa: E402
 
@@ -94,7 +97,7 @@ elif mode == "enospc":
     atomicity.AtomicRenameTemporaryPath.finalize = _finalize
 elif mode == "csv_enospc":
     import errno
-    from nsa_jax import runfiles
+    from nsa_jax.rundir import files as runfiles
     write = runfiles.CsvWriter.write
     def _write(self, row):
         if self.path.name == "training.csv" and row.get("step") == at:
@@ -167,7 +170,7 @@ def reference(env):
     out = env["base"] / "straight"
     r = env["train"](out)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6, 8]  # max_to_keep=3, the final save included
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [4, 6, 8]  # max_to_keep=3, the final save included
     return out
 
 
@@ -187,15 +190,15 @@ def test_sigterm_then_kill_in_commit_then_resume_is_exact(env, reference):
     a = env["train"](out, mode="sigterm", at=3, extra_sets=["checkpoint.save_every=100"])
     assert a.returncode == 0, a.stderr[-3000:]
     assert "preempted: SIGTERM received; stopping after step 4" in a.stdout
-    assert C.complete_steps(C.checkpoint_dir(out)) == [4]
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [4]
     assert exact(rows(out)) == exact(ref_rows[:4])
 
     # Resumed at 4, then killed with every file of step 6 written but not committed.
     b = env["train"](out, mode="kill_in_commit", at=6)
     assert b.returncode == -signal.SIGKILL, (b.returncode, b.stderr[-3000:])
     assert "resume: step 4 from" in b.stdout
-    assert C.complete_steps(C.checkpoint_dir(out)) == [4]
-    assert [p.name.split(".")[0] for p in C.uncommitted_dirs(C.checkpoint_dir(out))] == ["6"]
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [4]
+    assert [p.name.split(".")[0] for p in resume.uncommitted_dirs(resume.checkpoint_dir(out))] == ["6"]
     # Steps after 4 were logged before the kill (the commit runs in the background, so
     # the loop may have gone on past 6); the resume must drop them.
     assert [int(r["step"]) for r in rows(out)][:6] == [1, 2, 3, 4, 5, 6]
@@ -205,11 +208,11 @@ def test_sigterm_then_kill_in_commit_then_resume_is_exact(env, reference):
     assert c.returncode == 0, c.stderr[-3000:]
     assert "resume: step 4 from" in c.stdout
     assert exact(rows(out)) == exact(ref_rows)  # rows 5, 6 of run B replaced, not duplicated
-    assert not C.uncommitted_dirs(C.checkpoint_dir(out))
-    final = [C.restore_params(C.checkpoint_dir(d) / "8") for d in (out, reference)]
+    assert not resume.uncommitted_dirs(resume.checkpoint_dir(out))
+    final = [C.restore_params(resume.checkpoint_dir(d) / "8") for d in (out, reference)]
     assert tree_equal(*final)
     # The optimizer moments and RNG too, not only the weights.
-    full = [_host_state(C.checkpoint_dir(d) / "8") for d in (out, reference)]
+    full = [_host_state(resume.checkpoint_dir(d) / "8") for d in (out, reference)]
     assert tree_equal(*full)
     beats = [json.loads(line) for line in (out / "heartbeat_rank0.jsonl").read_text().splitlines()]
     assert [b["step"] for b in beats if b["event"] == "resume"] == [4, 4]  # appended across the runs
@@ -239,7 +242,7 @@ def test_saved_on_two_devices_restores_on_one(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
-    saved = json.loads((C.checkpoint_dir(out) / "8" / "data" / "metadata").read_text())
+    saved = json.loads((resume.checkpoint_dir(out) / "8" / "data" / "metadata").read_text())
     assert saved["devices"] == 2 and saved["process_count"] == 1
     ck = C.Checkpointer(make_plan(cfg, mesh), out)
     try:
@@ -249,7 +252,7 @@ def test_saved_on_two_devices_restores_on_one(env, reference, tmp_path):
     assert r.step == 8 and int(r.state.step) == 8
     for leaf in jax.tree.leaves(r.state):
         assert leaf.sharding.device_set == {jax.devices()[0]}
-    host = _host_state(C.checkpoint_dir(out) / "8")
+    host = _host_state(resume.checkpoint_dir(out) / "8")
     assert tree_equal(r.state.params, host["params"]) and tree_equal(r.state.opt_state, host["opt_state"])
     # The data position is per process, not per device: it carries over unchanged.
     assert r.train_data == saved["processes"][0]["train"] and r.train_data["kind"] == "text"
@@ -272,7 +275,7 @@ def _truncate_state(step_dir: pathlib.Path) -> None:
 @pytest.mark.slow
 def test_corrupt_latest_falls_back_to_previous(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
-    cdir = C.checkpoint_dir(out)
+    cdir = resume.checkpoint_dir(out)
     _truncate_state(cdir / "8")
     (cdir / "6" / "data" / "metadata").write_text('{"format": 1, "process_')  # cut short
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
@@ -284,17 +287,17 @@ def test_corrupt_latest_falls_back_to_previous(env, reference, tmp_path):
     finally:
         ck.close()
     assert r.step == 4 and int(r.state.step) == 4
-    assert tree_equal(r.state.params, C.restore_params(C.checkpoint_dir(reference) / "4"))
+    assert tree_equal(r.state.params, C.restore_params(resume.checkpoint_dir(reference) / "4"))
     assert sum("does not read back" in w for w in warnings) == 2, warnings
     # The unreadable steps are moved aside, never deleted, and no longer count as checkpoints.
-    assert C.complete_steps(cdir) == [4]
-    assert sorted(p.name.split("-")[0] for p in (out / C.CORRUPT_DIR).iterdir()) == ["6", "8"]
+    assert resume.complete_steps(cdir) == [4]
+    assert sorted(p.name.split("-")[0] for p in (out / rf.CORRUPT_DIR).iterdir()) == ["6", "8"]
 
     # load_for_inference falls back the same way (from a fresh copy).
     out2 = _copy(reference, tmp_path / "run2")
-    _truncate_state(C.checkpoint_dir(out2) / "8")
+    _truncate_state(resume.checkpoint_dir(out2) / "8")
     cfg2, params = C.load_for_inference(out2, warn=warnings.append)
-    assert cfg2.model == cfg.model and tree_equal(params, C.restore_params(C.checkpoint_dir(reference) / "6"))
+    assert cfg2.model == cfg.model and tree_equal(params, C.restore_params(resume.checkpoint_dir(reference) / "6"))
 
 
 def _largest_file(d: pathlib.Path) -> pathlib.Path:
@@ -314,7 +317,7 @@ def _restore(env, out, warnings):
 @pytest.mark.parametrize("where", [0.05, 0.3, 0.5, 0.7, 0.95])
 def test_corrupted_array_bytes_fall_back_to_the_previous_checkpoint(env, reference, tmp_path, where):
     out = _copy(reference, tmp_path / "run")
-    target = _largest_file(C.checkpoint_dir(out) / "8" / "state")
+    target = _largest_file(resume.checkpoint_dir(out) / "8" / "state")
     data = bytearray(target.read_bytes())
     at = int(len(data) * where)
     data[at : at + 8] = np.random.default_rng(at).integers(0, 256, 8, dtype=np.uint8).tobytes()
@@ -322,22 +325,22 @@ def test_corrupted_array_bytes_fall_back_to_the_previous_checkpoint(env, referen
     warnings: list[str] = []
     r = _restore(env, out, warnings)
     assert r.step == 6 and r.verified, warnings
-    assert tree_equal(r.state.params, C.restore_params(C.checkpoint_dir(reference) / "6"))
+    assert tree_equal(r.state.params, C.restore_params(resume.checkpoint_dir(reference) / "6"))
     assert any("checkpoint" in w and "/8" in w and "does not read back" in w for w in warnings), warnings
-    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6]  # 8 moved aside, not deleted
-    assert [p.name.split("-")[0] for p in (out / C.CORRUPT_DIR).iterdir()] == ["8"]
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [4, 6]  # 8 moved aside, not deleted
+    assert [p.name.split("-")[0] for p in (out / rf.CORRUPT_DIR).iterdir()] == ["8"]
 
 
 @pytest.mark.slow
 def test_checksum_mismatch_names_the_array_and_the_items(env, reference, tmp_path):
     # A changed value that still parses: only the checksums can tell.
     out = _copy(reference, tmp_path / "run")
-    step8 = C.checkpoint_dir(out) / "8"
+    step8 = resume.checkpoint_dir(out) / "8"
     sums = json.loads((step8 / "checksums" / "metadata").read_text())
     key = next(k for k in sums["state"] if "params" in k)
     sums["state"][key] = (sums["state"][key] + 1) % 2**32
     (step8 / "checksums" / "metadata").write_text(json.dumps(sums))
-    data_path = C.checkpoint_dir(out) / "6" / "data" / "metadata"
+    data_path = resume.checkpoint_dir(out) / "6" / "data" / "metadata"
     data = json.loads(data_path.read_text())
     data["devices"] += 1
     data_path.write_text(json.dumps(data))
@@ -348,10 +351,10 @@ def test_checksum_mismatch_names_the_array_and_the_items(env, reference, tmp_pat
     assert any("checksum mismatch in the data item" in w for w in warnings), warnings
     # Inference reads the params only, and checks them the same way.
     out2 = _copy(reference, tmp_path / "run2")
-    (C.checkpoint_dir(out2) / "8" / "checksums" / "metadata").write_text(json.dumps(sums))
+    (resume.checkpoint_dir(out2) / "8" / "checksums" / "metadata").write_text(json.dumps(sums))
     msgs: list[str] = []
     _, params = C.load_for_inference(out2, warn=msgs.append)
-    assert tree_equal(params, C.restore_params(C.checkpoint_dir(reference) / "6"))
+    assert tree_equal(params, C.restore_params(resume.checkpoint_dir(reference) / "6"))
     assert len(msgs) == 1 and "checksum mismatch in array params" in msgs[0], msgs
 
 
@@ -364,7 +367,7 @@ def test_failed_background_save_stops_the_run_and_keeps_the_last_checkpoint(env,
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "checkpoint step 4 was not saved: disk full" in errors[0], r.stderr[-3000:]
     assert "newest committed checkpoint is step 2" in errors[0]
-    assert C.complete_steps(C.checkpoint_dir(out)) == [2]
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [2]
     beats = [json.loads(line) for line in (out / "heartbeat_rank0.jsonl").read_text().splitlines()]
     assert [b["step"] for b in beats if b["event"] == "checkpoint"] == [2]  # written only once committed
     failed = [b for b in beats if b["event"] == "checkpoint_failed"]
@@ -394,7 +397,7 @@ def test_a_run_file_the_full_disk_refuses_stops_the_run_like_a_failed_save(env, 
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: training.csv could not be written: disk full"), lines
     assert "newest committed checkpoint is step 2" in lines[0] and "run the same command to resume" in lines[0]
-    assert C.complete_steps(C.checkpoint_dir(out)) == [2]
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [2]
     assert max(int(row["step"]) for row in rows(out)) == 2  # no row after the refused one
     beats = [json.loads(line) for line in (out / "heartbeat_rank0.jsonl").read_text().splitlines()]
     failed = [b for b in beats if b["event"] == "output_failed"]
@@ -417,16 +420,16 @@ def test_a_finished_run_is_known_before_compiling(env, reference, tmp_path):
 @pytest.mark.slow
 def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
-    for s in C.complete_steps(C.checkpoint_dir(out)):
-        _truncate_state(C.checkpoint_dir(out) / str(s))
+    for s in resume.complete_steps(resume.checkpoint_dir(out)):
+        _truncate_state(resume.checkpoint_dir(out) / str(s))
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
     ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out, warn=lambda m: None)
     try:
-        with pytest.raises(C.CheckpointError, match="no checkpoint in .* reads back"):
+        with pytest.raises(resume.CheckpointError, match="no checkpoint in .* reads back"):
             ck.restore_latest()
     finally:
         ck.close()
-    with pytest.raises(C.CheckpointError, match="reads back"):
+    with pytest.raises(resume.CheckpointError, match="reads back"):
         C.load_for_inference(out, warn=lambda m: None)
 
 
@@ -436,11 +439,11 @@ def test_resume_with_another_model_is_refused(env, reference, tmp_path):
     cfg = cfg_of(env, **{"train.out_dir": str(out), "model.d_model": 96})
     ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out)
     try:
-        with pytest.raises(C.CheckpointError, match="model.d_model 64 -> 96"):
+        with pytest.raises(resume.CheckpointError, match="model.d_model 64 -> 96"):
             ck.restore_latest()
     finally:
         ck.close()
-    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6, 8]  # nothing moved aside
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [4, 6, 8]  # nothing moved aside
 
 
 @pytest.mark.slow
@@ -454,7 +457,7 @@ def test_launcher_policy_protects_checkpoints(env, reference, tmp_path):
     # --overwrite never deletes checkpoints.
     with pytest.raises(ConfigError, match="--overwrite-checkpoints"):
         prepare_out_dir(str(out), True, cfg=cfg)
-    assert C.complete_steps(C.checkpoint_dir(out)) == [4, 6, 8]
+    assert resume.complete_steps(resume.checkpoint_dir(out)) == [4, 6, 8]
     # Another model: refused before XLA starts, naming the differing key and the ways out.
     other = cfg_of(env, **{"train.out_dir": str(out), "model.n_layers": 2})
     with pytest.raises(ConfigError, match=r"model.n_layers 1 -> 2.*--out-dir.*--overwrite-checkpoints"):
@@ -463,19 +466,19 @@ def test_launcher_policy_protects_checkpoints(env, reference, tmp_path):
     prepare_out_dir(str(out), False, cfg=cfg_of(env, **{"train.steps": 20, "train.lr": 5e-4}))
     # Only uncommitted saves: no checkpoint. Another model's run is refused, naming it; the same
     # run is started again from step 0, its files moved aside (nothing deleted).
-    shutil.move(str(C.checkpoint_dir(out) / "8"), str(C.checkpoint_dir(out) / "8.orbax-checkpoint-tmp-1"))
+    shutil.move(str(resume.checkpoint_dir(out) / "8"), str(resume.checkpoint_dir(out) / "8.orbax-checkpoint-tmp-1"))
     for s in (4, 6):
-        shutil.rmtree(C.checkpoint_dir(out) / str(s))
+        shutil.rmtree(resume.checkpoint_dir(out) / str(s))
     with pytest.raises(ConfigError, match=r"holds another run, without a checkpoint.*model.n_layers 1 -> 2"):
         prepare_out_dir(str(out), False, cfg=other)
     plan = prepare_out_dir(str(out), False, cfg=cfg)
     assert plan.action == "restart" and "stopped after step 8 without a checkpoint" in plan.message
     assert (out / "previous").is_dir() and not (out / "training.csv").exists()
     # --overwrite-checkpoints deletes them, and the artifacts, explicitly.
-    shutil.copytree(C.checkpoint_dir(reference), C.checkpoint_dir(out), dirs_exist_ok=True)
+    shutil.copytree(resume.checkpoint_dir(reference), resume.checkpoint_dir(out), dirs_exist_ok=True)
     shutil.copy(reference / "training.csv", out / "training.csv")
     prepare_out_dir(str(out), False, overwrite_checkpoints=True, cfg=cfg)
-    assert not C.checkpoint_dir(out).exists() and not (out / "training.csv").exists()
+    assert not resume.checkpoint_dir(out).exists() and not (out / "training.csv").exists()
 
 
 def test_sigterm_guard_sets_a_flag_instead_of_exiting():
@@ -483,7 +486,7 @@ def test_sigterm_guard_sets_a_flag_instead_of_exiting():
     # A stand-in for the default action, so a broken guard fails the test instead of ending pytest.
     before = signal.signal(signal.SIGTERM, lambda *_: seen.append("default"))
     try:
-        guard = C.PreemptionGuard()
+        guard = preemption.PreemptionGuard()
         guard.install()
         try:
             assert not guard.stop_requested()
@@ -503,7 +506,7 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(os.environ["COORD"], 2, int(sys.argv[1]))
 import numpy as np
-from nsa_jax.checkpoint import PreemptionGuard
+from nsa_jax.ops.preemption import PreemptionGuard
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
 guard = PreemptionGuard(mesh)
 guard.install()
@@ -590,8 +593,8 @@ def test_save_returns_after_the_copy_off_the_device(tmp_path):
         jax.block_until_ready(state)
     finally:
         ck.close()
-    assert info["save_s"] > 0 and C.complete_steps(C.checkpoint_dir(tmp_path)) == [1]
-    assert tree_equal(C.restore_params(C.checkpoint_dir(tmp_path) / "1"), expect)
+    assert info["save_s"] > 0 and resume.complete_steps(resume.checkpoint_dir(tmp_path)) == [1]
+    assert tree_equal(C.restore_params(resume.checkpoint_dir(tmp_path) / "1"), expect)
 
 
 def test_checksums_agree_on_host_and_device_and_see_any_one_changed_element():
@@ -603,18 +606,19 @@ def test_checksums_agree_on_host_and_device_and_see_any_one_changed_element():
         "u32": rng.integers(0, 2**32, 9, dtype=np.uint32),
         "scalar": np.int32(7),
     }
-    host = C.host_checksums(tree)
-    device = {jax.tree_util.keystr(k): int(v) for k, v in jax.tree_util.tree_leaves_with_path(C._tree_checksums(tree))}
+    host = checksums.host_checksums(tree)
+    sums = checksums._tree_checksums(tree)
+    device = {jax.tree_util.keystr(k): int(v) for k, v in jax.tree_util.tree_leaves_with_path(sums)}
     assert host == device and len(host) == 5
     # Sharded over two devices: the same global value.
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("data",))
     sharded = jax.device_put(tree["f32"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
-    assert int(C._tree_checksums(sharded)) == host["['f32']"]
+    assert int(checksums._tree_checksums(sharded)) == host["['f32']"]
     # One element changed by its lowest bit, anywhere, or two elements swapped: another checksum.
     for i in (0, 17, 149):
         bad = tree["f32"].copy().reshape(-1)
         bad.view(np.uint32)[i] ^= 1
-        assert C.host_checksums({"f32": bad.reshape(3, 50)})["['f32']"] != host["['f32']"]
+        assert checksums.host_checksums({"f32": bad.reshape(3, 50)})["['f32']"] != host["['f32']"]
     swapped = tree["f32"].copy().reshape(-1)
     swapped[[3, 4]] = swapped[[4, 3]]
-    assert C.host_checksums({"f32": swapped.reshape(3, 50)})["['f32']"] != host["['f32']"]
+    assert checksums.host_checksums({"f32": swapped.reshape(3, 50)})["['f32']"] != host["['f32']"]

@@ -10,7 +10,7 @@ import yaml
 
 from nsa_jax.config import ConfigError, load_config, to_dict
 from nsa_jax.info import describe, keys_per_query, learning_options, parameter_counts
-from nsa_jax.resume import config_from_dict, resume_conflicts
+from nsa_jax.rundir.resume import config_from_dict, resume_conflicts
 
 
 def test_shipped_configs_load():

@@ -27,7 +27,8 @@ import sys
 import pytest
 from helpers import ROOT, TINY_MODEL, cpu_env, set_flags
 
-from nsa_jax import checkpoint as C
+from nsa_jax.rundir import checkpoint as C
+from nsa_jax.rundir import checksums, resume
 
 STEPS, AT = 6, 3
 
@@ -161,9 +162,9 @@ def resume_on_another_layout(base, reference, case, sets: tuple[str, ...] = (), 
     case = f"{tag}{case}"
     train(base, out, procs=p1, devices=d1, tag=f"{case}-a", stop_at=AT, sets=sets)
     # SIGTERM is acted on at a step boundary every process agrees on: after step AT or a little later.
-    (at,) = C.complete_steps(C.checkpoint_dir(out))
+    (at,) = resume.complete_steps(resume.checkpoint_dir(out))
     assert AT <= at <= AT + 2
-    data = json.loads((C.checkpoint_dir(out) / str(at) / "data" / "metadata").read_text())
+    data = json.loads((resume.checkpoint_dir(out) / str(at) / "data" / "metadata").read_text())
     assert data["global"]["train"]["rows"] == at * 4 and data["process_count"] == p1 and "processes" not in data
     r = train(base, out, procs=p2, devices=d2, tag=f"{case}-b", sets=sets)
     boot = next(line for line in r.stdout.splitlines() if "boot:" in line)
@@ -227,14 +228,14 @@ def test_a_checkpoint_with_per_process_positions_still_resumes(base, reference):
     ref_rows, ref_loss = reference
     out = base / "format1"
     train(base, out, tag="format1-a", stop_at=AT)
-    (at,) = C.complete_steps(C.checkpoint_dir(out))
-    step_dir = C.checkpoint_dir(out) / str(at)
+    (at,) = resume.complete_steps(resume.checkpoint_dir(out))
+    step_dir = resume.checkpoint_dir(out) / str(at)
     item = step_dir / "data" / "metadata"
     old = {"kind": "synthetic", "split": "train", "process_index": 0, "position": at * 2}  # accumulate 2
     data = {"format": 1, "process_count": 1, "devices": 1, "processes": [{"train": old, "val": None}]}
     item.write_text(json.dumps(data))
     sums = json.loads((step_dir / "checksums" / "metadata").read_text())
-    sums["data"] = C.json_checksum(data)
+    sums["data"] = checksums.json_checksum(data)
     (step_dir / "checksums" / "metadata").write_text(json.dumps(sums))
     r = train(base, out, tag="format1-b")
     assert f"resume: step {at} from" in r.stdout and "warning" not in r.stdout, r.stdout[-2000:]
@@ -246,7 +247,6 @@ def test_a_checkpoint_with_per_process_positions_still_resumes(base, reference):
 
 
 def test_rows_per_step_not_their_split_must_match_on_resume(tmp_path):
-    from nsa_jax import resume
     from nsa_jax.config import load_config
 
     def cfg(*sets):
@@ -272,7 +272,6 @@ def test_rows_per_step_not_their_split_must_match_on_resume(tmp_path):
     ],
 )
 def test_elastic_batch_split(tmp_path, saved_split, saved_devices, now_split, devices, want):
-    from nsa_jax import resume
     from nsa_jax.config import load_config
 
     def cfg(G, A):
@@ -303,7 +302,7 @@ def test_per_process_position_on_another_process_count_is_refused_with_the_way_o
     cfg = load_config("cpu_tiny", [f"train.out_dir={tmp_path}", f"data.dataset={dataset}"])
     state = {"kind": dataset, "split": "train", "process_count": 2, "iterator": {}}
     data = {"format": 2, "process_count": 2, "devices": 2, "processes": [{"train": state, "val": None}] * 2}
-    with pytest.raises(C.CheckpointError) as e:
+    with pytest.raises(resume.CheckpointError) as e:
         C.Checkpointer._data_for_this_process(SimpleNamespace(cfg=cfg), data, 7)
     msg = str(e.value)
     assert "saved by 2 process(es) and this run has 1" in msg and "checkpoint.restore_data=false" in msg

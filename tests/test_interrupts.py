@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from helpers import TINY_SAVING_RUN, cpu_env, set_flags  # noqa: E402
 
-from nsa_jax import checkpoint as C  # noqa: E402
 from nsa_jax.config import load_config  # noqa: E402
+from nsa_jax.ops import preemption  # noqa: E402
+from nsa_jax.rundir import resume  # noqa: E402
 from nsa_jax.train import optimizer as O  # noqa: E402
 from nsa_jax.train import progress, schedule  # noqa: E402
 
@@ -142,7 +143,7 @@ sys.exit(main())
 def test_first_signal_sets_the_flag_and_a_second_quits_at_once(capfd):
     exits: list[int] = []
     quit_ = threading.Event()
-    guard = C.PreemptionGuard(
+    guard = preemption.PreemptionGuard(
         on_first=lambda name: f"first {name}",
         abort_note=lambda: "the newest checkpoint is step 7",
         exit_fn=lambda code: (exits.append(code), quit_.set()),
@@ -158,11 +159,36 @@ def test_first_signal_sets_the_flag_and_a_second_quits_at_once(capfd):
         assert exits == [130]
     finally:
         guard.uninstall()
-    assert signal.getsignal(signal.SIGINT) is before
-    time.sleep(C.PreemptionGuard.ANNOUNCE_AFTER_S + 0.3)
+        signal.signal(signal.SIGINT, before)
+    time.sleep(preemption.PreemptionGuard.ANNOUNCE_AFTER_S + 0.3)
     out, err = capfd.readouterr()
     assert "first SIGINT" in out
     assert err.strip() == "SIGINT again: quitting now without saving; the newest checkpoint is step 7"
+
+
+def test_uninstall_restores_the_handlers_and_after_a_stop_a_late_signal_still_quits_quietly(capfd):
+    before = signal.getsignal(signal.SIGINT)
+    calm = preemption.PreemptionGuard(exit_fn=lambda code: None)
+    calm.install()
+    calm.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before  # no stop: the handlers go back as they were
+    exits: list[int] = []
+    guard = preemption.PreemptionGuard(exit_fn=exits.append)
+    guard.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert guard.stop_requested()
+        # The run tears down after the stop (a save, writer threads joined): a second Ctrl-C
+        # arriving then is the quiet quit, not a KeyboardInterrupt in the interpreter's shutdown.
+        guard.uninstall()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert exits == [130]
+    finally:
+        signal.signal(signal.SIGINT, before)
+    _, err = capfd.readouterr()
+    assert err.strip() == "SIGINT again: quitting now without saving"
 
 
 # ---------------------------------------------------------------------------
@@ -178,7 +204,7 @@ def test_ctrl_c_saves_says_how_to_resume_and_the_same_command_resumes(tmp_path, 
     first.until("step 3/")
     first.p.kill()
     first.finish()
-    assert not C.complete_steps(C.checkpoint_dir(out)) and csv_steps(out)
+    assert not resume.complete_steps(resume.checkpoint_dir(out)) and csv_steps(out)
     # The same command starts again from step 0 and keeps the crashed attempt's files.
     run = Run(args, cache)
     run.until("step 5/")
@@ -190,7 +216,7 @@ def test_ctrl_c_saves_says_how_to_resume_and_the_same_command_resumes(tmp_path, 
     assert rc == 130, run.stderr[-3000:]
     assert time.monotonic() - t_sent < 10
     assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr
-    saved = C.complete_steps(C.checkpoint_dir(out))
+    saved = resume.complete_steps(resume.checkpoint_dir(out))
     last = csv_steps(out)[-1]
     assert saved == [last] and last >= 5
     lines = run.stderr.strip().splitlines()
@@ -217,7 +243,7 @@ def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path, c
     assert "Traceback" not in run.stderr
     quit_line = [line for line in run.stderr.splitlines() if line.startswith("SIGINT again: quitting now")]
     assert len(quit_line) == 1, run.stderr[-3000:]
-    kept = C.complete_steps(C.checkpoint_dir(out))
+    kept = resume.complete_steps(resume.checkpoint_dir(out))
     assert kept and kept[-1] >= 4 and f"the newest checkpoint is step {kept[-1]}" in quit_line[0]
     # The checkpoint the line names reads back: the same command resumes from it.
     again = Run(args[:2] + ["--steps", str(kept[-1] + 2)] + args[4:], cache)
@@ -252,7 +278,7 @@ def test_a_stop_during_a_long_step_waits_for_that_step_only_and_long_waits_say_s
     t_sent = run.until("driver: SIGINT")
     assert run.finish() == 130, run.stderr[-3000:]
     # Step 3 was running when the signal came: it ends, is saved, and no step 4 starts.
-    assert csv_steps(out) == [1, 2, 3] and C.complete_steps(C.checkpoint_dir(out)) == [3], run.out
+    assert csv_steps(out) == [1, 2, 3] and resume.complete_steps(resume.checkpoint_dir(out)) == [3], run.out
     said = {line.split(":")[0]: t for t, line in run.lines}
     assert said["SIGINT"] - t_sent < 2, run.out  # the announcement comes at once, not at the step's end
     assert "SIGINT: the run stops when step 3 ends" in run.out

@@ -272,9 +272,9 @@ def test_training_runs_the_suites_and_the_report_shows_them(tmp_path):
 
 
 def test_scalars_name_the_long_eval_columns(tmp_path):
-    from nsa_jax import runfiles as rf
     from nsa_jax.evaluation.suites import scalars
     from nsa_jax.report.summary import load_run, long_eval_line
+    from nsa_jax.rundir import files as rf
 
     res = run_suites(Stub(lambda r: True), CFG, ["needle", "loss-by-position", "kv_recall"], [200], text=text_rows)
     got = scalars(res)

@@ -20,10 +20,10 @@ sys.path.insert(0, str(ROOT))
 
 from helpers import TINY_RUN  # noqa: E402
 
-from nsa_jax import checkpoint as C  # noqa: E402
-from nsa_jax import runfiles as rf  # noqa: E402
 from nsa_jax.config import load_config  # noqa: E402
 from nsa_jax.evaluation import heldout  # noqa: E402
+from nsa_jax.rundir import checkpoint as C  # noqa: E402
+from nsa_jax.rundir import files as rf  # noqa: E402
 from nsa_jax.train.loop import Trainer  # noqa: E402
 
 TINY = [*TINY_RUN, "train.eval_batches=1", "logging.tensorboard=false"]

@@ -22,6 +22,7 @@ from launch.train import env_overrides  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
 from nsa_jax.ops import distributed as D  # noqa: E402
 from nsa_jax.ops import health as H  # noqa: E402
+from nsa_jax.rundir import files as rf  # noqa: E402
 
 TINY = [*TINY_RUN, "logging.tensorboard=false", "model.nsa.branches=[cmp]"]
 sets = set_flags
@@ -213,7 +214,7 @@ def test_pause_holds_the_stall_clock_and_close_restores_signals(tmp_path):
 
 
 def test_write_halt_and_single_process_agreement(tmp_path):
-    H.write_halt(tmp_path, "nan_loss", "step 4: non-finite loss")
+    rf.write_halt(tmp_path, "nan_loss", "step 4: non-finite loss")
     assert (tmp_path / ".anomaly_type").read_text() == "nan_loss\n"
     assert (tmp_path / ".HALT").read_text() == "step 4: non-finite loss\n"
     assert H.agree_any(True) is True and H.agree_any(False) is False

@@ -18,7 +18,7 @@ import sys
 import pytest
 from helpers import TINY_SAVING_RUN
 
-from nsa_jax import checkpoint as C
+from nsa_jax.rundir import orbax_errors, resume
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,13 +37,13 @@ def _closed_loop_error() -> tuple[BaseException, object]:
 
 def test_only_the_closed_loop_callbacks_of_a_failed_save_are_dropped():
     exc, tb = _closed_loop_error()
-    assert C._is_closed_loop_callback(exc, tb)
-    assert not C._is_closed_loop_callback(RuntimeError("Event loop is closed"), None)  # raised elsewhere
+    assert orbax_errors.is_closed_loop_callback(exc, tb)
+    assert not orbax_errors.is_closed_loop_callback(RuntimeError("Event loop is closed"), None)  # raised elsewhere
     try:
         raise RuntimeError("something else")
     except RuntimeError as e:
-        assert not C._is_closed_loop_callback(e, e.__traceback__)
-    assert not C._is_closed_loop_callback(ValueError("Event loop is closed"), tb)
+        assert not orbax_errors.is_closed_loop_callback(e, e.__traceback__)
+    assert not orbax_errors.is_closed_loop_callback(ValueError("Event loop is closed"), tb)
 
 
 def _leave_unretrieved_write_error(filename: str) -> None:
@@ -64,7 +64,7 @@ def _leave_unretrieved_write_error(filename: str) -> None:
 
 
 def test_unretrieved_orbax_write_errors_are_dropped_and_others_kept(caplog):
-    C._silence_closed_loop_callbacks()
+    orbax_errors.silence_closed_loop_callbacks()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         _leave_unretrieved_write_error("/site-packages/orbax/checkpoint/_src/serialization/fake.py")
         assert "never retrieved" not in caplog.text
@@ -104,7 +104,7 @@ def test_disk_full_stop_is_one_line_and_the_same_command_resumes(tmp_path):
         assert r.returncode == 74, r.stderr[-3000:]
         assert len(lines) <= 3, r.stderr[-3000:]
         assert lines[0].startswith("error: checkpoint step ") and "disk full" in lines[0], lines
-        committed = C.complete_steps(C.checkpoint_dir(out))
+        committed = resume.complete_steps(resume.checkpoint_dir(out))
         assert committed and f"newest committed checkpoint is step {committed[-1]}" in lines[0]
         # The operator frees space; the same command resumes from the newest committed step.
         assert _mount(disk, "20m", remount=True)
@@ -112,6 +112,6 @@ def test_disk_full_stop_is_one_line_and_the_same_command_resumes(tmp_path):
         assert again.returncode == 0, again.stderr[-3000:]
         assert f"resume: step {committed[-1]} from" in again.stdout, again.stdout[-2000:]
         assert again.stderr == "", again.stderr[-3000:]
-        assert C.complete_steps(C.checkpoint_dir(out))[-1] == 12
+        assert resume.complete_steps(resume.checkpoint_dir(out))[-1] == 12
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)

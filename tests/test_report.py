@@ -199,7 +199,7 @@ def status(s: S.Summary) -> dict[str, str]:
 
 
 def test_csv_columns_match_the_trainer():
-    from nsa_jax.runfiles import AUX_COLUMNS, TRAIN_COLUMNS
+    from nsa_jax.rundir.files import AUX_COLUMNS, TRAIN_COLUMNS
     from nsa_jax.train.artifacts import csv_columns
 
     cfg = load_config("cpu_tiny", [])

@@ -1,4 +1,4 @@
-"""The run directory schema (nsa_jax/runfiles.py) and the out_dir policy (nsa_jax/resume.py): no jax."""
+"""The run directory schema (nsa_jax/rundir/files.py) and the out_dir policy (nsa_jax/rundir/resume.py): no jax."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ sys.path.insert(0, str(ROOT))
 from helpers import python_c  # noqa: E402
 
 from launch.train import compile_cache_dir, prepare_out_dir  # noqa: E402
-from nsa_jax import resume  # noqa: E402
-from nsa_jax import runfiles as rf  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
+from nsa_jax.rundir import files as rf  # noqa: E402
+from nsa_jax.rundir import resume  # noqa: E402
 
 
 def test_writer_quotes_and_the_reader_reads_back(tmp_path):
@@ -60,7 +60,7 @@ def test_names_and_columns():
 
 
 def test_schema_modules_do_not_import_jax():
-    mods = "nsa_jax.runfiles, nsa_jax.resume, launch.watchdog, nsa_jax.report.summary"
+    mods = "nsa_jax.rundir.files, nsa_jax.rundir.resume, launch.watchdog, nsa_jax.report.summary"
     code = f"import sys, {mods}; print('jax' in sys.modules)"
     r = python_c(code)
     assert r.stdout.strip() == "False", r.stderr

@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers import LAUNCH_TRAIN, ROOT, TINY_SAVING_RUN, cpu_env, set_flags
 
-from nsa_jax import runlock
+from nsa_jax.rundir import lock as runlock
 
 TINY = TINY_SAVING_RUN
 
@@ -52,7 +52,7 @@ def _snapshot(d: pathlib.Path) -> dict[str, tuple[int, int]]:
 def test_lock_is_exclusive_and_names_its_holder(tmp_path):
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from nsa_jax import runlock; runlock.acquire({str(out)!r}, 'train A'); input()"],
+        [sys.executable, "-c", f"from nsa_jax.rundir import lock; lock.acquire({str(out)!r}, 'train A'); input()"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdin=subprocess.PIPE,

@@ -147,7 +147,7 @@ def test_child_env_and_exit_status():
 # between two saves; only process 0 writes the CSVs.
 CSV_FULL = r"""
 import errno, sys
-from nsa_jax import runfiles
+from nsa_jax.rundir import files as runfiles
 write = runfiles.CsvWriter.write
 def _write(self, row):
     if self.path.name == "training.csv" and row.get("step") == 3:

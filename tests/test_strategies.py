@@ -22,9 +22,9 @@ import pytest
 from helpers import host_train_state, rel_err, tiny_model_cfg
 from jax.sharding import PartitionSpec as P
 
-from nsa_jax import checkpoint as C
 from nsa_jax.config import load_config
 from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.rundir import checkpoint as C
 from nsa_jax.train import step as S
 from nsa_jax.train import strategies
 
@@ -249,7 +249,7 @@ def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, t
         finally:
             ck.close()
         # A position saved without its row count is read back with the micro-batch of the
-        # config saved beside it (nsa_jax/checkpoint.py), so a resume can place it globally.
+        # config saved beside it (nsa_jax/rundir/checkpoint.py), so a resume can place it globally.
         assert restored.step == STEPS
         assert restored.train_data == {"position": 0, "micro_rows": cfg.train.global_batch}
         placed = S.state_shardings(target_cfg, target_mesh)

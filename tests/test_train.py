@@ -318,7 +318,7 @@ def test_a_step_that_cannot_fit_is_refused_naming_the_figure_and_the_knobs():
 
 
 def test_branch_scale_warning_names_the_largest_ratio_above_the_limit():
-    from nsa_jax.runfiles import CMP_SCALE_WARN, EVENTS
+    from nsa_jax.rundir.files import CMP_SCALE_WARN, EVENTS
     from nsa_jax.train.metrics import branch_scale_warning
 
     assert "branch_scale" in EVENTS

@@ -74,7 +74,7 @@ class GlobalRowStream(BatchStream):
     [p * G / P, (p + 1) * G / P) of it; devices then split those in order. So optimizer
     step s consumes rows [s * R, (s + 1) * R) whatever the process count, device count
     or the split of R into micro-batches, and the state is one global row count: a
-    checkpoint resumes on any layout with the same R (nsa_jax/checkpoint.py).
+    checkpoint resumes on any layout with the same R (nsa_jax/rundir/checkpoint.py).
 
     States written before this layout count micro-batches of one process
     ({"process_index", "position"}); `set_state` reads them as position x G rows

@@ -30,7 +30,7 @@ from nsa_jax.data import make_dataset, make_tokenizer
 from nsa_jax.data.kv_recall import make_kv_batch
 from nsa_jax.data.needle import answer_mask, make_needle_row, passkey
 from nsa_jax.evaluation import scoring
-from nsa_jax.runfiles import long_eval_column
+from nsa_jax.rundir.files import long_eval_column
 
 SUITES = EVAL_SUITES
 DEFAULT_DEPTHS = tuple(i / 10 for i in range(11))
@@ -217,7 +217,7 @@ def run_suites(
 
 
 def scalars(results: dict) -> dict[str, float]:
-    """The figures of `run_suites`' results that a run logs (runfiles.LONG_EVAL_METRICS), by column name."""
+    """The figures of `run_suites`' results that a run logs (rundir/files.py LONG_EVAL_METRICS), by column name."""
     out: dict[str, float] = {}
     if "needle" in results:
         r = results["needle"]

@@ -14,8 +14,8 @@ exception would not do: the main thread may be stuck in a collective that never
 returns (a dead or stopped peer), and exit handlers may block on the same device.
 A non-zero exit lets a scheduler restart the job from its last checkpoint.
 
-Halts: `write_halt` writes `.anomaly_type` and `.HALT` (the trainer and
-launch.watchdog share the format); `agree_any` turns one flag per process into the
+Halts: `write_halt` (nsa_jax/rundir/files.py) writes `.anomaly_type` and `.HALT` (the
+trainer and launch.watchdog share the format); `agree_any` turns one flag per process into the
 same answer on every process, so all of them stop at the same step, and
 `halt_requested` is the trainer's check for `.HALT` with it.
 
@@ -41,8 +41,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from nsa_jax import runfiles as rf
-from nsa_jax.runfiles import ANOMALY_FILE, HALT_FILE, write_halt  # noqa: F401 - re-exported
+from nsa_jax.rundir import files as rf
+from nsa_jax.rundir.files import HALT_FILE
 
 # EX_TEMPFAIL: a temporary failure, worth retrying; distinct from a crash (1) or bad input (2).
 STALL_EXIT_CODE = rf.EXIT_STALL

@@ -43,9 +43,9 @@ import statistics
 import time
 from typing import Any, Iterable, Sequence
 
-from nsa_jax import runfiles as rf
+from nsa_jax.rundir import files as rf
 
-# The file schema (columns, event names) is nsa_jax/runfiles.py, shared with the trainer.
+# The file schema (columns, event names) is nsa_jax/rundir/files.py, shared with the trainer.
 CSV_COLUMNS = rf.DOCUMENTED_COLUMNS
 GATE_COLUMNS = rf.GATE_COLUMNS
 ANOMALY_EVENTS = rf.ANOMALY_EVENTS

@@ -12,7 +12,7 @@ Layout, one orbax `CheckpointManager` step per saved optimizer step:
   <out_dir>/checkpoints/<step>/checksums JSON: {"format", "state": {array path: uint32}, "data", "config"}
 
 Integrity: every save records a checksum of each array of the state (computed on the
-device, see `state_checksums`) and of the data and config items; a restore recomputes
+device, checksums.py) and of the data and config items; a restore recomputes
 them and a mismatch counts as a checkpoint that does not read back (below), with a
 warning naming the array. Steps written before checksums are restored unverified,
 with a warning.
@@ -54,7 +54,7 @@ process, nsa_jax/data/stream.py GlobalRowStream; for tokenized also a fingerprin
 chunk list, the epoch and packing state following from the row count), so it carries
 over to any process and device count with the same rows per optimizer step
 (train.global_batch x train.accumulate; the Trainer adjusts the split of those into
-micro-batches, nsa_jax/resume.py `elastic_batch`). The raw file streams (fineweb_edu,
+micro-batches, nsa_jax/rundir/resume.py `elastic_batch`). The raw file streams (fineweb_edu,
 jsonl, text) keep one position per process (each reads its own shard of the files): with
 another process count the restore stops with an error that names
 `checkpoint.restore_data=false` (restart the data stream on purpose) and, for elastic
@@ -62,12 +62,8 @@ runs, launch.prepare_data + `--dataset tokenized`. Checkpoints of format 1 (one 
 per process) resume with their own process count: a synthetic or kv_recall one at the
 same global row, a tokenized one on the per-process stream it was saved from.
 
-Preemption and Ctrl-C (SIGTERM, SIGINT): `PreemptionGuard` turns either signal into a
-flag; the loop stops at the next step boundary, saves, and the launcher exits 0 (SIGTERM)
-or 130 (SIGINT). With several processes the flag is OR-reduced across them with one
-small all-reduce per step that is read one step later, so every process stops after the
-same step without the loop ever waiting for it. A second signal ends the process at once
-(by that signal, after one line on stderr): a save in flight is left under its temporary
+Preemption and Ctrl-C (SIGTERM, SIGINT): a stop at a step boundary with a save
+(nsa_jax/ops/preemption.py); a second signal leaves a save in flight under its temporary
 name, so the newest committed checkpoint stays the one a resume reads.
 
 Failed saves: a save that fails in the background (disk full, permission) is seen by
@@ -75,45 +71,44 @@ Failed saves: a save that fails in the background (disk full, permission) is see
 one CheckpointSaveError line naming the cause; the loop then stops (nsa_jax/train/loop.py).
 orbax deletes old steps only after a new one commits, so the last committed one stays.
 The writes of a failed save that were still in flight end later on an event loop orbax
-has closed; their `Event loop is closed` tracebacks are dropped (`_is_closed_loop_callback`),
-so a full disk reads as the one line that says so.
+has closed; their `Event loop is closed` tracebacks are dropped (orbax_errors.py), so a
+full disk reads as the one line that says so.
 
-The directory inspection and the out_dir policy live in nsa_jax/resume.py (no jax), so
-the launcher decides before XLA starts; they are re-exported here.
+The directory inspection and the out_dir policy live in resume.py (no jax), so the
+launcher decides before XLA starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import hashlib
 import json
 import logging
 import os
 import pathlib
-import signal
 import sys
-import threading
 import time
-import traceback
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from nsa_jax import runfiles as rf
 from nsa_jax.config import Config, ConfigError
 from nsa_jax.data import FILE_DATASETS
-from nsa_jax.resume import (  # noqa: F401 - the checkpoint directory API, re-exported
-    DATA_POSITION_KEYS,
-    NUMERICS_ONLY,
-    OPTIMIZER_STRUCTURE_KEYS,
-    TMP_MARKER,
+from nsa_jax.ops.health import agree_any
+from nsa_jax.rundir import files as rf
+from nsa_jax.rundir.checksums import (
+    CHECKSUM_FORMAT,
+    ChecksumError,
+    host_checksums,
+    json_checksum,
+    read_checksums,
+    state_checksums,
+    verify_checksums,
+)
+from nsa_jax.rundir.orbax_errors import OrbaxErrorTrap, one_line, save_failure_cause, silence_closed_loop_callbacks
+from nsa_jax.rundir.resume import (
     CheckpointError,
     checkpoint_dir,
     complete_steps,
@@ -121,14 +116,10 @@ from nsa_jax.resume import (  # noqa: F401 - the checkpoint directory API, re-ex
     quarantine,
     resume_conflicts,
     saved_config,
-    uncommitted_dirs,
 )
 
-CHECKPOINT_DIR = rf.CHECKPOINT_DIR
-CORRUPT_DIR = rf.CORRUPT_DIR
 ITEMS = ("state", "data", "config", "checksums")
 DATA_FORMAT = 2  # 1: one position per process only (read back with the same process count)
-CHECKSUM_FORMAT = 1
 
 
 class CheckpointSaveError(RuntimeError):
@@ -158,242 +149,6 @@ def _allgather_json(obj: Any) -> list[Any]:
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
-
-
-def _any_process(flag: bool) -> bool:
-    if jax.process_count() == 1:
-        return bool(flag)
-    return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
-
-
-# ---------------------------------------------------------------------------
-# checksums
-#
-# Every array's checksum: the wrapping uint32 sum of its elements' bit patterns times
-# odd position weights (i * 2654435761 | 1). Computed on the device by one jitted
-# function of the whole state, so it costs one pass over memory, works for sharded
-# arrays and gives the same value on any mesh (a global reduction). An odd weight is
-# invertible mod 2**32, so any change of one element changes the sum. The data and
-# config items are JSON: their checksum is the sha256 of their canonical text.
-
-
-_GOLDEN = 2654435761  # odd weights (i * _GOLDEN) | 1, i the element's flat position
-_CHUNK = 1 << 16  # host path: elements per chunk, so the temporaries stay in cache
-
-
-def _bits_u32(x, xp):
-    """The elements of `x` as uint32 bit patterns (8-byte types as two words), flat."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    size = np.dtype(x.dtype).itemsize
-    if xp is np:
-        x = np.ascontiguousarray(x)
-        view = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[size]
-        return x.reshape(-1).view(view)
-    if x.dtype == jnp.bool_:
-        return x.reshape(-1).astype(jnp.uint32)
-    view = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
-    return jax.lax.bitcast_convert_type(x, view).reshape(-1).astype(jnp.uint32)
-
-
-_STEPS = np.arange(_CHUNK, dtype=np.uint32) * np.uint32(_GOLDEN)
-
-
-def _host_checksum(u: np.ndarray) -> int:
-    """sum((u_i * ((i * _GOLDEN) | 1)) mod 2**32, chunk by chunk (the same number as the device path)."""
-    total = 0
-    w = np.empty(_CHUNK, np.uint32)
-    for start in range(0, u.size, _CHUNK):
-        part = u[start : start + _CHUNK]
-        n = part.size
-        np.add(_STEPS[:n], np.uint32((start * _GOLDEN) % 2**32), out=w[:n])
-        np.bitwise_or(w[:n], np.uint32(1), out=w[:n])
-        np.multiply(w[:n], part, out=w[:n], casting="unsafe")
-        total = (total + int(w[:n].sum(dtype=np.uint32))) & 0xFFFFFFFF
-    return total
-
-
-def _array_checksum(x, xp=jnp):
-    u = _bits_u32(x, xp)
-    if xp is np:
-        return _host_checksum(u)
-    w = (jax.lax.iota(jnp.uint32, u.size) * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
-    return jnp.sum(u * w, dtype=jnp.uint32)
-
-
-_tree_checksums = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
-
-
-def state_checksums(state) -> dict[str, int]:
-    """{array path: checksum} of a train state.
-
-    On the CPU backend with every array whole on each device, numpy reads the arrays in
-    place (no copy, no compile); elsewhere one jitted pass over the state runs on the
-    devices (compiled once per placement). Both give the same numbers.
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    if jax.default_backend() == "cpu" and all(x.is_fully_replicated for _, x in leaves):
-        return {jax.tree_util.keystr(k): int(_array_checksum(_host_view(x), np)) for k, x in leaves}
-    sums = jax.device_get(_tree_checksums(state))
-    return {jax.tree_util.keystr(k): int(v) for k, v in jax.tree_util.tree_leaves_with_path(sums)}
-
-
-def _host_view(x) -> np.ndarray:
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    return np.asarray(x.addressable_data(0))
-
-
-def host_checksums(tree) -> dict[str, int]:
-    """The same checksums of host (numpy) arrays."""
-    return {
-        jax.tree_util.keystr(k): int(_array_checksum(np.asarray(v), np))
-        for k, v in jax.tree_util.tree_leaves_with_path(tree)
-    }
-
-
-def json_checksum(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-class ChecksumError(ValueError):
-    """A restored array or item whose checksum differs from the one recorded at save."""
-
-
-def _verify(saved: dict[str, int], now: dict[str, int], what: str) -> None:
-    bad = sorted(k for k in saved.keys() & now.keys() if int(saved[k]) != int(now[k]))
-    if bad:
-        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise ChecksumError(f"checksum mismatch in {what} {', '.join(bad[:3])}{more}")
-
-
-def read_checksums(step_dir: pathlib.Path) -> dict[str, Any] | None:
-    """The checksums item of a step directory; None for a checkpoint written before checksums."""
-    path = pathlib.Path(step_dir) / "checksums" / "metadata"
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or data.get("format") != CHECKSUM_FORMAT:
-        raise ValueError("checksums item has an unknown format")
-    return data
-
-
-# ---------------------------------------------------------------------------
-# orbax's background errors
-
-
-class _OrbaxErrorTrap(logging.Filter):
-    """Keeps the errors orbax logs from its save threads and drops their tracebacks from the output.
-
-    A failed background save is logged by orbax (absl logging) with a traceback per
-    layer it passes through, hundreds of lines; the Checkpointer reports it as one
-    line instead (CheckpointSaveError), so those records are kept here, not printed.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.errors: list[BaseException] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None and "orbax" in (record.pathname or ""):
-            self.errors.append(record.exc_info[1])
-            return False
-        return True
-
-
-def _is_closed_loop_callback(exc: BaseException | None, tb) -> bool:
-    """A write of a failed save finishing after orbax closed that save's event loop.
-
-    orbax runs a save's writes as one asyncio.gather on a loop of its own and closes
-    the loop as soon as the first write fails (a full disk); the writes still in flight
-    in tensorstore finish afterwards, and each one's completion callback then raises
-    `RuntimeError: Event loop is closed` from `call_soon_threadsafe`, printed as a
-    traceback (hundreds on a large state). Nothing is lost: the failure itself is
-    reported once, as a CheckpointSaveError.
-    """
-    if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
-        return False
-    frames = [f.f_code.co_name for f, _ in traceback.walk_tb(tb)]
-    return bool(frames) and frames[0] == "call_soon_threadsafe"
-
-
-def _is_unretrieved_orbax_write(record: logging.LogRecord) -> bool:
-    """asyncio's report of a failed orbax write whose exception nobody awaited.
-
-    When several writes of a save fail (a full disk fails them all), orbax's gather
-    raises the first and leaves the others unretrieved; asyncio logs each one, with its
-    traceback, when its task is collected, which can be after the manager is closed.
-    The failure itself is reported once, as a CheckpointSaveError.
-    """
-    if not record.getMessage().startswith("Task exception was never retrieved"):
-        return False
-    exc = record.exc_info[1] if record.exc_info else None
-    return exc is not None and any("orbax" in f.f_code.co_filename for f, _ in traceback.walk_tb(exc.__traceback__))
-
-
-class _UnretrievedWriteFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not _is_unretrieved_orbax_write(record)
-
-
-def _silence_closed_loop_callbacks() -> None:
-    """Drops the tracebacks of `_is_closed_loop_callback` and `_is_unretrieved_orbax_write`
-    (process-wide, idempotent): they are printed through sys.excepthook (a callback error
-    inside tensorstore), sys.unraisablehook or the asyncio logger, and can arrive until the
-    process exits, after the manager is closed."""
-    if getattr(sys.excepthook, "_nsa_quiet", False):
-        return
-    logging.getLogger("asyncio").addFilter(_UnretrievedWriteFilter())
-    prev_except, prev_unraisable = sys.excepthook, sys.unraisablehook
-
-    def excepthook(kind, exc, tb):
-        if not _is_closed_loop_callback(exc, tb):
-            prev_except(kind, exc, tb)
-
-    def unraisablehook(u):
-        if not _is_closed_loop_callback(u.exc_value, u.exc_traceback):
-            prev_unraisable(u)
-
-    excepthook._nsa_quiet = True
-    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
-
-
-_ERRNO_CAUSES = {
-    errno.ENOSPC: "disk full",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.EROFS: "read-only file system",
-    errno.EIO: "I/O error",
-}
-_TEXT_CAUSES = {
-    "No space left on device": "disk full",
-    "Disk quota exceeded": "disk quota exceeded",
-    "Permission denied": "permission denied",
-    "Read-only file system": "read-only file system",
-}
-
-
-def _chain(e: BaseException | None):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        for inner in getattr(e, "exceptions", ()):  # ExceptionGroup of asyncio.gather
-            yield from _chain(inner)
-        e = e.__cause__ or e.__context__
-
-
-def save_failure_cause(e: BaseException) -> str:
-    """One line: 'disk full (OSError: [Errno 28] No space left on device: ...)' and the like."""
-    for x in _chain(e):
-        if isinstance(x, OSError) and x.errno in _ERRNO_CAUSES:
-            return f"{_ERRNO_CAUSES[x.errno]} ({_one_line(x)})"
-    for x in _chain(e):
-        for text, cause in _TEXT_CAUSES.items():
-            if text in str(x):
-                return f"{cause} ({_one_line(x)})"
-    return _one_line(e)
 
 
 # ---------------------------------------------------------------------------
@@ -466,9 +221,9 @@ class Checkpointer:
         self.committed: int | None = None  # newest step known to be committed
         self._pending: int | None = None  # a save started and not yet seen committed or failed
         self._unreported: list[int] = []  # committed steps that save() saw before a poll could report them
-        self._trap = _OrbaxErrorTrap()
+        self._trap = OrbaxErrorTrap()
         logging.getLogger("absl").addFilter(self._trap)
-        _silence_closed_loop_callbacks()
+        silence_closed_loop_callbacks()
         if self.cfg.checkpoint.enabled:
             # Opening the manager takes seconds: done at boot, not in the first save.
             self._manager()
@@ -508,7 +263,7 @@ class Checkpointer:
             raise ValueError(f"state.step is {int(jax.device_get(state.step))}, expected {step}")
         t0 = time.perf_counter()
         if sums is not None:
-            _verify(sums["state"], state_checksums(state), "array")
+            verify_checksums(sums["state"], state_checksums(state), "array")
             if sums.get("data") != json_checksum(out.data):
                 raise ChecksumError("checksum mismatch in the data item (the data position)")
             if sums.get("config") != json_checksum(saved_config(step_dir)):
@@ -537,7 +292,7 @@ class Checkpointer:
             try:
                 saved = saved_config(step_dir)
             except Exception as e:  # noqa: BLE001 - any read failure means "not usable"
-                failed.append((step, f"config: {_one_line(e)}"))
+                failed.append((step, f"config: {one_line(e)}"))
                 self._warn(f"warning: checkpoint {step_dir} is unreadable ({failed[-1][1]}); trying the previous one")
                 continue
             blocking, other = resume_conflicts(saved, self.cfg)
@@ -551,7 +306,7 @@ class Checkpointer:
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
-                failed.append((step, _one_line(e)))
+                failed.append((step, one_line(e)))
                 self._warn(
                     f"warning: checkpoint {step_dir} does not read back ({failed[-1][1]}); trying the previous one"
                 )
@@ -694,7 +449,7 @@ class Checkpointer:
         self._trap.errors.clear()
         committed = (self.dir / str(step)).is_dir()
         failed = error is not None or not committed
-        if _any_process(failed) if agree else failed:
+        if agree_any(failed) if agree else failed:
             cause = save_failure_cause(error) if error is not None else "the step directory was never committed"
             self.last_step, self._unreported = self.committed, done
             raise CheckpointSaveError(step, cause)
@@ -720,195 +475,9 @@ class Checkpointer:
         try:
             mngr.close()
         except Exception as e:  # noqa: BLE001 - already reported by poll
-            self._warn(f"warning: checkpoint manager did not close cleanly ({_one_line(e)})")
+            self._warn(f"warning: checkpoint manager did not close cleanly ({one_line(e)})")
         finally:
             logging.getLogger("absl").removeFilter(self._trap)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
-
-
-# ---------------------------------------------------------------------------
-# preemption
-
-
-def _flush_stdout() -> None:
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - closed or broken: nothing more to save
-        pass
-
-
-class PreemptionGuard:
-    """SIGTERM or SIGINT -> stop at a step boundary that every process agrees on.
-
-    `stop_requested()` is called once per step boundary by every process. With one
-    process it is the local flag. With several, each call reads the OR of the flags
-    posted at the previous boundary (an all-reduce queued behind the previous step,
-    finished by the time it is read) and posts the current flag, so all processes
-    see the same answer at the same boundary, one step after the signal at most.
-
-    The signals are seen by a helper thread woken through `signal.set_wakeup_fd` (as
-    SIGUSR1 in nsa_jax/ops/health.py), so they act while the main thread is blocked in
-    a device wait or a compile, where a Python handler would run only once it returns.
-    The first signal sets the flag (`signal_name`, `requested_at`) and, a second later,
-    prints the line `on_first(name)` returns (what the run does now; empty when the loop
-    has said it already); a second one (either kind) writes
-    one line to stderr (`abort_note()` adds what is kept) and ends the process at once
-    with status 128 + the signal number (130 for Ctrl-C): no traceback, and nothing
-    that could wait on a step or a save. Without the helper thread (a guard installed
-    outside the main thread) the signals keep their default action.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    ANNOUNCE_AFTER_S = 1.0
-
-    def __init__(
-        self,
-        mesh=None,
-        *,
-        on_first: Callable[[str], str] | None = None,
-        abort_note: Callable[[], str] | None = None,
-        exit_fn: Callable[[int], Any] = os._exit,
-    ):
-        self.mesh = mesh
-        self.requested = False
-        self.signal_name: str | None = None
-        self.requested_at: float | None = None
-        self.on_first = on_first
-        self.abort_note = abort_note
-        self._exit = exit_fn
-        self._prev_handlers: dict[int, Any] = {}
-        self._prev_wakeup = -1
-        self._pipe: tuple[int, int] | None = None
-        self._reader: threading.Thread | None = None
-        self._installed = False
-        self._posted = None
-        self._reduce = None
-
-    def install(self) -> None:
-        # Signal handlers and the wakeup fd belong to the main thread.
-        if threading.current_thread() is not threading.main_thread():
-            return
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        for sig in self.SIGNALS:
-            self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
-        self._prev_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        self._pipe = (r, w)
-        self._reader = threading.Thread(target=self._read, args=(r,), name="nsa-stop-signals", daemon=True)
-        self._reader.start()
-        self._installed = True
-
-    def uninstall(self) -> None:
-        if not self._installed:
-            return
-        self._installed = False
-        for sig, prev in self._prev_handlers.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        r, w = self._pipe
-        self._pipe = None
-        current = signal.set_wakeup_fd(self._prev_wakeup)
-        if current != w:  # someone replaced ours meanwhile: leave theirs in place
-            signal.set_wakeup_fd(current)
-        os.close(w)  # EOF ends the reader, which closes r
-
-    def _on_signal(self, signum, frame) -> None:
-        """The Python-level handler: the reader thread does the work (it may not have run yet)."""
-        self._first(signum)
-
-    def _first(self, signum: int) -> bool:
-        """Records the first stop signal; False when one was recorded already."""
-        if self.requested:
-            return False
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-        self.requested_at = time.monotonic()
-        return True
-
-    def _read(self, r: int) -> None:
-        seen = 0
-        try:
-            while True:
-                data = os.read(r, 64)
-                if not data:
-                    return
-                mine = [b for b in data if b in self.SIGNALS]
-                others = bytes(b for b in data if b not in self.SIGNALS)
-                if others and self._prev_wakeup >= 0:
-                    try:  # the wakeup fd is process-wide: pass other signals on to its former owner
-                        os.write(self._prev_wakeup, others)
-                    except OSError:
-                        pass
-                for signum in mine:
-                    seen += 1
-                    if seen == 1:
-                        self._first(signum)
-                        # After a moment, so a loop that acts on the flag at once says it first
-                        # (on_first then has nothing to add).
-                        announce = threading.Timer(self.ANNOUNCE_AFTER_S, self._say_first, args=(signum,))
-                        announce.daemon = True
-                        announce.start()
-                    else:
-                        self._abort(signum)
-                        return
-        finally:
-            os.close(r)
-
-    def _say_first(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        what = ""
-        if self.on_first is not None:
-            try:
-                what = self.on_first(name)
-            except Exception:  # noqa: BLE001 - the stop must not depend on it
-                what = ""
-        if what:  # one write: the line is not split by another thread's
-            sys.stdout.write(what + "\n")
-            sys.stdout.flush()
-
-    def _abort(self, signum: int) -> None:
-        note = ""
-        if self.abort_note is not None:
-            try:
-                note = self.abort_note()
-            except Exception:  # noqa: BLE001 - the exit must not depend on it
-                note = ""
-        name = signal.Signals(signum).name
-        line = f"{name} again: quitting now without saving" + (f"; {note}" if note else "") + "\n"
-        # What was printed so far is flushed, in a thread given a second: a stdout that blocks
-        # (a full pipe) must not keep the process alive.
-        flush = threading.Thread(target=_flush_stdout, daemon=True)
-        flush.start()
-        flush.join(1.0)
-        try:
-            os.write(2, line.encode())
-        except OSError:
-            pass
-        self._exit(128 + signum)
-
-    def stop_requested(self) -> bool:
-
-        if jax.process_count() == 1 or self.mesh is None:
-            return self.requested
-        agreed = False
-        if self._posted is not None:
-            agreed = bool(np.asarray(self._posted.addressable_data(0)))
-        if not agreed:
-            self._posted = self._post(self.requested)
-        return agreed
-
-    def _post(self, flag: bool):
-
-        mesh = self.mesh
-        axis = mesh.axis_names[0]
-        if self._reduce is None:
-            self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
-        local = np.full((mesh.local_mesh.size,), int(flag), np.int32)
-        flags = jax.make_array_from_process_local_data(NamedSharding(mesh, P(axis)), local, (mesh.size,))
-        return self._reduce(flags)
 
 
 # ---------------------------------------------------------------------------
@@ -920,12 +489,12 @@ def step_dirs(path: str | os.PathLike) -> list[pathlib.Path]:
     p = pathlib.Path(path)
     if (p / "state").is_dir() and (p / "config").is_dir():
         return [p]
-    for root in (p / CHECKPOINT_DIR, p):
+    for root in (p / rf.CHECKPOINT_DIR, p):
         steps = complete_steps(root)
         if steps:
             return [root / str(s) for s in reversed(steps)]
     raise CheckpointError(
-        f"no checkpoint at {p}: expected an out_dir, its {CHECKPOINT_DIR}/ directory, or a step directory"
+        f"no checkpoint at {p}: expected an out_dir, its {rf.CHECKPOINT_DIR}/ directory, or a step directory"
     )
 
 
@@ -955,7 +524,7 @@ def restore_params(step_dir: str | os.PathLike, verify: bool = True) -> Any:
     if sums is not None:
         prefix = ".params"
         saved = {k[len(prefix) :]: v for k, v in sums["state"].items() if k.startswith(prefix)}
-        _verify(saved, host_checksums(params), "array params")
+        verify_checksums(saved, host_checksums(params), "array params")
     return params
 
 
@@ -976,6 +545,6 @@ def load_for_inference(path: str | os.PathLike, warn: Callable[[str], None] | No
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - any read failure means "try the previous one"
-            errors.append(f"{step_dir.name}: {_one_line(e)}")
+            errors.append(f"{step_dir.name}: {one_line(e)}")
             warn(f"warning: checkpoint {step_dir} does not read back ({errors[-1]}); trying the previous one")
     raise CheckpointError(f"no checkpoint at {path} reads back ({'; '.join(errors[:3])})")

@@ -12,7 +12,7 @@ and the launcher agree on what a run writes without importing each other:
   <out_dir>/tb/                      TensorBoard event files
   <out_dir>/.HALT, .anomaly_type     a stop request and its kind (trainer, watchdog, operator)
   <out_dir>/stackdump_<ts>_rank<r>.txt  every thread's stack (SIGUSR1, stall watchdog)
-  <out_dir>/checkpoints/<step>/      orbax checkpoints (nsa_jax/checkpoint.py)
+  <out_dir>/checkpoints/<step>/      orbax checkpoints (nsa_jax/rundir/checkpoint.py)
   <out_dir>/checkpoints_corrupt/     checkpoints that did not read back, moved aside
   <out_dir>/previous/<utc-time>/     an earlier attempt that saved no checkpoint, moved aside
 

@@ -31,8 +31,8 @@ import pathlib
 import socket
 import time
 
-from nsa_jax import resume
 from nsa_jax.config import ConfigError
+from nsa_jax.rundir import resume
 
 LOCK_FILE = ".lock"
 

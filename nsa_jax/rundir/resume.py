@@ -25,7 +25,7 @@ refusal would leave only --overwrite, which deletes them.
 
 `apply_plan` carries the decision out (moves or deletes files). The checkpoint
 directory inspection used here (`complete_steps`, `saved_config`, ...) is shared
-with nsa_jax/checkpoint.py, which restores and saves.
+with nsa_jax/rundir/checkpoint.py, which restores and saves.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import shutil
 import time
 from typing import Any
 
-from nsa_jax import runfiles as rf
 from nsa_jax.config import Config, ConfigError, from_dict, to_dict, upgrade_saved, validate
+from nsa_jax.rundir import files as rf
 
 TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's suffix of a step directory not yet committed
 

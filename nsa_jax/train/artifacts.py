@@ -1,12 +1,12 @@
 """Run artifacts under the output directory (docs/RUNBOOK.md "Artifacts"): the writers.
 
-File names, columns and event names are defined in nsa_jax/runfiles.py (no jax), which
+File names, columns and event names are defined in nsa_jax/rundir/files.py (no jax), which
 the report and the watchdogs read by too:
   training.csv            header row; step, loss, lr, toks_per_s first (runbook scripts
                           read column 3 as tokens/s), then the columns of `csv_columns`;
                           step_time_s / toks_per_s are the step's own (no eval, no save)
   heartbeat_rank<r>.jsonl one JSON object per line: ts, iso, pid, rank, step, msg, memory,
-                          event (runfiles.EVENTS) plus event-specific fields
+                          event (rundir/files.py EVENTS) plus event-specific fields
   env.json                versions, devices, mesh, XLA_FLAGS, NSA_*/NCCL_* variables and
                           what each NSA_* toggle does here, git sha, config, kernels
   val.csv                 one row per evaluation on the fixed held-out set:
@@ -39,10 +39,9 @@ from typing import Any, Callable
 
 import jax
 
-from nsa_jax import runfiles as rf
 from nsa_jax.config import Config
 from nsa_jax.kernels import plan_kernels
-from nsa_jax.runfiles import BRANCHES, VAL_COLUMNS  # noqa: F401 - re-exported for callers of this module
+from nsa_jax.rundir import files as rf
 
 # Torch-runbook variables that are accepted and do nothing here, and why.
 NOOP_TOGGLES = {

@@ -26,13 +26,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from nsa_jax import checkpoint as ckpt
-from nsa_jax import resume
 from nsa_jax.config import Config
 from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.ops.health import agree_any
+from nsa_jax.rundir import checkpoint as ckpt
+from nsa_jax.rundir import resume
 from nsa_jax.train import optimizer as O
 from nsa_jax.train import schedule
 from nsa_jax.train import step as S
@@ -93,7 +93,7 @@ def boot(
     # Opening the stream validates the data settings before any artifact is written.
     doing("boot: opening the data stream")
     data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
-    # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/checkpoint.py).
+    # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/rundir/checkpoint.py).
     checkpointer = ckpt.Checkpointer(plan, out, warn=say)
     doing("boot: restoring the newest checkpoint")
     restored = checkpointer.restore_latest() if state is None and data_state is None else None

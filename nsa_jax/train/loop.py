@@ -21,7 +21,7 @@ what the run says and when (step lines, the progress thread, warnings) is progre
 saves and failed writes are saves.py; evaluation is nsa_jax/evaluation/training.py.
 
 Stops: SIGINT (Ctrl-C) and SIGTERM, from before the compile on, are a flag
-(checkpoint.PreemptionGuard): the loop stops after the step in flight, saves a
+(nsa_jax/ops/preemption.py PreemptionGuard): the loop stops after the step in flight, saves a
 checkpoint, and returns with summary["halted"] "sigint" / "sigterm" (launch.train
 exits 130 / 0). A helper thread sees the signals while the main thread waits on the
 device: it announces the stop within a second and ends the process at a second
@@ -43,14 +43,14 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from nsa_jax import checkpoint as ckpt
-from nsa_jax import resume
 from nsa_jax.config import Config
 from nsa_jax.evaluation.heldout import format_eval
 from nsa_jax.evaluation.training import RunEvaluation
-from nsa_jax.ops.health import Health, halt_requested, write_halt
+from nsa_jax.ops.health import Health, halt_requested
 from nsa_jax.ops.memory import check_fits, compiled_memory, describe
-from nsa_jax.runfiles import HALT_FILE
+from nsa_jax.ops.preemption import PreemptionGuard
+from nsa_jax.rundir import resume
+from nsa_jax.rundir.files import HALT_FILE, write_halt
 from nsa_jax.train import metrics, progress, schedule
 from nsa_jax.train import step as S
 from nsa_jax.train.boot import boot, compile_step
@@ -166,7 +166,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Trains to train.steps; returns a summary (first/last loss, tokens/s, wall time).
 
-        SIGINT and SIGTERM (checkpoint.PreemptionGuard, from before the compile on) stop the
+        SIGINT and SIGTERM (PreemptionGuard, from before the compile on) stop the
         run after the step in flight with a checkpoint; summary["halted"] is then "sigint" or
         "sigterm", summary["checkpoint"] the newest committed step.
         """
@@ -209,7 +209,7 @@ class Trainer:
         what boot opened is closed and the heartbeat says why."""
         # Ctrl-C / SIGTERM: finish the step in flight, save, return. Installed before Health, which
         # passes the signals it does not handle on to it (and restores it when it closes).
-        self._preempt = ckpt.PreemptionGuard(self.mesh, on_first=self._stop_announcement, abort_note=self._kept_note)
+        self._preempt = PreemptionGuard(self.mesh, on_first=self._stop_announcement, abort_note=self._kept_note)
         self._preempt.install()
         self._dispatched = int(self.state.step) if self.state is not None else 0
         # SIGUSR1 dumps from here on; the stall clock starts with the first step.

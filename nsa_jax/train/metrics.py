@@ -3,7 +3,7 @@
 Pure functions of the step's metrics on the host (`jax.device_get` of the train step's
 output: loss, lr, grad_norm, skipped, and with logging.aux_stats the per-layer gate and
 scale statistics); the loop (loop.py) writes what they return. Column names are
-nsa_jax/runfiles.py's.
+nsa_jax/rundir/files.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from nsa_jax.runfiles import BRANCHES, CMP_SCALE_WARN, SCALE_COLUMNS
+from nsa_jax.rundir.files import BRANCHES, CMP_SCALE_WARN, SCALE_COLUMNS
 
 # TensorBoard `train/...` scalars of every step, from its training.csv row.
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "toks_per_s", "step_time_s")

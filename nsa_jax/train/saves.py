@@ -8,7 +8,7 @@ summary["halted"] ("checkpoint_failed", "output_failed") and summary["error"] (o
 naming the newest committed checkpoint) into the run's summary, and the loop stops
 (launch.train exits 74).
 
-Saves run in the background (nsa_jax/checkpoint.py): `poll` reports a commit or a
+Saves run in the background (nsa_jax/rundir/checkpoint.py): `poll` reports a commit or a
 failure at the next step with one process, at the next save or the end at the latest
 with several.
 """
@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import jax
 
-from nsa_jax import checkpoint as ckpt
 from nsa_jax.config import Config
 from nsa_jax.ops.health import agree_any
+from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.train.artifacts import RunArtifacts
 
 

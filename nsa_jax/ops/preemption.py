@@ -1,0 +1,211 @@
+"""Preemption and Ctrl-C: SIGTERM or SIGINT -> a stop at a step boundary that every process agrees on.
+
+`PreemptionGuard` turns either signal into a flag; the loop (nsa_jax/train/loop.py)
+stops at the next step boundary, saves, and the launcher exits 0 (SIGTERM) or 130
+(SIGINT). With several processes the flag is OR-reduced across them with one small
+all-reduce per step that is read one step later, so every process stops after the
+same step without the loop ever waiting for it. A second signal ends the process at
+once (by that signal, after one line on stderr): a save in flight is left under its
+temporary name, so the newest committed checkpoint stays the one a resume reads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - closed or broken: nothing more to save
+        pass
+
+
+class PreemptionGuard:
+    """SIGTERM or SIGINT -> stop at a step boundary that every process agrees on.
+
+    `stop_requested()` is called once per step boundary by every process. With one
+    process it is the local flag. With several, each call reads the OR of the flags
+    posted at the previous boundary (an all-reduce queued behind the previous step,
+    finished by the time it is read) and posts the current flag, so all processes
+    see the same answer at the same boundary, one step after the signal at most.
+
+    The signals are seen by a helper thread woken through `signal.set_wakeup_fd` (as
+    SIGUSR1 in nsa_jax/ops/health.py), so they act while the main thread is blocked in
+    a device wait or a compile, where a Python handler would run only once it returns.
+    The first signal sets the flag (`signal_name`, `requested_at`) and, a second later,
+    prints the line `on_first(name)` returns (what the run does now; empty when the loop
+    has said it already); a second one (either kind) writes
+    one line to stderr (`abort_note()` adds what is kept) and ends the process at once
+    with status 128 + the signal number (130 for Ctrl-C): no traceback, and nothing
+    that could wait on a step or a save. Without the helper thread (a guard installed
+    outside the main thread) the signals keep their default action.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    ANNOUNCE_AFTER_S = 1.0
+
+    def __init__(
+        self,
+        mesh=None,
+        *,
+        on_first: Callable[[str], str] | None = None,
+        abort_note: Callable[[], str] | None = None,
+        exit_fn: Callable[[int], Any] = os._exit,
+    ):
+        self.mesh = mesh
+        self.requested = False
+        self.signal_name: str | None = None
+        self.requested_at: float | None = None
+        self.on_first = on_first
+        self.abort_note = abort_note
+        self._exit = exit_fn
+        self._prev_handlers: dict[int, Any] = {}
+        self._prev_wakeup = -1
+        self._pipe: tuple[int, int] | None = None
+        self._reader: threading.Thread | None = None
+        self._installed = False
+        self._posted = None
+        self._reduce = None
+
+    def install(self) -> None:
+        # Signal handlers and the wakeup fd belong to the main thread.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        for sig in self.SIGNALS:
+            self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._prev_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._pipe = (r, w)
+        self._reader = threading.Thread(target=self._read, args=(r,), name="nsa-stop-signals", daemon=True)
+        self._reader.start()
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Gives the signals back; after a stop signal, a later one still quits at once and quietly.
+
+        A run stopped by the first signal tears down (saves, joins writer threads) after
+        this; a second signal arriving then, from a hand or a scheduler's escalation,
+        must not become a KeyboardInterrupt traceback in the interpreter's shutdown.
+        """
+        if not self._installed:
+            return
+        self._installed = False
+        for sig, prev in self._prev_handlers.items():
+            if self.requested:
+                signal.signal(sig, lambda signum, frame: self._abort(signum))
+            else:
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        r, w = self._pipe
+        self._pipe = None
+        current = signal.set_wakeup_fd(self._prev_wakeup)
+        if current != w:  # someone replaced ours meanwhile: leave theirs in place
+            signal.set_wakeup_fd(current)
+        os.close(w)  # EOF ends the reader, which closes r
+
+    def _on_signal(self, signum, frame) -> None:
+        """The Python-level handler: the reader thread does the work (it may not have run yet)."""
+        self._first(signum)
+
+    def _first(self, signum: int) -> bool:
+        """Records the first stop signal; False when one was recorded already."""
+        if self.requested:
+            return False
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        self.requested_at = time.monotonic()
+        return True
+
+    def _read(self, r: int) -> None:
+        seen = 0
+        try:
+            while True:
+                data = os.read(r, 64)
+                if not data:
+                    return
+                mine = [b for b in data if b in self.SIGNALS]
+                others = bytes(b for b in data if b not in self.SIGNALS)
+                if others and self._prev_wakeup >= 0:
+                    try:  # the wakeup fd is process-wide: pass other signals on to its former owner
+                        os.write(self._prev_wakeup, others)
+                    except OSError:
+                        pass
+                for signum in mine:
+                    seen += 1
+                    if seen == 1:
+                        self._first(signum)
+                        # After a moment, so a loop that acts on the flag at once says it first
+                        # (on_first then has nothing to add).
+                        announce = threading.Timer(self.ANNOUNCE_AFTER_S, self._say_first, args=(signum,))
+                        announce.daemon = True
+                        announce.start()
+                    else:
+                        self._abort(signum)
+                        return
+        finally:
+            os.close(r)
+
+    def _say_first(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        what = ""
+        if self.on_first is not None:
+            try:
+                what = self.on_first(name)
+            except Exception:  # noqa: BLE001 - the stop must not depend on it
+                what = ""
+        if what:  # one write: the line is not split by another thread's
+            sys.stdout.write(what + "\n")
+            sys.stdout.flush()
+
+    def _abort(self, signum: int) -> None:
+        note = ""
+        if self.abort_note is not None:
+            try:
+                note = self.abort_note()
+            except Exception:  # noqa: BLE001 - the exit must not depend on it
+                note = ""
+        name = signal.Signals(signum).name
+        line = f"{name} again: quitting now without saving" + (f"; {note}" if note else "") + "\n"
+        # What was printed so far is flushed, in a thread given a second: a stdout that blocks
+        # (a full pipe) must not keep the process alive.
+        flush = threading.Thread(target=_flush_stdout, daemon=True)
+        flush.start()
+        flush.join(1.0)
+        try:
+            os.write(2, line.encode())
+        except OSError:
+            pass
+        self._exit(128 + signum)
+
+    def stop_requested(self) -> bool:
+
+        if jax.process_count() == 1 or self.mesh is None:
+            return self.requested
+        agreed = False
+        if self._posted is not None:
+            agreed = bool(np.asarray(self._posted.addressable_data(0)))
+        if not agreed:
+            self._posted = self._post(self.requested)
+        return agreed
+
+    def _post(self, flag: bool):
+
+        mesh = self.mesh
+        axis = mesh.axis_names[0]
+        if self._reduce is None:
+            self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+        local = np.full((mesh.local_mesh.size,), int(flag), np.int32)
+        flags = jax.make_array_from_process_local_data(NamedSharding(mesh, P(axis)), local, (mesh.size,))
+        return self._reduce(flags)
