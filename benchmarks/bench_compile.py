@@ -49,11 +49,11 @@ from benchmarks.common import (
     short_error,
     write_json,
 )
-from nsa_jax.aot import train_step_args
 from nsa_jax.config import Config, load_config
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.model import NSALM, cross_entropy, init_params
 from nsa_jax.ops.memory import compiled_memory
+from nsa_jax.tools.aot import train_step_args
 
 
 def project_step(cfg: Config, n_devices: int):

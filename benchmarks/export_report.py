@@ -37,9 +37,9 @@ import jax
 
 from benchmarks.common import add_config_args
 from launch.cli import Parser, UsageError
-from nsa_jax.aot import TRITON_TARGET, export_for_cuda, layer_forward_backward
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.kernels.xla import num_compressed
+from nsa_jax.tools.aot import TRITON_TARGET, export_for_cuda, layer_forward_backward
 
 MiB = 1024 * 1024
 # Element widths of the StableHLO types a layer uses (a predicate is stored as a byte).

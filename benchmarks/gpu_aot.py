@@ -1,6 +1,6 @@
 """The GPU program, compiled on this host for A100 / H100 cards that are not here, side by side.
 
-For each `--target` (nsa_jax/aot.py TARGETS: a100-40, a100-80, h100) it compiles,
+For each `--target` (nsa_jax/tools/aot.py TARGETS: a100-40, a100-80, h100) it compiles,
 with XLA's GPU compiler and the Pallas kernels through Triton and ptxas:
 
 * the train step of `--config` (its parallel.strategy, or `--strategy`) on
@@ -33,8 +33,8 @@ from pathlib import Path
 
 from benchmarks.common import fmt_mib, log, parse_ints, short_error, write_json
 from launch.cli import Parser, UsageError
-from nsa_jax import aot
 from nsa_jax.config import ConfigError, load_config
+from nsa_jax.tools import aot
 
 DEFAULT_SEQ_LENS = "2k,8k,32k,64k,128k"
 

@@ -20,7 +20,7 @@ def log(msg: str) -> None:
 
 def describe_fit(r: dict, cfg, description: str) -> str:
     """The fit-check lines `launch.info --target` prints."""
-    from nsa_jax.aot import MiB
+    from nsa_jax.tools.aot import MiB
 
     n, t = r["n_devices"], cfg.train
     m = r["configured"]
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.target is not None:
-        from nsa_jax import aot
+        from nsa_jax.tools import aot
 
         # Compiling for a card runs on this host's CPU: set before jax starts (a GPU-less host's CUDA check fails).
         aot.compile_on_host()

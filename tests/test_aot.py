@@ -1,4 +1,4 @@
-"""nsa_jax/aot.py: the GPU program compiled on a CPU host for A100 (sm_80) and H100 (sm_90).
+"""nsa_jax/tools/aot.py: the GPU program compiled on a CPU host for A100 (sm_80) and H100 (sm_90).
 
 Two tiers. The dump readers, the batch search and the fit check's missing-plugin
 line run everywhere. The tests marked `aot` compile for the cards and need jax's
@@ -31,8 +31,8 @@ from helpers import ROOT
 
 from benchmarks import gpu_aot
 from launch import info as info_cli
-from nsa_jax import aot
 from nsa_jax.config import load_config
+from nsa_jax.tools import aot
 
 needs_plugin = pytest.mark.skipif(
     not aot.cuda_plugin_available(), reason=f"jax's CUDA plugin is not installed ({aot.INSTALL_HINT})"
@@ -382,7 +382,7 @@ def dump_root(tmp_path_factory):
 @needs_plugin
 def test_target_devices_need_no_jax_platforms():
     # A user's process: no JAX_PLATFORMS; on a host without a GPU the plugin's start-up check used to fail.
-    code = "from nsa_jax import aot; import jax; print(len(aot.target_devices('h100', 2)), jax.default_backend())"
+    code = "from nsa_jax.tools import aot; import jax; print(len(aot.target_devices('h100', 2)), jax.default_backend())"
     env = _env_without_platforms()
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

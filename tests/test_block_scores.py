@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 from reference import reference_block_scores, reference_block_selection
 
-from nsa_jax import aot
 from nsa_jax.kernels import compressed_attention
 from nsa_jax.kernels.block_scores_pallas import (
     BlockSelectSizes,
@@ -34,6 +33,7 @@ from nsa_jax.kernels.block_scores_pallas import (
     select_blocks_pallas,
 )
 from nsa_jax.kernels.xla import select_blocks
+from nsa_jax.tools import aot
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 SMALL = BlockSelectSizes(block_pos=16, block_blocks=16)

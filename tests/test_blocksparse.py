@@ -18,7 +18,7 @@ import pytest
 from helpers import random_inputs, run_with_grads
 from reference import random_block_indices, reference_attention, selection_visible, window_visible
 
-from nsa_jax import aot, kernels
+from nsa_jax import kernels
 from nsa_jax.config import NSAConfig
 from nsa_jax.kernels import blocksparse_pallas, flash_pallas
 from nsa_jax.kernels.blocksparse_pallas import (
@@ -28,6 +28,7 @@ from nsa_jax.kernels.blocksparse_pallas import (
 )
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
+from nsa_jax.tools import aot
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 

@@ -28,13 +28,14 @@ from reference import (
     window_visible,
 )
 
-from nsa_jax import aot, kernels
+from nsa_jax import kernels
 from nsa_jax.kernels import flash_pallas, selection_pallas
 from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, compressed_attention_pallas
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, reverse_index, selection_attention_pallas
 from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.tools import aot
 
 # Compiled kernels on a GPU (JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_pallas.py),
 # the interpreter on CPU.

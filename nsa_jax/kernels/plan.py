@@ -8,7 +8,7 @@ the backend and the branches the kernel guard moved to XLA; the layer takes it a
 an argument (``NSAAttention.kernels``), the train step makes one per schedule phase
 (the dense-selection phase changes ``n`` and with it the selection kernel), and
 env.json and the boot line print ``describe()`` of exactly those plans. Nothing
-here is process-wide state: a compile for another card (nsa_jax/aot.py) asks for
+here is process-wide state: a compile for another card (nsa_jax/tools/aot.py) asks for
 the plan of that card's backend.
 
 The rules:
