@@ -16,9 +16,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import TINY_SAVING_RUN
 
 from nsa_jax.rundir import orbax_errors, resume
+
+from helpers import TINY_SAVING_RUN
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -63,13 +64,29 @@ def _leave_unretrieved_write_error(filename: str) -> None:
     gc.collect()  # asyncio logs an unretrieved task's exception when it is collected
 
 
+def _leave_unretrieved_future_error(message: str) -> None:
+    """A future (as tensorstore's write, wrapped for asyncio) failed with `message`, never awaited, collected."""
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    future.set_exception(ValueError(message))
+    del future
+    loop.close()
+    gc.collect()
+
+
 def test_unretrieved_orbax_write_errors_are_dropped_and_others_kept(caplog):
     orbax_errors.silence_closed_loop_callbacks()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         _leave_unretrieved_write_error("/site-packages/orbax/checkpoint/_src/serialization/fake.py")
+        _leave_unretrieved_future_error(
+            'RESOURCE_EXHAUSTED: Error writing "params.w/0.0" in OCDBT database at local file '
+            '"/run/checkpoints/8.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": No space left'
+        )
         assert "never retrieved" not in caplog.text
         _leave_unretrieved_write_error("/site-packages/somewhere/else.py")
+        _leave_unretrieved_future_error("RESOURCE_EXHAUSTED: writing /data/elsewhere: No space left")
     assert "Task exception was never retrieved" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
+    assert "Future exception was never retrieved" in caplog.text and "/data/elsewhere" in caplog.text
 
 
 def _mount(path: pathlib.Path, size: str, remount: bool = False) -> bool:

@@ -54,18 +54,28 @@ def is_closed_loop_callback(exc: BaseException | None, tb) -> bool:
     return bool(frames) and frames[0] == "call_soon_threadsafe"
 
 
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax writes a save under <step>.orbax-checkpoint-tmp, then renames it
+_UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+
+
 def _is_unretrieved_orbax_write(record: logging.LogRecord) -> bool:
     """asyncio's report of a failed orbax write whose exception nobody awaited.
 
     When several writes of a save fail (a full disk fails them all), orbax's gather
-    raises the first and leaves the others unretrieved; asyncio logs each one, with its
-    traceback, when its task is collected, which can be after the manager is closed.
-    The failure itself is reported once, as a CheckpointSaveError.
+    raises the first and leaves the others unretrieved; asyncio logs each one when its
+    task or future is collected, which can be after the manager is closed: a task's
+    with a traceback through orbax's code, a future's (tensorstore's write, set without
+    a traceback) with an error naming the save's temporary directory. The failure itself
+    is reported once, as a CheckpointSaveError.
     """
-    if not record.getMessage().startswith("Task exception was never retrieved"):
+    if not record.getMessage().startswith(_UNRETRIEVED):
         return False
     exc = record.exc_info[1] if record.exc_info else None
-    return exc is not None and any("orbax" in f.f_code.co_filename for f, _ in traceback.walk_tb(exc.__traceback__))
+    if exc is None:
+        return False
+    if ORBAX_TMP in str(exc):
+        return True
+    return any("orbax" in f.f_code.co_filename for f, _ in traceback.walk_tb(exc.__traceback__))
 
 
 class _UnretrievedWriteFilter(logging.Filter):
