@@ -26,19 +26,18 @@ import jax
 import numpy as np
 import pytest
 
+from launch.train import prepare_out_dir
+from nsa_jax.config import ConfigError, load_config
+from nsa_jax.ops import preemption
+from nsa_jax.rundir import checkpoint as C
+from nsa_jax.rundir import checksums, resume
+from nsa_jax.rundir import files as rf
+from nsa_jax.train import step as S
+from nsa_jax.train.strategies import make_plan
+
+from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, set_flags
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, set_flags  # noqa: E402
-
-from launch.train import prepare_out_dir  # noqa: E402
-from nsa_jax.config import ConfigError, load_config  # noqa: E402
-from nsa_jax.ops import preemption  # noqa: E402
-from nsa_jax.rundir import checkpoint as C  # noqa: E402
-from nsa_jax.rundir import checksums, resume  # noqa: E402
-from nsa_jax.rundir import files as rf  # noqa: E402
-from nsa_jax.train import step as S  # noqa: E402
-from nsa_jax.train.strategies import make_plan  # noqa: E402
 
 N = 8
 SETS = [
@@ -482,20 +481,26 @@ def test_launcher_policy_protects_checkpoints(env, reference, tmp_path):
 
 
 def test_sigterm_guard_sets_a_flag_instead_of_exiting():
-    seen = []
+    seen, exits = [], []
     # A stand-in for the default action, so a broken guard fails the test instead of ending pytest.
     before = signal.signal(signal.SIGTERM, lambda *_: seen.append("default"))
     try:
-        guard = preemption.PreemptionGuard()
+        calm = preemption.PreemptionGuard(exit_fn=exits.append)
+        calm.install()
+        calm.uninstall()
+        os.kill(os.getpid(), signal.SIGTERM)  # no stop while installed: the previous handler is back
+        assert seen == ["default"] and not exits
+        guard = preemption.PreemptionGuard(exit_fn=exits.append)
         guard.install()
         try:
             assert not guard.stop_requested()
             os.kill(os.getpid(), signal.SIGTERM)
-            assert guard.stop_requested() and not seen
+            assert guard.stop_requested() and seen == ["default"]
         finally:
             guard.uninstall()
-        os.kill(os.getpid(), signal.SIGTERM)  # the previous handler is back
-        assert seen == ["default"]
+        # After a stop the run tears down: a later SIGTERM (a scheduler's escalation) ends it at once.
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits == [128 + signal.SIGTERM] and seen == ["default"]
     finally:
         signal.signal(signal.SIGTERM, before)
 
