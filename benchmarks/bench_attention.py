@@ -61,7 +61,7 @@ from benchmarks.common import (
     write_json,
 )
 from nsa_jax.config import ModelConfig, load_config
-from nsa_jax.kernels import plan_kernels
+from nsa_jax.kernels import SELECTION_KERNELS, plan_kernels
 from nsa_jax.layers import rope
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
@@ -563,8 +563,6 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--plot", default=None, help="write a time / memory plot to this PNG (needs matplotlib)")
     opts = parser.parse_args(argv)
-    from nsa_jax.kernels import SELECTION_KERNELS
-
     opts.selection_kernels = [s.strip() for s in opts.selection_kernels.split(",") if s.strip()]
     bad = [s for s in opts.selection_kernels if s not in SELECTION_KERNELS]
     if bad:

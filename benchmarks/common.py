@@ -188,10 +188,10 @@ def write_json(path: str | None, meta: dict[str, Any], rows: list[dict[str, Any]
 def import_pyplot():
     """matplotlib.pyplot with a file-only backend, or None (with a message) when not installed."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional for the benchmarks: only for --plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use
     except ImportError:
         print("matplotlib is not installed: --plot skipped (pip install matplotlib)", file=sys.stderr)
         return None

@@ -30,6 +30,7 @@ from NAME taken seed by seed at the last common evaluation (mean +- s.e. of the 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from matplotlib.figure import Figure
 
 from benchmarks.common import add_config_args
 from nsa_jax.config import ConfigError, load_config
@@ -258,13 +260,9 @@ def print_paired(runs: list[dict], ref: str) -> None:
 
 
 def plot(runs: list[dict], metrics: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     metrics = [m for m in metrics if any(e.get(m) is not None for r in runs for e in r["curve"])]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
+    fig = Figure(figsize=(5 * len(metrics), 3.8))  # no pyplot: nothing global, no display needed
+    axes = fig.subplots(1, len(metrics), squeeze=False)
     names = list(dict.fromkeys(r["variant"] for r in runs))
     colors = {n: f"C{i % 10}" for i, n in enumerate(names)}  # one colour per variant in every panel
     for ax, metric in zip(axes[0], metrics):
@@ -292,8 +290,6 @@ SOFTWARE = ("jax", "jaxlib", "flax", "optax", "numpy")
 
 def software() -> dict[str, str]:
     """The package versions that decide a run's numerics (stored with every run)."""
-    import importlib.metadata as md
-
     out = {"python": sys.version.split()[0]}
     for name in SOFTWARE:
         try:

@@ -32,11 +32,14 @@ import sys
 import threading
 import time
 
+from tqdm import tqdm
+
 from launch.cli import Parser, UsageError, run_main
 from launch.generate import check_params, load_model
 from nsa_jax.config import ConfigError
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import min_row_len
+from nsa_jax.evaluation.scorer import ModelScorer
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, SUITES, TextRows, count_batches, run_suites
 from nsa_jax.inference.notes import synthetic_note, times, trained_positions
 
@@ -179,11 +182,6 @@ def run(args) -> int:
     if "needle" in args.suites and min(args.lengths) < need:
         raise UsageError(f"--lengths {min(args.lengths)} is too short for a needle row; use L >= {need}")
     params = check_params(cfg, params)
-
-    from tqdm import tqdm
-
-    from nsa_jax.evaluation.scorer import ModelScorer
-
     scorer = ModelScorer(cfg.model, params, args.batch_size, args.device_memory)
     total = count_batches(args.suites, args.lengths, args.depths, args.samples, args.rows, args.batch_size)
     t0 = time.perf_counter()
@@ -223,7 +221,7 @@ def run(args) -> int:
             "seconds": seconds,
             "compiled_bytes": {str(L): scorer.bytes.get(L) for L in args.lengths},
         }
-        from nsa_jax.report.plots import evaluation_figures, save_figures
+        from nsa_jax.report.plots import evaluation_figures, save_figures  # noqa: PLC0415 - matplotlib: only for --out
 
         paths = save_figures(evaluation_figures(results), out)
         (out / RESULTS_FILE).write_text(json.dumps({"meta": meta, **results}, indent=1))

@@ -12,6 +12,7 @@ import sys
 
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.info import describe
+from nsa_jax.tools import aot
 
 
 def log(msg: str) -> None:
@@ -20,28 +21,26 @@ def log(msg: str) -> None:
 
 def describe_fit(r: dict, cfg, description: str) -> str:
     """The fit-check lines `launch.info --target` prints."""
-    from nsa_jax.tools.aot import MiB
-
     n, t = r["n_devices"], cfg.train
     m = r["configured"]
     lines = [
         f"fit on {r['target']} ({description}), {n} device(s), strategy {cfg.parallel.strategy}, T={t.seq_len}, "
-        f"accumulate {t.accumulate}; jax may use {r['usable_bytes'] / MiB:,.0f} MiB of each card "
+        f"accumulate {t.accumulate}; jax may use {r['usable_bytes'] / aot.MiB:,.0f} MiB of each card "
         "(XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)",
         f"  as configured: {r['configured_rows']} row(s) per device (train.global_batch={t.global_batch}): "
-        f"{m['total'] / MiB:,.0f} MiB per device (arguments {m['argument'] / MiB:,.0f}, temporaries "
-        f"{m['temp'] / MiB:,.0f}, outputs not aliased {(m['output'] - m['alias']) / MiB:,.0f}) -> "
+        f"{m['total'] / aot.MiB:,.0f} MiB per device (arguments {m['argument'] / aot.MiB:,.0f}, temporaries "
+        f"{m['temp'] / aot.MiB:,.0f}, outputs not aliased {(m['output'] - m['alias']) / aot.MiB:,.0f}) -> "
         + ("fits" if r["configured_fits"] else "does NOT fit"),
     ]
     b = r["largest_rows"]
     if b:
         lines.append(
             f"  largest micro-batch that fits: {b} row(s) per device (train.global_batch={b * n}): "
-            f"{r['largest']['total'] / MiB:,.0f} MiB per device"
+            f"{r['largest']['total'] / aot.MiB:,.0f} MiB per device"
         )
     else:
         lines.append("  not even 1 row per device fits: shorten train.seq_len, set model.remat=full, or shard (fsdp)")
-    lines.append("  compiled: " + ", ".join(f"{k} -> {v / MiB:,.0f} MiB" for k, v in r["probes"].items()))
+    lines.append("  compiled: " + ", ".join(f"{k} -> {v / aot.MiB:,.0f} MiB" for k, v in r["probes"].items()))
     return "\n".join(lines)
 
 
@@ -55,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.target is not None:
-        from nsa_jax.tools import aot
-
         # Compiling for a card runs on this host's CPU: set before jax starts (a GPU-less host's CUDA check fails).
         aot.compile_on_host()
     try:

@@ -31,6 +31,7 @@ from typing import Sequence
 
 from launch.cli import Parser
 from nsa_jax.report import summary as S
+from nsa_jax.report.plots import comparison_figures, run_figures, save_figures
 
 _THRESHOLD_HELP = {
     "min_toks_per_s": "throughput: lowest window tok/s, total tokens / total step time (runbook: 39 on 2xA100)",
@@ -82,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def write_run_report(summary: S.Summary, out_dir: pathlib.Path) -> tuple[pathlib.Path, int]:
     """PNGs and report.md of one run; returns the page and the number of plots."""
-    from nsa_jax.report.plots import run_figures, save_figures
-
     figs, skipped = run_figures(summary.run, summary)
     paths = save_figures(figs, out_dir)
     page = out_dir / "report.md"
@@ -121,8 +120,6 @@ def comparison_text(entries: Sequence[S.Entry], last: int, tie_pct: float) -> st
 
 def write_comparison(entries: Sequence[S.Entry], out_dir: pathlib.Path, last: int, tie_pct: float) -> pathlib.Path:
     """Overlaid PNGs and comparison.md (ranked table, then each run's criteria)."""
-    from nsa_jax.report.plots import comparison_figures, save_figures
-
     runs = [e.summary.run for e in entries if e.summary is not None]
     figs, skipped = comparison_figures(runs)
     paths = save_figures(figs, out_dir)

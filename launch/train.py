@@ -61,8 +61,9 @@ import threading
 
 from launch.cli import Parser
 from nsa_jax.config import Config, ConfigError, load_config
-from nsa_jax.data import FILE_DATASETS, make_tokenizer
+from nsa_jax.data import make_tokenizer
 from nsa_jax.data.check import check_data
+from nsa_jax.data.sources import FILE_DATASETS
 from nsa_jax.data.tokenizers import fitted_vocab_size
 from nsa_jax.ops import distributed as dist
 from nsa_jax.rundir import files as rf
@@ -334,8 +335,9 @@ def _main(argv: list[str] | None = None) -> int:
                 return rf.EXIT_USAGE
 
     # jax loads here, after XLA_FLAGS is final.
-    from nsa_jax.ops.memory import WontFitError
-    from nsa_jax.train.loop import Trainer, enable_compile_cache
+    from nsa_jax.ops.memory import WontFitError  # noqa: PLC0415 - imports jax: after XLA_FLAGS
+    from nsa_jax.train.boot import enable_compile_cache  # noqa: PLC0415 - imports jax: after XLA_FLAGS
+    from nsa_jax.train.loop import Trainer  # noqa: PLC0415 - imports jax: after XLA_FLAGS
 
     enable_compile_cache(cache)
     try:

@@ -27,12 +27,13 @@ import time
 import types
 
 import pytest
-from helpers import ROOT
 
 from benchmarks import gpu_aot
 from launch import info as info_cli
 from nsa_jax.config import load_config
 from nsa_jax.tools import aot
+
+from helpers import ROOT
 
 needs_plugin = pytest.mark.skipif(
     not aot.cuda_plugin_available(), reason=f"jax's CUDA plugin is not installed ({aot.INSTALL_HINT})"

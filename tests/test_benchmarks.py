@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cpu_env, run_module
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import bench_strategies as BS
 from benchmarks import profile_step
+
+from helpers import cpu_env, run_module
 
 
 def run_cli(module: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

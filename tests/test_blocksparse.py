@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_inputs, run_with_grads
 from reference import random_block_indices, reference_attention, selection_visible, window_visible
 
 from nsa_jax import kernels
@@ -29,6 +28,8 @@ from nsa_jax.kernels.blocksparse_pallas import (
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
 from nsa_jax.tools import aot
+
+from helpers import random_inputs, run_with_grads
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import pytest
 
+from launch import prepare_data
+from nsa_jax.config import load_config
+from nsa_jax.data import make_dataset, sources
+from nsa_jax.data.check import check_data
+
+from helpers import cpu_env, run_module
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import cpu_env, run_module  # noqa: E402
-
-from launch import prepare_data  # noqa: E402
-from nsa_jax.config import load_config  # noqa: E402
-from nsa_jax.data import make_dataset, sources  # noqa: E402
-from nsa_jax.data.check import check_data  # noqa: E402
 
 
 def text_cfg(path: pathlib.Path, *sets: str):

@@ -25,10 +25,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TINY_MODEL, cpu_env, set_flags
 
 from nsa_jax.rundir import checkpoint as C
 from nsa_jax.rundir import checksums, resume
+
+from helpers import ROOT, TINY_MODEL, cpu_env, set_flags
 
 STEPS, AT = 6, 3
 

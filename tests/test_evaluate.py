@@ -12,7 +12,6 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_NSA
 
 from nsa_jax.config import load_config
 from nsa_jax.data import kv_recall, make_dataset
@@ -20,6 +19,8 @@ from nsa_jax.evaluation.heldout import Evaluator
 from nsa_jax.model import NSALM
 from nsa_jax.train import step as S
 from nsa_jax.train.state import init_state
+
+from helpers import TINY_NSA
 
 TINY = [
     *TINY_NSA,

@@ -12,6 +12,7 @@ import subprocess
 import jax
 import numpy as np
 import pytest
+
 from helpers import cpu_env, run_module
 
 

@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_model_cfg
 
 from nsa_jax.config import Config
 from nsa_jax.inference import decode_step, generate, init_cache, prefill, sample_logits
 from nsa_jax.layers import rope
 from nsa_jax.model import NSALM
+
+from helpers import tiny_model_cfg
 
 T = 70
 PROMPT_LENS = np.array([1, 8, 13, 30])  # P=1; P = l (a block completes in the prompt); P % d, P % lp != 0; P > w

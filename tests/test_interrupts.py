@@ -23,16 +23,15 @@ import time
 
 import pytest
 
+from nsa_jax.config import load_config
+from nsa_jax.ops import preemption
+from nsa_jax.rundir import resume
+from nsa_jax.train import optimizer as O
+from nsa_jax.train import progress, schedule
+
+from helpers import TINY_SAVING_RUN, cpu_env, set_flags
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import TINY_SAVING_RUN, cpu_env, set_flags  # noqa: E402
-
-from nsa_jax.config import load_config  # noqa: E402
-from nsa_jax.ops import preemption  # noqa: E402
-from nsa_jax.rundir import resume  # noqa: E402
-from nsa_jax.train import optimizer as O  # noqa: E402
-from nsa_jax.train import progress, schedule  # noqa: E402
 
 # exec keeps a default disposition: the trainer starts with SIGINT as a terminal gives it.
 WITH_SIGINT = (

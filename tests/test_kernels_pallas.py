@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_inputs, run_with_grads, tiny_model_cfg
 from reference import (
     compressed_visible,
     random_block_indices,
@@ -36,6 +35,8 @@ from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, reverse_index, selection_attention_pallas
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.tools import aot
+
+from helpers import random_inputs, run_with_grads, tiny_model_cfg
 
 # Compiled kernels on a GPU (JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_pallas.py),
 # the interpreter on CPU.

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
 from reference import (
     dense_attention,
     random_block_indices,
@@ -20,6 +19,8 @@ from reference import (
 )
 
 from nsa_jax.kernels.xla import select_blocks, selection_attention_xla, window_attention_xla
+
+from helpers import rel_err
 
 
 def _qkv(B, T, H, K, D, seed=0):

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err, tiny_model_cfg
 from reference import nsa_layer_ref
 
 from experiments.compare import pair_positions
@@ -24,6 +23,8 @@ from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.train import schedule
 from nsa_jax.train import step as S
 from nsa_jax.train.positions import ROPE_PIECES, random_rope_positions
+
+from helpers import rel_err, tiny_model_cfg
 
 # A model and batch small enough for whole train steps in a test.
 STEP_OVERRIDES = [

@@ -8,13 +8,14 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import cpu_env, run_module, set_flags
 
 from nsa_jax.config import load_config
 from nsa_jax.data.needle import QUESTION, answer_mask, make_needle_row, needle_pieces
 from nsa_jax.data.tokenizers import ByteTokenizer
 from nsa_jax.evaluation import scoring
 from nsa_jax.evaluation.suites import run_suites
+
+from helpers import cpu_env, run_module, set_flags
 
 # The model of the tests that build one: one layer, narrow.
 SMALL = ["model.n_layers=1", "model.d_model=48", "model.d_ff=64"]

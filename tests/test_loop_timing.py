@@ -10,21 +10,19 @@ from __future__ import annotations
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 import pytest
 
+from nsa_jax.config import load_config
+from nsa_jax.evaluation import heldout
+from nsa_jax.rundir import checkpoint as C
+from nsa_jax.rundir import files as rf
+from nsa_jax.train.loop import Trainer
+
+from helpers import TINY_RUN
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import TINY_RUN  # noqa: E402
-
-from nsa_jax.config import load_config  # noqa: E402
-from nsa_jax.evaluation import heldout  # noqa: E402
-from nsa_jax.rundir import checkpoint as C  # noqa: E402
-from nsa_jax.rundir import files as rf  # noqa: E402
-from nsa_jax.train.loop import Trainer  # noqa: E402
 
 TINY = [*TINY_RUN, "train.eval_batches=1", "logging.tensorboard=false"]
 EXTRA_S = 1.0

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_model_cfg
 
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer
+
+from helpers import tiny_model_cfg
 
 
 def _run(cfg, params, tokens):

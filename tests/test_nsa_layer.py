@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err, tiny_model_cfg
 from reference import nsa_layer_ref
 
 from nsa_jax.layers import matmul_parts
 from nsa_jax.nsa.layer import NSAAttention, aux_stat_sums, aux_stats
+
+from helpers import rel_err, tiny_model_cfg
 
 
 def _setup(cfg, T, B=2, seed=0):

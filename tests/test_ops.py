@@ -13,16 +13,15 @@ import time
 
 import pytest
 
+from launch.train import env_overrides
+from nsa_jax.config import ConfigError, load_config
+from nsa_jax.ops import distributed as D
+from nsa_jax.ops import health as H
+from nsa_jax.rundir import files as rf
+
+from helpers import LAUNCH_TRAIN, TINY_RUN, cpu_env, set_flags
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import LAUNCH_TRAIN, TINY_RUN, cpu_env, set_flags  # noqa: E402
-
-from launch.train import env_overrides  # noqa: E402
-from nsa_jax.config import ConfigError, load_config  # noqa: E402
-from nsa_jax.ops import distributed as D  # noqa: E402
-from nsa_jax.ops import health as H  # noqa: E402
-from nsa_jax.rundir import files as rf  # noqa: E402
 
 TINY = [*TINY_RUN, "logging.tensorboard=false", "model.nsa.branches=[cmp]"]
 sets = set_flags

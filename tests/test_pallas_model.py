@@ -8,9 +8,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import tiny_model_cfg
 
 from nsa_jax.model import NSALM, cross_entropy
+
+from helpers import tiny_model_cfg
 
 
 def _losses(cfg, params, tokens, steps=3):

@@ -19,16 +19,15 @@ import sys
 import numpy as np
 import pytest
 
+from launch import report as R
+from launch import sweep as SW
+from nsa_jax.config import load_config
+from nsa_jax.report import plots as P
+from nsa_jax.report import summary as S
+
+from helpers import TINY_RUN, cpu_env, set_flags
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import TINY_RUN, cpu_env, set_flags  # noqa: E402
-
-from launch import report as R  # noqa: E402
-from launch import sweep as SW  # noqa: E402
-from nsa_jax.config import load_config  # noqa: E402
-from nsa_jax.report import plots as P  # noqa: E402
-from nsa_jax.report import summary as S  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--config", "cpu_tiny", "--steps", "6"] + set_flags(

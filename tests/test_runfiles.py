@@ -6,19 +6,17 @@ import csv
 import json
 import os
 import pathlib
-import sys
 
 import pytest
 
+from launch.train import compile_cache_dir, prepare_out_dir
+from nsa_jax.config import ConfigError, load_config
+from nsa_jax.rundir import files as rf
+from nsa_jax.rundir import resume
+
+from helpers import python_c
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import python_c  # noqa: E402
-
-from launch.train import compile_cache_dir, prepare_out_dir  # noqa: E402
-from nsa_jax.config import ConfigError, load_config  # noqa: E402
-from nsa_jax.rundir import files as rf  # noqa: E402
-from nsa_jax.rundir import resume  # noqa: E402
 
 
 def test_writer_quotes_and_the_reader_reads_back(tmp_path):

@@ -11,9 +11,10 @@ import sys
 import time
 
 import pytest
-from helpers import LAUNCH_TRAIN, ROOT, TINY_SAVING_RUN, cpu_env, set_flags
 
 from nsa_jax.rundir import lock as runlock
+
+from helpers import LAUNCH_TRAIN, ROOT, TINY_SAVING_RUN, cpu_env, set_flags
 
 TINY = TINY_SAVING_RUN
 

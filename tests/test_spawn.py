@@ -13,9 +13,10 @@ import sys
 import time
 
 import pytest
-from helpers import TINY_RUN, set_flags
 
 from launch.spawn import child_env, exit_status
+
+from helpers import TINY_RUN, set_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

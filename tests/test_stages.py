@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import cpu_env, run_module
 
 from launch import stages
+
+from helpers import cpu_env, run_module
 
 
 def write_recipe(tmp_path, recipes: dict, **sections) -> str:

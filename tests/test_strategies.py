@@ -19,7 +19,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import host_train_state, rel_err, tiny_model_cfg
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import load_config
@@ -27,6 +26,8 @@ from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.rundir import checkpoint as C
 from nsa_jax.train import step as S
 from nsa_jax.train import strategies
+
+from helpers import host_train_state, rel_err, tiny_model_cfg
 
 T, B, A, STEPS = 32, 4, 2, 3
 CASES = [("dp", "bfloat16"), ("pmap", "float32"), ("gspmd", "bfloat16"), ("zero1", "float32"), ("fsdp", "float32")]

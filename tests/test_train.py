@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TINY_NSA, host_train_state, rel_err
 
 from nsa_jax.config import load_config
 from nsa_jax.model import NSALM, cross_entropy
@@ -23,6 +22,8 @@ from nsa_jax.train import optimizer as O
 from nsa_jax.train import step as S
 from nsa_jax.train.progress import fmt_duration, progress_line
 from nsa_jax.train.state import init_state
+
+from helpers import TINY_NSA, host_train_state, rel_err
 
 V, T, B, STEPS = 64, 32, 4, 5
 TINY = [

@@ -7,23 +7,21 @@ import json
 import math
 import pathlib
 import re
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, python_c, run_module, set_flags  # noqa: E402
-
-from launch.train import (  # noqa: E402
+from launch.train import (
     BUCKET_FLAG,
     env_overrides,
     fit_vocab_to_tokenizer,
     prepare_out_dir,
     xla_flags_with_bucket,
 )
-from nsa_jax.config import ConfigError, load_config  # noqa: E402
+from nsa_jax.config import ConfigError, load_config
+
+from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, python_c, run_module, set_flags
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TINY = TINY_RUN
 HEARTBEAT_FIELDS = {"ts", "iso", "pid", "rank", "step", "msg", "memory", "event"}

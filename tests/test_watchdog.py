@@ -11,13 +11,12 @@ import time
 
 import pytest
 
+from launch.watchdog import GATE_COLUMNS, LineTail
+from nsa_jax.rundir.files import AUX_COLUMNS, TRAIN_COLUMNS
+
+from helpers import LAUNCH_TRAIN, TINY_RUN, set_flags
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from helpers import LAUNCH_TRAIN, TINY_RUN, set_flags  # noqa: E402
-
-from launch.watchdog import GATE_COLUMNS, LineTail  # noqa: E402
-from nsa_jax.rundir.files import AUX_COLUMNS, TRAIN_COLUMNS  # noqa: E402
 
 HEADER = list(TRAIN_COLUMNS + AUX_COLUMNS)
 FAST = ["--interval", "0.1"]

@@ -12,8 +12,9 @@ tokenizers (byte / tokenizers JSON / tiktoken), sources (parquet, jsonl, txt rea
 pipeline (grain: sharding, shuffling, tokenising, packing, prefetch), shards (the
 pre-tokenized format `python -m launch.prepare_data` writes) and tokenized (batches
 from those shards, numbered over the whole run like synthetic and kv_recall).
-Heavy dependencies (grain, pyarrow, tokenizers) are imported only when a file
-dataset or a non-byte tokenizer is requested.
+grain (which imports jax) is imported only when a file dataset or prepared shards are
+requested, so `import nsa_jax.data` stays free of jax for launch.train's config checks
+(before XLA_FLAGS is set) and launch.prepare_data.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from nsa_jax.data.kv_recall import KVRecallDataset
+from nsa_jax.data.needle import NeedleDataset
+from nsa_jax.data.sources import FILE_DATASETS
 from nsa_jax.data.stream import BatchStream, split_id
 from nsa_jax.data.synthetic import SyntheticDataset
 from nsa_jax.data.tokenizers import make_tokenizer, padded_vocab_size
-
-FILE_DATASETS = ("fineweb_edu", "jsonl", "text")
 
 __all__ = [
     "BatchStream",
@@ -76,19 +77,15 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
             cfg, batch=cfg.train.global_batch, split=split, process_index=process_index, process_count=process_count
         )
     if kind == "needle":
-        from nsa_jax.data.needle import NeedleDataset
-
         return NeedleDataset(cfg, split=split, process_index=process_index, process_count=process_count)
-    # grain imports jax (seconds): the file datasets are imported on use, so `import nsa_jax.data`
-    # stays light for launch.train's config checks (before XLA_FLAGS is set) and prepare_data.
     if kind in FILE_DATASETS:
-        from nsa_jax.data.pipeline import FileDataset
+        from nsa_jax.data.pipeline import FileDataset  # noqa: PLC0415 - grain imports jax: after XLA_FLAGS
 
         return FileDataset.from_config(
             cfg, batch=batch, split=split, process_index=process_index, process_count=process_count
         )
     if kind == "tokenized":
-        from nsa_jax.data.tokenized import TokenizedDataset
+        from nsa_jax.data.tokenized import TokenizedDataset  # noqa: PLC0415 - grain imports jax: after XLA_FLAGS
 
         return TokenizedDataset.from_config(
             cfg, batch=cfg.train.global_batch, split=split, process_index=process_index, process_count=process_count

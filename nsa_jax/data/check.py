@@ -27,6 +27,8 @@ import os
 import time
 from typing import Any
 
+from nsa_jax.data import shards, sources
+
 SCAN_BYTES = 256 << 20  # input bytes read at most while looking for a train and a val document
 SCAN_SECONDS = 10.0
 PREPARE_HINT = (
@@ -60,8 +62,6 @@ def describe_skips(skips: list[Any], limit: int = 3) -> str:
 
 def no_chunks_error(path: str, dataset: str, n_files: int, skips: list[Any]) -> ValueError:
     """The error for a data.path whose files hold no chunk (every file skipped while indexing)."""
-    from nsa_jax.data import sources
-
     reasons = {s.reason for s in skips}
     if reasons == {sources.EMPTY_FILE}:
         what = f"its {_files(n_files)} {'is' if n_files == 1 else 'are all'} empty (0 bytes)"
@@ -75,8 +75,6 @@ def no_chunks_error(path: str, dataset: str, n_files: int, skips: list[Any]) -> 
 
 
 def _fix_for(skips: list[Any]) -> str:
-    from nsa_jax.data import sources
-
     reasons = {s.reason for s in skips}
     if reasons <= {sources.NOT_UTF8}:
         return "convert text to UTF-8 (e.g. iconv -f latin1 -t utf-8), or remove files that are not text"
@@ -84,8 +82,6 @@ def _fix_for(skips: list[Any]) -> str:
 
 
 def _check_files(cfg: Any) -> DataCheck:
-    from nsa_jax.data import sources
-
     d = cfg.data
     files = sources.list_files(d.path, d.dataset)
     skips: list[Any] = []
@@ -136,8 +132,6 @@ def _check_files(cfg: Any) -> DataCheck:
 
 
 def _check_tokenized(cfg: Any) -> DataCheck:
-    from nsa_jax.data import shards
-
     d = cfg.data
     m = shards.read_manifest(d.path)
     shards.check_manifest_fits(cfg, m)
@@ -163,10 +157,8 @@ def _check_tokenized(cfg: Any) -> DataCheck:
 
 def check_data(cfg: Any) -> DataCheck:
     """Checks `cfg.data` before training (module docstring); ValueError (one line) when nothing can be trained."""
-    from nsa_jax.data import FILE_DATASETS
-
     kind = cfg.data.dataset
-    if kind in FILE_DATASETS:
+    if kind in sources.FILE_DATASETS:
         return _check_files(cfg)
     if kind == "tokenized":
         return _check_tokenized(cfg)

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from nsa_jax.data.sources import list_files
 from nsa_jax.data.stream import GlobalRowStream, split_id
 from nsa_jax.data.tokenizers import make_tokenizer
 
@@ -114,8 +115,6 @@ class NeedleDataset(GlobalRowStream):
     kind = "needle"
 
     def __init__(self, cfg: Any, split: str, process_index: int = 0, process_count: int = 1):
-        from nsa_jax.data.sources import list_files
-
         self.tok = make_tokenizer(cfg.data)
         files = list_files(cfg.data.path, "text")
         text = "\n\n".join(open(f, encoding="utf-8").read() for f in files)

@@ -37,6 +37,7 @@ import grain
 import numpy as np
 
 from nsa_jax.data import sources
+from nsa_jax.data.check import no_chunks_error
 from nsa_jax.data.shards import encode_docs
 from nsa_jax.data.stream import BatchStream, check_state, split_id
 from nsa_jax.data.tokenizers import make_tokenizer, padded_vocab_size
@@ -271,8 +272,6 @@ class FileDataset(GrainBatchStream):
         skipped: list[sources.Skip] = []
         chunks = sources.index_chunks(files, dataset, on_skip=skipped.append)
         if not chunks:  # one line for it, not a warning per file first
-            from nsa_jax.data.check import no_chunks_error
-
             raise no_chunks_error(path, dataset, len(files), skipped)
         for skip in skipped:
             self.skips(skip)

@@ -49,6 +49,8 @@ EXTENSIONS = {
     "text": (".txt",),
 }
 ALL_EXTENSIONS = tuple(e for exts in EXTENSIONS.values() for e in exts)
+# The datasets read from these files (data.dataset), each process its own shard of the chunks.
+FILE_DATASETS = tuple(EXTENSIONS)
 
 # Skip reasons (also the keys of the counts in logs and in prepare_data's summary).
 EMPTY_FILE = "empty file"

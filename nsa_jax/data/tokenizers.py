@@ -95,7 +95,7 @@ class TiktokenTokenizer:
 
     def __init__(self, encoding: str = "gpt2"):
         try:
-            import tiktoken
+            import tiktoken  # noqa: PLC0415 - optional: the tiktoken extra
         except ImportError:
             raise ValueError("data.tokenizer=gpt2 needs the `tiktoken` package; pip install tiktoken") from None
         cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")

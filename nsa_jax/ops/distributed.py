@@ -176,7 +176,7 @@ def initialize(spec: DistSpec | None, *, init_timeout_s: int = 300, peer_timeout
     """
     if spec is None:
         return
-    import jax
+    import jax  # noqa: PLC0415 - launch.train imports this module before XLA_FLAGS is final
 
     # Cross-process collectives on the CPU backend (tests, CPU clusters); GPUs use NCCL.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -18,6 +18,7 @@ import dataclasses
 import pathlib
 from typing import Callable, Sequence
 
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -250,8 +251,6 @@ def _eval_figure() -> tuple[Figure, Axes]:
 
 def needle_figure(result: dict, title: str = "needle retrieval") -> Figure:
     """Heatmap: one row per length L, one column per depth, greedy exact-match accuracy as colour."""
-    import numpy as np
-
     acc = np.asarray(result["accuracy"], float)
     fig, ax = _eval_figure()
     im = ax.imshow(acc, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")

@@ -95,7 +95,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from nsa_jax.config import Config, ConfigError
-from nsa_jax.data import FILE_DATASETS
+from nsa_jax.data.sources import FILE_DATASETS
 from nsa_jax.ops.health import agree_any
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir.checksums import (

@@ -46,10 +46,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax._src import xla_bridge
+from jax.experimental import topologies
 
 from nsa_jax import config
 from nsa_jax.config import Config, ModelConfig
+from nsa_jax.kernels import plan_kernels
+from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
+from nsa_jax.train.step import make_mesh, make_train_step
+from nsa_jax.train.strategies import make_plan, per_device_batch
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -197,8 +203,6 @@ def compile_on_host() -> bool:
     it skips that check and still compiles for the card. Returns whether it set it:
     only before jax has started its backends, and never over the user's own choice.
     """
-    from jax._src import xla_bridge
-
     if jax.config.jax_platforms or xla_bridge.backends_are_initialized():
         return False
     jax.config.update("jax_platforms", "cpu")
@@ -207,8 +211,6 @@ def compile_on_host() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _topology(name: str, n_devices: int):
-    from jax.experimental import topologies
-
     return topologies.get_topology_desc(
         platform="cuda", target_config=get_target(name).config_text(), topology=f"1x1x{n_devices}"
     )
@@ -288,9 +290,6 @@ def _compile(target: str, fn: Callable, args, dump_dir: str | None, **jit_kwargs
 
 def train_step_args(cfg: Config, devices: list):
     """(jitted train step, abstract (state, tokens_AxBxT1)) of `cfg` on a data mesh of `devices`."""
-    from nsa_jax.train.step import make_mesh, make_train_step
-    from nsa_jax.train.strategies import make_plan
-
     plan = make_plan(cfg, make_mesh(cfg, devices))
     t = cfg.train
     tokens_AxBxT1 = jax.ShapeDtypeStruct((t.accumulate, t.global_batch, t.seq_len + 1), jnp.int32, sharding=plan.batch)
@@ -309,9 +308,6 @@ def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str |
 def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, sharding=None):
     """(fn, abstract (params, x, ct)): the NSA layer's forward and its VJP w.r.t. parameters and input,
     with the kernel plan of a GPU (kernels compiled, not interpreted, whatever this host is)."""
-    from nsa_jax.kernels import plan_kernels
-    from nsa_jax.nsa.layer import NSAAttention
-
     module = NSAAttention(cfg, kernels=plan_kernels(cfg.nsa, seq_len, "gpu"))
     x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
     params = jax.eval_shape(lambda xx: module.init(jax.random.PRNGKey(0), xx)["params"], x)
@@ -439,8 +435,6 @@ def fit_check(cfg: Config, target: str, n_devices: int, limit: int = 4096, log: 
     (largest_batch: 1, 2, an affine guess, doubling, bisection). Fitting means the
     step's total (argument + output + temp - alias) within jax's share of the card.
     """
-    from nsa_jax.train.strategies import per_device_batch
-
     usable = get_target(target).usable_bytes()
     memo: dict[int, dict] = {}
 
@@ -618,7 +612,7 @@ def ptxas_path() -> str | None:
     """ptxas from the CUDA wheels jax's plugin installs (nvidia/cuda_nvcc for CUDA 12, nvidia/cu13 for 13),
     else the one on PATH, else CUDA's default install."""
     try:
-        import nvidia
+        import nvidia  # noqa: PLC0415 - optional: the CUDA wheels of jax's plugin (the cuda12 extra)
 
         bases = list(getattr(nvidia, "__path__", []))
     except ImportError:

@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable
 
 import jax
+from tensorboardX import SummaryWriter
 
 from nsa_jax.config import Config
 from nsa_jax.kernels import plan_kernels
@@ -239,8 +240,6 @@ class TbLog:
     """tensorboardX scalars under <out>/tb."""
 
     def __init__(self, logdir: pathlib.Path):
-        from tensorboardX import SummaryWriter
-
         self.w = SummaryWriter(logdir=str(logdir), flush_secs=30)
 
     def scalars(self, step: int, values: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ returns them as `RunParts`.
 
 `compile_step` compiles the step ahead of time in one thread while another builds a
 fresh state; the caller only waits, so a stop signal ends the wait at once.
+`enable_compile_cache` points jax's persistent compilation cache at a directory first.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ from nsa_jax.train.state import TrainState
 from nsa_jax.train.strategies import ShardingPlan, make_plan
 
 Say = Callable[[str], None]
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """jax's persistent compilation cache in `path` (None: off). A repeated or resumed run then
+    loads the compiled step instead of compiling it; entries are keyed by program and flags."""
+    if path is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # The train step and the evaluation take seconds to compile; small programs are not worth a file.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 @dataclasses.dataclass

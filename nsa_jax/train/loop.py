@@ -63,16 +63,6 @@ from nsa_jax.train.state import TrainState
 LONG_STEP_S = 2.0
 
 
-def enable_compile_cache(path: str | None) -> None:
-    """jax's persistent compilation cache in `path` (None: off). A repeated or resumed run then
-    loads the compiled step instead of compiling it; entries are keyed by program and flags."""
-    if path is None:
-        return
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    # The train step and the evaluation take seconds to compile; small programs are not worth a file.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 @dataclasses.dataclass
 class _Pending:
     """A dispatched step whose metrics have not been read yet."""
