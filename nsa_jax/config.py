@@ -222,6 +222,9 @@ class CheckpointConfig:
     """Orbax checkpoints under <out_dir>/checkpoints (nsa_jax/rundir/checkpoint.py)."""
 
     save_every: int = 5000  # optimizer steps between saves; the last step is always saved
+    # Also save once this much wall-clock time has passed since the last save (or the first
+    # step), so a crash or a lost machine costs at most about that much work; 0: steps only.
+    save_minutes: float = 30.0
     max_to_keep: int = 3  # newest checkpoints kept; older ones are deleted after a save commits
     # false: no new checkpoints (existing ones are still resumed from, never trained over).
     enabled: bool = True
@@ -431,6 +434,10 @@ def validate(cfg: Config) -> Config:
     n_dev = cfg.parallel.num_devices
     need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
     need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
+    need(
+        cfg.checkpoint.save_minutes >= 0,
+        f"checkpoint.save_minutes must be >= 0 (0: save by steps only), got {cfg.checkpoint.save_minutes}",
+    )
     need(cfg.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep must be positive, got {cfg.checkpoint.max_to_keep}")
     e = cfg.eval
     for name in e.suites:

@@ -33,9 +33,11 @@ from nsa_jax.rundir import checkpoint as C
 from nsa_jax.rundir import checksums, resume
 from nsa_jax.rundir import files as rf
 from nsa_jax.train import step as S
+from nsa_jax.train.loop import Trainer
+from nsa_jax.train.saves import RunSaves
 from nsa_jax.train.strategies import make_plan
 
-from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, set_flags
+from helpers import NSA_CSV_COLUMNS, TINY_RUN, TINY_SAVING_RUN, cpu_env, set_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -627,3 +629,58 @@ def test_checksums_agree_on_host_and_device_and_see_any_one_changed_element():
     swapped = tree["f32"].copy().reshape(-1)
     swapped[[3, 4]] = swapped[[4, 3]]
     assert checksums.host_checksums({"f32": swapped.reshape(3, 50)})["['f32']"] != host["['f32']"]
+
+
+class _Clock:
+    """A time source that moves `step` seconds at every reading."""
+
+    def __init__(self, step: float):
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def _saved_steps(out: pathlib.Path, *sets: str, clock=None, monkeypatch=None) -> list[int]:
+    cfg = load_config(
+        "cpu_tiny",
+        [*TINY_SAVING_RUN, "train.steps=6", "checkpoint.save_every=1000", "checkpoint.max_to_keep=10", *sets]
+        + [f"train.out_dir={out}"],
+    )
+    if clock is not None:
+        monkeypatch.setattr(RunSaves, "clock", clock)
+    assert Trainer(cfg, print_fn=lambda m: None).run()["steps_done"] == 6
+    return resume.complete_steps(resume.checkpoint_dir(out))
+
+
+@pytest.mark.slow
+def test_a_run_also_saves_on_wall_clock_time(tmp_path, monkeypatch):
+    # The real clock: a tiny run of seconds is far from the default 30 minutes.
+    assert _saved_steps(tmp_path / "real") == [6]
+    # Each reading of the clock moves 40 s: with save_minutes=1 a save is due every other step.
+    fast = _Clock(40.0)
+    saved = _saved_steps(tmp_path / "minutes", "checkpoint.save_minutes=1", clock=fast, monkeypatch=monkeypatch)
+    assert saved[-1] == 6 and len(saved) >= 3, saved  # the last step, and saves on the way
+    # The same clock with save_minutes=0: steps only (the last one).
+    assert _saved_steps(tmp_path / "steps", "checkpoint.save_minutes=0", clock=fast, monkeypatch=monkeypatch) == [6]
+
+
+def test_save_minutes_due_starts_at_the_first_step_and_restarts_at_each_save():
+    cfg = load_config("cpu_tiny", ["checkpoint.save_minutes=2"])
+    saves = RunSaves(cfg, None, None, {}, lambda what: None)
+    now = [100.0]
+    saves.clock = lambda: now[0]
+    assert not saves.due(1)  # the clock starts here, not at construction (a compile may take minutes)
+    now[0] += 119
+    assert not saves.due(2)
+    now[0] += 1
+    assert saves.due(3)
+    saves._last_save_t = now[0]  # what a save does
+    assert not saves.due(4)
+    assert not RunSaves(load_config("cpu_tiny", ["checkpoint.save_minutes=0"]), None, None, {}, None).due(1)
+
+
+def test_save_minutes_must_not_be_negative():
+    with pytest.raises(ConfigError, match="checkpoint.save_minutes must be >= 0"):
+        load_config("cpu_tiny", ["checkpoint.save_minutes=-1"])

@@ -17,8 +17,9 @@ them and a mismatch counts as a checkpoint that does not read back (below), with
 warning naming the array. Steps written before checksums are restored unverified,
 with a warning.
 
-Saves happen every `checkpoint.save_every` optimizer steps and once at the end of a
-run (also after a SIGTERM or a .HALT stop). They are asynchronous: `save()` returns
+Saves happen every `checkpoint.save_every` optimizer steps, when
+`checkpoint.save_minutes` of wall-clock time passed since the last one, and once at
+the end of a run (also after a SIGINT, SIGTERM or .HALT stop). They are asynchronous: `save()` returns
 once the state has been copied off the device, and orbax writes the files in a
 background thread while training goes on. A step directory is written under a
 temporary name (`<step>.orbax-checkpoint-tmp-<n>`) and renamed only when every file

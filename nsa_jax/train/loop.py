@@ -244,7 +244,7 @@ class Trainer:
                 pending = None
                 break
             evaluate = step % cfg.train.eval_every == 0 and not self.eval_off
-            save = cfg.checkpoint.enabled and step % cfg.checkpoint.save_every == 0
+            save = cfg.checkpoint.enabled and (step % cfg.checkpoint.save_every == 0 or self.saves.due(step))
             pending = _Pending(step, metrics, t_dispatch, evaluate)
             if evaluate or save:
                 # Wait for step t now, so its time is its own; evaluation and the save's

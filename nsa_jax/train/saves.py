@@ -1,6 +1,8 @@
 """Checkpoint saves inside a training run, and the stop of a run whose save or run file failed.
 
-The Trainer (loop.py) starts a save after a recorded step (`save`), asks at every step
+The Trainer (loop.py) starts a save after a recorded step (`save`): every
+`checkpoint.save_every` steps, and when `due` says checkpoint.save_minutes of wall-clock
+time passed since the last save (or the first step). It asks at every step
 which saves committed (`poll`) and, before a save and after the last step, whether a
 run file could not be written (`outputs_failed`). Each writes its heartbeat events
 (`checkpoint_start`, `checkpoint`, `checkpoint_failed`, `output_failed`); a failure puts
@@ -33,6 +35,8 @@ def committed_note(last: int | None) -> str:
 class RunSaves:
     """The saves of one run: its Checkpointer, its artifacts (events) and its summary (a failure's halt and error)."""
 
+    clock: Callable[[], float] = staticmethod(time.monotonic)  # the time source of `due` (a test may replace it)
+
     def __init__(
         self,
         cfg: Config,
@@ -42,6 +46,24 @@ class RunSaves:
         doing: Callable[[str | None], None],
     ):
         self.cfg, self.ckpt, self.art, self.summary, self._doing = cfg, checkpointer, art, summary, doing
+        self._last_save_t: float | None = None  # the clock of `due` starts at the first step
+
+    def due(self, step: int) -> bool:
+        """Whether checkpoint.save_minutes have passed since the last save (or the first call).
+
+        With several processes the clocks differ and a save is collective: they agree (one
+        small all-gather) at log steps only, like .HALT.
+        """
+        minutes = self.cfg.checkpoint.save_minutes
+        if minutes <= 0:
+            return False
+        now = self.clock()
+        if self._last_save_t is None:
+            self._last_save_t = now
+        late = now - self._last_save_t >= minutes * 60
+        if jax.process_count() == 1:
+            return late
+        return step % self.cfg.train.log_every == 0 and agree_any(late)
 
     def save(self, state, data) -> tuple[bool, float | None]:
         """Saves `state`, every step of which has been recorded, with the position of `data` after it.
@@ -65,6 +87,7 @@ class RunSaves:
             self._failed(e)
             return False, None
         done = time.perf_counter()
+        self._last_save_t = self.clock()
         self._doing(None)
         if info is not None:
             self.art.event("checkpoint_start", step, info["path"], save_s=done - t0, checksum_s=info["checksum_s"])
