@@ -45,11 +45,11 @@ PRODUCTION_T = (2048, 8192, 65536, 3000)
 CARDS = ("a100-40", "h100")  # sm_80 and sm_90; the A100 80GB compiles the same kernels as the 40GB
 # Spills ptxas reports today, per (card, kernel): a kernel listed here may spill up to this many bytes
 # (stores + loads) and the test xfails naming it; any other spill, or a larger one, fails. None today
-# (docs/PERFORMANCE.md, "Kernel resources"): nsa_block_select spilled up to 4,944 B on an A100 until it took
+# (docs/PERFORMANCE.md, "Memory and kernel resources"): nsa_block_select spilled up to 4,944 B on an A100 until it took
 # 16 query positions per program instead of 64.
 KNOWN_SPILLS: dict[tuple[str, str], int] = {}
-# The layer's forward+backward at T=65536 needs 932 MiB of temporaries on an A100 (1,065 MiB before the gather
-# selection kernel took two positions per program).
+# The layer's forward+backward at T=65536 needs 904 MiB of temporaries on an A100 40GB (1,065 MiB before the
+# gather selection kernel took fewer positions per program; docs/lab/performance-2026-11-26.md "Kernel resources").
 LAYER_TEMP_LIMIT = 1 << 30
 # Kernel launches per a100_pcie optimizer step on an A100 40GB: 1,994 with the layers unrolled in the scan
 # (model.scan_unroll: 12), one matmul for x's gradient in each layer and two reductions for the logged
