@@ -18,11 +18,12 @@ ended within `quiet_s` prints nothing, so short commands stay quiet.
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
 from typing import Callable
+
+from nsa_jax.train.progress import fmt_duration
 
 # Seconds of silence after which a line says what is going on, then between the lines of
 # the same activity (the commands' target: never more than 30 s without output while they work).
@@ -30,18 +31,6 @@ QUIET_S = 10.0
 REPEAT_S = 20.0
 
 What = str | Callable[[], str]
-
-
-def fmt_duration(seconds: float) -> str:
-    """45 -> '45s', 83 -> '1m23s', 7500 -> '2h05m'."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
 def _stderr(msg: str) -> None:
