@@ -101,6 +101,14 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None, timeo
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_cli(module: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m <module> ARGS` (e.g. "benchmarks.bench_train") on the CPU's one device; check: exit status 0."""
+    proc = run_module(module, *args, env=cpu_env(devices=None), timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
 def sigterm_after_step(at: int) -> None:
     """In a launch.train subprocess (a driver ahead of its main): the process sends itself SIGTERM
     once step `at` is logged, as a preemption would (a checkpoint, exit 0; the learning-rate

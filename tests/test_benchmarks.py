@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +20,14 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import bench_strategies as BS
 from benchmarks import profile_step
 
-from helpers import cpu_env, run_module
-
-
-def run_cli(module: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m benchmarks.<module> ARGS` from the repository root (check: exit status 0)."""
-    proc = run_module(f"benchmarks.{module}", *args, env=cpu_env(devices=None), timeout=timeout)
-    if check:
-        assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+from helpers import run_cli
 
 
 @pytest.mark.slow
 def test_bench_attention_cli_writes_json(tmp_path):
     out = tmp_path / "attention.json"
     proc = run_cli(
-        "bench_attention",
+        "benchmarks.bench_attention",
         "--config",
         "cpu_tiny",
         "--seq-lens",
@@ -75,7 +66,7 @@ def test_bench_attention_cli_writes_json(tmp_path):
 def test_bench_compile_cli_writes_json(tmp_path):
     out = tmp_path / "compile.json"
     proc = run_cli(
-        "bench_compile",
+        "benchmarks.bench_compile",
         "--config",
         "cpu_tiny",
         "--seq-len",
@@ -135,7 +126,7 @@ def test_hlo_collective_parser_on_known_programs():
 def test_bench_strategies_cli_writes_json(tmp_path):
     out = tmp_path / "strategies.json"
     args = "--strategies dp-bf16,zero1 --steps 1 --warmup 0 --set model.n_layers=1 --set train.seq_len=32"
-    proc = run_cli("bench_strategies", *args.split(), "--set", "train.global_batch=2", "--json", str(out))
+    proc = run_cli("benchmarks.bench_strategies", *args.split(), "--set", "train.global_batch=2", "--json", str(out))
     assert "backend: cpu" in proc.stdout and "device: cpu (x2)" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["dp-bf16", "zero1"]
@@ -265,13 +256,15 @@ def test_profile_step_reads_a_saved_trace(tmp_path):
     with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     out = tmp_path / "read.json"
-    proc = run_cli("profile_step", "--read-trace", str(tmp_path / "trace"), "--steps", "2", "--json", str(out))
+    proc = run_cli(
+        "benchmarks.profile_step", "--read-trace", str(tmp_path / "trace"), "--steps", "2", "--json", str(out)
+    )
     assert "summed op time 2.0 ms" in proc.stdout, proc.stdout
     rows = {r["instruction"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["kernel:nsa_window_fwd"]["ms_per_step"] == 1.5
     assert rows["kernel:nsa_window_fwd"]["part"] == "window"
     assert rows["kernel:wrapped_concatenate"]["kind"] == "transpose/copy"
-    missing = run_cli("profile_step", "--read-trace", str(tmp_path / "nowhere"), check=False)
+    missing = run_cli("benchmarks.profile_step", "--read-trace", str(tmp_path / "nowhere"), check=False)
     assert missing.returncode != 0 and "--read-trace" in missing.stderr
 
 
@@ -279,7 +272,7 @@ def test_profile_step_reads_a_saved_trace(tmp_path):
 def test_profile_step_cli_writes_json(tmp_path):
     out = tmp_path / "profile.json"
     proc = run_cli(
-        "profile_step",
+        "benchmarks.profile_step",
         "--layer",
         "--backward",
         "--config",

@@ -123,6 +123,14 @@ def rows(out: pathlib.Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _resumes_to_the_reference(env, out: pathlib.Path, reference: pathlib.Path, step: int) -> None:
+    """The same command resumes `out` from checkpoint `step` and ends with the straight run's rows."""
+    again = env["train"](out)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resume: step {step} from" in again.stdout
+    assert exact(rows(out)) == exact(rows(reference))
+
+
 def exact(rs: list[dict]) -> list[tuple]:
     return [tuple(r[c] for c in EXACT if c in r) for r in rs]
 
@@ -377,10 +385,7 @@ def test_failed_background_save_stops_the_run_and_keeps_the_last_checkpoint(env,
     # Found at the next step or the next save at the latest: no step past 6 ran.
     assert max(int(row["step"]) for row in rows(out)) <= 6
     # The same command resumes from the last committed step and ends where the straight run does.
-    again = env["train"](out)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resume: step 2 from" in again.stdout
-    assert exact(rows(out)) == exact(rows(reference))
+    _resumes_to_the_reference(env, out, reference, step=2)
 
 
 @pytest.mark.slow
@@ -404,10 +409,7 @@ def test_a_run_file_the_full_disk_refuses_stops_the_run_like_a_failed_save(env, 
     failed = [b for b in beats if b["event"] == "output_failed"]
     assert len(failed) == 1 and failed[0]["path"].endswith("training.csv") and failed[0]["committed_step"] == 2
     assert beats[-1]["event"] == "done" and beats[-1]["halted"] == "output_failed"
-    again = env["train"](out)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resume: step 2 from" in again.stdout
-    assert exact(rows(out)) == exact(rows(reference))
+    _resumes_to_the_reference(env, out, reference, step=2)
 
 
 @pytest.mark.slow

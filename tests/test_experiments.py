@@ -7,21 +7,12 @@ The CLIs run in a subprocess, as a user would run them; no learning outcome is a
 from __future__ import annotations
 
 import json
-import subprocess
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import cpu_env, run_module
-
-
-def run_cli(module: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m experiments.<module> ARGS` from the repository root (check: exit status 0)."""
-    proc = run_module(f"experiments.{module}", *args, env=cpu_env(devices=None), timeout=timeout)
-    if check:
-        assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+from helpers import run_cli
 
 
 @pytest.mark.slow
@@ -29,7 +20,7 @@ def test_kv_recall_ablation_cli_variant_overrides(tmp_path):
     """A variant's own overrides apply to its model only; --data-window keeps the rows the same."""
     out = tmp_path / "kv.json"
     run_cli(
-        "kv_recall_ablation",
+        "experiments.kv_recall_ablation",
         "--steps",
         "1",
         "--eval-every",
