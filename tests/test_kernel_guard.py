@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import pytest
+
 import nsa_jax.kernels as K
+import nsa_jax.kernels.plan as plan_module
 from nsa_jax.config import load_config
+from nsa_jax.evaluation.heldout import make_eval_fn
+from nsa_jax.evaluation.scorer import make_score_fn
 from nsa_jax.kernels.guard import guard_kernels
+from nsa_jax.model import init_params
 
 # A small auto model: G = 2, lp = 16, n = 3, window 32; T = 64 runs the block-sparse selection kernel.
 SEQ = 64
@@ -72,3 +80,25 @@ def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypat
     assert desc == {"cmp": "pallas-triton", "slc": "xla-chunked", "win": "xla-chunked"}
     pallas = dataclasses.replace(cfg.nsa, attention_impl="pallas")  # asked for explicitly: no fallback
     assert K.plan_kernels(pallas, SEQ, "gpu", fallback=set(failed)).win == "pallas"
+
+
+@pytest.mark.slow
+def test_evaluation_runs_the_branches_the_guard_moved_to_xla_there_too(monkeypatch):
+    """The held-out evaluation and the long-context scorer of a run honour its kernel guard's fallback."""
+    model = _model_cfg()  # attention_impl auto: the guard's fallback applies to it
+    cfg = dataclasses.replace(load_config("cpu_tiny"), model=model)
+    params = init_params(model, jax.random.PRNGKey(0), SEQ)  # on the CPU: XLA
+
+    def broken(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: the kernel the guard rejected ran")
+
+    # `auto` picks Pallas as on a GPU (interpreted here); the selection kernels are the broken ones.
+    monkeypatch.setattr(plan_module, "resolve_impl", lambda impl, backend: "pallas")
+    monkeypatch.setattr(K, "selection_attention_blocksparse_pallas", broken)
+    monkeypatch.setattr(K, "selection_attention_pallas", broken)
+    tokens = jnp.arange(2 * (SEQ + 1), dtype=jnp.int32).reshape(2, SEQ + 1) % model.vocab_size
+    for fn in (make_eval_fn(cfg, frozenset({"slc"})), make_score_fn(model, frozenset({"slc"}))):
+        jax.tree.map(lambda x: x.block_until_ready(), fn(params, tokens))  # the selection on XLA: no error
+    for fn in (make_eval_fn(cfg), make_score_fn(model)):
+        with pytest.raises(RuntimeError, match="the kernel the guard rejected ran"):
+            fn(params, tokens)

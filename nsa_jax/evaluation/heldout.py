@@ -29,22 +29,24 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.targets import answer_mask, loss_weights
+from nsa_jax.kernels import plan_kernels
 from nsa_jax.model import NSALM, cross_entropy
 
 AXIS = "data"
 
 
-def make_eval_fn(cfg: Config):
+def make_eval_fn(cfg: Config, kernel_fallback: frozenset = frozenset()):
     """(params, tokens_BxT1) -> {'loss_sum', 'tokens', 'correct', 'scored'}: sums over the batch.
 
     `correct`/`scored` count the answer positions (targets.answer_mask; zero for datasets without answers).
-    Sums, not means, so batches of any split add up exactly.
+    Sums, not means, so batches of any split add up exactly. `kernel_fallback`: the NSA branches the
+    run's kernel guard moved to XLA (kernels/guard.py), moved here too.
     """
-    model = NSALM(cfg.model)
 
     def eval_fn(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-        logits_BxTxV = model.apply({"params": params}, inputs_BxT)
+        plan = plan_kernels(cfg.model.nsa, inputs_BxT.shape[1], jax.default_backend(), kernel_fallback)
+        logits_BxTxV = NSALM(cfg.model, kernels=plan).apply({"params": params}, inputs_BxT)
         # The training loss's weights (all targets alike, kv_recall's answers, the needle's weighted key).
         weight_BxT = loss_weights(tokens_BxT1, cfg)
         n_tokens = jnp.asarray(targets_BxT.size if weight_BxT is None else weight_BxT.sum(), jnp.float32)
@@ -64,10 +66,10 @@ def make_eval_fn(cfg: Config):
 class Evaluator:
     """The fixed held-out rows of one run and the jitted metric function over them."""
 
-    def __init__(self, cfg: Config, mesh: Mesh):
+    def __init__(self, cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
         self.cfg = cfg
         self.sharding = NamedSharding(mesh, P(AXIS))
-        self.fn = jax.jit(make_eval_fn(cfg), out_shardings=NamedSharding(mesh, P()))
+        self.fn = jax.jit(make_eval_fn(cfg, kernel_fallback), out_shardings=NamedSharding(mesh, P()))
         val = make_dataset(cfg, "val", process_index=jax.process_index(), process_count=jax.process_count())
         try:
             rows = [next(val) for _ in range(cfg.train.eval_batches)]

@@ -20,17 +20,23 @@ import numpy as np
 
 from nsa_jax.config import ModelConfig
 from nsa_jax.inference.decode import inference_config
+from nsa_jax.kernels import plan_kernels
 from nsa_jax.model import NSALM, token_nll
 from nsa_jax.ops.memory import WontFitError, compiled_memory, device_memory_limit
 
 
-def make_score_fn(cfg: ModelConfig):
-    """(params, tokens_BxT1) -> (nll_BxT fp32, hit_BxT bool) for targets tokens[:, 1:]."""
-    model = NSALM(inference_config(cfg))
+def make_score_fn(cfg: ModelConfig, kernel_fallback: frozenset = frozenset()):
+    """(params, tokens_BxT1) -> (nll_BxT fp32, hit_BxT bool) for targets tokens[:, 1:].
+
+    `kernel_fallback`: NSA branches to run on XLA whatever the backend (a training run's kernel
+    guard findings, kernels/guard.py), at every row length.
+    """
+    cfg = inference_config(cfg)
 
     def score(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-        logits_BxTxV = model.apply({"params": params}, inputs_BxT)
+        plan = plan_kernels(cfg.nsa, inputs_BxT.shape[1], jax.default_backend(), kernel_fallback)
+        logits_BxTxV = NSALM(cfg, kernels=plan).apply({"params": params}, inputs_BxT)
         return token_nll(logits_BxTxV, targets_BxT), jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
 
     return score
@@ -43,11 +49,18 @@ def _gb(n: int) -> str:
 class ModelScorer:
     """Scores batches of `batch` rows with the model; compiles and checks memory once per L."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, batch: int, device_memory: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Any,
+        batch: int,
+        device_memory: int | None = None,
+        kernel_fallback: frozenset = frozenset(),
+    ):
         self.cfg, self.batch = cfg, batch
         self.device = jax.local_devices()[0]
         self.params = jax.device_put(params, self.device)
-        self.fn = jax.jit(make_score_fn(cfg))
+        self.fn = jax.jit(make_score_fn(cfg, kernel_fallback))
         if device_memory is None:
             self.limit, self.limit_source = device_memory_limit(self.device)
         else:

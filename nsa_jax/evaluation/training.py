@@ -32,8 +32,8 @@ from nsa_jax.ops.health import agree_any
 
 
 class TrainingSuites:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, kernel_fallback: frozenset = frozenset()):
+        self.cfg, self.kernel_fallback = cfg, kernel_fallback
         self.lengths = tuple(cfg.eval.lengths) or (cfg.train.seq_len,)
         self.text = TextRows(cfg)
         self.scorer: ModelScorer | None = None
@@ -44,7 +44,7 @@ class TrainingSuites:
             full = multihost_utils.process_allgather(params, tiled=True)
         host = stack_layers(self.cfg.model, jax.device_get(full))
         if self.scorer is None:
-            self.scorer = ModelScorer(self.cfg.model, host, batch=1)
+            self.scorer = ModelScorer(self.cfg.model, host, batch=1, kernel_fallback=self.kernel_fallback)
         else:
             self.scorer.params = jax.device_put(host, self.scorer.device)
         e = self.cfg.eval
@@ -56,8 +56,9 @@ class TrainingSuites:
 class RunEvaluation:
     """What a run evaluates; the held-out rows and the suites are built at the first evaluation."""
 
-    def __init__(self, cfg: Config, mesh: Mesh):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
+        # kernel_fallback: the branches the kernel guard moved to XLA; evaluation runs them there too.
+        self.cfg, self.mesh, self.kernel_fallback = cfg, mesh, kernel_fallback
         self.evaluator: Evaluator | None = None
         self.suites: TrainingSuites | None = None
 
@@ -89,7 +90,7 @@ class RunEvaluation:
             return None
         error: ValueError | None = None
         try:
-            evaluator = Evaluator(self.cfg, self.mesh)
+            evaluator = Evaluator(self.cfg, self.mesh, self.kernel_fallback)
         except ValueError as e:
             error, evaluator = e, None
         if agree_any(error is not None):
@@ -105,5 +106,5 @@ class RunEvaluation:
             return {}
         t0 = time.perf_counter()
         if self.suites is None:
-            self.suites = TrainingSuites(self.cfg)
+            self.suites = TrainingSuites(self.cfg, self.kernel_fallback)
         return {**self.suites(params), "long_eval_s": time.perf_counter() - t0}

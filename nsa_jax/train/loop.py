@@ -110,7 +110,7 @@ class Trainer:
         self._dense_until = schedule.dense_selection_steps(self.cfg)
         self._scale_warned = False
         # Held-out metrics and eval.suites; what they read and compile is built at the first evaluation.
-        self.evaluation = RunEvaluation(self.cfg, self.mesh)
+        self.evaluation = RunEvaluation(self.cfg, self.mesh, self.plan.kernel_fallback)
 
     def _last_step_note(self) -> str:
         last = getattr(self, "_last_step_s", None)
