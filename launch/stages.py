@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import glob
 import json
@@ -71,6 +70,7 @@ import yaml
 
 from launch.cli import Parser, UsageError, run_main
 from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, load_config
+from nsa_jax.rundir import files as rf
 
 ROOT = CONFIG_DIR.parent
 RECIPE_DIR = CONFIG_DIR / "recipes"
@@ -269,10 +269,9 @@ def stages(rf: RecipeFile, recipe: str, variant: str) -> list[Stage]:
 def read_run(run: Path) -> dict:
     """One run directory (<variant>_sSEED): its recall series and needle accuracy, whatever exists."""
     out: dict = {"seed": int(run.name.rsplit("_s", 1)[1]), "recall": [], "needle": {}}
-    val = run / "val.csv"
-    if val.exists():
-        with val.open() as f:
-            rows = [r for r in csv.DictReader(f) if r["retrieval_acc"]]
+    val = run / rf.VAL_CSV
+    if val.exists():  # a stopped run's file may end in a cut-off line: the run files' reader skips it
+        rows = [r for r in rf.read_csv(val)[1] if r.get("retrieval_acc") is not None]
         out["recall"] = [(int(r["step"]), float(r["retrieval_acc"])) for r in rows]
     ev = run / "eval" / "evaluation.json"
     if ev.exists():
@@ -547,7 +546,9 @@ def write_archive(out: Path, archive: Path) -> None:
 
     def keep(info: tarfile.TarInfo):
         base = os.path.basename(info.name)
-        if base in ("checkpoints", "tb") or base.startswith("heartbeat_") or base == tmp.name:
+        if base in (rf.CHECKPOINT_DIR, rf.CORRUPT_DIR, rf.TB_DIR) or rf.heartbeat_rank(base) is not None:
+            return None
+        if base == tmp.name:
             return None
         return info
 

@@ -70,7 +70,7 @@ class NSAConfig:
     # Selection and window kernels: auto = pallas on GPU, xla elsewhere.
     attention_impl: Literal["auto", "pallas", "xla"] = "auto"
     # The selection branch's Pallas kernel: auto = the one measured fastest at the run's T
-    # (kernels.selection_kernel; docs/PERFORMANCE.md), or one named (kernels.SELECTION_KERNELS).
+    # (kernels/plan.py plan_kernels; docs/PERFORMANCE.md), or one named (kernels.SELECTION_KERNELS).
     selection_kernel: Literal["auto", "blocksparse", "gather"] = "auto"
     # Query chunk of the XLA path: bounds the live memory of every branch.
     query_chunk: int = 512

@@ -62,8 +62,8 @@ class Run:
         )
         self.lines: list[tuple[float, str]] = []
         self.err: list[str] = []
-        self._done = threading.Event()
-        threading.Thread(target=self._read_err, daemon=True).start()
+        self._err_reader = threading.Thread(target=self._read_err, daemon=True)
+        self._err_reader.start()
 
     def _read_err(self) -> None:
         self.err.extend(self.p.stderr)
@@ -83,7 +83,7 @@ class Run:
         for line in self.p.stdout:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
         rc = self.p.wait(timeout)
-        time.sleep(0.1)
+        self._err_reader.join(10)  # stderr read to its end: the last line is there to assert on
         return rc
 
     @property

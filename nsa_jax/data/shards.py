@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from nsa_jax.data.tokenizers import padded_vocab_size
+
 FORMAT = "nsa_jax.tokens"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -328,7 +330,7 @@ def check_manifest_fits(cfg: Any, m: dict[str, Any]) -> None:
         raise ValueError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the vocabulary ({tok['vocab_size']}) of "
             f"the tokenizer {tok['spec']!r} that data.path {d.path} was prepared with; "
-            f"set model.vocab_size={-(-tok['vocab_size'] // 64) * 64}"
+            f"set model.vocab_size={padded_vocab_size(tok['vocab_size'])}"
         )
 
 

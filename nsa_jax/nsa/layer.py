@@ -173,7 +173,7 @@ class NSAAttention(nn.Module):
         positions_T = jnp.arange(T, dtype=jnp.int32) if positions_T is None else positions_T
         check_mode(self.mode, T, layer, pos_B)
         decode = self.mode == "decode"
-        plan = self.kernels or plan_kernels(a, T, jax.default_backend())
+        plan = plan_kernels(a, T, jax.default_backend()) if self.kernels is None else self.kernels
         run_kw = {"interpret": plan.interpret, "query_chunk": a.query_chunk}
 
         # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,

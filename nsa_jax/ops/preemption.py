@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 import jax
@@ -44,7 +43,7 @@ class PreemptionGuard:
     The signals are seen by a helper thread woken through `signal.set_wakeup_fd` (as
     SIGUSR1 in nsa_jax/ops/health.py), so they act while the main thread is blocked in
     a device wait or a compile, where a Python handler would run only once it returns.
-    The first signal sets the flag (`signal_name`, `requested_at`) and, a second later,
+    The first signal sets the flag (and `signal_name`) and, a second later,
     prints the line `on_first(name)` returns (what the run does now; empty when the loop
     has said it already); a second one (either kind) writes
     one line to stderr (`abort_note()` adds what is kept) and ends the process at once
@@ -67,7 +66,6 @@ class PreemptionGuard:
         self.mesh = mesh
         self.requested = False
         self.signal_name: str | None = None
-        self.requested_at: float | None = None
         self.on_first = on_first
         self.abort_note = abort_note
         self._exit = exit_fn
@@ -125,7 +123,6 @@ class PreemptionGuard:
             return False
         self.requested = True
         self.signal_name = signal.Signals(signum).name
-        self.requested_at = time.monotonic()
         return True
 
     def _read(self, r: int) -> None:

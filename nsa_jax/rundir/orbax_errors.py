@@ -18,6 +18,8 @@ import logging
 import sys
 import traceback
 
+from nsa_jax.rundir.resume import TMP_MARKER
+
 
 class OrbaxErrorTrap(logging.Filter):
     """Keeps the errors orbax logs from its save threads and drops their tracebacks from the output.
@@ -54,7 +56,6 @@ def is_closed_loop_callback(exc: BaseException | None, tb) -> bool:
     return bool(frames) and frames[0] == "call_soon_threadsafe"
 
 
-ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax writes a save under <step>.orbax-checkpoint-tmp, then renames it
 _UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
 
 
@@ -73,7 +74,7 @@ def _is_unretrieved_orbax_write(record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     if exc is None:
         return False
-    if ORBAX_TMP in str(exc):
+    if TMP_MARKER in str(exc):  # orbax writes a save under <step>.orbax-checkpoint-tmp, then renames it
         return True
     return any("orbax" in f.f_code.co_filename for f, _ in traceback.walk_tb(exc.__traceback__))
 

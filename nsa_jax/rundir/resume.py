@@ -261,11 +261,6 @@ def check_writable(out: pathlib.Path) -> None:
         ) from None
 
 
-def _finished_steps(out: pathlib.Path) -> bool:
-    """True when an earlier run's artifacts record a finished optimizer step."""
-    return _earlier_run(out).last_step > 0
-
-
 @dataclasses.dataclass
 class EarlierRun:
     """What an out_dir's run files say about the run that wrote them (no checkpoints read)."""

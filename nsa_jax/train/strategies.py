@@ -170,12 +170,12 @@ class ShardingPlan:
         )
 
 
-def make_plan(cfg: Config, mesh: Mesh, kernel_fallback=frozenset()) -> ShardingPlan:
+def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
     """The plan of `cfg` on `mesh`, checked: a known strategy and a batch that divides over the devices.
 
     Traces the state's init once (eval_shape, nothing allocated); a run builds it once
-    and passes it on, so strategy, shapes and shardings are derived in one place.
-    `kernel_fallback`: the NSA branches the kernel guard found broken (kernels/guard.py).
+    and passes it on, so strategy, shapes and shardings are derived in one place. Its
+    `kernel_fallback` is set by the run's boot once the kernel guard has run (train/boot.py).
     """
     strategy = check_strategy(cfg)
     n_devices = mesh.shape[AXIS]
@@ -191,7 +191,6 @@ def make_plan(cfg: Config, mesh: Mesh, kernel_fallback=frozenset()) -> ShardingP
         grads=grad_shardings(cfg, mesh, shapes.params),
         batch=NamedSharding(mesh, P(None, AXIS)),
         replicated=NamedSharding(mesh, P()),
-        kernel_fallback=frozenset(kernel_fallback),
     )
 
 
