@@ -23,28 +23,25 @@ from benchmarks import profile_step
 from helpers import run_cli
 
 
-@pytest.mark.slow
-def test_bench_attention_cli_writes_json(tmp_path):
-    out = tmp_path / "attention.json"
-    proc = run_cli(
-        "benchmarks.bench_attention",
-        "--config",
-        "cpu_tiny",
-        "--seq-lens",
-        "64",
-        "--no-backward",
-        "--iters",
-        "1",
-        "--warmup",
-        "0",
-        "--json",
-        str(out),
-    )
+def run_bench(tmp_path, module: str, args: str, meta_keys: tuple[str, ...]) -> tuple[dict, list[dict], str]:
+    """`python -m benchmarks.<module> ARGS --json F` on the CPU: (meta, rows, stdout); the meta names `meta_keys`."""
+    out = tmp_path / f"{module}.json"
+    proc = run_cli(f"benchmarks.{module}", *args.split(), "--json", str(out))
     assert "backend: cpu" in proc.stdout
     data = json.loads(out.read_text())
-    meta, rows = data["meta"], data["rows"]
-    for key in ("backend", "device", "jax", "dtype", "batch", "model", "kernels", "chunked_check_max_abs_err"):
-        assert key in meta, key
+    for key in meta_keys:
+        assert key in data["meta"], key
+    return data["meta"], data["rows"], proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_attention_cli_writes_json(tmp_path):
+    meta, rows, _ = run_bench(
+        tmp_path,
+        "bench_attention",
+        "--config cpu_tiny --seq-lens 64 --no-backward --iters 1 --warmup 0",
+        ("backend", "device", "jax", "dtype", "batch", "model", "kernels", "chunked_check_max_abs_err"),
+    )
     # The chunked dense baseline computes the same attention (output and grads).
     assert meta["chunked_check_max_abs_err"] < 1e-4
     assert [(r["seq"], r["mode"]) for r in rows] == [(64, "fwd")]
@@ -64,29 +61,12 @@ def test_bench_attention_cli_writes_json(tmp_path):
 
 @pytest.mark.slow
 def test_bench_compile_cli_writes_json(tmp_path):
-    out = tmp_path / "compile.json"
-    proc = run_cli(
-        "benchmarks.bench_compile",
-        "--config",
-        "cpu_tiny",
-        "--seq-len",
-        "32",
-        "--n-layers",
-        "1",
-        "--remat",
-        "none",
-        "--scan",
-        "true",
-        "--set",
-        "train.global_batch=1",
-        "--json",
-        str(out),
+    meta, rows, _ = run_bench(
+        tmp_path,
+        "bench_compile",
+        "--config cpu_tiny --seq-len 32 --n-layers 1 --remat none --scan true --set train.global_batch=1",
+        ("backend", "device", "config", "seq_len", "global_batch", "accumulate"),
     )
-    assert "backend: cpu" in proc.stdout
-    data = json.loads(out.read_text())
-    meta, rows = data["meta"], data["rows"]
-    for key in ("backend", "device", "config", "seq_len", "global_batch", "accumulate"):
-        assert key in meta, key
     assert meta["seq_len"] == 32
     assert len(rows) == 1
     row = rows[0]
@@ -124,11 +104,11 @@ def test_hlo_collective_parser_on_known_programs():
 
 @pytest.mark.slow
 def test_bench_strategies_cli_writes_json(tmp_path):
-    out = tmp_path / "strategies.json"
-    args = "--strategies dp-bf16,zero1 --steps 1 --warmup 0 --set model.n_layers=1 --set train.seq_len=32"
-    proc = run_cli("benchmarks.bench_strategies", *args.split(), "--set", "train.global_batch=2", "--json", str(out))
-    assert "backend: cpu" in proc.stdout and "device: cpu (x2)" in proc.stdout
-    rows = json.loads(out.read_text())["rows"]
+    sets = "--set model.n_layers=1 --set train.seq_len=32 --set train.global_batch=2"
+    _, rows, stdout = run_bench(
+        tmp_path, "bench_strategies", f"--strategies dp-bf16,zero1 --steps 1 --warmup 0 {sets}", ()
+    )
+    assert "device: cpu (x2)" in stdout
     assert [r["variant"] for r in rows] == ["dp-bf16", "zero1"]
     dp, zero1 = rows
     assert "error" not in dp and "error" not in zero1
