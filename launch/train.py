@@ -159,20 +159,20 @@ def env_overrides(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     return overrides, applied
 
 
+# The flags that stand for one config key each, with their value as given.
+_FLAG_KEYS = {
+    "dataset": "data.dataset",
+    "data_path": "data.path",
+    "tokenizer": "data.tokenizer",
+    "steps": "train.steps",
+    "out_dir": "train.out_dir",
+    "loader_timeout": "data.loader_timeout",
+}
+
+
 def flag_overrides(args: argparse.Namespace) -> list[str]:
-    out = []
-    if args.dataset is not None:
-        out.append(f"data.dataset={args.dataset}")
-    if args.data_path is not None:
-        out.append(f"data.path={args.data_path}")
-    if args.tokenizer is not None:
-        out.append(f"data.tokenizer={args.tokenizer}")
-    if args.steps is not None:
-        out.append(f"train.steps={args.steps}")
-    if args.out_dir is not None:
-        out.append(f"train.out_dir={args.out_dir}")
-    if args.loader_timeout is not None:
-        out.append(f"data.loader_timeout={args.loader_timeout}")
+    """The config overrides the convenience flags stand for, then the --set ones (which win)."""
+    out = [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None]
     if args.synthetic_on_fail:
         out.append("data.synthetic_on_fail=true")
     if args.precision is not None:

@@ -12,8 +12,10 @@ import pytest
 
 from launch.train import (
     BUCKET_FLAG,
+    build_parser,
     env_overrides,
     fit_vocab_to_tokenizer,
+    flag_overrides,
     prepare_out_dir,
     xla_flags_with_bucket,
 )
@@ -201,6 +203,16 @@ def test_env_overrides_map_runbook_variables():
     assert off.parallel.grad_reduce_dtype == "float32"
     with pytest.raises(ConfigError, match="NSA_TB_DISABLE"):
         env_overrides({"NSA_TB_DISABLE": "yes"})
+
+
+def test_convenience_flags_map_to_their_config_keys_and_set_wins():
+    argv = "--dataset text --data-path /d --tokenizer byte --steps 7 --out-dir /o --loader-timeout 9"
+    argv += " --synthetic-on-fail --precision fp32 --ddp 0 --set train.steps=8"
+    cfg = load_config("cpu_tiny", flag_overrides(build_parser().parse_args(argv.split())))
+    assert (cfg.data.dataset, cfg.data.path, cfg.data.tokenizer) == ("text", "/d", "byte")
+    assert (cfg.train.steps, cfg.train.out_dir, cfg.data.loader_timeout) == (8, "/o", 9)
+    assert cfg.data.synthetic_on_fail is True and cfg.model.dtype == "float32" and cfg.parallel.num_devices == 1
+    assert flag_overrides(build_parser().parse_args([])) == []
 
 
 def test_bucket_flag_is_appended_once():
