@@ -219,14 +219,26 @@ def read_jsonl(path: pathlib.Path, problems: list[str]) -> list[dict[str, Any]]:
     return events
 
 
-def _sort_problems(run: Run, found: list[str]) -> None:
-    """Problems of one file into the run's: an incomplete last line goes to `partial` (judged later)."""
+def _sort_problems(run: Run, found: list[str]) -> bool:
+    """Problems of one file into the run's: an incomplete last line goes to `partial` (judged
+    later). True when that was the file's only kind of problem."""
+    clean = True
     for p in found:
         name, _, what = p.partition(": ")
         if what.startswith(_INCOMPLETE):
             run.partial.append(name)
         else:
             run.problems.append(p)
+            clean = False
+    return clean
+
+
+def _read_run_csv(run: Run, path: pathlib.Path) -> tuple[list[str], list[dict[str, float | None]], bool]:
+    """(columns, rows, clean) of one of the run's CSVs, its problems sorted into the run's."""
+    found: list[str] = []
+    columns, rows = read_csv(path, found)
+    run.read.append(path.name)
+    return columns, rows, _sort_problems(run, found)
 
 
 def _rows_from_heartbeats(events: list[dict[str, Any]]) -> list[dict[str, float | None]]:
@@ -279,10 +291,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
         return run.config("logging", key, True) is False
 
     if run.csv_path.is_file():
-        found: list[str] = []
-        run.columns, run.rows = read_csv(run.csv_path, found)
-        _sort_problems(run, found)
-        run.read.append(rf.TRAINING_CSV)
+        run.columns, run.rows, _ = _read_run_csv(run, run.csv_path)
         run.series_path = run.csv_path
         if not run.rows:
             run.notes.append(f"{rf.TRAINING_CSV}: no complete step rows yet")
@@ -313,15 +322,12 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
 
     val_path = root / rf.VAL_CSV
     if val_path.is_file():
-        found = []
-        _, vrows = read_csv(val_path, found)
-        _sort_problems(run, found)
-        run.read.append(rf.VAL_CSV)
+        _, vrows, clean = _read_run_csv(run, val_path)
         key = next((k for k in ("val_loss", "loss") if any(r.get(k) is not None for r in vrows)), None)
         if key:
             run.val = [(int(r["step"]), r[key]) for r in vrows if r.get(key) is not None]
             run.val_source = rf.VAL_CSV
-        elif not vrows and all(p.partition(": ")[2].startswith(_INCOMPLETE) for p in found):
+        elif not vrows and clean:
             run.val_empty = True  # the header alone: no evaluation has run yet
         else:
             run.problems.append(f"{rf.VAL_CSV}: no val_loss or loss values")
@@ -333,10 +339,7 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> Run:
 
     long_path = root / rf.LONG_EVAL_CSV
     if long_path.is_file():
-        found = []
-        _, lrows = read_csv(long_path, found)
-        _sort_problems(run, found)
-        run.read.append(rf.LONG_EVAL_CSV)
+        _, lrows, _ = _read_run_csv(run, long_path)
         if lrows:
             run.long_eval = {k: v for k, v in lrows[-1].items() if v is not None and k != "tokens"}
 
