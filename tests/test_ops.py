@@ -17,6 +17,7 @@ from launch.train import env_overrides
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.ops import distributed as D
 from nsa_jax.ops import health as H
+from nsa_jax.ops.wakeup import WakeupReader
 from nsa_jax.rundir import files as rf
 
 from helpers import LAUNCH_TRAIN, TINY_RUN, cpu_env, set_flags
@@ -210,6 +211,38 @@ def test_pause_holds_the_stall_clock_and_close_restores_signals(tmp_path):
         health.close()
     assert signal.getsignal(signal.SIGUSR1) is before
     assert signal.set_wakeup_fd(-1) == -1  # ours was taken back
+
+
+def test_wakeup_reader_takes_its_signals_passes_the_others_on_and_gives_the_fd_back():
+    """Two owners in turn, as the trainer's SIGUSR1 dumps over its Ctrl-C guard: the newer one's
+    thread gets its signal; another signal reaches the former owner's pipe; stop restores that fd."""
+    r0, w0 = os.pipe()
+    os.set_blocking(w0, False)
+    os.set_blocking(r0, False)  # a read with nothing passed on fails instead of waiting
+    handlers = {s: signal.signal(s, lambda *a: None) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    outer = signal.set_wakeup_fd(w0, warn_on_full_buffer=False)
+    got = []
+    reader = WakeupReader((signal.SIGUSR1,), lambda numbers: got.append(numbers) or True, "test-wakeup")
+    try:
+        reader.start()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        deadline = time.time() + 5
+        while not got and time.time() < deadline:
+            time.sleep(0.02)
+        assert got == [[signal.SIGUSR1]]
+        time.sleep(0.2)
+        assert os.read(r0, 64) == bytes([signal.SIGUSR2])  # passed on, and SIGUSR1 was not
+        reader.stop()
+        reader.thread.join(5)
+        assert not reader.thread.is_alive()  # the pipe's EOF ended it
+        assert signal.set_wakeup_fd(w0) == w0  # the former owner has the fd again
+    finally:
+        signal.set_wakeup_fd(outer)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        os.close(r0)
+        os.close(w0)
 
 
 def test_write_halt_and_single_process_agreement(tmp_path):

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from nsa_jax.ops.wakeup import WakeupReader
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir.files import HALT_FILE
 
@@ -147,8 +148,7 @@ class Health:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one dump at a time
         self._threads: list[threading.Thread] = []
-        self._pipe: tuple[int, int] | None = None
-        self._prev_wakeup = -1
+        self._wakeup: WakeupReader | None = None
         self._prev_handler: Any = None
         self._faulthandler_enabled = False
         self.dumps: list[pathlib.Path] = []
@@ -169,17 +169,13 @@ class Health:
 
     def close(self) -> None:
         self._stop.set()
-        if self._pipe is not None:
-            r, w = self._pipe
-            self._pipe = None
+        if self._wakeup is not None:
+            wakeup, self._wakeup = self._wakeup, None
             try:
-                current = signal.set_wakeup_fd(self._prev_wakeup)
-                if current != w:  # someone replaced ours meanwhile: leave theirs in place
-                    signal.set_wakeup_fd(current)
+                wakeup.stop()  # ends the dump thread whatever happens to the fd's owner
                 signal.signal(signal.SIGUSR1, self._prev_handler)
             except ValueError:  # not the main thread; the process is ending anyway
                 pass
-            os.close(w)  # EOF wakes the dump thread, which then closes r
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=2.0)
@@ -235,33 +231,17 @@ class Health:
             # signal handlers and the wakeup fd belong to the main thread (e.g. a Trainer in a worker thread).
             self.notes.append("SIGUSR1 dumps off: not started from the main thread")
             return
-        r, w = os.pipe()
-        os.set_blocking(w, False)
         self._prev_handler = signal.signal(signal.SIGUSR1, _noop_handler)
-        self._prev_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        self._pipe = (r, w)
-        self._spawn(lambda: self._signal_reader(r), "nsa-sigusr1-dump")
+        self._wakeup = WakeupReader((signal.SIGUSR1,), self._on_sigusr1, "nsa-sigusr1-dump")
+        self._wakeup.start()
+        self._threads.append(self._wakeup.thread)
 
-    def _signal_reader(self, r: int) -> None:
-        try:
-            while True:
-                data = os.read(r, 64)
-                if not data:
-                    return
-                others = bytes(b for b in data if b != signal.SIGUSR1)
-                if others and self._prev_wakeup >= 0:
-                    try:  # the wakeup fd is process-wide: pass other signals on to its former owner
-                        os.write(self._prev_wakeup, others)
-                    except OSError:
-                        pass
-                if len(others) < len(data):
-                    path = self.dump("SIGUSR1 (training continues)")
-                    self._emit(
-                        "watchdog_dump", self.step, f"SIGUSR1: stacks in {path.name}", reason="sigusr1", path=str(path)
-                    )
-                    print(f"health: SIGUSR1: wrote {path}", file=sys.stderr, flush=True)
-        finally:
-            os.close(r)
+    def _on_sigusr1(self, numbers: list[int]) -> bool:
+        """The dump thread's work: one dump for the SIGUSR1s of one read; training goes on."""
+        path = self.dump("SIGUSR1 (training continues)")
+        self._emit("watchdog_dump", self.step, f"SIGUSR1: stacks in {path.name}", reason="sigusr1", path=str(path))
+        print(f"health: SIGUSR1: wrote {path}", file=sys.stderr, flush=True)
+        return True
 
     def _watch(self) -> None:
         period = min(1.0, max(0.05, self.stall_seconds / 10))

@@ -23,6 +23,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nsa_jax.ops.wakeup import WakeupReader
+
 
 def _flush_stdout() -> None:
     try:
@@ -40,8 +42,8 @@ class PreemptionGuard:
     finished by the time it is read) and posts the current flag, so all processes
     see the same answer at the same boundary, one step after the signal at most.
 
-    The signals are seen by a helper thread woken through `signal.set_wakeup_fd` (as
-    SIGUSR1 in nsa_jax/ops/health.py), so they act while the main thread is blocked in
+    The signals are seen by a helper thread woken through `signal.set_wakeup_fd`
+    (nsa_jax/ops/wakeup.py), so they act while the main thread is blocked in
     a device wait or a compile, where a Python handler would run only once it returns.
     The first signal sets the flag (and `signal_name`) and, a second later,
     prints the line `on_first(name)` returns (what the run does now; empty when the loop
@@ -70,9 +72,8 @@ class PreemptionGuard:
         self.abort_note = abort_note
         self._exit = exit_fn
         self._prev_handlers: dict[int, Any] = {}
-        self._prev_wakeup = -1
-        self._pipe: tuple[int, int] | None = None
-        self._reader: threading.Thread | None = None
+        self._wakeup = WakeupReader(self.SIGNALS, self._on_signals, "nsa-stop-signals")
+        self._seen = 0  # stop signals the reader thread saw
         self._installed = False
         self._posted = None
         self._reduce = None
@@ -81,14 +82,9 @@ class PreemptionGuard:
         # Signal handlers and the wakeup fd belong to the main thread.
         if threading.current_thread() is not threading.main_thread():
             return
-        r, w = os.pipe()
-        os.set_blocking(w, False)
         for sig in self.SIGNALS:
             self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
-        self._prev_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        self._pipe = (r, w)
-        self._reader = threading.Thread(target=self._read, args=(r,), name="nsa-stop-signals", daemon=True)
-        self._reader.start()
+        self._wakeup.start()
         self._installed = True
 
     def uninstall(self) -> None:
@@ -106,12 +102,7 @@ class PreemptionGuard:
                 signal.signal(sig, lambda signum, frame: self._abort(signum))
             else:
                 signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        r, w = self._pipe
-        self._pipe = None
-        current = signal.set_wakeup_fd(self._prev_wakeup)
-        if current != w:  # someone replaced ours meanwhile: leave theirs in place
-            signal.set_wakeup_fd(current)
-        os.close(w)  # EOF ends the reader, which closes r
+        self._wakeup.stop()
 
     def _on_signal(self, signum, frame) -> None:
         """The Python-level handler: the reader thread does the work (it may not have run yet)."""
@@ -125,34 +116,21 @@ class PreemptionGuard:
         self.signal_name = signal.Signals(signum).name
         return True
 
-    def _read(self, r: int) -> None:
-        seen = 0
-        try:
-            while True:
-                data = os.read(r, 64)
-                if not data:
-                    return
-                mine = [b for b in data if b in self.SIGNALS]
-                others = bytes(b for b in data if b not in self.SIGNALS)
-                if others and self._prev_wakeup >= 0:
-                    try:  # the wakeup fd is process-wide: pass other signals on to its former owner
-                        os.write(self._prev_wakeup, others)
-                    except OSError:
-                        pass
-                for signum in mine:
-                    seen += 1
-                    if seen == 1:
-                        self._first(signum)
-                        # After a moment, so a loop that acts on the flag at once says it first
-                        # (on_first then has nothing to add).
-                        announce = threading.Timer(self.ANNOUNCE_AFTER_S, self._say_first, args=(signum,))
-                        announce.daemon = True
-                        announce.start()
-                    else:
-                        self._abort(signum)
-                        return
-        finally:
-            os.close(r)
+    def _on_signals(self, numbers: list[int]) -> bool:
+        """The reader thread's work: the first stop signal sets the flag, a second one ends the process."""
+        for signum in numbers:
+            self._seen += 1
+            if self._seen == 1:
+                self._first(signum)
+                # After a moment, so a loop that acts on the flag at once says it first
+                # (on_first then has nothing to add).
+                announce = threading.Timer(self.ANNOUNCE_AFTER_S, self._say_first, args=(signum,))
+                announce.daemon = True
+                announce.start()
+            else:
+                self._abort(signum)
+                return False
+        return True
 
     def _say_first(self, signum: int) -> None:
         name = signal.Signals(signum).name
