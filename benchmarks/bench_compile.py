@@ -40,6 +40,7 @@ import optax
 
 from benchmarks.common import (
     add_config_args,
+    config_meta,
     fmt,
     fmt_mib,
     log,
@@ -186,12 +187,8 @@ def main(argv=None) -> None:
     )
     meta = dict(
         env,
-        config=opts.config,
-        seq_len=opts.seq_len,
-        overrides=opts.set,
+        **config_meta(opts.config, opts.set, t),
         devices=opts.devices,
-        global_batch=t.global_batch,
-        accumulate=t.accumulate,
         kernels=impl,
         memory_note="compiled memory from memory_analysis(); total = argument + output + temp - alias",
     )

@@ -45,7 +45,7 @@ if "XLA_FLAGS" not in os.environ:  # before jax is imported: two devices on a CP
 import jax
 import numpy as np
 
-from benchmarks.common import MiB, add_config_args, fmt, log, print_header, short_error, write_json
+from benchmarks.common import MiB, add_config_args, config_meta, fmt, log, print_header, short_error, write_json
 from nsa_jax.config import load_config
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.train import step as S
@@ -341,16 +341,7 @@ def main(argv=None) -> None:
             log(f"  failed: {row['error']}")
         rows.append(row)
     print_tables(rows)
-    meta = dict(
-        env,
-        config=opts.config,
-        overrides=opts.set,
-        steps=opts.steps,
-        warmup=opts.warmup,
-        seq_len=t.seq_len,
-        global_batch=t.global_batch,
-        accumulate=t.accumulate,
-    )
+    meta = dict(env, **config_meta(opts.config, opts.set, t), steps=opts.steps, warmup=opts.warmup)
     write_json(opts.json, meta, rows)
 
 

@@ -176,6 +176,18 @@ def fmt_mib(n_bytes: int | None, width: int = 9) -> str:
     return fmt(None if n_bytes is None else n_bytes / MiB, f"{{:{width}.1f}}", width)
 
 
+def config_meta(config: str, overrides: Sequence[str], train: Any) -> dict[str, Any]:
+    """Which config a benchmark ran, under the same keys in every JSON: its name, the
+    overrides, and the step's shape (train.seq_len, global_batch, accumulate)."""
+    return dict(
+        config=config,
+        overrides=list(overrides),
+        seq_len=train.seq_len,
+        global_batch=train.global_batch,
+        accumulate=train.accumulate,
+    )
+
+
 def write_json(path: str | None, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Writes {"meta": meta, "rows": rows} to `path` (nothing when path is None)."""
     if not path:

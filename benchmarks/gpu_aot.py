@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import fmt_mib, log, parse_ints, short_error, write_json
+from benchmarks.common import config_meta, fmt_mib, log, parse_ints, short_error, write_json
 from launch.cli import Parser, UsageError
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.tools import aot
@@ -233,15 +233,10 @@ def main(argv=None) -> int:
         return 2
     for r in results.values():
         r["worst"] = worst(r)
-    t = cfg.train
     meta = dict(
-        config=opts.config,
-        overrides=overrides,
+        **config_meta(opts.config, overrides, cfg.train),
         strategy=cfg.parallel.strategy,
         devices=opts.devices,
-        seq_len=t.seq_len,
-        global_batch=t.global_batch,
-        accumulate=t.accumulate,
         dtype=cfg.model.dtype,
         seq_lens=seq_lens,
         note="memory from memory_analysis() per device; total = argument + output + temp - alias; "
