@@ -7,12 +7,16 @@ The CLIs run in a subprocess, as a user would run them; no learning outcome is a
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import run_cli
+from helpers import LAUNCH_TRAIN, TINY_RUN, cpu_env, run_cli, set_flags
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
@@ -174,3 +178,63 @@ def test_needle_seeds_prints_launch_stages_report_of_an_out_dir(tmp_path, capsys
     assert "error:" in capsys.readouterr().err
     assert needle_seeds.main([str(tmp_path / "out"), "--variant", "full"]) == 2
     assert "no runs (NAME/full_sSEED)" in capsys.readouterr().err
+
+
+def _loads_by_sets(idx_BxTxKxN: np.ndarray, positions: int) -> float:
+    """tile_loads by Python sets: the union of each aligned group's valid blocks, per row and KV head."""
+    B, T, K, _ = idx_BxTxKxN.shape
+    union = single = 0
+    for b in range(B):
+        for k in range(K):
+            sets = [{int(j) for j in idx_BxTxKxN[b, t, k] if j >= 0} for t in range(T)]
+            single += sum(len(s) for s in sets)
+            union += sum(len(set().union(*sets[g : g + positions])) for g in range(0, T, positions))
+    return union / single
+
+
+def test_selection_locality_counts_the_blocks_a_program_of_p_positions_loads():
+    from experiments.selection_locality import locality, same_set_share, tile_loads
+    from nsa_jax.kernels.reference import random_block_indices
+
+    idx = random_block_indices(np.random.default_rng(1), 2, 45, 2, 4, 8)  # T not a multiple of P; -1 slots early
+    assert (idx < 0).any()
+    for p in (1, 2, 4, 8):
+        assert tile_loads(idx, p) == pytest.approx(_loads_by_sets(idx, p)), p
+    assert tile_loads(idx, 1) == 1.0
+    # Runs of 8 positions with one selection: a program of P <= 8 positions loads one position's blocks.
+    runs = idx[:, (np.arange(45) // 8) * 8]
+    assert tile_loads(runs, 4) == pytest.approx(_loads_by_sets(runs, 4))
+    assert tile_loads(runs[:, :40], 4) == pytest.approx(1 / 4) and tile_loads(runs[:, :40], 8) == pytest.approx(1 / 8)
+    # The same set regardless of slot order; t and t - 1 compared per KV head.
+    same = np.array([[[[0, 2, -1]], [[2, 0, -1]], [[0, 1, -1]], [[1, 0, -1]]]])
+    assert same_set_share(same) == pytest.approx(2 / 3)
+    assert set(locality(idx)) == {"loads_p2", "loads_p4", "loads_p8", "same_set"}
+
+
+@pytest.mark.slow
+def test_selection_locality_cli_reads_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    sets = set_flags([*TINY_RUN, "train.seq_len=128", "logging.tensorboard=false"])
+    train = subprocess.run(
+        [*LAUNCH_TRAIN, "--steps", "1", "--out-dir", str(out), *sets],
+        cwd=ROOT,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert train.returncode == 0, train.stderr[-2000:]
+    text = tmp_path / "text.txt"
+    text.write_text("All work and no play makes a dull model. " * 40)
+    report = tmp_path / "locality.json"
+    proc = run_cli(
+        "experiments.selection_locality", "--ckpt", str(out), "--rows", "2", "--text", str(text), "--json", str(report)
+    )
+    assert "random" in proc.stdout and "P=4" in proc.stdout
+    (res,) = json.loads(report.read_text())
+    assert (res["length"], res["rows"]) == (128, 2) and len(res["layers"]) == 1
+    for r in (*res["layers"], res["random"]):
+        for p in (2, 4, 8):
+            assert 1 / p - 1e-9 <= r[f"loads_p{p}"] <= 1.0
+    missing = run_cli("experiments.selection_locality", "--ckpt", str(tmp_path / "nowhere"), check=False)
+    assert missing.returncode != 0 and "error:" in missing.stderr

@@ -1,0 +1,127 @@
+"""How much neighbouring queries share their selected blocks: the question behind the selection kernel's tiling.
+
+The gather selection kernel runs one query position per program and loads the K/V
+tiles of its n selected blocks; a program of P consecutive positions
+(`SelectionBlockSizes(positions=P)`) loads the union of their blocks once. Which wins
+on a GPU depends on how much that union saves, which depends on the selections a
+trained model makes. For a checkpoint, on held-out rows of length L, per layer:
+
+  loads P=2/4/8   K/V block loads of programs of P consecutive positions (aligned at
+                  multiples of P, as the kernel's) relative to one program per
+                  position: 1.00 shares nothing, 1/P is P positions with one selection
+  same set        the share of positions whose selected blocks (per KV head) equal
+                  the previous position's
+
+and the same for random selections of the same geometry (the benchmarks' inputs). On
+an H200 (docs/PERFORMANCE.md "Which tiling"), four positions per program lost to one
+under random selections and won with runs of 8 positions sharing a selection
+(loads 0.25 at P=4); where a trained model lies between is what this prints.
+
+    python -m experiments.selection_locality --ckpt RUN/checkpoints/STEP [--length L] \\
+        [--rows 4] [--text FILE ...] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import numpy as np
+
+from nsa_jax.evaluation.suites import TextRows
+from nsa_jax.inference.decode import inference_config
+from nsa_jax.kernels.reference import random_block_indices
+from nsa_jax.model import NSALM, per_layer
+from nsa_jax.rundir.checkpoint import load_for_inference
+from nsa_jax.rundir.resume import CheckpointError
+
+POSITIONS = (2, 4, 8)
+
+
+def _distinct_valid(ids_GxM: np.ndarray) -> np.ndarray:
+    """[G]: the number of distinct non-negative ids in each row."""
+    s = np.sort(ids_GxM, axis=-1)
+    new = np.ones_like(s, bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    return np.sum(new & (s >= 0), axis=-1)
+
+
+def tile_loads(idx_BxTxKxN: np.ndarray, positions: int) -> float:
+    """Block loads of programs of `positions` consecutive queries (aligned; the last may be
+    short) over the loads of one program per query: sum of |union of the group's valid
+    blocks| over the sum of |valid blocks| per query, over rows and KV heads."""
+    B, T, K, N = idx_BxTxKxN.shape
+    pad = -T % positions
+    idx = np.concatenate([idx_BxTxKxN, np.full((B, pad, K, N), -1, idx_BxTxKxN.dtype)], axis=1)
+    groups = idx.reshape(B, (T + pad) // positions, positions, K, N).transpose(0, 1, 3, 2, 4)
+    union = _distinct_valid(groups.reshape(-1, positions * N)).sum()
+    single = _distinct_valid(idx_BxTxKxN.reshape(-1, N)).sum()
+    return float(union / single)
+
+
+def same_set_share(idx_BxTxKxN: np.ndarray) -> float:
+    """The share of (position t > 0, KV head) whose set of selected blocks equals position t - 1's."""
+    s = np.sort(idx_BxTxKxN, axis=-1)
+    return float(np.mean(np.all(s[:, 1:] == s[:, :-1], axis=-1)))
+
+
+def locality(idx_BxTxKxN: np.ndarray) -> dict[str, float]:
+    """The module docstring's figures for one layer's selections."""
+    out = {f"loads_p{p}": tile_loads(idx_BxTxKxN, p) for p in POSITIONS}
+    return out | {"same_set": same_set_share(idx_BxTxKxN)}
+
+
+def measure(path: str, length: int | None, rows: int, text: list[str]) -> dict:
+    cfg, params = load_for_inference(path)
+    a = cfg.model.nsa
+    if "slc" not in a.branches:
+        raise SystemExit(f"error: {path}: the model has no selection branch (model.nsa.branches={a.branches})")
+    L = length or cfg.train.seq_len
+    tokens_BxT1 = TextRows(cfg, text)(L, rows)
+    model = NSALM(inference_config(cfg.model))
+    _, state = jax.jit(lambda p, t: model.apply({"params": p}, t, mutable=["intermediates"]))(
+        params, tokens_BxT1[:, :-1]
+    )
+    idx_LxBxTxKxN = np.asarray(per_layer(state, "intermediates", "block_idx", cfg.model))
+    layers = [locality(idx) for idx in idx_LxBxTxKxN]
+    B, T, K, N = idx_LxBxTxKxN.shape[1:]
+    rand = locality(random_block_indices(np.random.default_rng(0), B, T, K, N, a.lp))
+    return dict(checkpoint=path, length=L, rows=rows, lp=a.lp, n=a.n, layers=layers, random=rand)
+
+
+def print_report(res: dict) -> None:
+    print(
+        f"{res['checkpoint']}: L={res['length']}, lp={res['lp']}, n={res['n']}, {res['rows']} rows. K/V block loads "
+        "of a program of P positions relative to one per position (1.00 shares nothing, 1/P all)"
+    )
+    print("  " + f"{'layer':>6}" + "".join(f"{f'P={p}':>8}" for p in POSITIONS) + f"{'same set':>10}")
+    named = [(str(i), r) for i, r in enumerate(res["layers"])] + [("random", res["random"])]
+    for name, r in named:
+        print("  " + f"{name:>6}" + "".join(f"{r[f'loads_p{p}']:8.2f}" for p in POSITIONS) + f"{r['same_set']:10.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", action="append", required=True, help="a run folder or one checkpoint in it; repeatable")
+    p.add_argument("--length", type=int, default=None, help="row length (default: the run's train.seq_len)")
+    p.add_argument("--rows", type=int, default=4, help="held-out rows (default 4)")
+    p.add_argument("--text", nargs="*", default=[], help="held-out text files (default: the run's val split)")
+    p.add_argument("--json", default=None, help="write the figures of every checkpoint to this JSON file")
+    args = p.parse_args(argv)
+    if args.rows < 1 or (args.length is not None and args.length < 2):
+        raise SystemExit("error: --rows must be >= 1 and --length >= 2")
+    results = []
+    for path in args.ckpt:
+        try:
+            results.append(measure(path, args.length, args.rows, args.text))
+        except (CheckpointError, ValueError, OSError) as e:
+            raise SystemExit(f"error: {path}: {e}") from None
+        print_report(results[-1])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
