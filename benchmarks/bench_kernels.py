@@ -21,7 +21,10 @@ kernels with other ``SelectionBlockSizes``):
   ``blocksparse`` (blocksparse_pallas; the layer's kernel up to T = 2 n lp), ``xla``;
 * window: ``pallas`` (flash_pallas), ``cudnn`` (``jax.nn.dot_product_attention``
   with ``local_window_size``, GPU only), ``xla``;
-* compressed: ``pallas`` (scores and top-n in one kernel), ``xla``;
+* compressed: ``pallas`` (attention, then scores and top-n in one kernel), ``xla``; and the
+  attention alone (no block selection): ``pallas-attn`` (the flash kernel the layer runs) and
+  ``cudnn-attn`` (kernels/cudnn.py: the branch regrouped into causal GQA over the Tc tokens,
+  through cuDNN; GPU only);
 * ``dense``: full causal attention, cuDNN's on a GPU, XLA's elsewhere.
 
 Usage:
@@ -48,6 +51,8 @@ from benchmarks.common import fmt, log, on_gpu, parse_ints, print_header, short_
 from nsa_jax.kernels import SELECTION_KERNELS, compressed_attention
 from nsa_jax.kernels import xla as xla_kernels
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
+from nsa_jax.kernels.compressed_pallas import compressed_attention_lse_pallas
+from nsa_jax.kernels.cudnn import compressed_attention_grouped, window_attention_cudnn
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
@@ -56,7 +61,7 @@ PROD = dict(heads=12, kv_heads=2, head_dim=64, block_size=64, slots=16, window=5
 GPU_SEQ_LENS = (2048, 8192, 32768, 65536)
 CPU_SEQ_LENS = (2048, 4096)
 # Candidates that need a GPU to say anything about speed (the Pallas ones only interpret elsewhere).
-GPU_ONLY = ("gather", "sel", "blocksparse", "pallas", "cudnn")
+GPU_ONLY = ("gather", "sel", "blocksparse", "pallas", "cudnn", "pallas-attn", "cudnn-attn")
 # The forward+backward FLOPs over the forward's: QK^T and PV forward; the QK^T recompute, dP, dV, dQ, dK backward.
 FWD_BWD_FLOP_RATIO = 3.5
 
@@ -96,13 +101,6 @@ def _no_aux(fn):
     return lambda *a: (fn(*a), None)
 
 
-def cudnn_window(q, k, v, window):
-    """Sliding-window attention as cuDNN's causal attention with a left window of w - 1 keys."""
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation="cudnn"
-    )
-
-
 def candidates(branch, selection_variants=(), blocksparse_sizes=None):
     """name -> fn(q, k, v, idx) -> (o, aux), the branch's candidates in table order.
 
@@ -134,9 +132,12 @@ def candidates(branch, selection_variants=(), blocksparse_sizes=None):
     elif branch == "compressed":
         for impl in ("pallas", "xla"):
             impls[impl] = functools.partial(compressed_branch, impl=impl)
+        l, d = p["cmp_l"], p["cmp_d"]
+        impls["pallas-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_lse_pallas(q, kc, vc, l=l, d=d)[0])
+        impls["cudnn-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_grouped(q, kc, vc, l=l, d=d))
     elif branch == "window":
         impls["pallas"] = _no_aux(lambda q, k, v, idx: window_attention_pallas(q, k, v, w))
-        impls["cudnn"] = _no_aux(lambda q, k, v, idx: cudnn_window(q, k, v, w))
+        impls["cudnn"] = _no_aux(lambda q, k, v, idx: window_attention_cudnn(q, k, v, w))
         impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, w))
     else:
         raise SystemExit(f"error: --branches entry {branch!r} is not one of selection, window, compressed")

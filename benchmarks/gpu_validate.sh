@@ -16,6 +16,10 @@
 #              sharing a selection at 32768 (--idx-runs 8, as trained neighbours do)
 #   window     the window branch: Pallas flash vs cuDNN's sliding window (local_window_size) vs
 #              dense cuDNN, fwd and fwd+bwd, with the outputs compared
+#   compressed the compressed branch: the layer's Pallas attention with scoring and top-n, the Pallas
+#              attention alone, and cuDNN's causal attention over the regrouped compressed sequence
+#              (kernels/cudnn.py), fwd and fwd+bwd, against dense cuDNN at COMPRESSED_SEQ_LENS
+#              (default 8192,32768,65536)
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
 #   layer      python -m benchmarks.export_report (largest tensor and kernel count of the layer's
 #              fwd+bwd lowered for CUDA, T=LAYER_SEQ_LEN) then bench_attention fwd+bwd at
@@ -129,6 +133,11 @@ positions=2,num_warps=1;positions=4,num_warps=1"}
         run_part window 300 "$PY" -m benchmarks.bench_kernels --backward --branches window --impls pallas,cudnn,dense \
             --seq-lens "${WINDOW_SEQ_LENS:-2048,8192,32768,65536}" --json "$out/window.json"
         ;;
+    compressed)
+        run_part compressed 300 "$PY" -m benchmarks.bench_kernels --backward --branches compressed \
+            --impls pallas,pallas-attn,cudnn-attn,dense --seq-lens "${COMPRESSED_SEQ_LENS:-8192,32768,65536}" \
+            --json "$out/compressed.json"
+        ;;
     attention)
         # shellcheck disable=SC2086
         run_part attention 540 "$PY" -m benchmarks.bench_attention --backward ${ATTN_ARGS:-} \
@@ -179,7 +188,7 @@ positions=2,num_warps=1;positions=4,num_warps=1"}
             --eval-suites needle --eval-lengths 1024 --out "$out/needle" --archive "$out/needle.tgz"
         ;;
     *)
-        echo "unknown part: $part (env tests kernels selection window attention layer train smoke profile stepprof peak kv needle)" >&2
+        echo "unknown part: $part (env tests kernels selection window compressed attention layer train smoke profile stepprof peak kv needle)" >&2
         exit 2
         ;;
     esac

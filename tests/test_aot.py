@@ -18,6 +18,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,11 +27,14 @@ import threading
 import time
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import gpu_aot
 from launch import info as info_cli
 from nsa_jax.config import load_config
+from nsa_jax.kernels.cudnn import compressed_attention_grouped
 from nsa_jax.tools import aot
 
 from helpers import ROOT
@@ -460,3 +464,23 @@ def test_a100_pcie_step_fits_a100_40gb(tmp_path):
     # A layer loop brought back (3,850) or new kernels per layer fail here.
     kernels = aot.launch_counts(aot.read_launches(str(tmp_path)))["kernels"]
     assert 0 < kernels <= KERNELS_PER_STEP_LIMIT, f"{kernels} kernel launches per a100_pcie optimizer step"
+
+
+@pytest.mark.aot
+@needs_plugin
+def test_compressed_regrouped_lowers_to_one_cudnn_attention_for_cuda():
+    # kernels/cudnn.py at 64k: one fused forward and one fused backward over the Tc = 4095 tokens
+    # padded to 4096, with the 16 queries x 6 heads of each group as 96 query heads per KV head.
+    # The lowering asks the CUDA plugin for cuDNN's version; compiling it needs a GPU (XLA's CPU host
+    # has no lowering for cuDNN's calls), so the compile-for-GPU tier reads the exported program.
+    t, l, d = 65536, 32, 16
+    tc = (t - l) // d + 1
+    sds = jax.ShapeDtypeStruct
+    q, kc = sds((1, t, 12, 64), jnp.bfloat16), sds((1, tc, 2, 64), jnp.bfloat16)
+    fwd = lambda q, kc, vc: compressed_attention_grouped(q, kc, vc, l=l, d=d)
+    grad = jax.grad(lambda q, kc, vc: fwd(q, kc, vc).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    text = aot.export_for_cuda(grad, q, kc, kc).mlir_module()
+    calls = re.findall(r"custom_call @([\w$]+)\((%[\w#]+)", text)
+    assert sorted(name for name, _ in calls) == sorted(aot.CUDNN_ATTENTION_TARGETS), calls
+    assert "tensor<1x4096x192x64xbf16>" in text and "tensor<1x4096x2x64xbf16>" in text
+    assert not re.search(r"\b4096x4096x", text)  # no score matrix outside the fused kernel

@@ -273,3 +273,16 @@ def test_profile_step_cli_writes_json(tmp_path):
     assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6
     assert {p["part"] for p in data["meta"]["parts"]} & {"selection", "compression", "window"}
     assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+@pytest.mark.slow
+def test_bench_kernels_cli_times_the_xla_paths_and_names_the_gpu_candidates(tmp_path):
+    _, rows, _ = run_bench(
+        tmp_path, "bench_kernels", "--branches compressed,window --seq-lens 256 --iters 1 --warmup 0 --backward", ()
+    )
+    by = {(r["branch"], r["mode"], r["impl"]): r for r in rows}
+    for mode in ("fwd", "fwd+bwd"):
+        assert by[("compressed", mode, "xla")]["ms"] > 0 and by[("window", mode, "xla")]["ms"] > 0
+        for name in ("pallas", "pallas-attn", "cudnn-attn"):  # kernels/cudnn.py's candidate among them
+            assert by[("compressed", mode, name)]["note"] == "no GPU"
+        assert by[("window", mode, "cudnn")]["note"] == "no GPU"

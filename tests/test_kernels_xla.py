@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import (
+    compressed_visible,
     dense_attention,
     random_block_indices,
     reference_attention,
@@ -18,7 +19,8 @@ from reference import (
     window_visible,
 )
 
-from nsa_jax.kernels.xla import select_blocks, selection_attention_xla, window_attention_xla
+from nsa_jax.kernels.cudnn import compressed_attention_grouped, window_attention_cudnn
+from nsa_jax.kernels.xla import num_compressed, select_blocks, selection_attention_xla, window_attention_xla
 
 from helpers import rel_err
 
@@ -109,3 +111,30 @@ def test_select_blocks_prefers_high_scores_and_breaks_ties_low():
     assert sorted(idx[0, 23, 0]) == [0, 3, 4, 5]
     # t = 5: candidates 0 and 1 only, so two slots stay unused.
     assert sorted(idx[0, 5, 0]) == [-1, -1, 0, 1]
+
+
+def _check_against_reference(f, q, k, v, visible):
+    """f's output and its q, k, v gradients against the float64 per-token reference."""
+    o, vjp = jax.vjp(f, q, k, v)
+    do = jax.random.normal(jax.random.PRNGKey(11), o.shape)
+    ref = reference_attention(q, k, v, do, visible)
+    for got, want in zip((o, *vjp(do)), ref):
+        assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("G,K,T,l,d", [(6, 2, 77, 16, 8), (1, 1, 40, 8, 4), (3, 2, 64, 32, 16), (2, 1, 20, 32, 16)])
+def test_compressed_branch_as_grouped_causal_attention(G, K, T, l, d):
+    # The regrouping kernels/cudnn.py hands to cuDNN, run here by XLA's attention: the last group
+    # partly padded (T=77), queries before l - 1 seeing nothing, and no compressed token at all (T < l).
+    B, D = 2, 8
+    Tc = num_compressed(T, l, d)
+    q, kv, vv = _qkv(B, T, G * K, K, D, seed=6)
+    kc, vc = kv[:, :Tc], vv[:, :Tc]
+    f = lambda q, kc, vc: compressed_attention_grouped(q, kc, vc, l=l, d=d, implementation="xla")
+    _check_against_reference(f, q, kc, vc, compressed_visible(l, d, Tc))
+
+
+def test_window_as_fused_attention_with_a_left_window():
+    q, k, v = _qkv(2, 45, 6, 2, 8, seed=7)
+    f = lambda q, k, v: window_attention_cudnn(q, k, v, 7, implementation="xla")
+    _check_against_reference(f, q, k, v, window_visible(7))

@@ -63,6 +63,8 @@ INSTALL_HINT = 'pip install -e ".[cuda12]"'
 # jax's default GPU allocator takes this fraction of the card at start-up (XLA_PYTHON_CLIENT_MEM_FRACTION).
 DEFAULT_MEM_FRACTION = 0.75
 TRITON_TARGET = "__gpu$xla.gpu.triton"
+# cuDNN's fused attention, forward and backward (kernels/cudnn.py).
+CUDNN_ATTENTION_TARGETS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 
 
 # ---------------------------------------------------------------------------
@@ -248,8 +250,9 @@ def abstract_gpu(target: str | GpuTarget = "a100-40"):
 
 
 def export_for_cuda(fn: Callable, *args, target: str | GpuTarget = "a100-40"):
-    """`jax.export` of `fn` for CUDA with the Pallas kernels as Triton calls, on any host (no GPU needed)."""
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+    """`jax.export` of `fn` for CUDA with the Pallas kernels as Triton calls and cuDNN's attention as its own
+    calls, on any host (no GPU needed; for reading the program: such calls carry no serialization guarantee)."""
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (TRITON_TARGET, *CUDNN_ATTENTION_TARGETS)]
     with abstract_gpu(target):
         return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(*args)
 
