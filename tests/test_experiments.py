@@ -7,16 +7,12 @@ The CLIs run in a subprocess, as a user would run them; no learning outcome is a
 from __future__ import annotations
 
 import json
-import pathlib
-import subprocess
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import LAUNCH_TRAIN, TINY_RUN, cpu_env, run_cli, set_flags
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import TINY_RUN, run_cli, run_module, set_flags
 
 
 @pytest.mark.slow
@@ -215,14 +211,7 @@ def test_selection_locality_counts_the_blocks_a_program_of_p_positions_loads():
 def test_selection_locality_cli_reads_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     sets = set_flags([*TINY_RUN, "train.seq_len=128", "logging.tensorboard=false"])
-    train = subprocess.run(
-        [*LAUNCH_TRAIN, "--steps", "1", "--out-dir", str(out), *sets],
-        cwd=ROOT,
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    train = run_module("launch.train", "--config", "cpu_tiny", "--steps", "1", "--out-dir", str(out), *sets)
     assert train.returncode == 0, train.stderr[-2000:]
     text = tmp_path / "text.txt"
     text.write_text("All work and no play makes a dull model. " * 40)
