@@ -468,9 +468,15 @@ class Runner:
         return why or "failed"
 
     def finish(self, run: Run, line: str) -> None:
+        """The run's line in its recipe's summary.txt: added, or in place of the line an earlier
+        command (stopped, then --resume) wrote for the same run."""
+        path = run.dir.parent / "summary.txt"
+        own = f"{run.variant} seed {run.seed}: "
         with self.lock:
-            with open(run.dir.parent / "summary.txt", "a") as f:
-                f.write(line + "\n")
+            kept = [x for x in path.read_text().splitlines() if not x.startswith(own)] if path.exists() else []
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(x + "\n" for x in [*kept, line]))
+            os.replace(tmp, path)
             self.lines.append(f"{run.recipe}: {line}")
         self.say(f"{run.recipe}: {line}")
 

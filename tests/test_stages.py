@@ -202,6 +202,18 @@ def test_finished_runs_get_the_summary_line_and_the_report(tmp_path, monkeypatch
     assert "2 evaluated: mean 0.75" in text and ">= 0.90 at every depth: 0" in text
 
 
+def test_a_resumed_run_replaces_its_summary_line(tmp_path, monkeypatch):
+    # Seed 2 finishes; seed 1 fails in stage 2; the same OUT continued (as --resume does) finishes seed 1.
+    summary = tmp_path / "o" / "r" / "summary.txt"
+    fake_runner(tmp_path, monkeypatch, ["pass", "pass"], seeds=(2,)).run_all()
+    (done2,) = summary.read_text().splitlines()
+    fake_runner(tmp_path, monkeypatch, ["pass", "import sys; sys.exit(3)"], seeds=(1,)).run_all()
+    assert summary.read_text().splitlines()[1].startswith("nsa seed 1: stopped rc=3")
+    fake_runner(tmp_path, monkeypatch, ["pass", "pass"], seeds=(1,)).run_all()
+    lines = summary.read_text().splitlines()
+    assert len(lines) == 2 and lines[0] == done2 and lines[1].startswith("nsa seed 1: T=256"), lines
+
+
 def test_the_deadline_stops_a_stage_and_no_run_starts_too_late(tmp_path, monkeypatch):
     monkeypatch.setattr(stages, "MIN_START_S", 1.0)
     runner = fake_runner(tmp_path, monkeypatch, ["import time; time.sleep(60)"], deadline=1.5, seeds=(1, 2, 3))
