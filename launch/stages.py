@@ -69,6 +69,7 @@ from pathlib import Path
 import yaml
 
 from launch.cli import Parser, UsageError, run_main
+from launch.train import env_overrides
 from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, load_config
 from nsa_jax.rundir import files as rf
 
@@ -109,6 +110,10 @@ class RecipeFile:
     variants: dict[str, tuple[str, ...]]
     evaluate: dict  # suites, lengths, samples, text
     recipes: dict[str, list]  # as read; `stages` checks them
+
+    def child_env(self) -> dict[str, str]:
+        """The environment of the stages' processes: the file's `env` only where the environment has none."""
+        return {**self.env, **os.environ}
 
     def train_args(self) -> list[str]:
         """launch.train's flags for every stage of every recipe."""
@@ -245,6 +250,10 @@ def stages(rf: RecipeFile, recipe: str, variant: str) -> list[Stage]:
     if not isinstance(raw, list) or not raw:
         raise UsageError(f"{where} must be a non-empty list of stages ({{steps: N, set: [KEY=VALUE ...]}})")
     config, base = _config_overrides(rf)
+    try:  # the runbook variables every stage's launch.train will read (launch.train's order: flags win)
+        env_sets, _ = env_overrides(rf.child_env())
+    except ConfigError as e:
+        raise UsageError(f"the environment the stages run in: {e}") from None
     out, last = [], 0
     for i, st in enumerate(raw, 1):
         at = f"{where} stage {i}"
@@ -254,7 +263,7 @@ def stages(rf: RecipeFile, recipe: str, variant: str) -> list[Stage]:
             raise UsageError(f"{at}: steps must be an integer above the previous stage's ({last}), got {steps!r}")
         overrides = _str_list(st.get("set"), f"{at}: set")
         try:
-            cfg = load_config(config, [*base, *rf.variants[variant], *overrides, f"train.steps={steps}"])
+            cfg = load_config(config, [*env_sets, *base, *rf.variants[variant], *overrides, f"train.steps={steps}"])
         except ConfigError as e:
             raise UsageError(f"{at} (variant {variant}): {e}") from None
         out.append(Stage(steps, overrides, cfg.train.seq_len))
@@ -383,7 +392,7 @@ class Runner:
         self.signals: list[tuple[int, int]] = []  # (signal, processes it was passed to)
         self.results: dict[str, str] = {}  # run dir -> "ok", "deadline", "skipped", "failed", "interrupted"
         self.lines: list[str] = []  # summary lines, in the order the runs ended
-        self.env = {**rf.env, **os.environ}  # the file's env only where the environment has none
+        self.env = rf.child_env()
 
     def say(self, msg: str) -> None:
         with self.lock:

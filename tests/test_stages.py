@@ -284,3 +284,17 @@ def test_a_signal_reaches_the_running_stages_once_and_nothing_new_starts(tmp_pat
     assert runner.signals == [(signal.SIGTERM, 2)]
     summary = (tmp_path / "o" / "r" / "summary.txt").read_text()
     assert summary.count("(by a signal, stage 1/2)") == 2
+
+
+def test_a_bad_runbook_variable_is_named_before_anything_runs(tmp_path, capsys, monkeypatch):
+    # launch.train reads NSA_* variables from the environment the stages run in; a bad one is
+    # one error line before OUT exists, not a failed first stage in every run.
+    monkeypatch.setenv("NSA_LR", "fast")
+    err = error_of(capsys, ["--recipe", "smoke:two", "--seeds", "1", "--out", str(tmp_path / "o")])
+    assert "NSA_LR='fast' must be a number" in err
+    assert not (tmp_path / "o").exists()
+    # A good one passes: the stages load with it.
+    monkeypatch.setenv("NSA_LR", "1e-3")
+    args = stages.build_parser().parse_args(["--recipe", "smoke:two", "--seeds", "1", "--out", str(tmp_path / "o")])
+    _, _, (run,) = stages.plan(args)
+    assert [s.seq_len for s in run.stages] == [128, 256]
