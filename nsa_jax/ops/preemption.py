@@ -84,6 +84,7 @@ class PreemptionGuard:
             return
         for sig in self.SIGNALS:
             self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._seen = 0  # a guard installed again counts afresh, as each reader thread did
         self._wakeup.start()
         self._installed = True
 
