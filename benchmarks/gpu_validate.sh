@@ -12,8 +12,9 @@
 #   selection  the selection kernels side by side in one process, fwd and fwd+bwd, against cuDNN at
 #              SELECTION_SEQ_LENS (default 8192,32768,65536): gather (the layer's tiles,
 #              kernels.SELECTION_KERNELS) and the SELECTION_VARIANTS (';'-separated
-#              SelectionBlockSizes, each a candidate sel[...]); then the same with runs of 8 queries
-#              sharing a selection at 32768 (--idx-runs 8, as trained neighbours do)
+#              SelectionBlockSizes, each a candidate sel[...]); then the same at 32768 with runs of R
+#              queries sharing a selection for each R in SELECTION_RUNS (default 8; --idx-runs R: at
+#              P=4 runs of 8 load 0.25 of the tiles, runs of 2 0.43 at 32k, as neighbours that share do)
 #   window     the window branch: Pallas flash vs cuDNN's sliding window (local_window_size) vs
 #              dense cuDNN, fwd and fwd+bwd, with the outputs compared
 #   compressed the compressed branch: the layer's Pallas attention with scoring and top-n, the Pallas
@@ -125,9 +126,11 @@ positions=2,num_warps=1;positions=4,num_warps=1"}
         run_part selection 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
             --impls "$impls" --selection-variants "$variants" \
             --seq-lens "${SELECTION_SEQ_LENS:-8192,32768,65536}" --json "$out/selection.json"
-        run_part selection_runs8 300 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
-            --idx-runs 8 --impls "$impls" --selection-variants "$variants" --seq-lens 32768 \
-            --json "$out/selection_runs8.json"
+        for runs in ${SELECTION_RUNS:-8}; do
+            run_part "selection_runs$runs" 300 "$PY" -m benchmarks.bench_kernels --backward --branches selection \
+                --no-check --idx-runs "$runs" --impls "$impls" --selection-variants "$variants" --seq-lens 32768 \
+                --json "$out/selection_runs$runs.json"
+        done
         ;;
     window)
         run_part window 300 "$PY" -m benchmarks.bench_kernels --backward --branches window --impls pallas,cudnn,dense \
