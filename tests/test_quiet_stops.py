@@ -64,6 +64,24 @@ def _leave_unretrieved_write_error(filename: str) -> None:
     gc.collect()  # asyncio logs an unretrieved task's exception when it is collected
 
 
+def _leave_unretrieved_gather_error(filename: str) -> None:
+    """A gather over a write raised in code compiled as `filename`: the gather's own future holds the
+    exception, nobody awaits it, and it is collected (asyncio names it a _GatheringFuture)."""
+    ns: dict = {}
+    source = "async def write():\n    raise ValueError('RESOURCE_EXHAUSTED: No space left')\n"
+    exec(compile(source, filename, "exec"), ns)
+    loop = asyncio.new_event_loop()
+
+    async def save():
+        gathered = asyncio.gather(ns["write"]())
+        await asyncio.sleep(0.01)
+        del gathered
+
+    loop.run_until_complete(save())
+    loop.close()
+    gc.collect()
+
+
 def _leave_unretrieved_future_error(message: str) -> None:
     """A future (as tensorstore's write, wrapped for asyncio) failed with `message`, never awaited, collected."""
     loop = asyncio.new_event_loop()
@@ -82,11 +100,14 @@ def test_unretrieved_orbax_write_errors_are_dropped_and_others_kept(caplog):
             'RESOURCE_EXHAUSTED: Error writing "params.w/0.0" in OCDBT database at local file '
             '"/run/checkpoints/8.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": No space left'
         )
+        _leave_unretrieved_gather_error("/site-packages/orbax/checkpoint/_src/serialization/fake.py")
         assert "never retrieved" not in caplog.text
         _leave_unretrieved_write_error("/site-packages/somewhere/else.py")
         _leave_unretrieved_future_error("RESOURCE_EXHAUSTED: writing /data/elsewhere: No space left")
+        _leave_unretrieved_gather_error("/site-packages/somewhere/else.py")
     assert "Task exception was never retrieved" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
     assert "Future exception was never retrieved" in caplog.text and "/data/elsewhere" in caplog.text
+    assert "_GatheringFuture exception was never retrieved" in caplog.text
 
 
 def _mount(path: pathlib.Path, size: str, remount: bool = False) -> bool:

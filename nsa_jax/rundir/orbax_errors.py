@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import sys
 import traceback
 
@@ -56,7 +57,8 @@ def is_closed_loop_callback(exc: BaseException | None, tb) -> bool:
     return bool(frames) and frames[0] == "call_soon_threadsafe"
 
 
-_UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+# asyncio's words for a task or future (Task, Future, _GatheringFuture, ...) whose exception nobody awaited.
+_UNRETRIEVED = re.compile(r"\w+ exception was never retrieved")
 
 
 def _is_unretrieved_orbax_write(record: logging.LogRecord) -> bool:
@@ -64,12 +66,12 @@ def _is_unretrieved_orbax_write(record: logging.LogRecord) -> bool:
 
     When several writes of a save fail (a full disk fails them all), orbax's gather
     raises the first and leaves the others unretrieved; asyncio logs each one when its
-    task or future is collected, which can be after the manager is closed: a task's
+    task or future (a gather's own future too) is collected, which can be after the manager is closed: a task's
     with a traceback through orbax's code, a future's (tensorstore's write, set without
     a traceback) with an error naming the save's temporary directory. The failure itself
     is reported once, as a CheckpointSaveError.
     """
-    if not record.getMessage().startswith(_UNRETRIEVED):
+    if not _UNRETRIEVED.match(record.getMessage()):
         return False
     exc = record.exc_info[1] if record.exc_info else None
     if exc is None:
