@@ -115,14 +115,14 @@ def test_select_blocks_prefers_high_scores_and_breaks_ties_low():
 
 def _check_against_reference(f, q, k, v, visible):
     """f's output and its q, k, v gradients against the float64 per-token reference."""
-    o, vjp = jax.vjp(f, q, k, v)
+    o, vjp = jax.vjp(jax.jit(f), q, k, v)
     do = jax.random.normal(jax.random.PRNGKey(11), o.shape)
     ref = reference_attention(q, k, v, do, visible)
     for got, want in zip((o, *vjp(do)), ref):
         assert rel_err(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("G,K,T,l,d", [(6, 2, 77, 16, 8), (1, 1, 40, 8, 4), (3, 2, 64, 32, 16), (2, 1, 20, 32, 16)])
+@pytest.mark.parametrize("G,K,T,l,d", [(6, 2, 77, 16, 8), (1, 1, 40, 8, 4), (2, 1, 20, 32, 16)])
 def test_compressed_branch_as_grouped_causal_attention(G, K, T, l, d):
     # The regrouping kernels/cudnn.py hands to cuDNN, run here by XLA's attention: the last group
     # partly padded (T=77), queries before l - 1 seeing nothing, and no compressed token at all (T < l).
