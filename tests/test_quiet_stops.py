@@ -47,39 +47,22 @@ def test_only_the_closed_loop_callbacks_of_a_failed_save_are_dropped():
     assert not orbax_errors.is_closed_loop_callback(ValueError("Event loop is closed"), tb)
 
 
-def _leave_unretrieved_write_error(filename: str) -> None:
-    """A task whose exception nobody awaits, raised in code compiled as `filename`, then collected."""
+def _leave_unretrieved_write_error(filename: str, gather: bool = False) -> None:
+    """A write raised in code compiled as `filename`, whose exception nobody awaits, then collected: its
+    task's, or with `gather` the exception of a gather over it (asyncio names that a _GatheringFuture)."""
     ns: dict = {}
     source = "async def write():\n    raise ValueError('RESOURCE_EXHAUSTED: No space left')\n"
     exec(compile(source, filename, "exec"), ns)
     loop = asyncio.new_event_loop()
 
     async def save():
-        task = loop.create_task(ns["write"]())
+        pending = asyncio.gather(ns["write"]()) if gather else loop.create_task(ns["write"]())
         await asyncio.sleep(0.01)  # the write fails; its exception is never retrieved
-        del task
+        del pending
 
     loop.run_until_complete(save())
     loop.close()
-    gc.collect()  # asyncio logs an unretrieved task's exception when it is collected
-
-
-def _leave_unretrieved_gather_error(filename: str) -> None:
-    """A gather over a write raised in code compiled as `filename`: the gather's own future holds the
-    exception, nobody awaits it, and it is collected (asyncio names it a _GatheringFuture)."""
-    ns: dict = {}
-    source = "async def write():\n    raise ValueError('RESOURCE_EXHAUSTED: No space left')\n"
-    exec(compile(source, filename, "exec"), ns)
-    loop = asyncio.new_event_loop()
-
-    async def save():
-        gathered = asyncio.gather(ns["write"]())
-        await asyncio.sleep(0.01)
-        del gathered
-
-    loop.run_until_complete(save())
-    loop.close()
-    gc.collect()
+    gc.collect()  # asyncio logs an unretrieved exception when its task or future is collected
 
 
 def _leave_unretrieved_future_error(message: str) -> None:
@@ -100,11 +83,11 @@ def test_unretrieved_orbax_write_errors_are_dropped_and_others_kept(caplog):
             'RESOURCE_EXHAUSTED: Error writing "params.w/0.0" in OCDBT database at local file '
             '"/run/checkpoints/8.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": No space left'
         )
-        _leave_unretrieved_gather_error("/site-packages/orbax/checkpoint/_src/serialization/fake.py")
+        _leave_unretrieved_write_error("/site-packages/orbax/checkpoint/_src/serialization/fake.py", gather=True)
         assert "never retrieved" not in caplog.text
         _leave_unretrieved_write_error("/site-packages/somewhere/else.py")
         _leave_unretrieved_future_error("RESOURCE_EXHAUSTED: writing /data/elsewhere: No space left")
-        _leave_unretrieved_gather_error("/site-packages/somewhere/else.py")
+        _leave_unretrieved_write_error("/site-packages/somewhere/else.py", gather=True)
     assert "Task exception was never retrieved" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
     assert "Future exception was never retrieved" in caplog.text and "/data/elsewhere" in caplog.text
     assert "_GatheringFuture exception was never retrieved" in caplog.text
