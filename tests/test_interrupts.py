@@ -20,14 +20,15 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from nsa_jax.config import load_config
 from nsa_jax.ops import preemption
 from nsa_jax.rundir import resume
+from nsa_jax.train import loop, progress, schedule
 from nsa_jax.train import optimizer as O
-from nsa_jax.train import progress, schedule
 
 from helpers import TINY_SAVING_RUN, cpu_env, set_flags
 
@@ -318,3 +319,10 @@ def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():
     assert lr_at(30, cfg) > 4e-4 and "set train.decay_steps" in line
     assert schedule.lr_change_on_resume({**cfg.__dict__}, cfg, 30, lr_at) is None
     assert schedule.lr_change_on_resume({**cfg.__dict__, "log_every": 1}, cfg, 30, lr_at) is None
+
+
+def test_only_process_0_announces_the_first_stop_signal():
+    # Every process of a launch.spawn run gets the Ctrl-C; process 0 alone says what the run does.
+    lead = SimpleNamespace(lead=True, summary=None, cfg=SimpleNamespace(checkpoint=SimpleNamespace(enabled=True)))
+    assert loop.Trainer._stop_announcement(lead, "SIGINT").startswith("SIGINT: the run stops before its first step")
+    assert loop.Trainer._stop_announcement(SimpleNamespace(**{**vars(lead), "lead": False}), "SIGINT") == ""

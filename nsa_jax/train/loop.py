@@ -332,8 +332,8 @@ class Trainer:
     def _stop_announcement(self, name: str) -> str:
         """The line printed the moment the first stop signal arrives (the guard's helper thread)."""
         summary = getattr(self, "summary", None)
-        if summary is not None and summary["halted"] in ("sigint", "sigterm"):
-            return ""  # the loop has said what it does
+        if not self.lead or (summary is not None and summary["halted"] in ("sigint", "sigterm")):
+            return ""  # process 0 speaks for the run (every process gets a Ctrl-C), or the loop has spoken
         if summary is None:
             what = "the run stops before its first step"
         elif self._one_at_a_time() and self._dispatched > summary["steps_done"]:
