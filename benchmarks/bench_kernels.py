@@ -51,7 +51,7 @@ from benchmarks.common import fmt, log, on_gpu, parse_ints, print_header, short_
 from nsa_jax.kernels import SELECTION_KERNELS, compressed_attention
 from nsa_jax.kernels import xla as xla_kernels
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
-from nsa_jax.kernels.compressed_pallas import compressed_attention_lse_pallas
+from nsa_jax.kernels.compressed_pallas import compressed_attention_pallas
 from nsa_jax.kernels.cudnn import compressed_attention_grouped, window_attention_cudnn
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
@@ -133,7 +133,7 @@ def candidates(branch, selection_variants=(), blocksparse_sizes=None):
         for impl in ("pallas", "xla"):
             impls[impl] = functools.partial(compressed_branch, impl=impl)
         l, d = p["cmp_l"], p["cmp_d"]
-        impls["pallas-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_lse_pallas(q, kc, vc, l=l, d=d)[0])
+        impls["pallas-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_pallas(q, kc, vc, l=l, d=d))
         impls["cudnn-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_grouped(q, kc, vc, l=l, d=d))
     elif branch == "window":
         impls["pallas"] = _no_aux(lambda q, k, v, idx: window_attention_pallas(q, k, v, w))

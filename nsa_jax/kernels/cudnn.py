@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from nsa_jax.kernels.pallas_common import validate_qkv
+
 # The compressed sequence is padded to a multiple of this for the fused kernel (cuDNN's
 # training kernels refuse odd lengths; 64 keeps its tiles whole).
 SEQ_MULTIPLE = 64
@@ -53,12 +55,11 @@ def compressed_attention_grouped(
     implementation: str | None = "cudnn",
 ):
     """o_BxTxHxDv of the compressed branch as causal attention over the compressed sequence (module docstring)."""
+    validate_qkv(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, same_length=False)
     B, T, H, Dk = q_BxTxHxDk.shape
     Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
     if Dv != Dk:
         raise ValueError(f"fused attention needs the key and value head dims equal, got {Dk} and {Dv}")
-    if H % K:
-        raise ValueError(f"the query heads ({H}) must be a multiple of the KV heads ({K})")
     start = l - 1  # the first query that sees a compressed token
     seen = T - start
     if Tc == 0 or seen <= 0:
