@@ -35,7 +35,6 @@ backward, bfloat16.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import flax.linen as nn
@@ -61,7 +60,7 @@ from benchmarks.common import (
     write_json,
 )
 from nsa_jax.config import ModelConfig, load_config
-from nsa_jax.kernels import SELECTION_KERNELS, plan_kernels
+from nsa_jax.kernels import plan_kernels
 from nsa_jax.layers import rope
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
@@ -351,11 +350,10 @@ def run(opts) -> tuple[dict, list[dict]]:
     x0 = jnp.zeros((1, init_T, cfg.d_model), jnp.dtype(dtype))
     layers = {"nsa": NSAAttention(cfg)}
     params = {"nsa": random_params(layers["nsa"], x0, cfg.init_std)}
-    # The same layer and parameters with another selection kernel, timed in the same run.
-    for kernel in opts.selection_kernels:
-        variant = dataclasses.replace(cfg, nsa=dataclasses.replace(a, selection_kernel=kernel))
-        layers[f"nsa[{kernel}]"] = NSAAttention(variant)
-        params[f"nsa[{kernel}]"] = params["nsa"]
+    # The same layer and parameters with other model.nsa settings (another kernel), timed in the same run.
+    for name, variant in variant_configs(opts, overrides).items():
+        layers[name] = NSAAttention(variant)
+        params[name] = params["nsa"]
     dense_params = None
     for variant in dense_variants:
         layers[f"dense_{variant}"] = DenseAttention(cfg, impl=variant, chunk=opts.dense_chunk)
@@ -383,8 +381,7 @@ def run(opts) -> tuple[dict, list[dict]]:
             # The device's high-water mark so far in this process (cumulative over rows: run one
             # T and mode alone, `--dense none`, for the peak of that program).
             row["device_peak_bytes"] = device_peak_bytes()
-            for kernel in opts.selection_kernels:
-                name = f"nsa[{kernel}]"
+            for name in variant_names(opts.variants):
                 best_dense = min((row[f"dense_{v}_ms"] for v in dense_variants if row[f"dense_{v}_ms"]), default=None)
                 row[f"{name}_speedup_vs_dense"] = (
                     best_dense / row[f"{name}_ms"] if best_dense and row[f"{name}_ms"] else None
@@ -472,14 +469,30 @@ def print_table(rows: list[dict], show_cpu: bool) -> None:
         print(f"  T={T} {mode} {name}: {note}")
 
 
-def print_variants(rows: list[dict], kernels: list[str]) -> None:
-    """The layer with each other selection kernel, beside the config's (`nsa`), timed in the same run."""
-    header = f"{'T':>6} {'mode':<7} {'nsa ms':>9} " + " ".join(f"{k + ' ms':>14} {'dense/x':>8}" for k in kernels)
+def variant_names(variants: list[str]) -> list[str]:
+    """The row names of `--variants`: nsa[KEY=VALUE,...]."""
+    return [f"nsa[{v}]" for v in variants]
+
+
+def variant_configs(opts, overrides: list[str]) -> dict:
+    """{row name: ModelConfig} of each `--variants` entry: the config with its model.nsa settings on top."""
+    return {
+        name: load_config(opts.config, [*overrides, *(f"model.nsa.{kv}" for kv in variant.split(","))]).model
+        for name, variant in zip(variant_names(opts.variants), opts.variants)
+    }
+
+
+def print_variants(rows: list[dict], variants: list[str]) -> None:
+    """The layer with each other model.nsa setting, beside the config's (`nsa`), timed in the same run."""
+    names = variant_names(variants)
+    width = max(14, *(len(n) + 3 for n in names))
+    header = f"{'T':>6} {'mode':<7} {'nsa ms':>9} " + " ".join(f"{n + ' ms':>{width}} {'dense/x':>8}" for n in names)
     print_table_header(header)
     for r in rows:
         cells = " ".join(
-            f"{fmt(r.get(f'nsa[{k}]_ms'), '{:14.2f}', 14)} {fmt(r.get(f'nsa[{k}]_speedup_vs_dense'), '{:7.2f}x', 8)}"
-            for k in kernels
+            f"{fmt(r.get(f'{n}_ms'), '{:' + str(width) + '.2f}', width)} "
+            f"{fmt(r.get(f'{n}_speedup_vs_dense'), '{:7.2f}x', 8)}"
+            for n in names
         )
         print(f"{r['seq']:>6} {r['mode']:<7} {fmt(r['nsa_ms'])} {cells}")
 
@@ -540,10 +553,11 @@ def main(argv=None) -> None:
         help="compute dtype (default: bfloat16 on GPU, float32 on CPU)",
     )
     parser.add_argument(
-        "--selection-kernels",
+        "--variants",
         default="",
-        help="comma-separated selection kernels (blocksparse, gather) to time as extra NSA layers "
-        "beside the config's, in the same run (rows nsa[NAME])",
+        help="NSA layers to time beside the config's in the same run, ';' between variants, each ','-separated "
+        "model.nsa KEY=VALUE settings, e.g. 'compressed_kernel=cudnn;selection_kernel=blocksparse' "
+        "(rows nsa[KEY=VALUE,...])",
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
@@ -563,14 +577,16 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--plot", default=None, help="write a time / memory plot to this PNG (needs matplotlib)")
     opts = parser.parse_args(argv)
-    opts.selection_kernels = [s.strip() for s in opts.selection_kernels.split(",") if s.strip()]
-    bad = [s for s in opts.selection_kernels if s not in SELECTION_KERNELS]
-    if bad:
-        raise SystemExit(f"error: --selection-kernels {bad[0]!r} is not one of {', '.join(SELECTION_KERNELS)}")
+    opts.variants = [v.strip().replace(" ", "") for v in opts.variants.split(";") if v.strip()]
+    for variant in opts.variants:  # a bad key or value is one line before anything is timed
+        try:
+            load_config(opts.config, [*opts.set, *(f"model.nsa.{kv}" for kv in variant.split(","))])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: --variants {variant!r}: {e}") from None
     meta, rows = run(opts)
     print_table(rows, show_cpu=meta["backend"] == "cpu")
-    if opts.selection_kernels:
-        print_variants(rows, opts.selection_kernels)
+    if opts.variants:
+        print_variants(rows, opts.variants)
     write_json(opts.json, meta, rows)
     if opts.plot:
         plot(rows, meta, opts.plot)

@@ -72,6 +72,10 @@ class NSAConfig:
     # The selection branch's Pallas kernel: auto = the one measured fastest at the run's T
     # (kernels/plan.py plan_kernels; docs/PERFORMANCE.md), or one named (kernels.SELECTION_KERNELS).
     selection_kernel: Literal["auto", "blocksparse", "gather"] = "auto"
+    # The compressed branch's attention where Pallas runs: auto = pallas (its flash kernels), or
+    # cudnn (cuDNN's fused attention over the regrouped branch and a Pallas log-sum-exp pass for
+    # block scoring; kernels/plan.py, docs/PERFORMANCE.md).
+    compressed_kernel: Literal["auto", "pallas", "cudnn"] = "auto"
     # Query chunk of the XLA path: bounds the live memory of every branch.
     query_chunk: int = 512
 

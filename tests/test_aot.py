@@ -14,6 +14,7 @@ one, or a larger one, fails.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -34,6 +35,7 @@ import pytest
 from benchmarks import gpu_aot
 from launch import info as info_cli
 from nsa_jax.config import load_config
+from nsa_jax.kernels.compressed_pallas import compressed_lse_pallas
 from nsa_jax.kernels.cudnn import compressed_attention_grouped
 from nsa_jax.tools import aot
 
@@ -484,3 +486,48 @@ def test_compressed_regrouped_lowers_to_one_cudnn_attention_for_cuda():
     assert sorted(name for name, _ in calls) == sorted(aot.CUDNN_ATTENTION_TARGETS), calls
     assert "tensor<1x4096x192x64xbf16>" in text and "tensor<1x4096x2x64xbf16>" in text
     assert not re.search(r"\b4096x4096x", text)  # no score matrix outside the fused kernel
+
+
+def _cudnn_compressed_layer(seq_len):
+    """(fn, args): the a100_pcie layer's fwd+bwd with `compressed_kernel: cudnn`, a GPU's kernel plan."""
+    cfg = load_config("a100_pcie").model
+    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, compressed_kernel="cudnn"))
+    return aot.layer_forward_backward(cfg, seq_len)
+
+
+@pytest.mark.aot
+@needs_plugin
+def test_layer_with_cudnn_compressed_attention_lowers_for_cuda():
+    # compressed_kernel: cudnn at 64k: the branch's attention is one cuDNN fused forward and backward; the
+    # scores read the log-sum-exp pass (nsa_cmp_lse) instead of the flash forward, which is gone with its
+    # backward; the other branches keep their kernels.
+    fn, args = _cudnn_compressed_layer(65536)
+    text = aot.export_for_cuda(fn, *args).mlir_module()
+    calls = re.findall(r"custom_call @([\w$]+)\(", text)
+    assert sorted(c for c in calls if c in aot.CUDNN_ATTENTION_TARGETS) == sorted(aot.CUDNN_ATTENTION_TARGETS)
+    names = set(re.findall(r"\bnsa_\w+", text))
+    assert {"nsa_cmp_lse", "nsa_block_select", "nsa_selection_fwd", "nsa_window_fwd"} <= names, names
+    assert not names & {"nsa_cmp_fwd", "nsa_cmp_dq", "nsa_cmp_dkv"}, names
+    assert not re.search(r"\b4096x4096x", text)  # no score matrix outside the fused kernel
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("card", CARDS)
+def test_compressed_lse_pass_compiles_without_spills(card, tmp_path):
+    # The one new kernel of `compressed_kernel: cudnn`, the log-sum-exp pass, at 64k (the layer itself holds
+    # cuDNN's calls, which XLA cannot compile without a GPU; the scoring kernel that reads the pass's
+    # output is the one the layer tests compile).
+    t, l, d = 65536, 32, 16
+    tc = (t - l) // d + 1
+    sharding = jax.sharding.SingleDeviceSharding(aot.target_devices(card, 1)[0])
+    q = jax.ShapeDtypeStruct((1, t, 12, 64), jnp.bfloat16, sharding=sharding)
+    kc = jax.ShapeDtypeStruct((1, tc, 2, 64), jnp.bfloat16, sharding=sharding)
+
+    dump = str(tmp_path / "dump")
+    aot.compile_for(card, lambda q, kc: compressed_lse_pallas(q, kc, l=l, d=d)[0], (q, kc), dump)
+    kernels = {k["name"]: k for k in aot.pallas_kernels(dump)}
+    assert set(kernels) == {"nsa_cmp_lse"} and "registers" in kernels["nsa_cmp_lse"], kernels
+    spills = {n: k["spill_stores"] + k["spill_loads"] for n, k in kernels.items() if k["spill_stores"]}
+    assert not spills, f"kernels spill on {card} at T={t} (bytes stored + loaded): {spills}"

@@ -193,6 +193,24 @@ def test_dense_baselines_are_chosen_by_flag():
             BA.dense_choice(bad, gpu=False)
 
 
+@pytest.mark.slow
+def test_bench_attention_times_nsa_variants_beside_the_config(tmp_path):
+    """--variants: each ';'-separated set of model.nsa settings is one more NSA layer, timed in the same run
+    (the Pallas kernels interpreted here; cudnn's fused attention runs on XLA off a GPU)."""
+    variants = "compressed_kernel=cudnn;selection_kernel=gather,compressed_kernel=cudnn"
+    args = "--config cpu_tiny --seq-lens 64 --no-backward --iters 1 --warmup 0 --dense xla"
+    _, rows, out = run_bench(
+        tmp_path, "bench_attention", f"{args} --set model.nsa.attention_impl=pallas --variants {variants}", ()
+    )
+    names = ["nsa[compressed_kernel=cudnn]", "nsa[selection_kernel=gather,compressed_kernel=cudnn]"]
+    for name in names:
+        assert rows[0][f"{name}_ms"] > 0 and rows[0][f"{name}_speedup_vs_dense"] > 0, name
+        assert name in out  # the side-by-side table
+    bad = run_cli("benchmarks.bench_attention", *args.split(), "--variants", "compressed_kernel=flash", check=False)
+    assert bad.returncode != 0 and "json" not in bad.stdout
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: --variants 'compressed_kernel=flash': config:")
+
+
 def test_profile_attributes_kernels_inside_cuda_graphs():
     """Inside a CUDA graph every kernel's hlo_op names the command buffer, not an instruction.
 

@@ -102,15 +102,26 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,t,g,kvh,dk,l,d,lp,n,dtype,sizes", FUSED_CASES)
-def test_fused_scores_and_selection_match_float64_reference(b, t, g, kvh, dk, l, d, lp, n, dtype, sizes):
+# The attention output through cuDNN's fused kernel (XLA's attention off a GPU) and the scores from
+# the separate log-sum-exp pass: a G=6, a G=1 and a bf16 G=16 case.
+CUDNN_CASES = [
+    c for c in FUSED_CASES if c.id in ("G6-T150-l16-d8-lp16-f32", "G1-T70-l8-d4-lp8-f32", "G16-T100-l8-d4-lp12-bf16")
+]
+
+
+@pytest.mark.parametrize(
+    "b,t,g,kvh,dk,l,d,lp,n,dtype,sizes,attention",
+    [pytest.param(*c.values, "flash", id=c.id) for c in FUSED_CASES]
+    + [pytest.param(*c.values, "cudnn", id=f"{c.id}-cudnn") for c in CUDNN_CASES],
+)
+def test_fused_scores_and_selection_match_float64_reference(b, t, g, kvh, dk, l, d, lp, n, dtype, sizes, attention):
     rng = np.random.default_rng(t * 3 + g)
     q, kc, vc = random_qkv(rng, b, t, g, kvh, dk, l, d, dtype)
     want = reference_block_scores(q.astype(jnp.float32), kc.astype(jnp.float32), l, d, lp)
 
     o_s, scores = jax.jit(
         lambda q, kc, vc: compressed_attention_scores_pallas(
-            q, kc, vc, l=l, d=d, lp=lp, interpret=INTERPRET, select_sizes=sizes
+            q, kc, vc, l=l, d=d, lp=lp, interpret=INTERPRET, select_sizes=sizes, attention=attention
         )
     )(q, kc, vc)
     assert scores.shape == want.shape and scores.dtype == jnp.float32
@@ -118,7 +129,7 @@ def test_fused_scores_and_selection_match_float64_reference(b, t, g, kvh, dk, l,
 
     o, idx = jax.jit(
         lambda q, kc, vc: compressed_attention_select_pallas(
-            q, kc, vc, l=l, d=d, lp=lp, n=n, interpret=INTERPRET, select_sizes=sizes
+            q, kc, vc, l=l, d=d, lp=lp, n=n, interpret=INTERPRET, select_sizes=sizes, attention=attention
         )
     )(q, kc, vc)
     ref_idx, clear = reference_block_selection(want, lp, n, tol=1e-4 * g)
@@ -129,7 +140,7 @@ def test_fused_scores_and_selection_match_float64_reference(b, t, g, kvh, dk, l,
     # The XLA path (softmax probabilities, select_blocks) picks the same blocks on those rows.
     o_x, xla_idx = compressed_attention(q, kc, vc, l=l, d=d, lp=lp, impl="xla", select_n=n)
     np.testing.assert_array_equal(got[clear], np.asarray(xla_idx)[clear])
-    # Attention output: the compressed branch's flash kernels, unchanged by the selection path.
+    # Attention output: the same computation whether the blocks or the scores are asked for.
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_s))
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_x, np.float32), atol=tol, rtol=tol)

@@ -1,4 +1,5 @@
-"""The kernel plan (what `attention_impl` and `selection_kernel` resolve to) and each branch's entry point."""
+"""The kernel plan (what `attention_impl`, `selection_kernel` and `compressed_kernel` resolve to) and each
+branch's entry point."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from reference import compressed_visible, reference_attention, reference_group_probs
 
 from nsa_jax.config import NSAConfig
-from nsa_jax.kernels import compressed_attention, plan_kernels, resolve_impl
+from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, resolve_impl
 from nsa_jax.kernels.xla import num_compressed
 
 
@@ -58,6 +59,23 @@ def test_selection_kernel_named_in_the_config_wins_at_every_length():
         _plan(selection_kernel="sparse")
 
 
+def test_compressed_kernel_named_in_the_config_runs_where_pallas_would():
+    # cudnn: the attention through cuDNN, scoring on Pallas; only where the branch would run Pallas.
+    assert _plan().cmp == _plan(compressed_kernel="pallas").cmp == "pallas"
+    assert _plan(compressed_kernel="cudnn").cmp == "cudnn"
+    assert _plan(compressed_kernel="cudnn").describe()["cmp"] == "cudnn+pallas-triton"
+    assert _plan(backend="cpu", compressed_kernel="cudnn").cmp == "xla"
+    # Off a GPU, asked for with pallas: jax's fused attention runs on XLA and the scoring interpreted.
+    off_gpu = _plan(backend="cpu", attention_impl="pallas", compressed_kernel="cudnn")
+    assert off_gpu.cmp == "cudnn" and off_gpu.describe()["cmp"] == "xla-attention+pallas-interpret"
+    # The guard's fallback takes the branch to XLA as for the flash kernels.
+    assert _plan(fallback=["cmp"], compressed_kernel="cudnn").describe()["cmp"] == "xla-chunked"
+    with pytest.raises(ValueError, match="compressed_kernel must be auto or one of pallas, cudnn"):
+        _plan(compressed_kernel="flash")
+    with pytest.raises(ValueError, match="KernelPlan.cmp must be one of pallas, cudnn, xla"):
+        KernelPlan(cmp="cudnn-v9")
+
+
 def test_fallback_moves_only_auto_branches_to_xla():
     assert _plan(fallback=["win"]).describe() == {
         "cmp": "pallas-triton",
@@ -83,9 +101,10 @@ def _cmp_inputs(T=40, G=2, K=2, D=16, l=16, d=8, seed=0):
     return q, kc, vc
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cudnn"])
 def test_compressed_attention_dispatch_matches_reference(impl):
-    # Both implementations behind kernels.compressed_attention: output against the float64
+    # Each implementation behind kernels.compressed_attention (cudnn: jax's fused attention, on XLA
+    # off a GPU, with the Pallas log-sum-exp pass and scoring): output against the float64
     # per-token reference, block scores against the reference probabilities summed per block.
     T, G, K, l, d, lp = 40, 2, 2, 16, 8, 16
     q, kc, vc = _cmp_inputs(T, G, K, l=l, d=d)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import nsa_jax.kernels as K
+import nsa_jax.kernels.block_scores_pallas as block_scores_module
 import nsa_jax.kernels.plan as plan_module
 from nsa_jax.config import load_config
 from nsa_jax.evaluation.heldout import make_eval_fn
@@ -80,6 +81,28 @@ def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypat
     assert desc == {"cmp": "pallas-triton", "slc": "xla-chunked", "win": "xla-chunked"}
     pallas = dataclasses.replace(cfg.nsa, attention_impl="pallas")  # asked for explicitly: no fallback
     assert K.plan_kernels(pallas, SEQ, "gpu", fallback=set(failed)).win == "pallas"
+
+
+def test_guard_checks_the_compressed_branch_through_cudnn_when_the_config_names_it(monkeypatch):
+    # compressed_kernel: cudnn is checked as it runs: the fused attention (XLA's here) with the Pallas
+    # log-sum-exp pass and scoring agrees with XLA; when the fused attention fails (a card or cuDNN
+    # without it), the branch goes to XLA with one line naming it.
+    cfg = _model_cfg()
+    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, compressed_kernel="cudnn", branches=("cmp",)))
+    lines = []
+    assert guard_kernels(cfg, 1, SEQ, force=True, warn=lines.append) == {} and lines == []
+
+    def unsupported(*a, **k):
+        raise RuntimeError("Unsupported compute capability for cuDNN flash attention")
+
+    monkeypatch.setattr(block_scores_module, "compressed_attention_grouped", unsupported)
+    failed = guard_kernels(cfg, 1, SEQ, force=True, warn=lines.append)
+    assert set(failed) == {"cmp"} and len(lines) == 1
+    assert lines[0].startswith(
+        "warning: kernel guard: cuDNN fused attention + block_scores_pallas (nsa_cmp_lse, nsa_block_select) "
+        "failed to compile: RuntimeError: Unsupported compute capability"
+    )
+    assert K.plan_kernels(cfg.nsa, SEQ, "gpu", fallback=set(failed)).cmp == "xla"
 
 
 @pytest.mark.slow

@@ -29,7 +29,11 @@ from reference import (
 
 from nsa_jax import kernels
 from nsa_jax.kernels import flash_pallas, selection_pallas
-from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, compressed_attention_pallas
+from nsa_jax.kernels.compressed_pallas import (
+    CompressedBlockSizes,
+    compressed_attention_pallas,
+    compressed_lse_pallas,
+)
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, reverse_index, selection_attention_pallas
@@ -329,6 +333,44 @@ def test_compressed_matches_reference(b, t, g, kvh, d, l, stride, dtype, bsz):
     check_all(results, reference, dtype)
     # Queries before the first complete block see nothing: output exactly 0.
     assert np.all(results[0][:, : l - 1] == 0)
+
+
+def reference_lse2_BxKxR(q, kc, l, stride, scale):
+    """Base-2 log-sum-exp of each (query, head) over its visible compressed tokens, float64, in the
+    kernels' flattened-row layout [B, K, T*G] (row t*G + g), 0 where a query sees no token."""
+    q, kc = (np.asarray(x, np.float64) for x in (q, kc))
+    b, t, h, _ = q.shape
+    tc, kvh = kc.shape[1], kc.shape[2]
+    g = h // kvh
+    out = np.zeros((b, kvh, t * g))
+    for bi in range(b):
+        for ti in range(t):
+            seen = [i for i in range(tc) if i * stride + l - 1 <= ti]
+            for hi in range(h):
+                if seen:
+                    s = scale * (kc[bi, seen, hi // g] @ q[bi, ti, hi])
+                    m = s.max()
+                    out[bi, hi // g, ti * g + hi % g] = (m + np.log(np.exp(s - m).sum())) / np.log(2)
+    return out
+
+
+@pytest.mark.parametrize("b,t,g,kvh,d,l,stride,dtype,bsz", COMPRESSED_CASES)
+def test_compressed_lse_pass_matches_float64_reference(b, t, g, kvh, d, l, stride, dtype, bsz):
+    # The log-sum-exp alone (one q k^T pass, no values), which block scoring reads when the
+    # compressed attention runs elsewhere: per row against the float64 sum over the visible tokens;
+    # queries before the first complete block see none (0); padding rows past T*G are not compared.
+    rng = np.random.default_rng(t * 5 + g)
+    tc = (t - l) // stride + 1
+    q = jnp.asarray(rng.standard_normal((b, t, g * kvh, d)), jnp.float32).astype(dtype)
+    kc = jnp.asarray(rng.standard_normal((b, tc, kvh, d)), jnp.float32).astype(dtype)
+    scale = 0.7 * d**-0.5
+    lse, used = compressed_lse_pallas(q, kc, l=l, d=stride, scale=scale, interpret=INTERPRET, block_sizes=bsz)
+    assert used == pytest.approx(scale) and lse.dtype == jnp.float32
+    want = reference_lse2_BxKxR(q.astype(jnp.float32), kc.astype(jnp.float32), l, stride, scale)
+    got = np.asarray(lse)[:, :, : t * g]
+    assert got.shape == want.shape and np.asarray(lse).shape[-1] >= t * g
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    assert np.all(got[:, :, : (l - 1) * g] == 0)
 
 
 # ---------------------------------------------------------------------------

@@ -43,13 +43,18 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("G,K,T,kernel", [(2, 2, 53, "auto"), (6, 1, 64, "auto"), (6, 1, 64, "gather")])
-def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel):
+@pytest.mark.parametrize(
+    "G,K,T,kernel,cmp",
+    [(2, 2, 53, "auto", "auto"), (6, 1, 64, "auto", "auto"), (6, 1, 64, "gather", "auto"), (6, 2, 61, "auto", "cudnn")],
+)
+def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel, cmp):
     # All three branches through the Pallas kernels (interpreted off-GPU): the compressed
     # branch's group probabilities must rank the same blocks as the per-token reference.
     # `auto` runs the block-sparse selection kernel at these lengths; the others are named.
+    # cmp=cudnn: the compressed attention through jax's fused attention (XLA's off a GPU) and the
+    # scores from the separate log-sum-exp pass.
     cfg = tiny_model_cfg(G=G, K=K, l=16, d=8, lp=16, n=3, w=16)
-    nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas", selection_kernel=kernel)
+    nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas", selection_kernel=kernel, compressed_kernel=cmp)
     cfg = dataclasses.replace(cfg, nsa=nsa)
     x, params = _setup(cfg, T, seed=5)
     out, idx = _apply(cfg, params, x)

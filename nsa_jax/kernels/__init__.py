@@ -3,8 +3,9 @@
 One entry point per NSA branch (`compressed_attention`, `selection_attention`,
 `window_attention`) runs the implementation it is given: `xla` (the reference and
 CPU path, kernels/xla.py) or a Pallas kernel (Triton backend: compressed_pallas with
-block_scores_pallas; selection's `blocksparse` (blocksparse_pallas) or `gather`
-(selection_pallas); flash_pallas for the window). Which one each branch runs is the
+block_scores_pallas, or `cudnn`: cuDNN's fused attention with block_scores_pallas;
+selection's `blocksparse` (blocksparse_pallas) or `gather` (selection_pallas);
+flash_pallas for the window). Which one each branch runs is the
 kernel plan's decision (kernels/plan.py, `plan_kernels`), made once from the config,
 the backend and the kernel guard's findings and passed to the layer. `interpret`
 says whether a Pallas kernel runs in the interpreter; None: when the default backend
@@ -20,6 +21,7 @@ from nsa_jax.kernels.block_scores_pallas import compressed_attention_scores_pall
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.plan import (
+    COMPRESSED_KERNELS,
     SELECTION_KERNELS,
     KernelPlan,
     plan_kernels,
@@ -35,6 +37,7 @@ from nsa_jax.kernels.xla import (
 )
 
 __all__ = [
+    "COMPRESSED_KERNELS",
     "SELECTION_KERNELS",
     "KernelPlan",
     "compressed_attention",
@@ -82,7 +85,8 @@ def window_attention(q, k, v, window, scale=None, *, impl="xla", interpret=None,
 def compressed_attention(
     q, kc, vc, *, l, d, lp, scale=None, impl="xla", interpret=None, query_chunk=512, select_n=None, t_T=None
 ):
-    """Compressed-branch attention and the selection-block scores (or blocks) through `impl` (`pallas` or `xla`).
+    """Compressed-branch attention and the selection-block scores (or blocks) through `impl` (`pallas`,
+    `cudnn` or `xla`).
 
     Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
     gets 0. Returns o [B, T, H, Dv] in q's dtype and the group block scores
@@ -91,16 +95,20 @@ def compressed_attention(
     With `select_n`, the second output is instead the selected blocks
     [B, T, K, select_n] int32, select_blocks(scores, lp, select_n, t_T)'s contract:
     `xla` runs select_blocks over its own scores; `pallas` scores and selects in one
-    kernel (block_scores_pallas), so no probability or block-score tensor exists.
+    kernel (block_scores_pallas), so no probability or block-score tensor exists; `cudnn`
+    likewise, with the attention itself through cuDNN (block_scores_pallas' ``attention``).
     """
+    if impl not in (*COMPRESSED_KERNELS, "xla"):
+        raise ValueError(f"compressed branch impl must be one of {', '.join(COMPRESSED_KERNELS)} or xla, got {impl!r}")
     B, T, H, Dk = q.shape
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
     n_blocks = -(-T // lp)
     scale = Dk**-0.5 if scale is None else scale
     if Tc == 0:
         o, scores = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
-    elif impl == "pallas":
-        kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret))
+    elif impl in COMPRESSED_KERNELS:
+        attention = "cudnn" if impl == "cudnn" else "flash"
+        kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention)
         if select_n is None:
             return compressed_attention_scores_pallas(q, kc, vc, **kw)
         return compressed_attention_select_pallas(q, kc, vc, n=select_n, t_T=t_T, **kw)

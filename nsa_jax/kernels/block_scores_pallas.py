@@ -6,8 +6,9 @@ probability tensor ``[B, K, T, Tc]`` (2 GiB at T=64k) or, on the selection
 path, the block-score tensor ``[B, K, T, T/lp]``:
 
 * ``compressed_attention_select_pallas``: compressed attention (the flash
-  kernels of ``compressed_pallas``) and block indices ``[B, T, K, n]``, the
-  same contract as ``kernels.xla.select_blocks`` over the block scores;
+  kernels of ``compressed_pallas``, or cuDNN's fused attention with a separate
+  log-sum-exp pass: ``attention="cudnn"``) and block indices ``[B, T, K, n]``,
+  the same contract as ``kernels.xla.select_blocks`` over the block scores;
 * ``compressed_attention_scores_pallas``: the same attention and the block
   scores ``[B, T, K, Nb]`` fp32 (the compressed branch's score output);
 * ``select_blocks_pallas``: the top-n part alone, over a given score tensor
@@ -62,7 +63,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, cmp_layout, compressed_attention_lse_pallas
+from nsa_jax.kernels.compressed_pallas import (
+    CompressedBlockSizes,
+    cmp_layout,
+    compressed_attention_lse_pallas,
+    compressed_lse_pallas,
+)
+from nsa_jax.kernels.cudnn import compressed_attention_grouped
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
     MIN_DOT_DIM,
@@ -420,11 +427,26 @@ def fit_select_sizes(bsz: BlockSelectSizes | None, dk: int, itemsize: int) -> Bl
     return bsz
 
 
-def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes):
-    """(o, lse, layout, scale) of the compressed branch's flash kernels."""
-    o, lse, scale = compressed_attention_lse_pallas(
-        q, kc, vc, l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes
-    )
+# What computes the compressed branch's attention output (the scores always come from Pallas).
+ATTENTIONS = ("flash", "cudnn")
+
+
+def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes, attention):
+    """(o, lse, layout, scale) of the compressed branch.
+
+    ``flash``: the branch's flash kernels, whose forward also gives the lse. ``cudnn``:
+    o from one fused causal attention over the regrouped branch (kernels/cudnn.py; XLA's
+    attention when interpreted, off a GPU) and the lse from its own q k^T pass.
+    """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"compressed attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    kw = dict(l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes)
+    if attention == "cudnn":
+        lse, scale = compressed_lse_pallas(q, kc, **kw)
+        impl = "xla" if interpret else "cudnn"
+        o = compressed_attention_grouped(q, kc, vc, l=l, d=d, scale=scale, implementation=impl)
+    else:
+        o, lse, scale = compressed_attention_lse_pallas(q, kc, vc, **kw)
     return o, lse, cmp_layout(kc.shape[1], q.shape[1], l, d), scale
 
 
@@ -440,16 +462,21 @@ def compressed_attention_scores_pallas(
     interpret: bool = False,
     block_sizes: CompressedBlockSizes | None = None,
     select_sizes: BlockSelectSizes | None = None,
+    attention: str = "flash",
 ):
     """Compressed-branch attention and its selection-block scores.
 
     Returns o_BxTxHxDv (differentiable in q, kc, vc; as compressed_attention_pallas)
     and scores_BxTxKxNb fp32, Nb = ceil(T / lp): Eq. 9 sums of the group
     probabilities (no gradient). No [B, K, T, Tc] probability tensor exists.
+    `attention`: what computes o, ``flash`` (the Pallas kernels) or ``cudnn`` (see
+    compressed_attention_select_pallas).
     """
     _check_geometry(l, d, lp)
     ssz = fit_select_sizes(select_sizes, padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize)
-    o, lse, lay, scale = _attention_and_lse(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes)
+    o, lse, lay, scale = _attention_and_lse(
+        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention
+    )
     sg = lax.stop_gradient
     s = _block_scores(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, lay, l, d, lp, scale, bool(interpret), ssz)
     return o, jnp.moveaxis(s, 1, 2)
@@ -469,6 +496,7 @@ def compressed_attention_select_pallas(
     interpret: bool = False,
     block_sizes: CompressedBlockSizes | None = None,
     select_sizes: BlockSelectSizes | None = None,
+    attention: str = "flash",
 ):
     """Compressed-branch attention and the selected blocks, with no score tensor.
 
@@ -479,6 +507,11 @@ def compressed_attention_select_pallas(
       t_T: positions the selection rules see per row (default 0..T-1), as
         select_blocks' ``t_T``; the compressed tokens' visibility uses the row.
       select_sizes: optional ``BlockSelectSizes``.
+      attention: what computes o: ``flash``, the branch's Pallas flash kernels, whose
+        forward gives the log-sum-exp the scores need; ``cudnn``, one fused causal
+        attention over the regrouped branch (kernels/cudnn.py; XLA's attention when
+        interpreted) and the log-sum-exp from a separate q k^T pass
+        (compressed_lse_pallas).
 
     Returns:
       o_BxTxHxDv and idx_BxTxKxN int32: for each row and KV group, the forced
@@ -494,7 +527,9 @@ def compressed_attention_select_pallas(
     t_T = jnp.arange(t, dtype=jnp.int32) if t_T is None else t_T
     if t_T.shape != (t,):
         raise ValueError(f"t_T must have shape ({t},), got {t_T.shape}")
-    o, lse, lay, scale = _attention_and_lse(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes)
+    o, lse, lay, scale = _attention_and_lse(
+        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention
+    )
     sg = lax.stop_gradient
     idx = _block_select(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, sg(t_T), lay, l, d, lp, n, scale, bool(interpret), ssz)
     return o, jnp.moveaxis(idx, 1, 2)

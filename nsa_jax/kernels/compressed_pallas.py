@@ -3,8 +3,10 @@
 This module owns ``compressed_attention_pallas``: attention of every query over
 the compressed tokens (token ``i`` summarises raw tokens ``[i*d, i*d + l)`` and
 is visible to query ``t`` iff ``i*d + l - 1 <= t``; docs "Compressed branch"),
-and ``compressed_attention_lse_pallas``, the same attention with the forward's
-log-sum-exp, from which ``block_scores_pallas`` scores and selects blocks.
+``compressed_attention_lse_pallas``, the same attention with the forward's
+log-sum-exp, from which ``block_scores_pallas`` scores and selects blocks, and
+``compressed_lse_pallas``, that log-sum-exp alone (one kernel computing q k^T
+only), for when the attention itself runs elsewhere (cuDNN, kernels/cudnn.py).
 
 Why a kernel
 ------------
@@ -25,7 +27,7 @@ import dataclasses
 
 from jax import lax
 
-from nsa_jax.kernels.flash_pallas import FlashBlockSizes, banded_attention, check_block_sizes
+from nsa_jax.kernels.flash_pallas import FlashBlockSizes, banded_attention, banded_lse, check_block_sizes
 from nsa_jax.kernels.pallas_common import (
     KeyLayout,
     validate_qkv,
@@ -105,3 +107,28 @@ def compressed_attention_pallas(
     return compressed_attention_lse_pallas(
         q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes
     )[0]
+
+
+def compressed_lse_pallas(
+    q_BxTxHxDk,
+    kc_BxTcxKxDk,
+    *,
+    l: int,
+    d: int,
+    scale: float | None = None,
+    interpret: bool = False,
+    block_sizes: CompressedBlockSizes | None = None,
+):
+    """(lse_BxKxRp, scale): compressed_attention_lse_pallas's log-sum-exp without the attention.
+
+    One Pallas kernel (``nsa_cmp_lse``) walks the same key tiles as the forward and
+    computes q k^T only, about half the forward's matmul work; no value is read.
+    """
+    validate_qkv(q_BxTxHxDk, kc_BxTcxKxDk, kc_BxTcxKxDk, same_length=False)
+    t, dk = q_BxTxHxDk.shape[1], q_BxTxHxDk.shape[3]
+    if l < 1 or d < 1:
+        raise ValueError(f"l={l} and d={d} must be >= 1")
+    bsz = CompressedBlockSizes() if block_sizes is None else block_sizes
+    scale = float(dk**-0.5 if scale is None else scale)
+    lay = cmp_layout(kc_BxTcxKxDk.shape[1], t, l, d)
+    return banded_lse(q_BxTxHxDk, kc_BxTcxKxDk, lay, scale, bool(interpret), bsz.attention, "nsa_cmp"), scale

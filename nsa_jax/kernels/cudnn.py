@@ -1,4 +1,4 @@
-"""NSA branches as cuDNN's fused attention (`jax.nn.dot_product_attention`), GPU candidates.
+"""NSA branches as cuDNN's fused attention (`jax.nn.dot_product_attention`).
 
 cuDNN's flash attention runs plain causal attention at several times the rate of
 the Pallas/Triton kernels (docs/PERFORMANCE.md), so a branch that can be written as
@@ -13,8 +13,9 @@ one call of it is a candidate wherever it is timed. Two can:
   position over the Tc tokens, and its d positions times the G heads of a KV head are
   d*G query heads of that KV head: causal GQA attention of length Tc with H*d query
   heads over K, exactly the branch's output (queries t < l - 1 see no token: 0).
-  It gives no log-sum-exp, which block scoring needs (block_scores_pallas), so it is a
-  timing candidate for the attention alone (benchmarks/bench_kernels.py), not a layer path.
+  It gives no log-sum-exp, which block scoring needs, so with `compressed_kernel: cudnn`
+  the layer pairs it with a Pallas pass that computes only that (block_scores_pallas,
+  ``attention="cudnn"``; compressed_pallas.compressed_lse_pallas).
 
 `implementation` is jax's: "cudnn" on a GPU; None or "xla" elsewhere (the CPU tests
 check the regrouping with XLA's attention, which holds the [H*d, Tc, Tc] scores).

@@ -4,6 +4,8 @@ This module owns the flash engine that serves the NSA branches:
 ``banded_attention`` runs a fused forward, a dQ kernel and a dK/dV kernel
 under ``jax.custom_vjp`` for keys placed by a ``KeyLayout``
 (``pallas_common``), optionally under a per-row block mask.
+``banded_lse`` is its forward without values, the log-sum-exp alone (for a
+caller whose attention output comes from elsewhere, kernels/cudnn.py).
 ``window_attention_pallas`` is the sliding-window entry point: query ``t``
 attends to the positions ``[max(0, t - w + 1), t]`` (docs "Sliding-window
 branch"). The compressed branch (``compressed_pallas``) calls
@@ -261,15 +263,17 @@ def _win_kernel(
     scale,
     scale_log2,
     select_block,
+    stats_only=False,
 ):
-    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], then
-    #   forward: o [R, Dv], lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [R, Dk].
-    idx_ref, (q_ref, k_ref, v_ref, *rest) = _split_refs(refs, select_block)
+    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv] (not with stats_only), then
+    #   forward: o [R, Dv], lse [R]; stats_only: lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [R, Dk].
+    idx_ref, (q_ref, k_ref, *rest) = _split_refs(refs, select_block)
+    v_ref = None if stats_only else rest.pop(0)
     f0 = pl.program_id(0) * block_rows
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-    rows = RowPass(backward, q_ref, rest, row_R, scale=scale, scale_log2=scale_log2)
+    rows = RowPass(backward, q_ref, rest, row_R, scale=scale, scale_log2=scale_log2, stats_only=stats_only)
     idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
 
     def body(kt, carry):
@@ -278,7 +282,7 @@ def _win_kernel(
 
         def step(carry):
             k_CxDk = k_ref[pl.ds(start, block_keys), :]
-            v_CxDv = v_ref[pl.ds(start, block_keys), :]
+            v_CxDv = None if v_ref is None else v_ref[pl.ds(start, block_keys), :]
             vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R)
             return rows.step(carry, k_CxDk, v_CxDv, vis_RxC)
 
@@ -421,10 +425,11 @@ def _prep_idx(idx, select_block):
     return (pad_axis(idx.astype(jnp.int32), 3, next_pow2(idx.shape[-1]), value=-1),)
 
 
-def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, select_block):
-    """(o [B, T, H, Dv], lse [B, K, Rp] base 2 in the flattened-row layout)."""
-    d = _win_dims(q, k, v, bsz)
-    q_f, k_p, v_p = _prep(q, k, v, d)
+def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, select_block, stats_only=False):
+    """(o [B, T, H, Dv], lse [B, K, Rp] base 2 in the flattened-row layout); with `stats_only`
+    (v is None) the lse alone, from a kernel that never loads a value."""
+    d = _win_dims(q, k, k if stats_only else v, bsz)
+    q_f, k_p, v_p = _prep(q, k, k if stats_only else v, d)
     q_spec, k_spec, v_spec, _ = _in_specs(d)
     idx_args = _prep_idx(idx, select_block)
     idx_specs = [_idx_spec(d, x.shape[-1]) for x in idx_args]
@@ -442,23 +447,25 @@ def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, s
         scale=scale,
         scale_log2=scale * LOG2E,
         select_block=select_block,
+        stats_only=stats_only,
     )
-    o_rows, lse = pl.pallas_call(
+    lse_spec = pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i))
+    lse_shape = jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded), jnp.float32)
+    o_spec = pl.BlockSpec((None, None, r, d.dv), lambda i, b, kv: (b, kv, i, 0))
+    o_shape = jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dv), q.dtype)
+    outs = pl.pallas_call(
         kernel,
         grid=(d.rows_padded // r, d.batch, d.kv_heads),
-        in_specs=[*idx_specs, q_spec, k_spec, v_spec],
-        out_specs=[
-            pl.BlockSpec((None, None, r, d.dv), lambda i, b, kv: (b, kv, i, 0)),
-            pl.BlockSpec((None, None, r), lambda i, b, kv: (b, kv, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dv), q.dtype),
-            jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded), jnp.float32),
-        ],
+        in_specs=[*idx_specs, q_spec, k_spec, *([] if stats_only else [v_spec])],
+        out_specs=[lse_spec] if stats_only else [o_spec, lse_spec],
+        out_shape=[lse_shape] if stats_only else [o_shape, lse_shape],
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
-        name=f"{name}_fwd",
-    )(*idx_args, q_f, k_p, v_p)
+        name=f"{name}_lse" if stats_only else f"{name}_fwd",
+    )(*idx_args, q_f, k_p, *([] if stats_only else [v_p]))
+    if stats_only:
+        return outs[0]
+    o_rows, lse = outs
     return _ungroup_rows(o_rows, d, v.shape[-1]), lse
 
 
@@ -586,6 +593,18 @@ def banded_attention(
     if bsz.dkv_splits is None:
         bsz = dataclasses.replace(bsz, dkv_splits=q.shape[2] // k.shape[2] if select_block else 1)
     return _banded(q, k, v, idx, lay, scale, interpret, bsz, name, select_block or None)
+
+
+def banded_lse(q, k, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str):
+    """lse [B, K, Rp] of attention over keys placed by ``lay``, as ``banded_attention``
+    returns it (base 2, flattened-row layout, 0 for a row that sees no key), from one
+    kernel ``{name}_lse`` that walks the same key tiles and computes only q k^T: no value
+    is loaded and no output written. No gradient (a statistic)."""
+    check_block_sizes(bsz)
+    itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q, k))
+    bsz = fit_block_sizes(bsz, q.shape[-1], k.shape[-1], itemsize)
+    q, k = lax.stop_gradient(q), lax.stop_gradient(k)  # no tangent reaches the kernel: it has no derivative
+    return _banded_forward(q, k, None, None, lay, scale, interpret, bsz, name, None, True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))

@@ -15,7 +15,9 @@ the kernel and the error; the run passes the failed branches to its kernel plan
 runs them on XLA. On any other backend, or with `pallas` / `xla` asked for
 explicitly, it returns at once: a CPU run pays nothing unless `force=True` (the
 tests force it with the interpreted kernels). The selection branch is checked with
-the kernel the run's plan picks at its length (block-sparse or gather).
+the kernel the run's plan picks at its length (block-sparse or gather), the
+compressed branch with cuDNN's attention when the config names it
+(`compressed_kernel: cudnn`; a failure there also moves the branch to XLA).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ MIN_INDEX_AGREEMENT = 0.98
 
 _KERNELS = {
     "cmp": "compressed_pallas/block_scores_pallas (nsa_cmp_*, nsa_block_select)",
+    "cmp-cudnn": "cuDNN fused attention + block_scores_pallas (nsa_cmp_lse, nsa_block_select)",
     "win": "flash_pallas (nsa_window_*)",
     "blocksparse": "blocksparse_pallas (nsa_selection_bsp_*)",
     "gather": "selection_pallas (nsa_selection_*)",
@@ -62,10 +65,11 @@ def _branch_fn(plan, nsa, branch: str) -> tuple[str, Callable]:
         select_n = nsa.n if "slc" in nsa.branches else None
 
         def cmp(impl, q, kc, vc):
+            impl = plan.cmp if impl == "pallas" else impl
             o, idx = K.compressed_attention(q, kc, vc, l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n, **run)
             return o, (idx if select_n is not None else None)
 
-        return _KERNELS["cmp"], cmp
+        return _KERNELS["cmp-cudnn" if plan.cmp == "cudnn" else "cmp"], cmp
     if branch == "win":
         return _KERNELS["win"], lambda impl, q, k, v: (K.window_attention(q, k, v, nsa.w, impl=impl, **run), None)
 

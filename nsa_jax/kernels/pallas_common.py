@@ -10,7 +10,9 @@ the same once a tile is loaded and its mask is known:
   scores ``scores_log2``;
 * the forward online softmax: ``online_softmax_init``, one
   ``online_softmax_step`` per key tile, and ``online_softmax_finish``, which
-  gives the output and the log-sum-exp (base 2) the backward reuses;
+  gives the output and the log-sum-exp (base 2) the backward reuses, and its
+  value-free half (``softmax_stats_init`` / ``softmax_stats_step``) for a pass
+  that wants the log-sum-exp alone;
 * the backward of one tile, ``softmax_grad_tile``: the probabilities
   recomputed from that log-sum-exp and the gradient of the scores.
 
@@ -166,34 +168,52 @@ def scores_log2(q_RxDk, k_CxDk, scale_log2: float):
     return plgpu_triton.dot(q_RxDk, k_CxDk, trans_b=True) * scale_log2
 
 
+def softmax_stats_init(rows: int):
+    """(running max m [R], running sum l [R]) before the first key tile."""
+    return jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+
+
 def online_softmax_init(rows: int, dv: int):
     """(acc [R, Dv], running max m [R], running sum l [R]) before the first key tile."""
-    return (
-        jnp.zeros((rows, dv), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    return (jnp.zeros((rows, dv), jnp.float32), *softmax_stats_init(rows))
 
 
-def online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2: float):
-    """Folds one key tile into the running (acc, m, l); ``vis_RxC`` may be [1, C] (one mask for all rows)."""
-    acc_RxDv, m_R, l_R = carry
+def _softmax_fold(m_R, l_R, q_RxDk, k_CxDk, vis_RxC, scale_log2: float):
+    """(m_new, alpha = exp2(m - m_new), P [R, C] against m_new, l_new) of one key tile."""
     s_RxC = jnp.where(vis_RxC, scores_log2(q_RxDk, k_CxDk, scale_log2), MASK_VALUE)
     m_new_R = jnp.maximum(m_R, jnp.max(s_RxC, axis=1))
     alpha_R = jnp.exp2(m_R - m_new_R)
     # The explicit where keeps fully masked rows at exactly zero weight.
     p_RxC = jnp.where(vis_RxC, jnp.exp2(s_RxC - m_new_R[:, None]), 0.0)
-    l_R = l_R * alpha_R + jnp.sum(p_RxC, axis=1)
+    return m_new_R, alpha_R, p_RxC, l_R * alpha_R + jnp.sum(p_RxC, axis=1)
+
+
+def online_softmax_step(carry, q_RxDk, k_CxDk, v_CxDv, vis_RxC, scale_log2: float):
+    """Folds one key tile into the running (acc, m, l); ``vis_RxC`` may be [1, C] (one mask for all rows)."""
+    acc_RxDv, m_R, l_R = carry
+    m_R, alpha_R, p_RxC, l_R = _softmax_fold(m_R, l_R, q_RxDk, k_CxDk, vis_RxC, scale_log2)
     acc_RxDv = acc_RxDv * alpha_R[:, None] + plgpu_triton.dot(p_RxC.astype(v_CxDv.dtype), v_CxDv)
-    return acc_RxDv, m_new_R, l_R
+    return acc_RxDv, m_R, l_R
+
+
+def softmax_stats_step(carry, q_RxDk, k_CxDk, vis_RxC, scale_log2: float):
+    """Folds one key tile into the running (m, l) alone: online_softmax_step without the values."""
+    m_R, _, _, l_R = _softmax_fold(*carry, q_RxDk, k_CxDk, vis_RxC, scale_log2)
+    return m_R, l_R
+
+
+def _log_sum_exp2(m_R, l_R):
+    """(lse [R] base 2, 0 for a row that saw no key; l with 1 in those rows)."""
+    seen_R = l_R > 0.0
+    l_safe_R = jnp.where(seen_R, l_R, 1.0)
+    return jnp.where(seen_R, m_R + jnp.log2(l_safe_R), 0.0), l_safe_R
 
 
 def online_softmax_finish(carry):
     """(o [R, Dv] fp32, lse [R] base 2) of the walk; a row that saw no key gets o = 0 and lse = 0."""
     acc_RxDv, m_R, l_R = carry
-    seen_R = l_R > 0.0
-    l_safe_R = jnp.where(seen_R, l_R, 1.0)
-    return acc_RxDv / l_safe_R[:, None], jnp.where(seen_R, m_R + jnp.log2(l_safe_R), 0.0)
+    lse_R, l_safe_R = _log_sum_exp2(m_R, l_R)
+    return acc_RxDv / l_safe_R[:, None], lse_R
 
 
 def softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2: float):
@@ -220,7 +240,9 @@ class RowPass:
     * forward (``refs`` = o [R, Dv], lse [R]): ``init`` the online softmax, ``step``
       one tile into it, ``finish`` writes o and the base-2 log-sum-exp;
     * dQ (``refs`` = do [T*H, Dv], lse [R], delta [R], dq [R, Dk]): ``init`` zeros,
-      ``step`` adds dS K of one tile, ``finish`` writes dq * scale.
+      ``step`` adds dS K of one tile, ``finish`` writes dq * scale;
+    * ``stats_only`` (a forward; ``refs`` = lse [R]): the running max and sum alone, no
+      values: ``finish`` writes the log-sum-exp the forward would (``step`` takes v=None).
 
     Built inside the kernel: the constructor loads the rows ``row`` of q (and of dO,
     with lse and delta, for dQ), so the loads come where a kernel would write them.
@@ -232,9 +254,22 @@ class RowPass:
     """
 
     def __init__(
-        self, backward: bool, q_ref, refs, row, *, scale: float, scale_log2: float, scatter=False, stat_row=None
+        self,
+        backward: bool,
+        q_ref,
+        refs,
+        row,
+        *,
+        scale: float,
+        scale_log2: float,
+        scatter=False,
+        stat_row=None,
+        stats_only=False,
     ):
+        if backward and stats_only:
+            raise ValueError("RowPass: stats_only is a forward")
         self.backward, self.scale, self.scale_log2 = backward, scale, scale_log2
+        self.stats_only = stats_only
         self.row, self.scatter = row, scatter
         self.q_RxDk = q_ref[row, :]
         if backward:
@@ -242,15 +277,21 @@ class RowPass:
             self.do_RxDv = do_ref[row, :]
             self.lse_R = lse_ref[...] if stat_row is None else lse_ref[stat_row]
             self.delta_R = delta_ref[...] if stat_row is None else delta_ref[stat_row]
+        elif stats_only:
+            (self.lse_ref,) = refs
         else:
             self.o_ref, self.lse_ref = refs
 
     def init(self, rows: int):
         if self.backward:
             return jnp.zeros((rows, self.q_RxDk.shape[-1]), jnp.float32)
+        if self.stats_only:
+            return softmax_stats_init(rows)
         return online_softmax_init(rows, self.o_ref.shape[-1])
 
     def step(self, carry, k_CxDk, v_CxDv, vis_RxC):
+        if self.stats_only:
+            return softmax_stats_step(carry, self.q_RxDk, k_CxDk, vis_RxC, self.scale_log2)
         if not self.backward:
             return online_softmax_step(carry, self.q_RxDk, k_CxDk, v_CxDv, vis_RxC, self.scale_log2)
         _, ds_RxC = softmax_grad_tile(
@@ -267,6 +308,9 @@ class RowPass:
     def finish(self, carry) -> None:
         if self.backward:
             self._store(self.dq_ref, carry * self.scale)
+            return
+        if self.stats_only:
+            self.lse_ref[...] = _log_sum_exp2(*carry)[0]
             return
         o_RxDv, lse_R = online_softmax_finish(carry)
         self._store(self.o_ref, o_RxDv)

@@ -3,7 +3,8 @@
 A ``KernelPlan`` names, for one sequence length and one backend, what the
 compressed (``cmp``), selection (``slc``) and window (``win``) branches run and
 whether the Pallas kernels run compiled or in the interpreter. ``plan_kernels``
-makes it from the config (``attention_impl``, ``selection_kernel``, ``lp``, ``n``),
+makes it from the config (``attention_impl``, ``selection_kernel``,
+``compressed_kernel``, ``lp``, ``n``),
 the backend and the branches the kernel guard moved to XLA; the layer takes it as
 an argument (``NSAAttention.kernels``), the train step makes one per schedule phase
 (the dense-selection phase changes ``n`` and with it the selection kernel), and
@@ -21,6 +22,11 @@ The rules:
 * The selection branch's Pallas kernel: ``selection_kernel`` when it names one,
   else ``blocksparse`` for T <= 2 n lp (blocksparse_pallas.prefers_blocksparse) and
   ``gather`` above (docs/PERFORMANCE.md has the figures behind the rule).
+* The compressed branch on the GPU path: ``pallas`` (its flash kernels, whose
+  forward gives the log-sum-exp block scoring needs) unless ``compressed_kernel``
+  is ``cudnn``: the attention through cuDNN's fused kernel (kernels/cudnn.py) and a
+  Pallas pass for the log-sum-exp, scoring and top-n as with ``pallas``. ``auto``
+  stays ``pallas`` until a GPU measures the other (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from nsa_jax.kernels.pallas_common import is_tile_size
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes
 
 BRANCHES = ("cmp", "slc", "win")
+# The compressed branch's GPU paths a config may name (NSAConfig.compressed_kernel; auto: pallas).
+COMPRESSED_KERNELS = ("pallas", "cudnn")
 IMPLS = ("auto", "pallas", "xla")
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
@@ -46,7 +54,8 @@ SELECTION_KERNELS: dict[str, SelectionBlockSizes | None] = {
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    """What each branch runs: cmp and win ``pallas`` or ``xla``; slc ``blocksparse``, ``gather`` or ``xla``.
+    """What each branch runs: cmp ``pallas``, ``cudnn`` or ``xla``; slc ``blocksparse``, ``gather`` or
+    ``xla``; win ``pallas`` or ``xla``.
 
     ``interpret``: the Pallas kernels run in the Pallas interpreter (a backend without a GPU).
     """
@@ -58,7 +67,7 @@ class KernelPlan:
 
     def __post_init__(self):
         for branch, allowed in (
-            ("cmp", ("pallas", "xla")),
+            ("cmp", (*COMPRESSED_KERNELS, "xla")),
             ("slc", (*SELECTION_KERNELS, "xla")),
             ("win", ("pallas", "xla")),
         ):
@@ -69,11 +78,16 @@ class KernelPlan:
 
     def describe(self) -> dict[str, str]:
         """Per branch, for env.json and the boot line: ``pallas-triton`` (selection:
-        ``pallas-triton/gather``, ...), ``pallas-interpret`` or ``xla-chunked``."""
+        ``pallas-triton/gather``, ...), ``pallas-interpret`` or ``xla-chunked``; the compressed
+        branch through cuDNN ``cudnn+pallas-triton`` (scoring on Pallas), ``xla-attention+pallas-interpret``
+        off a GPU, where jax's fused attention runs on XLA."""
         pallas = "pallas-interpret" if self.interpret else "pallas-triton"
         slc = "xla-chunked" if self.slc == "xla" else f"{pallas}/{self.slc}"
+        cmp = {"pallas": pallas, "xla": "xla-chunked"}.get(self.cmp)
+        if self.cmp == "cudnn":
+            cmp = f"{'xla-attention' if self.interpret else 'cudnn'}+{pallas}"
         return {
-            "cmp": pallas if self.cmp == "pallas" else "xla-chunked",
+            "cmp": cmp,
             "slc": slc,
             "win": pallas if self.win == "pallas" else "xla-chunked",
         }
@@ -104,6 +118,11 @@ def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset()) -> KernelPla
     choice = nsa.selection_kernel
     if choice != "auto" and choice not in SELECTION_KERNELS:
         raise ValueError(f"selection_kernel must be auto or one of {', '.join(SELECTION_KERNELS)}, got {choice!r}")
+    cmp_choice = nsa.compressed_kernel
+    if cmp_choice != "auto" and cmp_choice not in COMPRESSED_KERNELS:
+        raise ValueError(
+            f"compressed_kernel must be auto or one of {', '.join(COMPRESSED_KERNELS)}, got {cmp_choice!r}"
+        )
     chosen = resolve_impl(nsa.attention_impl, backend)
     auto = nsa.attention_impl == "auto"
 
@@ -118,4 +137,7 @@ def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset()) -> KernelPla
             slc = choice
         else:
             slc = "blocksparse" if prefers_blocksparse(seq, nsa.n, nsa.lp) else "gather"
-    return KernelPlan(cmp=impl("cmp"), slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS)
+    cmp = impl("cmp")
+    if cmp == "pallas" and cmp_choice != "auto":
+        cmp = cmp_choice
+    return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS)

@@ -273,7 +273,9 @@ class Compiled:
     dump_dir: str | None
 
 
-def _compile(target: str, fn: Callable, args, dump_dir: str | None, **jit_kwargs) -> Compiled:
+def compile_for(target: str, fn: Callable, args, dump_dir: str | None = None, **jit_kwargs) -> Compiled:
+    """`fn` (jitted or not) compiled for `target` at the abstract `args`; `dump_dir`: XLA's dump with the PTX
+    (`pallas_kernels` reads its kernels)."""
     options = {}
     if dump_dir:
         if Path(dump_dir).exists():
@@ -305,7 +307,7 @@ def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str |
     The step's kernel plan is the card's (the mesh's devices are GPUs): Pallas kernels compiled, not interpreted.
     """
     step, args = train_step_args(cfg, target_devices(target, n_devices))
-    return _compile(target, step, args, dump_dir)
+    return compile_for(target, step, args, dump_dir)
 
 
 def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, sharding=None):
@@ -328,7 +330,7 @@ def compile_layer(cfg: Config, target: str, seq_len: int, batch: int = 1, dump_d
     """The NSA layer's forward+backward of `cfg.model` at T=`seq_len` for one card."""
     device = target_devices(target, 1)[0]
     fn, args = layer_forward_backward(cfg.model, seq_len, batch, jax.sharding.SingleDeviceSharding(device))
-    return _compile(target, fn, args, dump_dir)
+    return compile_for(target, fn, args, dump_dir)
 
 
 def largest_batch(
