@@ -351,9 +351,12 @@ def run(opts) -> tuple[dict, list[dict]]:
     layers = {"nsa": NSAAttention(cfg)}
     params = {"nsa": random_params(layers["nsa"], x0, cfg.init_std)}
     # The same layer and parameters with other model.nsa settings (another kernel), timed in the same run.
+    variant_kernels = {}
     for name, variant in variant_configs(opts, overrides).items():
         layers[name] = NSAAttention(variant)
         params[name] = params["nsa"]
+        variant_kernels[name] = plan_kernels(variant.nsa, seq_lens[0], backend).describe()
+        print(f"{name}: kernels cmp/slc/win=" + "/".join(variant_kernels[name][b] for b in ("cmp", "slc", "win")))
     dense_params = None
     for variant in dense_variants:
         layers[f"dense_{variant}"] = DenseAttention(cfg, impl=variant, chunk=opts.dense_chunk)
@@ -410,6 +413,7 @@ def run(opts) -> tuple[dict, list[dict]]:
         max_seconds=opts.max_seconds,
         dense_chunk=opts.dense_chunk,
         kernels=impl,
+        variant_kernels=variant_kernels,
         model=dict(
             d_model=cfg.d_model,
             n_heads=cfg.n_heads,

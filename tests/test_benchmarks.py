@@ -199,10 +199,15 @@ def test_bench_attention_times_nsa_variants_beside_the_config(tmp_path):
     (the Pallas kernels interpreted here; cudnn's fused attention runs on XLA off a GPU)."""
     variants = "compressed_kernel=cudnn;selection_kernel=gather,compressed_kernel=cudnn"
     args = "--config cpu_tiny --seq-lens 64 --no-backward --iters 1 --warmup 0 --dense xla"
-    _, rows, out = run_bench(
+    meta, rows, out = run_bench(
         tmp_path, "bench_attention", f"{args} --set model.nsa.attention_impl=pallas --variants {variants}", ()
     )
     names = ["nsa[compressed_kernel=cudnn]", "nsa[selection_kernel=gather,compressed_kernel=cudnn]"]
+    # What each runs, in the JSON and on the screen (the config's own layer: the block-sparse kernel at T=64).
+    assert meta["kernels"]["cmp"] == "pallas-interpret"
+    assert meta["variant_kernels"][names[0]] == {**meta["kernels"], "cmp": "xla-attention+pallas-interpret"}
+    assert meta["variant_kernels"][names[1]]["slc"] == "pallas-interpret/gather"
+    assert f"{names[0]}: kernels cmp/slc/win=xla-attention+pallas-interpret/" in out
     for name in names:
         assert rows[0][f"{name}_ms"] > 0 and rows[0][f"{name}_speedup_vs_dense"] > 0, name
         assert name in out  # the side-by-side table
