@@ -408,6 +408,11 @@ def validate(cfg: Config) -> Config:
         f"model.scan_unroll must be in 1..model.n_layers ({m.n_layers}), got {m.scan_unroll}",
     )
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
+    need(
+        a.compressed_kernel != "cudnn" or m.head_dim == m.v_head_dim,
+        f"model.nsa.compressed_kernel=cudnn needs model.head_dim = model.v_head_dim (cuDNN's fused attention), "
+        f"got {m.head_dim} and {m.v_head_dim}; use compressed_kernel=auto",
+    )
 
     for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):
         need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
