@@ -69,8 +69,7 @@ from pathlib import Path
 import yaml
 
 from launch.cli import Parser, UsageError, run_main
-from launch.train import env_overrides
-from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, load_config
+from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, env_overrides, load_config
 from nsa_jax.rundir import files as rf
 
 ROOT = CONFIG_DIR.parent

@@ -60,7 +60,7 @@ import sys
 import threading
 
 from launch.cli import Parser
-from nsa_jax.config import Config, ConfigError, load_config
+from nsa_jax.config import Config, ConfigError, env_overrides, load_config
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.check import check_data
 from nsa_jax.data.sources import FILE_DATASETS
@@ -73,22 +73,6 @@ BUCKET_FLAG = "--xla_gpu_all_reduce_combine_threshold_bytes"
 # jax's persistent compilation cache: a repeated or resumed run loads the compiled step
 # instead of compiling it again (--compile-cache DIR|off, NSA_COMPILE_CACHE).
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "nsa_jax", "jax_compilation_cache")
-
-# variable -> (config key, value converter)
-_NUMERIC_ENV = {
-    "NSA_ACCUM": ("train.accumulate", int),
-    "NSA_LR": ("train.lr", float),
-    "NSA_SEQ_LEN": ("train.seq_len", int),
-    "NSA_BATCH_SIZE": ("train.global_batch", int),
-    "NSA_DDP_BUCKET_MB": ("parallel.bucket_mb", float),
-    # The torch process-group timeout: here a step that does not end in time ends the process.
-    "NSA_PG_TIMEOUT_MIN": ("ops.stall_seconds", lambda raw: float(raw) * 60),
-}
-_DISABLE_ENV = {
-    "NSA_TB_DISABLE": "logging.tensorboard",
-    "NSA_DISABLE_CSV_LOGS": "logging.csv",
-    "NSA_DISABLE_AUX_STATS": "logging.aux_stats",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,37 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dist.add_arguments(p)
     return p
-
-
-def env_overrides(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """Runbook variables -> (dotted overrides, {variable: what it set}); ConfigError on bad values."""
-    overrides, applied = [], {}
-
-    def add(var: str, key: str, value) -> None:
-        overrides.append(f"{key}={value}")
-        applied[var] = f"{key}={value}"
-
-    for var, (key, conv) in _NUMERIC_ENV.items():
-        raw = environ.get(var, "").strip()
-        if raw:
-            try:
-                add(var, key, conv(raw))
-            except ValueError:
-                kind = "an integer" if conv is int else "a number"
-                raise ConfigError(f"{var}={raw!r} must be {kind} ({key})") from None
-    raw = environ.get("NSA_DDP_COMPRESS", "").strip().lower()
-    if raw:
-        dtypes = {"bf16": "bfloat16", "bfloat16": "bfloat16", "off": "float32", "fp32": "float32", "none": "float32"}
-        if raw not in dtypes:
-            raise ConfigError(f"NSA_DDP_COMPRESS={raw!r} must be bf16 or off")
-        add("NSA_DDP_COMPRESS", "parallel.grad_reduce_dtype", dtypes[raw])
-    for var, key in _DISABLE_ENV.items():
-        raw = environ.get(var, "").strip()
-        if raw:
-            if raw not in ("0", "1"):
-                raise ConfigError(f"{var}={raw!r} must be 1 (disable) or 0 (enable)")
-            add(var, key, "false" if raw == "1" else "true")
-    return overrides, applied
 
 
 # The flags that stand for one config key each, with their value as given.

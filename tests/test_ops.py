@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from launch.train import env_overrides
-from nsa_jax.config import ConfigError, load_config
+from nsa_jax.config import ConfigError, env_overrides, load_config
 from nsa_jax.ops import distributed as D
 from nsa_jax.ops import health as H
 from nsa_jax.ops.wakeup import WakeupReader

@@ -13,13 +13,12 @@ import pytest
 from launch.train import (
     BUCKET_FLAG,
     build_parser,
-    env_overrides,
     fit_vocab_to_tokenizer,
     flag_overrides,
     prepare_out_dir,
     xla_flags_with_bucket,
 )
-from nsa_jax.config import ConfigError, load_config
+from nsa_jax.config import ConfigError, env_overrides, load_config
 
 from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, python_c, run_module, set_flags
 
