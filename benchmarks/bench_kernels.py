@@ -13,23 +13,27 @@ forward+backward, one row per (T, branch, mode, candidate):
   path (a cheap sanity check; tests/ hold the float64 references).
 
 Candidates (``--impls`` picks by name, ``--selection-variants`` adds gather
-kernels with other ``SelectionBlockSizes``):
+kernels with other ``SelectionBlockSizes``, ``--flash-variants`` the flash kernels
+(window, compressed attention, block-sparse selection) with other ``FlashBlockSizes``,
+each named ``NAME[TILES]``):
 
 * selection: ``gather`` (selection_pallas with the tiles the layer runs,
   kernels.SELECTION_KERNELS) and one ``sel[...]`` per variant (any
   ``SelectionBlockSizes``, e.g. ``positions=4,num_warps=1``),
-  ``blocksparse`` (blocksparse_pallas; the layer's kernel up to T = 2 n lp), ``xla``;
-* window: ``pallas`` (flash_pallas), ``cudnn`` (``jax.nn.dot_product_attention``
-  with ``local_window_size``, GPU only), ``xla``;
+  ``blocksparse`` (blocksparse_pallas; the layer's kernel up to T = 2 n lp) and one
+  ``blocksparse[...]`` per flash variant, ``xla``;
+* window: ``pallas`` (flash_pallas) and one ``pallas[...]`` per flash variant, ``cudnn``
+  (``jax.nn.dot_product_attention`` with ``local_window_size``, GPU only), ``xla``;
 * compressed: ``pallas`` (attention, then scores and top-n in one kernel), ``xla``; and the
   attention alone (no block selection): ``pallas-attn`` (the flash kernel the layer runs) and
-  ``cudnn-attn`` (kernels/cudnn.py: the branch regrouped into causal GQA over the Tc tokens,
-  through cuDNN; GPU only);
+  one ``pallas-attn[...]`` per flash variant, and ``cudnn-attn`` (kernels/cudnn.py: the branch
+  regrouped into causal GQA over the Tc tokens, through cuDNN; GPU only);
 * ``dense``: full causal attention, cuDNN's on a GPU, XLA's elsewhere.
 
 Usage:
   python -m benchmarks.bench_kernels [--seq-lens 8k,64k] [--backward] [--json out.json]
       [--selection-variants "positions=1;positions=4,num_warps=2"]
+      [--flash-variants "block_rows=128,num_warps=8;num_stages=3"]
 
 Without a GPU the Pallas kernels only run in the interpreter, which says
 nothing about speed, so they are skipped; the XLA and dense paths run at the
@@ -51,7 +55,7 @@ from benchmarks.common import fmt, log, on_gpu, parse_ints, print_header, short_
 from nsa_jax.kernels import SELECTION_KERNELS, compressed_attention
 from nsa_jax.kernels import xla as xla_kernels
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
-from nsa_jax.kernels.compressed_pallas import compressed_attention_pallas
+from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, compressed_attention_pallas
 from nsa_jax.kernels.cudnn import compressed_attention_grouped, window_attention_cudnn
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.reference import random_block_indices
@@ -92,16 +96,16 @@ def parse_sizes(cls, text: str, flag: str):
     return cls(**values)
 
 
-def variant_name(text: str) -> str:
-    """'positions=4,num_warps=2' -> 'sel[positions=4,num_warps=2]'."""
-    return f"sel[{text.replace(' ', '')}]"
+def variant_name(text: str, base: str = "sel") -> str:
+    """('positions=4,num_warps=2', 'sel') -> 'sel[positions=4,num_warps=2]'."""
+    return f"{base}[{text.replace(' ', '')}]"
 
 
 def _no_aux(fn):
     return lambda *a: (fn(*a), None)
 
 
-def candidates(branch, selection_variants=(), blocksparse_sizes=None):
+def candidates(branch, selection_variants=(), flash_variants=()):
     """name -> fn(q, k, v, idx) -> (o, aux), the branch's candidates in table order.
 
     The block indices are an argument, not a closed-over constant: as a constant XLA
@@ -109,9 +113,12 @@ def candidates(branch, selection_variants=(), blocksparse_sizes=None):
     time and the timings would leave that work out. The compressed branch gets the
     compressed keys and values (T/d of them) and returns the selected blocks as aux
     (the layer's call: scoring and top-n), so their cost is timed too.
+    `flash_variants`: ``FlashBlockSizes`` texts, each a candidate of every flash kernel.
     """
     p = PROD
     lp, w = p["block_size"], p["window"]
+    l, d = p["cmp_l"], p["cmp_d"]
+    flash = {text: parse_sizes(FlashBlockSizes, text, "--flash-variants") for text in flash_variants}
     impls = {}
     if branch == "selection":
         # The tiling the layer runs (kernels.SELECTION_KERNELS).
@@ -125,18 +132,34 @@ def candidates(branch, selection_variants=(), blocksparse_sizes=None):
                     lambda q, k, v, idx, bsz: selection_attention_pallas(q, k, v, idx, lp, block_sizes=bsz), bsz=bsz
                 )
             )
-        impls["blocksparse"] = _no_aux(
-            lambda q, k, v, idx: selection_attention_blocksparse_pallas(q, k, v, idx, lp, block_sizes=blocksparse_sizes)
-        )
+        for text, bsz in {"": None, **flash}.items():
+            impls[variant_name(text, "blocksparse") if text else "blocksparse"] = _no_aux(
+                functools.partial(
+                    lambda q, k, v, idx, bsz: selection_attention_blocksparse_pallas(q, k, v, idx, lp, block_sizes=bsz),
+                    bsz=bsz,
+                )
+            )
         impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, lp))
     elif branch == "compressed":
         for impl in ("pallas", "xla"):
             impls[impl] = functools.partial(compressed_branch, impl=impl)
-        l, d = p["cmp_l"], p["cmp_d"]
-        impls["pallas-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_pallas(q, kc, vc, l=l, d=d))
+        for text, bsz in {"": None, **flash}.items():
+            impls[variant_name(text, "pallas-attn") if text else "pallas-attn"] = _no_aux(
+                functools.partial(
+                    lambda q, kc, vc, idx, bsz: compressed_attention_pallas(
+                        q, kc, vc, l=l, d=d, block_sizes=bsz and CompressedBlockSizes(bsz)
+                    ),
+                    bsz=bsz,
+                )
+            )
         impls["cudnn-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_grouped(q, kc, vc, l=l, d=d))
     elif branch == "window":
-        impls["pallas"] = _no_aux(lambda q, k, v, idx: window_attention_pallas(q, k, v, w))
+        for text, bsz in {"": None, **flash}.items():
+            impls[variant_name(text, "pallas") if text else "pallas"] = _no_aux(
+                functools.partial(
+                    lambda q, k, v, idx, bsz: window_attention_pallas(q, k, v, w, block_sizes=bsz), bsz=bsz
+                )
+            )
         impls["cudnn"] = _no_aux(lambda q, k, v, idx: window_attention_cudnn(q, k, v, w))
         impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, w))
     else:
@@ -226,9 +249,10 @@ def parse_args(argv=None):
         "'positions=4,num_warps=2;positions=1,rows_dkv=32' (each a candidate named sel[...])",
     )
     parser.add_argument(
-        "--blocksparse-block-sizes",
+        "--flash-variants",
         default="",
-        help="FlashBlockSizes of the block-sparse selection kernel, e.g. block_rows=64,dkv_splits=6",
+        help="';'-separated FlashBlockSizes of extra flash-kernel candidates (window pallas[...], compressed "
+        "pallas-attn[...], selection blocksparse[...]), e.g. 'block_rows=128,num_warps=8;num_stages=3'",
     )
     parser.add_argument(
         "--idx-runs",
@@ -268,8 +292,8 @@ def make_inputs(seq, opts, dtype):
 
 def main(argv=None):
     opts = parse_args(argv)
-    blocksparse_sizes = parse_sizes(FlashBlockSizes, opts.blocksparse_block_sizes, "--blocksparse-block-sizes")
     variants = [v.strip() for v in opts.selection_variants.split(";") if v.strip()]
+    flash_variants = [v.strip() for v in opts.flash_variants.split(";") if v.strip()]
     gpu = on_gpu()
     dense_max = opts.dense_max_seq or (65536 if gpu else 16384)
     env = print_header(__doc__.splitlines()[0])
@@ -281,7 +305,7 @@ def main(argv=None):
     chosen = None if chosen is None else {i for i in chosen if i}
     modes = ["fwd"] + (["fwd+bwd"] if opts.backward else [])
     branches = [b.strip() for b in opts.branches.split(",") if b.strip()]
-    all_impls = {b: candidates(b, variants, blocksparse_sizes) for b in branches}
+    all_impls = {b: candidates(b, variants, flash_variants) for b in branches}
     known = {n for impls in all_impls.values() for n in impls} | {"dense"}
     if chosen is not None and (not chosen or chosen - known):
         raise SystemExit(f"error: --impls {opts.impls!r}: name one or more of {', '.join(sorted(known))}")
@@ -344,7 +368,7 @@ def main(argv=None):
         batch=opts.batch,
         config=PROD,
         selection_variants=variants,
-        blocksparse_block_sizes=opts.blocksparse_block_sizes,
+        flash_variants=flash_variants,
         idx_runs=opts.idx_runs,
         pallas_skipped=not gpu,
     )
@@ -353,8 +377,9 @@ def main(argv=None):
 
 
 def print_table(rows):
+    width = max([34, *(len(r["impl"]) for r in rows)])  # the column fits the longest variant name
     header = (
-        f"{'T':>6} {'branch':<10} {'mode':<7} {'candidate':<34} {'ms':>9} {'TFLOP/s':>8} {'dense/x':>8} "
+        f"{'T':>6} {'branch':<10} {'mode':<7} {'candidate':<{width}} {'ms':>9} {'TFLOP/s':>8} {'dense/x':>8} "
         f"{'max|o-ref|':>10}"
     )
     print()
@@ -362,7 +387,7 @@ def print_table(rows):
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} {r['impl']:<34} {fmt(r['ms'])} "
+            f"{r['seq']:>6} {r['branch']:<10} {r['mode']:<7} {r['impl']:<{width}} {fmt(r['ms'])} "
             f"{fmt(r.get('tflops'), '{:8.1f}', 8)} {fmt(r.get('dense_over'), '{:7.2f}x', 8)} "
             f"{fmt(r.get('max_abs_diff'), '{:10.2e}', 10)}" + (f"  ({r['note']})" if r.get("note") else "")
         )

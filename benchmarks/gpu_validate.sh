@@ -21,6 +21,11 @@
 #              attention alone, and cuDNN's causal attention over the regrouped compressed sequence
 #              (kernels/cudnn.py), fwd and fwd+bwd, against dense cuDNN at COMPRESSED_SEQ_LENS
 #              (default 8192,32768,65536)
+#   flash      the flash kernels (window, compressed attention, block-sparse selection) with each of
+#              FLASH_VARIANTS (';'-separated FlashBlockSizes; default the tilings that compile without
+#              spills for sm_80 and sm_90 on the CPU host) beside today's tiles and cuDNN, fwd and
+#              fwd+bwd: window and compressed at FLASH_SEQ_LENS (default 8192,32768,65536), the
+#              block-sparse kernel at T=2048 with FLASH_BATCH rows (default 16, the training step's shape)
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
 #   layer      python -m benchmarks.export_report (largest tensor and kernel count of the layer's
 #              fwd+bwd lowered for CUDA, T=LAYER_SEQ_LEN) then bench_attention fwd+bwd at
@@ -141,6 +146,18 @@ positions=2,num_warps=1;positions=4,num_warps=1"}
             --impls pallas,pallas-attn,cudnn-attn,dense --seq-lens "${COMPRESSED_SEQ_LENS:-8192,32768,65536}" \
             --json "$out/compressed.json"
         ;;
+    flash)
+        fv=${FLASH_VARIANTS:-"block_rows=128,num_warps=8;num_stages=3;block_rows=128,num_warps=8,num_stages=3"}
+        win="pallas,cudnn,$(echo "$fv" | sed 's/\([^;]*\)/pallas[\1]/g; s/;/,/g')"
+        cmp="pallas-attn,cudnn-attn,$(echo "$fv" | sed 's/\([^;]*\)/pallas-attn[\1]/g; s/;/,/g')"
+        bsp="blocksparse,$(echo "$fv" | sed 's/\([^;]*\)/blocksparse[\1]/g; s/;/,/g')"
+        run_part flash 300 "$PY" -m benchmarks.bench_kernels --backward --branches window,compressed --no-check \
+            --impls "$win,$cmp,dense" --flash-variants "$fv" --seq-lens "${FLASH_SEQ_LENS:-8192,32768,65536}" \
+            --json "$out/flash.json"
+        run_part flash_bsp 120 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
+            --impls "$bsp,dense" --flash-variants "$fv" --seq-lens 2048 --batch "${FLASH_BATCH:-16}" \
+            --json "$out/flash_bsp.json"
+        ;;
     attention)
         # shellcheck disable=SC2086
         run_part attention 540 "$PY" -m benchmarks.bench_attention --backward ${ATTN_ARGS:-} \
@@ -191,7 +208,7 @@ positions=2,num_warps=1;positions=4,num_warps=1"}
             --eval-suites needle --eval-lengths 1024 --out "$out/needle" --archive "$out/needle.tgz"
         ;;
     *)
-        echo "unknown part: $part (env tests kernels selection window compressed attention layer train smoke profile stepprof peak kv needle)" >&2
+        echo "unknown part: $part (env tests kernels selection window compressed flash attention layer train smoke profile stepprof peak kv needle)" >&2
         exit 2
         ;;
     esac

@@ -300,12 +300,20 @@ def test_profile_step_cli_writes_json(tmp_path):
 
 @pytest.mark.slow
 def test_bench_kernels_cli_times_the_xla_paths_and_names_the_gpu_candidates(tmp_path):
-    _, rows, _ = run_bench(
-        tmp_path, "bench_kernels", "--branches compressed,window --seq-lens 256 --iters 1 --warmup 0 --backward", ()
-    )
+    flash = "block_rows=128,num_warps=8;num_stages=3"
+    args = "--branches compressed,window,selection --seq-lens 256 --iters 1 --warmup 0 --backward"
+    args += f" --flash-variants {flash}"
+    meta, rows, _ = run_bench(tmp_path, "bench_kernels", args, ("flash_variants",))
     by = {(r["branch"], r["mode"], r["impl"]): r for r in rows}
     for mode in ("fwd", "fwd+bwd"):
         assert by[("compressed", mode, "xla")]["ms"] > 0 and by[("window", mode, "xla")]["ms"] > 0
         for name in ("pallas", "pallas-attn", "cudnn-attn"):  # kernels/cudnn.py's candidate among them
             assert by[("compressed", mode, name)]["note"] == "no GPU"
         assert by[("window", mode, "cudnn")]["note"] == "no GPU"
+        # Each flash tiling is a candidate of every flash kernel, named after its tiles.
+        for tiles in flash.split(";"):
+            for branch, base in (("window", "pallas"), ("compressed", "pallas-attn"), ("selection", "blocksparse")):
+                assert by[(branch, mode, f"{base}[{tiles}]")]["note"] == "no GPU"
+    assert meta["flash_variants"] == flash.split(";")
+    bad = run_cli("benchmarks.bench_kernels", "--flash-variants", "rows=128", check=False)
+    assert bad.returncode != 0 and "error: --flash-variants entry 'rows=128'" in bad.stderr

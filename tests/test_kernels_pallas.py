@@ -265,6 +265,8 @@ WINDOW_CASES = [
     pytest.param(1, 40, 16, 1, 128, 100, jnp.float32, None, id="G16-d128-w>T-f32"),
     pytest.param(1, 33, 2, 1, 32, 1, jnp.float32, FlashBlockSizes(16, 16, 16, 16), id="w1-f32"),
     pytest.param(1, 130, 6, 2, 64, 32, jnp.bfloat16, None, id="G6-d64-w32-bf16"),
+    # A flash tiling timed as a candidate (benchmarks/bench_kernels.py --flash-variants): 128-row tiles.
+    pytest.param(1, 150, 6, 2, 64, 70, jnp.bfloat16, FlashBlockSizes(block_rows=128, num_warps=8), id="G6-rows128"),
 ]
 
 
@@ -312,6 +314,18 @@ COMPRESSED_CASES = [
     ),
     pytest.param(1, 96, 16, 1, 16, 16, 16, jnp.float32, None, id="G16-d16-T96-l16-d16-f32"),
     pytest.param(1, 150, 6, 2, 64, 16, 8, jnp.bfloat16, None, id="G6-d64-T150-l16-d8-bf16"),
+    pytest.param(
+        1,
+        150,
+        6,
+        2,
+        64,
+        16,
+        8,
+        jnp.bfloat16,
+        CompressedBlockSizes(FlashBlockSizes(block_rows=128, num_warps=8)),
+        id="G6-d64-T150-rows128-bf16",
+    ),
 ]
 
 
