@@ -329,14 +329,18 @@ COMPRESSED_CASES = [
 ]
 
 
+def compressed_inputs(seed, b, t, g, kvh, d, l, stride, dtype):
+    """(q, kc, vc, do) in `dtype`, standard normal: the Tc = (T - l) // stride + 1 compressed tokens."""
+    rng = np.random.default_rng(seed)
+    tc = (t - l) // stride + 1
+    shapes = ((b, t, g * kvh, d), (b, tc, kvh, d), (b, tc, kvh, d), (b, t, g * kvh, d))
+    return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype) for s in shapes)
+
+
 @pytest.mark.parametrize("b,t,g,kvh,d,l,stride,dtype,bsz", COMPRESSED_CASES)
 def test_compressed_matches_reference(b, t, g, kvh, d, l, stride, dtype, bsz):
-    rng = np.random.default_rng(t * 7 + g)
-    tc = (t - l) // stride + 1
-    q = jnp.asarray(rng.standard_normal((b, t, g * kvh, d)), jnp.float32).astype(dtype)
-    kc = jnp.asarray(rng.standard_normal((b, tc, kvh, d)), jnp.float32).astype(dtype)
-    vc = jnp.asarray(rng.standard_normal((b, tc, kvh, d)), jnp.float32).astype(dtype)
-    do = jnp.asarray(rng.standard_normal((b, t, g * kvh, d)), jnp.float32).astype(dtype)
+    q, kc, vc, do = compressed_inputs(t * 7 + g, b, t, g, kvh, d, l, stride, dtype)
+    tc = kc.shape[1]
 
     def fn(q, kc, vc):
         return compressed_attention_pallas(q, kc, vc, l=l, d=stride, interpret=INTERPRET, block_sizes=bsz)
@@ -373,10 +377,7 @@ def test_compressed_lse_pass_matches_float64_reference(b, t, g, kvh, d, l, strid
     # The log-sum-exp alone (one q k^T pass, no values), which block scoring reads when the
     # compressed attention runs elsewhere: per row against the float64 sum over the visible tokens;
     # queries before the first complete block see none (0); padding rows past T*G are not compared.
-    rng = np.random.default_rng(t * 5 + g)
-    tc = (t - l) // stride + 1
-    q = jnp.asarray(rng.standard_normal((b, t, g * kvh, d)), jnp.float32).astype(dtype)
-    kc = jnp.asarray(rng.standard_normal((b, tc, kvh, d)), jnp.float32).astype(dtype)
+    q, kc, _, _ = compressed_inputs(t * 5 + g, b, t, g, kvh, d, l, stride, dtype)
     scale = 0.7 * d**-0.5
     lse, used = compressed_lse_pallas(q, kc, l=l, d=stride, scale=scale, interpret=INTERPRET, block_sizes=bsz)
     assert used == pytest.approx(scale) and lse.dtype == jnp.float32
