@@ -124,8 +124,10 @@ $PY -m pip list 2>/dev/null | grep -i -E '^(jax|flax|optax|orbax|grain|tensorboa
             --seq-lens "${KERNEL_SEQ_LENS:-2048,8192,32768}" --json "$out/kernels.json"
         ;;
     selection)
-        variants=${SELECTION_VARIANTS:-"positions=1,num_warps=1,dkv_segment=2048;positions=1,num_warps=1,rows_dkv=128;\
-positions=2,num_warps=1;positions=4,num_warps=1"}
+        # Default: the pipelining depths of today's tiles (1 stage: less shared memory per program, 3: deeper
+        # prefetch) and the multi-position tilings that compile without spills (lab/2026-11-27-flash-tilings.md).
+        variants=${SELECTION_VARIANTS:-"positions=1,num_warps=1,num_stages=1;positions=1,num_warps=1,num_stages=3;\
+positions=2,num_warps=1;positions=4,num_warps=2"}
         impls="gather,dense,$(echo "$variants" | sed 's/\([^;]*\)/sel[\1]/g; s/;/,/g')"
         # shellcheck disable=SC2086
         run_part selection 420 "$PY" -m benchmarks.bench_kernels --backward --branches selection --no-check \
