@@ -34,6 +34,7 @@ from pathlib import Path
 from benchmarks.common import config_meta, fmt_mib, log, parse_ints, short_error, write_json
 from launch.cli import Parser, UsageError
 from nsa_jax.config import ConfigError, load_config
+from nsa_jax.kernels import plan_kernels
 from nsa_jax.tools import aot
 
 DEFAULT_SEQ_LENS = "2k,8k,32k,64k,128k"
@@ -134,7 +135,7 @@ def print_report(results: dict, meta: dict) -> None:
     print(
         f"config {meta['config']} ({meta['strategy']}, {meta['devices']} device(s), T={meta['seq_len']}, "
         f"micro-batch {meta['global_batch']} x accumulate {meta['accumulate']}), {meta['dtype']}, "
-        f"attention: Pallas kernels"
+        "kernels cmp/slc/win " + "/".join(meta["kernels"][b] for b in ("cmp", "slc", "win"))
     )
     print(f"{'':<26}" + _cells(names, w))
     print(f"{'card':<26}" + _cells([results[n]["device"][:w] for n in names], w))
@@ -239,6 +240,8 @@ def main(argv=None) -> int:
         devices=opts.devices,
         dtype=cfg.model.dtype,
         seq_lens=seq_lens,
+        # What each branch runs on the cards (the GPU plan at the step's T; the selection kernel follows T).
+        kernels=plan_kernels(cfg.model.nsa, cfg.train.seq_len, "gpu").describe(),
         note="memory from memory_analysis() per device; total = argument + output + temp - alias; "
         "launches = static thunks x known_trip_count of enclosing loops; kernels = pallas + gemm + fusions + copies",
     )

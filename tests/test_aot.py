@@ -238,9 +238,11 @@ def test_gpu_aot_prints_cards_side_by_side(capsys):
         return r
 
     meta = dict(config="a100_pcie", strategy="dp", devices=2, seq_len=2048, global_batch=2, accumulate=2, dtype="bf16")
+    meta["kernels"] = {"cmp": "cudnn+pallas-triton", "slc": "pallas-triton/blocksparse", "win": "pallas-triton"}
     gpu_aot.print_report({"a100-40": card("a100-40", 255, 10, 90112), "h100": card("h100", 128, 0, 40960)}, meta)
     out = capsys.readouterr().out
     assert "sm_80" in out and "sm_90a" in out
+    assert "kernels cmp/slc/win cudnn+pallas-triton/pallas-triton/blocksparse/pallas-triton" in out  # what runs
     # registers, spill bytes (stores + loads), shared memory, blocks per SM: each card its own
     assert "255    20  88K 1" in out and "128     0  40K 4" in out
     assert "34 / 57" in out and "a100-40: most registers 255 (nsa_k (T=2048)); most spills 10 B stores" in out
