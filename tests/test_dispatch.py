@@ -68,8 +68,10 @@ def test_compressed_kernel_named_in_the_config_runs_where_pallas_would():
     # Off a GPU, asked for with pallas: jax's fused attention runs on XLA and the scoring interpreted.
     off_gpu = _plan(backend="cpu", attention_impl="pallas", compressed_kernel="cudnn")
     assert off_gpu.cmp == "cudnn" and off_gpu.describe()["cmp"] == "xla-attention+pallas-interpret"
-    # The guard's fallback takes the branch to XLA as for the flash kernels.
-    assert _plan(fallback=["cmp"], compressed_kernel="cudnn").describe()["cmp"] == "xla-chunked"
+    # The guard's findings: cuDNN's attention broken -> the flash kernels (under auto only); the branch -> XLA.
+    assert _plan(fallback=["cmp-cudnn"], compressed_kernel="cudnn").cmp == "pallas"
+    assert _plan(fallback=["cmp-cudnn"], compressed_kernel="cudnn", attention_impl="pallas").cmp == "cudnn"
+    assert _plan(fallback=["cmp-cudnn", "cmp"], compressed_kernel="cudnn").describe()["cmp"] == "xla-chunked"
     with pytest.raises(ValueError, match="compressed_kernel must be auto or one of pallas, cudnn"):
         _plan(compressed_kernel="flash")
     with pytest.raises(ValueError, match="KernelPlan.cmp must be one of pallas, cudnn, xla"):

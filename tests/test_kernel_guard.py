@@ -85,8 +85,8 @@ def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypat
 
 def test_guard_checks_the_compressed_branch_through_cudnn_when_the_config_names_it(monkeypatch):
     # compressed_kernel: cudnn is checked as it runs: the fused attention (XLA's here) with the Pallas
-    # log-sum-exp pass and scoring agrees with XLA; when the fused attention fails (a card or cuDNN
-    # without it), the branch goes to XLA with one line naming it.
+    # log-sum-exp pass and scoring agrees with XLA. When the fused attention fails (a card or cuDNN
+    # without it), the branch runs its flash kernels, once they pass; XLA only when those fail too.
     cfg = _model_cfg()
     cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, compressed_kernel="cudnn", branches=("cmp",)))
     lines = []
@@ -97,11 +97,28 @@ def test_guard_checks_the_compressed_branch_through_cudnn_when_the_config_names_
 
     monkeypatch.setattr(block_scores_module, "compressed_attention_grouped", unsupported)
     failed = guard_kernels(cfg, 1, SEQ, force=True, warn=lines.append)
-    assert set(failed) == {"cmp"} and len(lines) == 1
-    assert lines[0].startswith(
+    assert set(failed) == {K.CUDNN_CMP} and len(lines) == 1
+    assert lines[0] == (
         "warning: kernel guard: cuDNN fused attention + block_scores_pallas (nsa_cmp_lse, nsa_block_select) "
-        "failed to compile: RuntimeError: Unsupported compute capability"
+        "failed to compile: RuntimeError: Unsupported compute capability for cuDNN flash attention; "
+        "the cmp branch runs its flash kernels"
     )
+    assert K.plan_kernels(cfg.nsa, SEQ, "gpu", fallback=set(failed)).describe()["cmp"] == "pallas-triton"
+
+    real_lse = block_scores_module.compressed_attention_lse_pallas
+
+    def doubled(*a, **k):  # the flash kernels wrong as well: the branch goes to XLA
+        o, lse, scale = real_lse(*a, **k)
+        return o * 2, lse, scale
+
+    monkeypatch.setattr(block_scores_module, "compressed_attention_lse_pallas", doubled)
+    lines.clear()
+    failed = guard_kernels(cfg, 1, SEQ, force=True, warn=lines.append)
+    assert set(failed) == {K.CUDNN_CMP, "cmp"} and len(lines) == 2
+    assert lines[1].startswith(
+        "warning: kernel guard: compressed_pallas/block_scores_pallas (nsa_cmp_*, nsa_block_select)"
+    )
+    assert lines[1].endswith("the cmp branch runs on XLA")
     assert K.plan_kernels(cfg.nsa, SEQ, "gpu", fallback=set(failed)).cmp == "xla"
 
 

@@ -22,6 +22,7 @@ from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_p
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.plan import (
     COMPRESSED_KERNELS,
+    CUDNN_CMP,
     SELECTION_KERNELS,
     KernelPlan,
     plan_kernels,
@@ -38,6 +39,7 @@ from nsa_jax.kernels.xla import (
 
 __all__ = [
     "COMPRESSED_KERNELS",
+    "CUDNN_CMP",
     "SELECTION_KERNELS",
     "KernelPlan",
     "compressed_attention",

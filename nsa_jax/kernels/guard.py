@@ -17,7 +17,8 @@ explicitly, it returns at once: a CPU run pays nothing unless `force=True` (the
 tests force it with the interpreted kernels). The selection branch is checked with
 the kernel the run's plan picks at its length (block-sparse or gather), the
 compressed branch with cuDNN's attention when the config names it
-(`compressed_kernel: cudnn`; a failure there also moves the branch to XLA).
+(`compressed_kernel: cudnn`); where that fails, with the branch's flash kernels,
+which it then runs (XLA only when those fail too).
 """
 
 from __future__ import annotations
@@ -160,9 +161,10 @@ def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Calla
 
     `cfg`: the ModelConfig; `batch`: rows per device; `seq`: the training length.
     Returns {branch: error line} of the branches whose kernel failed ({} when nothing
-    was checked or everything passed): the run's kernel plan takes them as its
-    `fallback`. Does nothing unless attention_impl is `auto` and the backend is a GPU,
-    or `force`.
+    was checked or everything passed), and `cmp-cudnn` when cuDNN's attention failed in
+    the compressed branch (the flash kernels are then checked in its place): the run's
+    kernel plan takes the keys as its `fallback`. Does nothing unless attention_impl is
+    `auto` and the backend is a GPU, or `force`.
     """
     a = cfg.nsa
     backend = jax.default_backend()
@@ -171,17 +173,29 @@ def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Calla
     # What `auto` runs on this backend's GPU path (forced on a CPU: the interpreted kernels).
     plan = K.plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend)
     failed = {}
-    for branch in a.branches:
-        if branch == "slc" and not K.selection_kernel_fits(a.lp):
-            continue  # auto already runs it on XLA
+
+    def broken(branch: str, plan) -> str | None:
+        """Why `branch`'s kernel of `plan` cannot run (None: it passed)."""
         kernel = _branch_fn(plan, a, branch)[0]
         try:
             check_branch(cfg, branch, batch, seq, plan)
         except KernelMismatch as e:
-            failed[branch] = f"{kernel} disagrees with XLA: {e}"
+            return f"{kernel} disagrees with XLA: {e}"
         except Exception as e:  # a compile error of any kind: the branch must not take the run down
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            failed[branch] = f"{kernel} failed to compile: {type(e).__name__}: {first}"
-    for branch, why in failed.items():
-        warn(f"warning: kernel guard: {why}; the {branch} branch runs on XLA")
+            return f"{kernel} failed to compile: {type(e).__name__}: {first}"
+        return None
+
+    for branch in a.branches:
+        if branch == "slc" and not K.selection_kernel_fits(a.lp):
+            continue  # auto already runs it on XLA
+        why = broken(branch, plan)
+        if why and branch == "cmp" and plan.cmp == "cudnn":
+            # cuDNN's attention (a card or cuDNN without it): the branch's own flash kernels, if they pass.
+            warn(f"warning: kernel guard: {why}; the cmp branch runs its flash kernels")
+            failed[K.CUDNN_CMP] = why
+            why = broken(branch, dataclasses.replace(plan, cmp="pallas"))
+        if why:
+            failed[branch] = why
+            warn(f"warning: kernel guard: {why}; the {branch} branch runs on XLA")
     return failed

@@ -26,7 +26,9 @@ The rules:
   forward gives the log-sum-exp block scoring needs) unless ``compressed_kernel``
   is ``cudnn``: the attention through cuDNN's fused kernel (kernels/cudnn.py) and a
   Pallas pass for the log-sum-exp, scoring and top-n as with ``pallas``. ``auto``
-  stays ``pallas`` until a GPU measures the other (docs/PERFORMANCE.md).
+  stays ``pallas`` until a GPU measures the other (docs/PERFORMANCE.md). Where the
+  guard found cuDNN's attention broken (``cmp-cudnn`` in ``fallback``), ``auto`` runs
+  the flash kernels instead.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from nsa_jax.kernels.selection_pallas import SelectionBlockSizes
 BRANCHES = ("cmp", "slc", "win")
 # The compressed branch's GPU paths a config may name (NSAConfig.compressed_kernel; auto: pallas).
 COMPRESSED_KERNELS = ("pallas", "cudnn")
+# What the kernel guard may find broken: a branch (it runs on XLA), or cuDNN's attention in the
+# compressed branch (the branch runs its flash kernels instead).
+CUDNN_CMP = "cmp-cudnn"
+FALLBACKS = (*BRANCHES, CUDNN_CMP)
 IMPLS = ("auto", "pallas", "xla")
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
@@ -110,9 +116,11 @@ def selection_kernel_fits(block_size: int) -> bool:
 def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset()) -> KernelPlan:
     """The plan of `nsa` (an NSAConfig) at sequence length `seq` on `backend` (see the module docstring).
 
-    `fallback`: branches the kernel guard found broken, which ``auto`` runs on XLA.
+    `fallback`: what the kernel guard found broken (``FALLBACKS``): branches, which ``auto``
+    runs on XLA, and ``cmp-cudnn``, with which ``auto`` runs the compressed branch's flash
+    kernels where the config names cudnn.
     """
-    unknown = set(fallback) - set(BRANCHES)
+    unknown = set(fallback) - set(FALLBACKS)
     if unknown:
         raise ValueError(f"unknown NSA branches {sorted(unknown)}")
     choice = nsa.selection_kernel
@@ -138,6 +146,6 @@ def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset()) -> KernelPla
         else:
             slc = "blocksparse" if prefers_blocksparse(seq, nsa.n, nsa.lp) else "gather"
     cmp = impl("cmp")
-    if cmp == "pallas" and cmp_choice != "auto":
+    if cmp == "pallas" and cmp_choice != "auto" and not (auto and CUDNN_CMP in fallback):
         cmp = cmp_choice
     return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS)

@@ -31,6 +31,7 @@ from nsa_jax.config import Config
 from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
+from nsa_jax.kernels.plan import FALLBACKS
 from nsa_jax.ops.health import agree_any
 from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.rundir import resume
@@ -98,7 +99,7 @@ def boot(
     tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
     doing("boot: kernel guard (each branch's kernel compiled once)")
     fallback = _guard_kernels(cfg, cfg.train.global_batch // plan.n_devices, say)
-    if fallback:  # the kernel plan of every phase runs the failed branches on XLA
+    if fallback:  # the kernel plan of every phase runs the failed branches on XLA (cmp-cudnn: on its flash kernels)
         plan = dataclasses.replace(plan, kernel_fallback=frozenset(fallback))
     train_step = S.make_train_step(plan)
     # Opening the stream validates the data settings before any artifact is written.
@@ -131,14 +132,15 @@ def boot(
 
 
 def _guard_kernels(cfg: Config, batch_per_device: int, say: Say) -> set[str]:
-    """`auto` on a GPU: the branches whose Pallas kernel fails to compile or disagrees with XLA.
+    """`auto` on a GPU: the branches whose Pallas kernel fails to compile or disagrees with XLA (and
+    `cmp-cudnn` where cuDNN's attention does in the compressed branch; kernels/plan.py FALLBACKS).
 
     Before the step is traced, so the fallback is in its program; every process takes the
     union of the failures, so all of them compile the same program.
     """
     failed = set(guard_kernels(cfg.model, batch_per_device, cfg.train.seq_len, warn=say))
     if jax.process_count() > 1 and cfg.model.nsa.attention_impl == "auto":
-        failed = {b for b in ("cmp", "slc", "win") if agree_any(b in failed)}
+        failed = {b for b in FALLBACKS if agree_any(b in failed)}
     return failed
 
 
