@@ -581,10 +581,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--plot", default=None, help="write a time / memory plot to this PNG (needs matplotlib)")
     opts = parser.parse_args(argv)
+    opts.dtype = opts.dtype or ("bfloat16" if on_gpu() else "float32")
     opts.variants = [v.strip().replace(" ", "") for v in opts.variants.split(";") if v.strip()]
     for variant in opts.variants:  # a bad key or value is one line before anything is timed
         try:
-            load_config(opts.config, [*opts.set, *(f"model.nsa.{kv}" for kv in variant.split(","))])
+            overrides = [f"model.dtype={opts.dtype}", *opts.set]
+            load_config(opts.config, [*overrides, *(f"model.nsa.{kv}" for kv in variant.split(","))])
         except (ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"error: --variants {variant!r}: {e}") from None
     meta, rows = run(opts)

@@ -414,6 +414,11 @@ def validate(cfg: Config) -> Config:
         f"model.nsa.compressed_kernel=cudnn needs model.head_dim = model.v_head_dim (cuDNN's fused attention), "
         f"got {m.head_dim} and {m.v_head_dim}; use compressed_kernel=auto",
     )
+    need(
+        a.compressed_kernel != "cudnn" or m.dtype == "bfloat16",
+        f"model.nsa.compressed_kernel=cudnn needs model.dtype=bfloat16 (cuDNN's fused attention takes 16-bit "
+        f"inputs), got {m.dtype}; use compressed_kernel=auto",
+    )
 
     for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):
         need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")

@@ -198,7 +198,7 @@ def test_bench_attention_times_nsa_variants_beside_the_config(tmp_path):
     """--variants: each ';'-separated set of model.nsa settings is one more NSA layer, timed in the same run
     (the Pallas kernels interpreted here; cudnn's fused attention runs on XLA off a GPU)."""
     variants = "compressed_kernel=cudnn;selection_kernel=gather,compressed_kernel=cudnn"
-    args = "--config cpu_tiny --seq-lens 64 --no-backward --iters 1 --warmup 0 --dense xla"
+    args = "--config cpu_tiny --seq-lens 64 --no-backward --iters 1 --warmup 0 --dense xla --dtype bfloat16"
     meta, rows, out = run_bench(
         tmp_path, "bench_attention", f"{args} --set model.nsa.attention_impl=pallas --variants {variants}", ()
     )
@@ -214,6 +214,11 @@ def test_bench_attention_times_nsa_variants_beside_the_config(tmp_path):
     bad = run_cli("benchmarks.bench_attention", *args.split(), "--variants", "compressed_kernel=flash", check=False)
     assert bad.returncode != 0 and "json" not in bad.stdout
     assert bad.stderr.strip().splitlines()[-1].startswith("error: --variants 'compressed_kernel=flash': config:")
+    # The variant is checked at the dtype the run uses (cuDNN's attention takes 16-bit inputs).
+    fp32 = run_cli(
+        "benchmarks.bench_attention", "--config", "cpu_tiny", "--variants", "compressed_kernel=cudnn", check=False
+    )
+    assert fp32.returncode != 0 and "needs model.dtype=bfloat16" in fp32.stderr.strip().splitlines()[-1]
 
 
 def test_profile_attributes_kernels_inside_cuda_graphs():

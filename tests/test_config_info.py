@@ -44,7 +44,11 @@ def test_overrides_and_paths(tmp_path):
         (["model.n_kv_heads=5"], "divisible by model.n_kv_heads"),
         (["model.nsa.cmp_phi=max"], "model.nsa.cmp_phi"),
         (["model.nsa.compressed_kernel=flash"], "model.nsa.compressed_kernel is 'flash'"),
-        (["model.nsa.compressed_kernel=cudnn", "model.v_head_dim=16"], "needs model.head_dim = model.v_head_dim"),
+        (
+            ["model.nsa.compressed_kernel=cudnn", "model.dtype=bfloat16", "model.v_head_dim=16"],
+            "needs model.head_dim = model.v_head_dim",
+        ),
+        (["model.nsa.compressed_kernel=cudnn"], "needs model.dtype=bfloat16 (cuDNN's fused attention takes 16-bit"),
         (["model.nsa.branches=slc,foo"], "model.nsa.branches"),
         (["model.dtype=float16"], "model.dtype"),
         (["train.global_batch=0"], "train.global_batch must be positive"),

@@ -110,11 +110,14 @@ def test_compressed_attention_dispatch_matches_reference(impl):
     # per-token reference, block scores against the reference probabilities summed per block.
     T, G, K, l, d, lp = 40, 2, 2, 16, 8, 16
     q, kc, vc = _cmp_inputs(T, G, K, l=l, d=d)
+    if impl == "cudnn":  # cuDNN's attention takes 16-bit inputs; the references see the rounded values
+        q, kc, vc = (x.astype(jnp.bfloat16) for x in (q, kc, vc))
     tc = kc.shape[1]
     o, scores = jax.jit(lambda *a: compressed_attention(*a, l=l, d=d, lp=lp, impl=impl, query_chunk=16))(q, kc, vc)
+    q, kc, vc = (x.astype(jnp.float32) for x in (q, kc, vc))
     vis = compressed_visible(l, d, tc)
     o_ref = reference_attention(q, kc, vc, None, vis)[0]
-    np.testing.assert_allclose(np.asarray(o), o_ref, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, atol=1e-5 if impl != "cudnn" else 2e-2)
     p_BxKxTxTc = reference_group_probs(q, kc, vis)
     n_blocks = -(-T // lp)
     want = np.zeros((1, T, K, n_blocks))
@@ -123,7 +126,7 @@ def test_compressed_attention_dispatch_matches_reference(impl):
             if i * d < (j + 1) * lp and i * d + l > j * lp:  # token i's span overlaps block j
                 want[:, :, :, j] += p_BxKxTxTc[:, :, :, i].transpose(0, 2, 1)
     assert scores.shape == want.shape
-    np.testing.assert_allclose(np.asarray(scores), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(scores), want, atol=1e-5 if impl != "cudnn" else 1e-4)
 
 
 def test_compressed_attention_without_tokens_is_zero():

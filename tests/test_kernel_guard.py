@@ -87,8 +87,9 @@ def test_guard_checks_the_compressed_branch_through_cudnn_when_the_config_names_
     # compressed_kernel: cudnn is checked as it runs: the fused attention (XLA's here) with the Pallas
     # log-sum-exp pass and scoring agrees with XLA. When the fused attention fails (a card or cuDNN
     # without it), the branch runs its flash kernels, once they pass; XLA only when those fail too.
-    cfg = _model_cfg()
-    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, compressed_kernel="cudnn", branches=("cmp",)))
+    cfg = _model_cfg()  # in bf16: cuDNN's attention takes 16-bit inputs (a GPU runs it)
+    nsa = dataclasses.replace(cfg.nsa, compressed_kernel="cudnn", branches=("cmp",))
+    cfg = dataclasses.replace(cfg, dtype="bfloat16", nsa=nsa)
     lines = []
     assert guard_kernels(cfg, 1, SEQ, force=True, warn=lines.append) == {} and lines == []
 
