@@ -352,7 +352,7 @@ def run(opts) -> tuple[dict, list[dict]]:
     params = {"nsa": random_params(layers["nsa"], x0, cfg.init_std)}
     # The same layer and parameters with other model.nsa settings (another kernel), timed in the same run.
     variant_kernels = {}
-    for name, variant in variant_configs(opts, overrides).items():
+    for name, variant in opts.variant_cfgs.items():
         layers[name] = NSAAttention(variant)
         params[name] = params["nsa"]
         variant_kernels[name] = plan_kernels(variant.nsa, seq_lens[0], backend).describe()
@@ -479,11 +479,15 @@ def variant_names(variants: list[str]) -> list[str]:
 
 
 def variant_configs(opts, overrides: list[str]) -> dict:
-    """{row name: ModelConfig} of each `--variants` entry: the config with its model.nsa settings on top."""
-    return {
-        name: load_config(opts.config, [*overrides, *(f"model.nsa.{kv}" for kv in variant.split(","))]).model
-        for name, variant in zip(variant_names(opts.variants), opts.variants)
-    }
+    """{row name: ModelConfig} of each `--variants` entry: the config with its model.nsa settings on top;
+    a bad key or value exits with one line naming the variant."""
+    cfgs = {}
+    for name, variant in zip(variant_names(opts.variants), opts.variants):
+        try:
+            cfgs[name] = load_config(opts.config, [*overrides, *(f"model.nsa.{kv}" for kv in variant.split(","))]).model
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: --variants {variant!r}: {e}") from None
+    return cfgs
 
 
 def print_variants(rows: list[dict], variants: list[str]) -> None:
@@ -583,12 +587,8 @@ def main(argv=None) -> None:
     opts = parser.parse_args(argv)
     opts.dtype = opts.dtype or ("bfloat16" if on_gpu() else "float32")
     opts.variants = [v.strip().replace(" ", "") for v in opts.variants.split(";") if v.strip()]
-    for variant in opts.variants:  # a bad key or value is one line before anything is timed
-        try:
-            overrides = [f"model.dtype={opts.dtype}", *opts.set]
-            load_config(opts.config, [*overrides, *(f"model.nsa.{kv}" for kv in variant.split(","))])
-        except (ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"error: --variants {variant!r}: {e}") from None
+    # Checked at the run's dtype before anything is timed; run() builds these layers.
+    opts.variant_cfgs = variant_configs(opts, [f"model.dtype={opts.dtype}", *opts.set])
     meta, rows = run(opts)
     print_table(rows, show_cpu=meta["backend"] == "cpu")
     if opts.variants:

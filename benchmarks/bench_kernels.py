@@ -105,6 +105,15 @@ def _no_aux(fn):
     return lambda *a: (fn(*a), None)
 
 
+def _tilings(base: str, sizes: dict, run) -> dict:
+    """{base: run with sizes[""], base[TEXT]: run with each other tiling}; fn(q, k, v, idx) -> (o, None)
+    from run(q, k, v, idx, bsz) -> o."""
+    return {
+        (variant_name(text, base) if text else base): _no_aux(functools.partial(run, bsz=bsz))
+        for text, bsz in sizes.items()
+    }
+
+
 def candidates(branch, selection_variants=(), flash_variants=()):
     """name -> fn(q, k, v, idx) -> (o, aux), the branch's candidates in table order.
 
@@ -118,48 +127,43 @@ def candidates(branch, selection_variants=(), flash_variants=()):
     p = PROD
     lp, w = p["block_size"], p["window"]
     l, d = p["cmp_l"], p["cmp_d"]
-    flash = {text: parse_sizes(FlashBlockSizes, text, "--flash-variants") for text in flash_variants}
+    # Today's tiles ("") and each variant, by name; a candidate per tiling of each kernel below.
+    flash = {"": None, **{t: parse_sizes(FlashBlockSizes, t, "--flash-variants") for t in flash_variants}}
     impls = {}
     if branch == "selection":
-        # The tiling the layer runs (kernels.SELECTION_KERNELS).
-        impls["gather"] = _no_aux(
-            lambda q, k, v, idx: selection_attention_pallas(q, k, v, idx, lp, block_sizes=SELECTION_KERNELS["gather"])
+
+        def gather(q, k, v, idx, bsz):
+            return selection_attention_pallas(q, k, v, idx, lp, block_sizes=bsz)
+
+        # The tiling the layer runs (kernels.SELECTION_KERNELS), then the variants.
+        impls["gather"] = _no_aux(functools.partial(gather, bsz=SELECTION_KERNELS["gather"]))
+        sel = {t: parse_sizes(SelectionBlockSizes, t, "--selection-variants") for t in selection_variants}
+        impls.update(_tilings("sel", sel, gather))
+        impls.update(
+            _tilings(
+                "blocksparse",
+                flash,
+                lambda q, k, v, idx, bsz: selection_attention_blocksparse_pallas(q, k, v, idx, lp, block_sizes=bsz),
+            )
         )
-        for text in selection_variants:
-            bsz = parse_sizes(SelectionBlockSizes, text, "--selection-variants")
-            impls[variant_name(text)] = _no_aux(
-                functools.partial(
-                    lambda q, k, v, idx, bsz: selection_attention_pallas(q, k, v, idx, lp, block_sizes=bsz), bsz=bsz
-                )
-            )
-        for text, bsz in {"": None, **flash}.items():
-            impls[variant_name(text, "blocksparse") if text else "blocksparse"] = _no_aux(
-                functools.partial(
-                    lambda q, k, v, idx, bsz: selection_attention_blocksparse_pallas(q, k, v, idx, lp, block_sizes=bsz),
-                    bsz=bsz,
-                )
-            )
         impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, lp))
     elif branch == "compressed":
         for impl in ("pallas", "xla"):
             impls[impl] = functools.partial(compressed_branch, impl=impl)
-        for text, bsz in {"": None, **flash}.items():
-            impls[variant_name(text, "pallas-attn") if text else "pallas-attn"] = _no_aux(
-                functools.partial(
-                    lambda q, kc, vc, idx, bsz: compressed_attention_pallas(
-                        q, kc, vc, l=l, d=d, block_sizes=bsz and CompressedBlockSizes(bsz)
-                    ),
-                    bsz=bsz,
-                )
+        impls.update(
+            _tilings(
+                "pallas-attn",
+                flash,
+                lambda q, kc, vc, idx, bsz: compressed_attention_pallas(
+                    q, kc, vc, l=l, d=d, block_sizes=bsz and CompressedBlockSizes(bsz)
+                ),
             )
+        )
         impls["cudnn-attn"] = _no_aux(lambda q, kc, vc, idx: compressed_attention_grouped(q, kc, vc, l=l, d=d))
     elif branch == "window":
-        for text, bsz in {"": None, **flash}.items():
-            impls[variant_name(text, "pallas") if text else "pallas"] = _no_aux(
-                functools.partial(
-                    lambda q, k, v, idx, bsz: window_attention_pallas(q, k, v, w, block_sizes=bsz), bsz=bsz
-                )
-            )
+        impls.update(
+            _tilings("pallas", flash, lambda q, k, v, idx, bsz: window_attention_pallas(q, k, v, w, block_sizes=bsz))
+        )
         impls["cudnn"] = _no_aux(lambda q, k, v, idx: window_attention_cudnn(q, k, v, w))
         impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.window_attention_xla(q, k, v, w))
     else:

@@ -50,6 +50,17 @@ def cmp_layout(num_compressed: int, seq: int, l: int, d: int) -> KeyLayout:
     return KeyLayout(num_keys=num_compressed, window=seq + l + d * num_compressed, stride=d, offset=l - 1)
 
 
+def _checked(q, kc, vc, l: int, d: int, scale, block_sizes):
+    """(block sizes, scale as a float, key layout) of a compressed-branch call, its arguments checked."""
+    validate_qkv(q, kc, vc, same_length=False)
+    if l < 1 or d < 1:
+        raise ValueError(f"l={l} and d={d} must be >= 1")
+    bsz = CompressedBlockSizes() if block_sizes is None else block_sizes
+    check_block_sizes(bsz.attention)
+    scale = float(q.shape[3] ** -0.5 if scale is None else scale)
+    return bsz, scale, cmp_layout(kc.shape[1], q.shape[1], l, d)
+
+
 def compressed_attention_lse_pallas(
     q_BxTxHxDk,
     kc_BxTcxKxDk,
@@ -78,14 +89,7 @@ def compressed_attention_lse_pallas(
       t*G + g for query t and head g of the group, padded to the flash kernels'
       row tiles (rows past T*G are padding); the scale used, as a float.
     """
-    validate_qkv(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, same_length=False)
-    t, dk = q_BxTxHxDk.shape[1], q_BxTxHxDk.shape[3]
-    if l < 1 or d < 1:
-        raise ValueError(f"l={l} and d={d} must be >= 1")
-    bsz = CompressedBlockSizes() if block_sizes is None else block_sizes
-    check_block_sizes(bsz.attention)
-    scale = float(dk**-0.5 if scale is None else scale)
-    lay = cmp_layout(kc_BxTcxKxDk.shape[1], t, l, d)
+    bsz, scale, lay = _checked(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, block_sizes)
     o, lse = banded_attention(
         q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, lay, scale, bool(interpret), bsz.attention, "nsa_cmp"
     )
@@ -124,11 +128,5 @@ def compressed_lse_pallas(
     One Pallas kernel (``nsa_cmp_lse``) walks the same key tiles as the forward and
     computes q k^T only, about half the forward's matmul work; no value is read.
     """
-    validate_qkv(q_BxTxHxDk, kc_BxTcxKxDk, kc_BxTcxKxDk, same_length=False)
-    t, dk = q_BxTxHxDk.shape[1], q_BxTxHxDk.shape[3]
-    if l < 1 or d < 1:
-        raise ValueError(f"l={l} and d={d} must be >= 1")
-    bsz = CompressedBlockSizes() if block_sizes is None else block_sizes
-    scale = float(dk**-0.5 if scale is None else scale)
-    lay = cmp_layout(kc_BxTcxKxDk.shape[1], t, l, d)
+    bsz, scale, lay = _checked(q_BxTxHxDk, kc_BxTcxKxDk, kc_BxTcxKxDk, l, d, scale, block_sizes)
     return banded_lse(q_BxTxHxDk, kc_BxTcxKxDk, lay, scale, bool(interpret), bsz.attention, "nsa_cmp"), scale

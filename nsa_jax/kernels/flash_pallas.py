@@ -428,8 +428,9 @@ def _prep_idx(idx, select_block):
 def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, select_block, stats_only=False):
     """(o [B, T, H, Dv], lse [B, K, Rp] base 2 in the flattened-row layout); with `stats_only`
     (v is None) the lse alone, from a kernel that never loads a value."""
-    d = _win_dims(q, k, k if stats_only else v, bsz)
-    q_f, k_p, v_p = _prep(q, k, k if stats_only else v, d)
+    v_like = k if stats_only else v  # stats_only: the value operand's shapes are the keys' (never loaded)
+    d = _win_dims(q, k, v_like, bsz)
+    q_f, k_p, v_p = _prep(q, k, v_like, d)
     q_spec, k_spec, v_spec, _ = _in_specs(d)
     idx_args = _prep_idx(idx, select_block)
     idx_specs = [_idx_spec(d, x.shape[-1]) for x in idx_args]
