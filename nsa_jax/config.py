@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import pathlib
 import types
 import typing
@@ -206,9 +207,12 @@ class ParallelConfig:
     strategy: Literal["dp", "gspmd", "zero1", "fsdp", "pmap"] = "dp"
     grad_reduce_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     bucket_mb: float = 25.0  # XLA all-reduce combine threshold
-    # Devices on the `data` mesh axis: 0 = every visible device, N = the first N
-    # (N = 1 is the single-device fallback of the runbooks' `--ddp 0`).
+    # Devices of the run: 0 = every visible device, N = the first N (N = 1 is the
+    # single-device fallback of the runbooks' `--ddp 0`).
     num_devices: int = 0
+    # Context parallelism: C devices share every sequence (the `seq` mesh axis; the mesh is
+    # data x seq = devices/C x C; nsa_jax/nsa/context.py). 1: each device holds whole sequences.
+    context: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,6 +452,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
     n_dev = cfg.parallel.num_devices
     need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
+    check_context(cfg, need)
     need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
     need(
         cfg.checkpoint.save_minutes >= 0,
@@ -468,6 +473,47 @@ def validate(cfg: Config) -> Config:
         f"ops.init_timeout_s and ops.peer_timeout_s must be positive, got {o.init_timeout_s}, {o.peer_timeout_s}",
     )
     return cfg
+
+
+def check_context(cfg: Config, need) -> None:
+    """parallel.context: a positive degree, on the strategy and the model that run under it, with a
+    sequence long enough for its chunks (nsa/context.py)."""
+    C, a = cfg.parallel.context, cfg.model.nsa
+    need(C >= 1, f"parallel.context must be >= 1 (1: no context parallelism), got {C}")
+    if C == 1:
+        return
+    need(
+        cfg.parallel.strategy == "dp",
+        f"parallel.context={C} runs with parallel.strategy=dp (its shard_map step); "
+        f"got {cfg.parallel.strategy}: set parallel.strategy=dp or parallel.context=1",
+    )
+    need(
+        not cfg.train.scorer_distill,
+        f"parallel.context={C}: train.scorer_distill's dense target is not split over devices; "
+        "set train.scorer_distill=0 or parallel.context=1",
+    )
+    need(
+        a.compressed_kernel != "cudnn",
+        f"parallel.context={C}: the compressed branch through cuDNN takes no query offset; "
+        "set model.nsa.compressed_kernel=auto (its flash kernels) or parallel.context=1",
+    )
+    T, m = cfg.train.seq_len, math.lcm(a.l, a.lp)
+    # Device i holds chunks i and 2C-1-i (nsa/context.py); chunk C-1 must hold a real token, or a
+    # device would hold padding only.
+    need(
+        (C - 1) * context_chunk_len(T, C, a.l, a.lp) < T,
+        f"train.seq_len ({T}) is too short to split over parallel.context={C} devices: the sequence is cut "
+        f"into {2 * C} chunks of whole blocks (multiples of lcm(l, lp) = {m} tokens) and a device would hold "
+        f"padding only; set train.seq_len to at least {(C - 1) * m + 1} (best a multiple of {2 * C * m}) "
+        "or a smaller parallel.context",
+    )
+
+
+def context_chunk_len(T: int, C: int, l: int, lp: int) -> int:
+    """S: tokens per chunk when T tokens are cut into 2C chunks (the last padded), a multiple of lcm(l, lp)
+    (nsa/context.py: every chunk starts on a compression stride and a selection block)."""
+    m = math.lcm(l, lp)
+    return -(-T // (2 * C * m)) * m
 
 
 # ---------------------------------------------------------------------------

@@ -13,12 +13,15 @@ from reference import (
     dense_attention,
     random_block_indices,
     reference_attention,
+    reference_block_scores,
+    reference_block_selection,
     selection_mask,
     selection_visible,
     window_mask,
     window_visible,
 )
 
+from nsa_jax.kernels import compressed_attention
 from nsa_jax.kernels.cudnn import compressed_attention_grouped, window_attention_cudnn
 from nsa_jax.kernels.xla import num_compressed, select_blocks, selection_attention_xla, window_attention_xla
 
@@ -138,3 +141,46 @@ def test_window_as_fused_attention_with_a_left_window():
     q, k, v = _qkv(2, 45, 6, 2, 8, seed=7)
     f = lambda q, k, v: window_attention_cudnn(q, k, v, 7, implementation="xla")
     _check_against_reference(f, q, k, v, window_visible(7))
+
+
+def _shifted(visible, off: int):
+    """visible() of query rows that stand at positions off, off + 1, ...: row t sees what position t + off sees."""
+    return lambda b, t, kv: visible(b, t + off, kv)
+
+
+@pytest.mark.parametrize("off,Tq,chunk", [(0, 20, 8), (13, 24, 16), (40, 17, 512)])
+def test_selection_and_window_with_a_query_offset(off, Tq, chunk):
+    """Context parallelism's queries: rows [off, off + Tq) of a length-57 problem against all 57 keys."""
+    B, G, K, T, D, lp, n, w = 2, 3, 2, 57, 8, 8, 3, 11
+    q, k, v = _qkv(B, T, G * K, K, D, seed=12)
+    idx = random_block_indices(np.random.default_rng(3), B, T, K, n, lp)
+    q_part, idx_part = q[:, off : off + Tq], jnp.asarray(idx[:, off : off + Tq])
+    for strategy in ("gather", "masked"):
+        # q_offset traced (an argument of the jitted function), as under shard_map.
+        f = lambda q, k, v, o: selection_attention_xla(  # noqa: E731
+            q, k, v, idx_part, lp, query_chunk=chunk, strategy=strategy, q_offset=o
+        )
+        _check_against_reference(
+            lambda q, k, v: f(q, k, v, jnp.int32(off)), q_part, k, v, _shifted(selection_visible(idx, lp, T), off)
+        )
+    f = lambda q, k, v: window_attention_xla(q, k, v, w, query_chunk=chunk, q_offset=jnp.int32(off))  # noqa: E731
+    _check_against_reference(f, q_part, k, v, _shifted(window_visible(w), off))
+
+
+@pytest.mark.parametrize("off,Tq", [(0, 30), (21, 19)])
+def test_compressed_with_a_query_offset_scores_the_whole_sequence(off, Tq):
+    """Rows [off, off + Tq) of a length-50 problem: attention, gradients and the selected blocks."""
+    B, G, K, T, D, l, d, lp, n = 1, 2, 2, 50, 8, 8, 4, 8, 3
+    Tc = num_compressed(T, l, d)
+    q, kv, vv = _qkv(B, T, G * K, K, D, seed=13)
+    kc, vc = kv[:, :Tc], vv[:, :Tc]
+    q_part = q[:, off : off + Tq]
+    kw = dict(l=l, d=d, lp=lp, num_blocks=-(-T // lp))
+    f = lambda q, kc, vc: compressed_attention(q, kc, vc, q_offset=jnp.int32(off), **kw)[0]  # noqa: E731
+    _check_against_reference(f, q_part, kc, vc, _shifted(compressed_visible(l, d, Tc), off))
+    # The blocks chosen for the offset rows: the float64 scores of the whole problem, those rows, the spec's rules.
+    scores = reference_block_scores(q, kc, l, d, lp)[:, off : off + Tq]
+    want, clear = reference_block_selection(scores, lp, n, tol=1e-5, offset=off)
+    _, idx = jax.jit(lambda o: compressed_attention(q_part, kc, vc, select_n=n, q_offset=o, **kw))(off)
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(np.asarray(idx)[clear], want[clear])

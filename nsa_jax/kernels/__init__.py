@@ -64,28 +64,63 @@ def _interpret(interpret: bool | None) -> bool:
     return interpret_pallas() if interpret is None else bool(interpret)
 
 
-def selection_attention(q, k, v, idx, block_size, scale=None, *, kernel="xla", interpret=None, query_chunk=512):
-    """Selection attention through `kernel` (`blocksparse`, `gather` or `xla`; contract: docs/NSA.md)."""
+def _offset(q_offset) -> dict:
+    """The Pallas kernels' `q_offset` keyword, left out where it is the constant 0 (their default)."""
+    return {} if isinstance(q_offset, int) and q_offset == 0 else {"q_offset": q_offset}
+
+
+def selection_attention(
+    q, k, v, idx, block_size, scale=None, *, kernel="xla", interpret=None, query_chunk=512, q_offset=0
+):
+    """Selection attention through `kernel` (`blocksparse`, `gather` or `xla`; contract: docs/NSA.md).
+
+    `q_offset` (int or traced int32, every entry point here): query row r stands at position
+    r + q_offset of the keys, which cover the whole sequence (context parallelism, nsa/context.py).
+    """
     if kernel == "blocksparse":
-        return selection_attention_blocksparse_pallas(q, k, v, idx, block_size, scale, interpret=_interpret(interpret))
+        return selection_attention_blocksparse_pallas(
+            q, k, v, idx, block_size, scale, interpret=_interpret(interpret), **_offset(q_offset)
+        )
     if kernel in SELECTION_KERNELS:
         return selection_attention_pallas(
-            q, k, v, idx, block_size, scale, interpret=_interpret(interpret), block_sizes=SELECTION_KERNELS[kernel]
+            q,
+            k,
+            v,
+            idx,
+            block_size,
+            scale,
+            interpret=_interpret(interpret),
+            block_sizes=SELECTION_KERNELS[kernel],
+            **_offset(q_offset),
         )
     if kernel != "xla":
         raise ValueError(f"selection kernel must be one of {', '.join(SELECTION_KERNELS)} or xla, got {kernel!r}")
-    return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk)
+    return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk, q_offset=q_offset)
 
 
-def window_attention(q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512):
+def window_attention(q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512, q_offset=0):
     """Sliding-window attention through `impl` (`pallas` or `xla`)."""
     if impl == "pallas":
-        return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret))
-    return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk)
+        return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret), **_offset(q_offset))
+    return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk, q_offset=q_offset)
 
 
 def compressed_attention(
-    q, kc, vc, *, l, d, lp, scale=None, impl="xla", interpret=None, query_chunk=512, select_n=None, t_T=None
+    q,
+    kc,
+    vc,
+    *,
+    l,
+    d,
+    lp,
+    scale=None,
+    impl="xla",
+    interpret=None,
+    query_chunk=512,
+    select_n=None,
+    t_T=None,
+    q_offset=0,
+    num_blocks=None,
 ):
     """Compressed-branch attention and the selection-block scores (or blocks) through `impl` (`pallas`,
     `cudnn` or `xla`).
@@ -99,21 +134,34 @@ def compressed_attention(
     `xla` runs select_blocks over its own scores; `pallas` scores and selects in one
     kernel (block_scores_pallas), so no probability or block-score tensor exists; `cudnn`
     likewise, with the attention itself through cuDNN (block_scores_pallas' ``attention``).
+    `q_offset`: query row r stands at position r + q_offset (cuDNN's causal attention
+    takes none: the kernel plan never names `cudnn` under context parallelism);
+    `num_blocks`: Nb, the selection blocks of the whole sequence (default ceil(T / lp)).
+    `t_T` defaults to the rows' positions.
     """
     if impl not in (*COMPRESSED_KERNELS, "xla"):
         raise ValueError(f"compressed branch impl must be one of {', '.join(COMPRESSED_KERNELS)} or xla, got {impl!r}")
     B, T, H, Dk = q.shape
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
-    n_blocks = -(-T // lp)
+    n_blocks = -(-T // lp) if num_blocks is None else num_blocks
     scale = Dk**-0.5 if scale is None else scale
+    offset = _offset(q_offset)
+    if t_T is None and offset:
+        t_T = q_offset + jnp.arange(T, dtype=jnp.int32)
     if Tc == 0:
         o, scores = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
     elif impl in COMPRESSED_KERNELS:
+        if offset and impl == "cudnn":
+            raise ValueError("the compressed branch through cuDNN takes no query offset; use compressed_kernel=pallas")
         attention = "cudnn" if impl == "cudnn" else "flash"
-        kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention)
+        kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention, **offset)
+        if num_blocks is not None:
+            kw["num_blocks"] = num_blocks
         if select_n is None:
             return compressed_attention_scores_pallas(q, kc, vc, **kw)
         return compressed_attention_select_pallas(q, kc, vc, n=select_n, t_T=t_T, **kw)
     else:
-        o, scores = compressed_attention_xla(q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk)
+        o, scores = compressed_attention_xla(
+            q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk, q_offset=q_offset, num_blocks=num_blocks
+        )
     return o, (scores if select_n is None else select_blocks(scores, lp, select_n, t_T))

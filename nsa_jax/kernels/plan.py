@@ -29,6 +29,10 @@ The rules:
   stays ``pallas`` until a GPU measures the other (docs/PERFORMANCE.md). Where the
   guard found cuDNN's attention broken (``cmp-cudnn`` in ``fallback``), ``auto`` runs
   the flash kernels instead.
+* Context parallelism (``context`` C > 1, nsa/context.py): the same kernels, each
+  device's queries at an offset into the whole (gathered) sequence; ``seq`` is then
+  the whole sequence's length, the keys every kernel reads. The compressed branch
+  never runs through cuDNN there (its causal mask takes no query offset).
 """
 
 from __future__ import annotations
@@ -64,12 +68,14 @@ class KernelPlan:
     ``xla``; win ``pallas`` or ``xla``.
 
     ``interpret``: the Pallas kernels run in the Pallas interpreter (a backend without a GPU).
+    ``context``: the devices one sequence is split over (parallel.context).
     """
 
     cmp: str = "xla"
     slc: str = "xla"
     win: str = "xla"
     interpret: bool = False
+    context: int = 1
 
     def __post_init__(self):
         for branch, allowed in (
@@ -86,17 +92,21 @@ class KernelPlan:
         """Per branch, for env.json and the boot line: ``pallas-triton`` (selection:
         ``pallas-triton/gather``, ...), ``pallas-interpret`` or ``xla-chunked``; the compressed
         branch through cuDNN ``cudnn+pallas-triton`` (scoring on Pallas), ``xla-attention+pallas-interpret``
-        off a GPU, where jax's fused attention runs on XLA."""
+        off a GPU, where jax's fused attention runs on XLA. Under context parallelism a
+        ``context`` entry says how the sequence is split and what crosses devices."""
         pallas = "pallas-interpret" if self.interpret else "pallas-triton"
         slc = "xla-chunked" if self.slc == "xla" else f"{pallas}/{self.slc}"
         cmp = {"pallas": pallas, "xla": "xla-chunked"}.get(self.cmp)
         if self.cmp == "cudnn":
             cmp = f"{'xla-attention' if self.interpret else 'cudnn'}+{pallas}"
-        return {
+        out = {
             "cmp": cmp,
             "slc": slc,
             "win": pallas if self.win == "pallas" else "xla-chunked",
         }
+        if self.context > 1:
+            out["context"] = f"{self.context} devices per sequence (zig-zag chunks; K/V all-gathered over seq)"
+        return out
 
 
 def resolve_impl(impl: str, backend: str) -> str:
@@ -113,7 +123,7 @@ def selection_kernel_fits(block_size: int) -> bool:
     return is_tile_size(block_size)
 
 
-def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset()) -> KernelPlan:
+def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset(), context: int = 1) -> KernelPlan:
     """The plan of `nsa` (an NSAConfig) at sequence length `seq` on `backend` (see the module docstring).
 
     `fallback`: what the kernel guard found broken (``FALLBACKS``): branches, which ``auto``
@@ -146,6 +156,6 @@ def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset()) -> KernelPla
         else:
             slc = "blocksparse" if prefers_blocksparse(seq, nsa.n, nsa.lp) else "gather"
     cmp = impl("cmp")
-    if cmp == "pallas" and cmp_choice != "auto" and not (auto and CUDNN_CMP in fallback):
+    if cmp == "pallas" and cmp_choice != "auto" and not (auto and CUDNN_CMP in fallback) and context == 1:
         cmp = cmp_choice
-    return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS)
+    return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS, context=context)

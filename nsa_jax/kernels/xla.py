@@ -140,6 +140,7 @@ def selection_attention_xla(
     *,
     query_chunk: int = 512,
     strategy: str = "auto",
+    q_offset: int | jax.Array = 0,
 ) -> jax.Array:
     """Attention of q_t over positions p <= t inside its selected blocks.
 
@@ -148,16 +149,20 @@ def selection_attention_xla(
     against all T keys under a block mask (O(T^2) work but O(C T) memory, and
     plain matmuls instead of gathers and their scatter-add gradients, which is
     much faster when the selection covers a large share of T anyway); `auto`
-    takes `masked` when T <= 2 N lp.
+    takes `masked` when T <= 2 N lp (T: the keys).
+    `q_offset` (int or traced int32): query row r stands at position r + q_offset
+    of the keys (context parallelism: a device's queries against the whole sequence).
     """
-    B, T, H, Dk = q_BxTxHxDk.shape
+    B, T, H, Dk = k_BxTxKxDk.shape[0], k_BxTxKxDk.shape[1], q_BxTxHxDk.shape[2], q_BxTxHxDk.shape[3]
     K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
     N = idx_BxTxKxN.shape[-1]
     scale = Dk**-0.5 if scale is None else scale
     if strategy == "auto":
         strategy = "masked" if T <= 2 * N * block_size else "gather"
     if strategy == "masked":
-        return _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk)
+        return _selection_masked(
+            q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk, q_offset
+        )
     if strategy != "gather":
         raise ValueError(f"selection strategy must be auto, gather or masked, got {strategy!r}")
     n_blocks = -(-T // block_size)
@@ -169,7 +174,7 @@ def selection_attention_xla(
 
     def body(start, q_BxCxHxDk, idx_BxCxKxN):
         C = q_BxCxHxDk.shape[1]
-        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        t_C = start + q_offset + jnp.arange(C, dtype=jnp.int32)
         used = idx_BxCxKxN >= 0
         pos_BxCxKxNxL = jnp.where(used, idx_BxCxKxN, 0)[..., None] * block_size + offs
         visible = used[..., None] & (pos_BxCxKxNxL <= t_C[None, :, None, None, None])
@@ -187,16 +192,16 @@ def selection_attention_xla(
     return map_query_chunks(body, query_chunk, q_BxTxHxDk, idx_BxTxKxN)
 
 
-def _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk):
+def _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk, q_offset):
     """Selection attention as chunked dense attention under a selected-block mask."""
-    B, T, H, Dk = q_BxTxHxDk.shape
-    K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
+    B, H = q_BxTxHxDk.shape[0], q_BxTxHxDk.shape[2]
+    T, K, Dv = k_BxTxKxDk.shape[1], k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
     n_blocks = -(-T // block_size)
     p_T = jnp.arange(T, dtype=jnp.int32)
 
     def body(start, q_BxCxHxDk, idx_BxCxKxN):
         C = q_BxCxHxDk.shape[1]
-        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        t_C = start + q_offset + jnp.arange(C, dtype=jnp.int32)
         # chosen[b, c, k, j]: block j is among the row's selected blocks (-1 matches none).
         chosen = jnp.any(idx_BxCxKxN[..., None] == jnp.arange(n_blocks, dtype=jnp.int32), axis=-2)
         # Broadcast each block's flag over its lp positions (a reshape, not a gather).
@@ -218,25 +223,32 @@ def window_attention_xla(
     scale: float | None = None,
     *,
     query_chunk: int = 512,
+    q_offset: int | jax.Array = 0,
 ) -> jax.Array:
-    """Attention of q_t over positions [max(0, t - w + 1), t]."""
+    """Attention of q_t over positions [max(0, t - w + 1), t].
+
+    `q_offset`: query row r stands at position t = r + q_offset of the keys
+    (q_offset + T_q <= T_k; selection_attention_xla).
+    """
     B, T, H, Dk = q_BxTxHxDk.shape
     K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
     scale = Dk**-0.5 if scale is None else scale
-    w = min(window, T)
+    w = min(window, k_BxTxKxDk.shape[1])
     C = min(query_chunk, T)
     n_chunks = -(-T // C)
-    # Left pad of w - 1 puts the first key a chunk can see at padded index `start`.
+    # Left pad of w - 1 puts the first key a chunk can see at padded index `start` (+ q_offset);
+    # the right pad keeps the last chunk's slice inside the keys whatever the offset.
     right = n_chunks * C - T
     k_pad = jnp.pad(k_BxTxKxDk, [(0, 0), (w - 1, right), (0, 0), (0, 0)])
     v_pad = jnp.pad(v_BxTxKxDv, [(0, 0), (w - 1, right), (0, 0), (0, 0)])
     S = C + w - 1
 
     def body(start, q_BxCxHxDk):
-        kc = jax.lax.dynamic_slice_in_dim(k_pad, start, S, axis=1)
-        vc = jax.lax.dynamic_slice_in_dim(v_pad, start, S, axis=1)
-        t_C = start + jnp.arange(C, dtype=jnp.int32)
-        p_S = start - (w - 1) + jnp.arange(S, dtype=jnp.int32)
+        first = start + q_offset
+        kc = jax.lax.dynamic_slice_in_dim(k_pad, first, S, axis=1)
+        vc = jax.lax.dynamic_slice_in_dim(v_pad, first, S, axis=1)
+        t_C = first + jnp.arange(C, dtype=jnp.int32)
+        p_S = first - (w - 1) + jnp.arange(S, dtype=jnp.int32)
         visible_CxS = (p_S[None, :] <= t_C[:, None]) & (p_S[None, :] > t_C[:, None] - w) & (p_S[None, :] >= 0)
         qg = _group(q_BxCxHxDk, K)
         s = jnp.einsum("bckgd,bskd->bckgs", qg, kc, preferred_element_type=jnp.float32) * scale
@@ -257,21 +269,25 @@ def compressed_attention_xla(
     lp: int,
     scale: float,
     query_chunk: int = 512,
+    q_offset: int | jax.Array = 0,
+    num_blocks: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(o [B, T, H, Dv], block scores [B, T, K, Nb]) of the compressed branch (Tc >= 1).
 
     Query t sees compressed token i iff i*d + l - 1 <= t. The scores are the
     probabilities summed over each group's heads (GQA sharing, Eq. 10), then over
     the tokens overlapping each selection block; they carry no gradient.
+    `q_offset`: query row r stands at position r + q_offset; `num_blocks`: Nb, the
+    selection blocks of the whole sequence (default ceil(T / lp), T the queries').
     """
     B, T, H, Dk = q_BxTxHxDk.shape
     Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
-    n_blocks = -(-T // lp)
+    n_blocks = -(-T // lp) if num_blocks is None else num_blocks
     end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
 
     def body(start, q_BxCxHxDk):
         C = q_BxCxHxDk.shape[1]
-        t_C = start + jnp.arange(C, dtype=jnp.int32)
+        t_C = start + q_offset + jnp.arange(C, dtype=jnp.int32)
         qg = q_BxCxHxDk.reshape(B, C, K, H // K, Dk)
         s = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk, preferred_element_type=jnp.float32) * scale
         visible = (end_Tc[None, :] <= t_C[:, None])[None, :, None, None, :]

@@ -30,6 +30,7 @@ from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, sele
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
 from nsa_jax.layers import DenseParams, fused_dense, rope
 from nsa_jax.nsa.compression import Compressor
+from nsa_jax.nsa.context import SeqShard
 from nsa_jax.nsa.distill import score_distill_kl
 
 MODES = ("train", "prefill", "decode")
@@ -48,6 +49,9 @@ def aux_stat_sums(
     v_slc_BxTxKxDv: jax.Array,
     lp: int,
     w: int,
+    t_T: jax.Array | None = None,
+    real_T: jax.Array | None = None,
+    real_Tc: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The sums the logged statistics are made of (aux_stats), in two reductions.
 
@@ -57,12 +61,15 @@ def aux_stat_sums(
     over the compressed tokens' B x Tc x K rows, squared keys, values, and the row count.
     One reduction for each, whatever the number of statistics; aux_stats finishes them
     outside the layers (a kernel per layer and micro-batch for each statistic otherwise).
+    Under context parallelism (a device's share of the sums, added over `seq` by the
+    train step): `t_T` the tokens' positions (default 0..T-1), `real_T` / `real_Tc` which
+    tokens and compressed tokens count (padding and duplicates do not).
     """
     B, T = g_BxTxHx3.shape[:2]
     g = g_BxTxHx3.astype(jnp.float32)
     probs = g / jnp.maximum(jnp.sum(g, axis=-1, keepdims=True), 1e-9)
     entropy_BxTxH = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-9)), axis=-1)
-    t = jnp.arange(T)[None, :, None, None]
+    t = (jnp.arange(T) if t_T is None else t_T)[None, :, None, None]
     used = idx_BxTxKxN >= 0
     # A block lies beyond the window when its last token is before t - w + 1.
     far = used & ((idx_BxTxKxN + 1) * lp <= t - w + 1)
@@ -70,6 +77,10 @@ def aux_stat_sums(
     tokens = jnp.concatenate([x.astype(jnp.float32).reshape(B, T, -1) for x in terms], axis=-1)
     cmp = jnp.concatenate([kc_BxTcxKxDk, vc_BxTcxKxDv], axis=-1).astype(jnp.float32)
     cmp = jnp.concatenate([jnp.square(cmp), jnp.ones((*cmp.shape[:-1], 1), jnp.float32)], axis=-1)
+    if real_T is not None:
+        tokens = jnp.where(real_T[None, :, None], tokens, 0.0)
+    if real_Tc is not None:
+        cmp = jnp.where(real_Tc[None, :, None, None], cmp, 0.0)
     return {"tokens": jnp.sum(tokens, axis=(0, 1)), "cmp": jnp.sum(cmp, axis=(0, 1, 2))}
 
 
@@ -148,11 +159,15 @@ class NSAAttention(nn.Module):
     row b sits at position pos_B[b]). Prefill and decode need `layer` (index
     into the cache's layer axis) and `pos_B`. `kernels`: what each branch runs
     (kernels.plan_kernels); None: the plan of the config at this T on jax's backend.
+    `shard` (train mode, inside shard_map): x holds this device's 2S tokens of a
+    sequence split over the `seq` axis (nsa/context.py); the branches see the whole
+    sequence through its collectives, at the tokens' global positions.
     """
 
     cfg: ModelConfig
     mode: str = "train"
     kernels: KernelPlan | None = None
+    shard: SeqShard | None = None
 
     @nn.compact
     def __call__(
@@ -170,10 +185,18 @@ class NSAAttention(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        shard = self.shard
+        if shard is not None:
+            if self.mode != "train":
+                raise ValueError("context parallelism (shard) is for training; prefill and decode run on one device")
+            positions_T = shard.positions()
         positions_T = jnp.arange(T, dtype=jnp.int32) if positions_T is None else positions_T
         check_mode(self.mode, T, layer, pos_B)
         decode = self.mode == "decode"
-        plan = plan_kernels(a, T, jax.default_backend()) if self.kernels is None else self.kernels
+        if self.kernels is not None:
+            plan = self.kernels
+        else:
+            plan = plan_kernels(a, T if shard is None else shard.seq_len, jax.default_backend())
         run_kw = {"interpret": plan.interpret, "query_chunk": a.query_chunk}
 
         # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,
@@ -216,6 +239,22 @@ class NSAAttention(nn.Module):
             o = combine_branches(g_BxTxHx3, {k: x[:, None] for k, x in outputs.items()}, a.branches)
             return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
 
+        if shard is not None:
+            if self.is_mutable_collection("losses"):
+                raise ValueError("train.scorer_distill does not run under context parallelism (parallel.context > 1)")
+            outputs, idx, own = sharded_branches(
+                a, plan, run_kw, shard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor
+            )
+            o = combine_branches(g_BxTxHx3, outputs, a.branches)
+            if "slc" in a.branches:
+                self.sow("intermediates", "block_idx", idx)
+                stat_sums = aux_stat_sums(
+                    g_BxTxHx3, idx, *own["kc"], k_slc, v_slc, a.lp, a.w, positions_T, shard.real(), own["real_Tc"]
+                )
+                self.sow("aux", "stat_sums", stat_sums)
+            self.sow("intermediates", "gates", g_BxTxHx3)
+            return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
+
         with jax.named_scope("nsa_cmp"):
             cmp_k = compressor("cmp_k")
             kc = cmp_k(k_cmp)
@@ -251,6 +290,61 @@ class NSAAttention(nn.Module):
             self.sow("aux", "stat_sums", aux_stat_sums(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w))
         self.sow("intermediates", "gates", g_BxTxHx3)
         return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
+
+
+def sharded_branches(
+    a, plan: KernelPlan, run_kw: dict, shard: SeqShard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor
+):
+    """The three branches of this device's 2S queries under context parallelism (nsa/context.py).
+
+    Returns (outputs per branch [B, 2S, H, Dv], the selected blocks [B, 2S, K, n] or None,
+    {"kc": (this device's own compressed keys, values), "real_Tc": which count}). The
+    compressed tokens, and the selection and window K/V, are gathered whole; each local
+    chunk then runs every branch's kernel with its first position as the query offset.
+    """
+    S, lp = shard.chunk, a.lp
+    with jax.named_scope("nsa_cmp"):
+        kc, kc_own, real_Tc = shard.compress_chunks(k_cmp, compressor("cmp_k"), a.l, a.d)
+        vc, vc_own, _ = shard.compress_chunks(v_cmp, compressor("cmp_v"), a.l, a.d)
+    full = {}
+    if "slc" in a.branches:
+        full["slc"] = shard.gather(k_slc), shard.gather(v_slc)
+    if "win" in a.branches:
+        full["win"] = shard.gather(k_win), shard.gather(v_win)
+    select_n = a.n if "slc" in a.branches else None
+    parts = {name: [] for name in BRANCHES}  # the compressed branch always runs: it selects the blocks
+    idx_parts = []
+    for c, off in enumerate(shard.offsets()):
+        q_c = q[:, c * S : (c + 1) * S]
+        with jax.named_scope("nsa_cmp"):
+            t_S = off + jnp.arange(S, dtype=jnp.int32)
+            o_cmp, idx = compressed_attention(
+                q_c,
+                kc,
+                vc,
+                l=a.l,
+                d=a.d,
+                lp=lp,
+                select_n=select_n,
+                t_T=t_S,
+                impl=plan.cmp,
+                q_offset=off,
+                num_blocks=shard.seq_len // lp,
+                **run_kw,
+            )
+        parts["cmp"].append(o_cmp)
+        if "slc" in a.branches:
+            with jax.named_scope("nsa_slc"):
+                parts["slc"].append(
+                    selection_attention(q_c, *full["slc"], idx, lp, kernel=plan.slc, q_offset=off, **run_kw)
+                )
+            idx_parts.append(idx)
+        if "win" in a.branches:
+            with jax.named_scope("nsa_win"):
+                parts["win"].append(window_attention(q_c, *full["win"], a.w, impl=plan.win, q_offset=off, **run_kw))
+    outputs = {name: jnp.concatenate(x, axis=1) for name, x in parts.items() if x}
+    idx = jnp.concatenate(idx_parts, axis=1) if idx_parts else None
+    return outputs, idx, {"kc": (kc_own, vc_own), "real_Tc": real_Tc}
 
 
 # ---------------------------------------------------------------------------

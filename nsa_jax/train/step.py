@@ -38,7 +38,8 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.data.targets import loss_weights
 from nsa_jax.kernels import KernelPlan
-from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer
+from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer, token_nll
+from nsa_jax.nsa.context import SEQ, SeqShard
 from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
@@ -54,7 +55,11 @@ AXIS = strategies.AXIS
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
-    """A 1-D `data` mesh over `devices` (default: parallel.num_devices of jax.devices())."""
+    """The (data, seq) mesh over `devices` (default: parallel.num_devices of jax.devices()).
+
+    `seq` has parallel.context devices, neighbours in device order (on one host where the
+    processes hold consecutive devices); `data` the rest.
+    """
     if devices is None:
         devices = jax.devices()
         n = cfg.parallel.num_devices
@@ -64,7 +69,13 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
             if n > len(devices):
                 raise ValueError(f"parallel.num_devices is {n} but only {len(devices)} devices are visible")
             devices = devices[:n]
-    return Mesh(np.asarray(devices), (AXIS,))
+    C = cfg.parallel.context
+    if len(devices) % C:
+        raise ValueError(
+            f"parallel.context={C} must divide the run's {len(devices)} device(s) (data x seq); set "
+            f"parallel.context to a divisor of {len(devices)} or parallel.num_devices to a multiple of {C}"
+        )
+    return Mesh(np.asarray(devices).reshape(len(devices) // C, C), (AXIS, SEQ))
 
 
 def as_plan(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> ShardingPlan:
@@ -148,6 +159,34 @@ def loss_and_stats(
     return loss, stats
 
 
+def context_loss(cfg: Config, phase: schedule.Phase, kernels: KernelPlan | None, shard: SeqShard):
+    """loss_and_stats in the pieces context parallelism needs (strategies.ContextLoss).
+
+    The same loss (no scorer distillation: config validation refuses it under context
+    parallelism), from this device's tokens of each row: their sum of weight * nll over
+    the pair's denominator, and the layers' aux sums, finished once added over `seq`.
+    """
+
+    def rows(tokens_bxT1):
+        inputs_bxT, targets_bxT = tokens_bxT1[:, :-1], tokens_bxT1[:, 1:]
+        weights = loss_weights(tokens_bxT1, cfg)
+        weights = jnp.ones(targets_bxT.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+        return inputs_bxT, targets_bxT, weights, random_rope_positions(inputs_bxT, cfg.train.rope_positions)
+
+    def part(params, inputs_bxL, targets_bxL, weights_bxL, rope_L, denom):
+        params = cast_dense_kernels(params, phase.model.dtype)
+        mutable = ["aux"] if cfg.logging.aux_stats else []
+        model = NSALM(phase.model, kernels=kernels, shard=shard)
+        logits, variables = model.apply({"params": params}, inputs_bxL, rope_positions_T=rope_L, mutable=mutable)
+        share = jnp.sum(token_nll(logits, targets_bxL) * weights_bxL) / denom
+        return share, per_layer(variables, "aux", "stat_sums", cfg.model) or {}
+
+    def finish(sums):
+        return aux_stats(sums, phase.model) if sums else {}
+
+    return strategies.ContextLoss(rows, part, finish)
+
+
 # ---------------------------------------------------------------------------
 # steps
 
@@ -163,6 +202,9 @@ def make_grad_fn(
     """
     plan = as_plan(plan, mesh)
     kernels = plan.kernels(phase.model if phase else plan.cfg.model)
+    if plan.shard is not None:
+        phase = phase or schedule.Phase(0, plan.cfg.model, schedule.scorer_distill(plan.cfg))
+        return strategies.make_context_grad_fn(plan, context_loss(plan.cfg, phase, kernels, plan.shard))
     loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg, phase=phase, kernels=kernels)
     if plan.strategy == "dp":
         return strategies.make_dp_grad_fn(plan, loss_fn)

@@ -25,6 +25,14 @@ optax update with global-norm clipping.
 "Sharded": the leaf rule of `data_spec`, `data` on the largest axis whose size the
 device count divides; leaves with no such axis (scalars, odd sizes) stay replicated.
 
+The mesh is (data, seq): `seq` has parallel.context devices (1 unless context
+parallelism is on), and the batch is sharded over `data` only. With context C > 1
+(dp only; `make_context_grad_fn`) every row's T tokens are padded and laid out over
+the C devices of `seq` as nsa/context.py says; each device computes its tokens'
+share of the loss (the sequence's K/V reach it through the layers' collectives, and
+autodiff returns their gradients to their owners), and the one explicit reduction
+of the summed gradient runs over both axes.
+
 How gspmd, zero1 and fsdp reduce. The batch [A, B, T+1] is viewed as
 [A, D, B/D, T+1] with D (the device count) sharded on `data`, and the accumulated
 gradient is vmapped over D: each device computes its row of a [D, ...] gradient
@@ -59,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan, plan_kernels
+from nsa_jax.nsa.context import SEQ, SeqShard, pad_to, seq_shard, to_device_order
 from nsa_jax.train.state import TrainState, init_state
 
 AXIS = "data"
@@ -154,6 +163,12 @@ class ShardingPlan:
     batch: NamedSharding  # tokens_AxBxT1, sharded on B
     replicated: NamedSharding  # scalars and metrics
     kernel_fallback: frozenset = frozenset()  # NSA branches the kernel guard moved to XLA
+    shard: SeqShard | None = None  # the sequence layout over `seq` (context parallelism), None without
+
+    @property
+    def context(self) -> int:
+        """Devices one sequence is split over (the `seq` axis)."""
+        return 1 if self.shard is None else self.shard.size
 
     def kernels(self, model) -> KernelPlan:
         """What each NSA branch of `model` (cfg.model, or a schedule phase's) runs in this plan's step.
@@ -161,7 +176,8 @@ class ShardingPlan:
         The backend is the mesh's (a compile for another card plans for that card).
         """
         backend = self.mesh.devices.flat[0].platform
-        return plan_kernels(model.nsa, self.cfg.train.seq_len, backend, self.kernel_fallback)
+        seq = self.cfg.train.seq_len if self.shard is None else self.shard.seq_len
+        return plan_kernels(model.nsa, seq, backend, self.kernel_fallback, self.context)
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs of a fresh state that carry their shardings (AOT lowering, restore target)."""
@@ -179,6 +195,9 @@ def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
     """
     strategy = check_strategy(cfg)
     n_devices = mesh.shape[AXIS]
+    context = dict(mesh.shape).get(SEQ, 1)
+    if context != cfg.parallel.context:
+        raise ValueError(f"parallel.context is {cfg.parallel.context} but the mesh's `seq` axis has {context} devices")
     per_device_batch(cfg, n_devices)
     shapes = state_shapes(cfg)
     return ShardingPlan(
@@ -191,6 +210,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
         grads=grad_shardings(cfg, mesh, shapes.params),
         batch=NamedSharding(mesh, P(None, AXIS)),
         replicated=NamedSharding(mesh, P()),
+        shard=seq_shard(cfg),
     )
 
 
@@ -238,6 +258,88 @@ def make_dp_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
     return jax.shard_map(
         local, mesh=plan.mesh, in_specs=(P(), P(None, AXIS)), out_specs=(P(), P(), P()), check_vma=False
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextLoss:
+    """One micro-batch's loss in the pieces context parallelism needs (train/step.py builds it).
+
+    rows: tokens_bxT1 (one device's rows of a micro-batch) -> (inputs_bxT, targets_bxT, weights_bxT
+      fp32, RoPE positions [T] or None), what the one-device loss computes first;
+    part: (params, inputs_bxL, targets_bxL, weights_bxL, rope_L or None, denom) -> (this device's share
+      of the micro-batch's loss: its tokens' sum of weight * nll over `denom`, the aux statistics'
+      sums), traced inside shard_map, where the layers reach the other devices' tokens;
+    finish: the aux sums of the whole micro-batch -> its statistics.
+    """
+
+    rows: Callable
+    part: Callable
+    finish: Callable
+
+
+def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
+    """dp with context parallelism: (params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats).
+
+    The result is dp's at C = 1: the mean over the A x D (micro-batch, data shard) pairs
+    of each pair's weighted mean loss (denominator max(sum of weights, 1), as
+    model.cross_entropy), its gradient, and the statistics finished per pair. Each
+    pair's rows are prepared whole (loss weights and RoPE positions are functions of
+    whole rows), padded to T' and put in device order, then split over `seq`.
+    """
+    shard, mesh, n_devices = plan.shard, plan.mesh, plan.n_devices
+    C, Tp = shard.size, shard.seq_len
+    reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
+    value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
+    spec_rows = P(None, AXIS, SEQ)
+
+    def local(params, inputs_AxbxL, targets_AxbxL, weights_AxbxL, rope_Ax1xL, denom_Ax1):
+        def pair_loss(xs):  # (share, sums), grads of micro-batch xs
+            inputs, targets, weights, rope_1xL, denom_1 = xs
+            rope_L = None if rope_1xL is None else rope_1xL[0]
+            return value_and_grad(params, inputs, targets, weights, rope_L, denom_1[0])
+
+        def micro(carry, xs):
+            (share, sums), grads = pair_loss(xs)
+            # The sequence's sums before any ratio: the statistics of the pair, as at C = 1.
+            stats = loss.finish(jax.tree.map(lambda x: lax.psum(x, SEQ), sums))
+            return jax.tree.map(jnp.add, carry, (grads, lax.psum(share, SEQ), stats)), None
+
+        xs = (inputs_AxbxL, targets_AxbxL, weights_AxbxL, rope_Ax1xL, denom_Ax1)
+        (_, sums_shape), _ = jax.eval_shape(pair_loss, jax.tree.map(lambda x: x[0], xs))
+        zeros = (
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+            jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(loss.finish, sums_shape)),
+        )
+        (grads, total, stats), _ = lax.scan(micro, zeros, xs)
+        n = inputs_AxbxL.shape[0] * n_devices
+        grads = jax.tree.map(lambda g: lax.psum((g / n).astype(reduce_dtype), (AXIS, SEQ)).astype(jnp.float32), grads)
+        return grads, lax.psum(total, AXIS) / n, jax.tree.map(lambda s: lax.psum(s, AXIS) / n, stats)
+
+    def lay_out(x_AxDxbxT):
+        """[A, D, b, T] -> [A, B, T'] padded, in device order, placed on (data, seq)."""
+        A, D, b = x_AxDxbxT.shape[:3]
+        x = to_device_order(pad_to(x_AxDxbxT, Tp, 3), C, 3).reshape(A, D * b, Tp)
+        return lax.with_sharding_constraint(x, NamedSharding(mesh, spec_rows))
+
+    def grad_fn(params, tokens_AxBxT1):
+        A, B, T1 = tokens_AxBxT1.shape
+        tokens = tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1)
+        inputs, targets, weights, rope = jax.vmap(jax.vmap(loss.rows))(tokens)
+        denom = jnp.maximum(jnp.sum(weights, axis=(2, 3)), 1.0)  # [A, D]
+        if rope is not None:  # [A, D, T] -> [A, D, T']: one per pair (the padded positions never matter)
+            rope = lay_out(rope[:, :, None])
+        args = (lay_out(inputs), lay_out(targets), lay_out(weights.astype(jnp.float32)), rope, denom)
+        fn = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), spec_rows, spec_rows, spec_rows, None if rope is None else spec_rows, P(None, AXIS)),
+            out_specs=(P(), P(), P()),
+            check_vma=False,
+        )
+        return fn(params, *args)
+
+    return grad_fn
 
 
 def _sum_rows(rows_DxS: jax.Array, dtype: jnp.dtype) -> jax.Array:
