@@ -11,8 +11,11 @@ Owns which rows are evaluated and what is measured on them:
 
 The jitted function is plain jit over a batch sharded on the `data` axis: it takes
 the parameters in whatever sharding the training strategy keeps them, and XLA
-inserts what the layout needs. `dispatch` returns device arrays without waiting,
-so an evaluation overlaps the next train step; `finish` reads them.
+inserts what the layout needs. Under context parallelism (parallel.context > 1) the
+rows are laid out over `seq` as the train step lays them out and the model runs
+inside shard_map, each device scoring its tokens (a row need not fit one device).
+`dispatch` returns device arrays without waiting, so an evaluation overlaps the next
+train step; `finish` reads them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.targets import answer_mask, loss_weights
 from nsa_jax.kernels import plan_kernels
-from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.model import NSALM, cross_entropy, token_nll
+from nsa_jax.nsa.context import SEQ, seq_shard
+from nsa_jax.train.strategies import process_rows
 
 AXIS = "data"
 
@@ -63,14 +68,53 @@ def make_eval_fn(cfg: Config, kernel_fallback: frozenset = frozenset()):
     return eval_fn
 
 
+def make_context_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
+    """make_eval_fn's sums under context parallelism: each row padded and split over `seq`
+    (nsa/context.py), every device scoring its own tokens; padded targets weigh nothing."""
+    shard = seq_shard(cfg)
+    plan = plan_kernels(cfg.model.nsa, shard.seq_len, mesh.devices.flat[0].platform, kernel_fallback, shard.size)
+    rows = NamedSharding(mesh, P(AXIS, SEQ))
+
+    def local(params, inputs_bxL, targets_bxL, weight_bxL, answer_bxL):
+        logits_bxLxV = NSALM(cfg.model, kernels=plan, shard=shard).apply({"params": params}, inputs_bxL)
+        hit = (logits_bxLxV.argmax(-1) == targets_bxL) & answer_bxL
+        sums = {
+            "loss_sum": jnp.sum(token_nll(logits_bxLxV, targets_bxL) * weight_bxL),
+            "tokens": jnp.sum(weight_bxL),
+            "correct": jnp.sum(hit).astype(jnp.float32),
+            "scored": jnp.sum(answer_bxL).astype(jnp.float32),
+        }
+        return jax.tree.map(lambda x: jax.lax.psum(x, (AXIS, SEQ)), sums)
+
+    def eval_fn(params, tokens_BxT1):
+        inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+        weight_BxT = loss_weights(tokens_BxT1, cfg)
+        weight_BxT = jnp.ones(targets_BxT.shape, jnp.float32) if weight_BxT is None else weight_BxT
+        answer_BxT = answer_mask(tokens_BxT1, cfg)
+        answer_BxT = jnp.zeros(targets_BxT.shape, bool) if answer_BxT is None else answer_BxT
+        parts = [inputs_BxT, targets_BxT, weight_BxT.astype(jnp.float32), answer_BxT]
+        parts = [jax.lax.with_sharding_constraint(shard.lay_out(x, 1), rows) for x in parts]
+        spec = P(AXIS, SEQ)
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec, spec, spec, spec), out_specs=P(), check_vma=False)
+        return fn(params, *parts)
+
+    return eval_fn
+
+
 class Evaluator:
     """The fixed held-out rows of one run and the jitted metric function over them."""
 
     def __init__(self, cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
         self.cfg = cfg
         self.sharding = NamedSharding(mesh, P(AXIS))
-        self.fn = jax.jit(make_eval_fn(cfg, kernel_fallback), out_shardings=NamedSharding(mesh, P()))
-        val = make_dataset(cfg, "val", process_index=jax.process_index(), process_count=jax.process_count())
+        self.groups = process_rows(mesh)[1]
+        fn = (
+            make_eval_fn(cfg, kernel_fallback)
+            if cfg.parallel.context == 1
+            else make_context_eval_fn(cfg, mesh, kernel_fallback)
+        )
+        self.fn = jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
+        val = make_dataset(cfg, "val", *process_rows(mesh))
         try:
             rows = [next(val) for _ in range(cfg.train.eval_batches)]
         except StopIteration:
@@ -83,7 +127,7 @@ class Evaluator:
         self.batches = [self._place(r) for r in rows]
 
     def _place(self, local_bxT1: np.ndarray) -> jax.Array:
-        shape = (local_bxT1.shape[0] * jax.process_count(), local_bxT1.shape[1])
+        shape = (local_bxT1.shape[0] * self.groups, local_bxT1.shape[1])
         return jax.make_array_from_process_local_data(self.sharding, local_bxT1, shape)
 
     def dispatch(self, params) -> dict[str, jax.Array]:

@@ -88,6 +88,11 @@ class SeqShard:
         """T' = 2 C S: the padded length every device's positions and gathered keys span."""
         return 2 * self.size * self.chunk
 
+    def lay_out(self, x: jax.Array, axis: int, value=0) -> jax.Array:
+        """Outside shard_map: x with its length-T axis `axis` padded to T' (with `value`) and in device
+        order, ready to be split over `seq` (device i's 2S tokens are the i-th run of 2S)."""
+        return to_device_order(pad_to(x, self.seq_len, axis, value), self.size, axis)
+
     def chunk_ids(self) -> jax.Array:
         """[2] int32: the chunks this device holds (i and 2C-1-i), traced."""
         i = lax.axis_index(self.axis)

@@ -402,7 +402,7 @@ class Checkpointer:
         data = {
             "format": DATA_FORMAT,
             "process_count": jax.process_count(),
-            "devices": self.mesh.size,
+            "devices": self.plan.n_devices,  # the data axis: the groups the rows are split over
             **({"global": processes[0]} if shared else {"processes": processes}),
         }
         config = self.cfg.to_dict()

@@ -41,7 +41,7 @@ from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.progress import gpu_config_warning
 from nsa_jax.train.state import TrainState
-from nsa_jax.train.strategies import ShardingPlan, make_plan
+from nsa_jax.train.strategies import ShardingPlan, make_plan, process_rows
 
 Say = Callable[[str], None]
 
@@ -93,7 +93,7 @@ def boot(
     # A checkpoint saved on another device count: the same rows per step, split anew into micro-batches.
     elastic = None
     if state is None and data_state is None:
-        cfg, elastic = resume.elastic_batch(cfg, mesh.size)
+        cfg, elastic = resume.elastic_batch(cfg, mesh.shape[S.AXIS])
     # Strategy, shardings and the batch split, derived and checked once for the run.
     plan = make_plan(cfg, mesh)
     tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
@@ -104,7 +104,7 @@ def boot(
     train_step = S.make_train_step(plan)
     # Opening the stream validates the data settings before any artifact is written.
     doing("boot: opening the data stream")
-    data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
+    data = make_dataset(cfg, "train", *process_rows(mesh))
     # Checkpoints in out_dir are resumed from, never trained over (nsa_jax/rundir/checkpoint.py).
     checkpointer = ckpt.Checkpointer(plan, out, warn=say)
     doing("boot: restoring the newest checkpoint")
@@ -121,14 +121,28 @@ def boot(
         _say_resume(cfg, restored, art, say)
     say(
         f"boot: {jax.process_count()} process(es), {plan.n_devices} {jax.default_backend()} device(s) on the data "
-        f"axis, per-device batch {cfg.train.global_batch // plan.n_devices} x accumulate {cfg.train.accumulate}, "
-        f"{tokens_per_step:,} tokens/step -> {out}" + (f" (resized on resume: {elastic})" if elastic else "")
+        f"axis{_context_words(plan)}, per-device batch {cfg.train.global_batch // plan.n_devices} x accumulate "
+        f"{cfg.train.accumulate}, {tokens_per_step:,} tokens/step -> {out}"
+        + (f" (resized on resume: {elastic})" if elastic else "")
     )
     _say_settings(cfg, int(state.step if state is not None else 0), eval_off, art, say)
     art.event("boot", 0, "boot", devices=plan.n_devices, processes=jax.process_count(), tokens_per_step=tokens_per_step)
     doing("boot: reading the first batch")
-    cfg, data, first = _first_batch(cfg, data, art, say)
+    cfg, data, first = _first_batch(cfg, data, art, say, process_rows(mesh))
     return RunParts(cfg, mesh, plan, train_step, tokens_per_step, data, checkpointer, art, state, first)
+
+
+def _context_words(plan: ShardingPlan) -> str:
+    """The boot line's words on context parallelism ('' without): the seq axis and the padding."""
+    shard = plan.shard
+    if shard is None:
+        return ""
+    T, Tp = shard.real_len, shard.seq_len
+    pad = f", padded to {Tp:,} ({(Tp - T) / Tp:.0%} padding)" if Tp > T else ""
+    return (
+        f" x {shard.size} on the seq axis (context parallelism: each sequence of {T:,} tokens{pad} in "
+        f"{2 * shard.size} chunks of {shard.chunk:,}, two per device)"
+    )
 
 
 def _guard_kernels(cfg: Config, batch_per_device: int, say: Say) -> set[str]:
@@ -182,8 +196,11 @@ def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifact
         say(f"selection: every block for steps 1-{dense_until}, then top-{n} (evaluation: top-{n})")
 
 
-def _first_batch(cfg: Config, data: BatchStream, art: RunArtifacts, say: Say) -> tuple[Config, BatchStream, np.ndarray]:
-    """(cfg, data stream, the first batch) under data.loader_timeout; synthetic data instead when allowed."""
+def _first_batch(
+    cfg: Config, data: BatchStream, art: RunArtifacts, say: Say, rows: tuple[int, int]
+) -> tuple[Config, BatchStream, np.ndarray]:
+    """(cfg, data stream, the first batch) under data.loader_timeout; synthetic data instead when allowed
+    (`rows`: this process's row group, train.strategies.process_rows)."""
     art.event("loader_start", 0, f"dataset {cfg.data.dataset}")
     try:
         first = first_batch_with_timeout(data, cfg.data.loader_timeout)
@@ -194,7 +211,7 @@ def _first_batch(cfg: Config, data: BatchStream, art: RunArtifacts, say: Say) ->
         say(f"warning: {e}; continuing on synthetic data (data.synthetic_on_fail)")
         data.close()
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset="synthetic"))
-        data = make_dataset(cfg, "train", process_index=jax.process_index(), process_count=jax.process_count())
+        data = make_dataset(cfg, "train", *rows)
         first = next(data)
     art.event("loader_ready", 0, f"first batch {tuple(first.shape)}")
     return cfg, data, first

@@ -45,7 +45,7 @@ from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.positions import random_rope_positions
 from nsa_jax.train.state import TrainState, init_state
-from nsa_jax.train.strategies import ShardingPlan, make_plan
+from nsa_jax.train.strategies import ShardingPlan, make_plan, process_rows
 
 AXIS = strategies.AXIS
 
@@ -97,9 +97,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def put_batch(tokens_AxbxT1: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's rows [A, B / processes, T + 1] -> the global sharded array [A, B, T + 1]."""
+    """This process's rows [A, B / row groups, T + 1] -> the global sharded array [A, B, T + 1]
+    (row groups: process_rows)."""
     A, b, T1 = tokens_AxbxT1.shape
-    global_shape = (A, b * jax.process_count(), T1)
+    global_shape = (A, b * process_rows(mesh)[1], T1)
     return jax.make_array_from_process_local_data(batch_sharding(mesh), tokens_AxbxT1, global_shape)
 
 

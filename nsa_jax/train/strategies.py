@@ -67,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan, plan_kernels
-from nsa_jax.nsa.context import SEQ, SeqShard, pad_to, seq_shard, to_device_order
+from nsa_jax.nsa.context import SEQ, SeqShard, seq_shard
 from nsa_jax.train.state import TrainState, init_state
 
 AXIS = "data"
@@ -147,6 +147,20 @@ def per_device_batch(cfg: Config, n_devices: int) -> int:
             "or use fewer devices (parallel.num_devices)"
         )
     return B // n_devices
+
+
+def process_rows(mesh: Mesh) -> tuple[int, int]:
+    """(index, count) of the rows this process reads among those of every process: processes whose
+    devices hold the same `data` coordinates (a sequence split over `seq` across processes) read
+    the same rows; (process_index, process_count) when each process has its own data coordinates."""
+    data_of = {}
+    for (d, _), device in np.ndenumerate(mesh.devices):
+        data_of.setdefault(device.process_index, set()).add(d)
+    groups = sorted({tuple(sorted(v)) for v in data_of.values()})
+    flat = [d for g in groups for d in g]
+    if len(flat) != len(set(flat)):
+        raise ValueError(f"the mesh's data axis is split unevenly over the processes: {data_of}")
+    return groups.index(tuple(sorted(data_of[jax.process_index()]))), len(groups)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -287,7 +301,7 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
     whole rows), padded to T' and put in device order, then split over `seq`.
     """
     shard, mesh, n_devices = plan.shard, plan.mesh, plan.n_devices
-    C, Tp = shard.size, shard.seq_len
+    Tp = shard.seq_len
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
     spec_rows = P(None, AXIS, SEQ)
@@ -319,7 +333,7 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
     def lay_out(x_AxDxbxT):
         """[A, D, b, T] -> [A, B, T'] padded, in device order, placed on (data, seq)."""
         A, D, b = x_AxDxbxT.shape[:3]
-        x = to_device_order(pad_to(x_AxDxbxT, Tp, 3), C, 3).reshape(A, D * b, Tp)
+        x = shard.lay_out(x_AxDxbxT, 3).reshape(A, D * b, Tp)
         return lax.with_sharding_constraint(x, NamedSharding(mesh, spec_rows))
 
     def grad_fn(params, tokens_AxBxT1):

@@ -1,0 +1,281 @@
+"""Context parallelism (parallel.context; nsa_jax/nsa/context.py): one sequence over several devices.
+
+The claim is exactness: a step with every sequence split over C devices computes what the
+one-device step computes (nsa_jax's one-device path is itself held to the independent
+references of tests/reference.py by test_nsa_layer.py and test_train.py), to fp32 rounding.
+The noise floor of that rounding is measured here too: the same one-device model with
+another query chunk (a re-association of the same sums) differs from itself by about as
+much as the split does, so a tolerance below it would test nothing but luck.
+
+In process, on the two host devices conftest makes: the layout, the collectives, and C = 2
+against C = 1 at a ragged T with accumulation, loss weights and the logged statistics. In a
+subprocess with four host devices (slow tier): C = 4, data x seq = 2 x 2, and a checkpoint
+of a C = 2 run resumed at C = 1 and C = 4.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from nsa_jax.config import ConfigError, load_config
+from nsa_jax.evaluation.heldout import make_context_eval_fn, make_eval_fn
+from nsa_jax.kernels import plan_kernels
+from nsa_jax.nsa import context as CX
+from nsa_jax.train import step as S
+
+from helpers import LAUNCH_TRAIN, TINY_NSA, cpu_env, python_c, run_module, set_flags
+
+# Two KV heads of G = 2, the MLP compressor (it has weights, and its blocks straddle chunks).
+MODEL = [*TINY_NSA, "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=40", "model.n_layers=2"]
+MODEL += ["model.nsa.cmp_phi=mlp", "model.init_std=0.05"]
+# Tolerances: the noise floor measured below is 1e-7 (loss) and under 1e-6 (gradients).
+LOSS_TOL, GRAD_TOL = 1e-6, 2e-6
+
+
+def cfg_of(T: int, C: int, devices: int, *extra: str):
+    base = [f"train.seq_len={T}", "train.global_batch=2", "train.accumulate=2", "train.warmup=0"]
+    base += ["parallel.grad_reduce_dtype=float32", f"parallel.context={C}", f"parallel.num_devices={devices}"]
+    return load_config(None, [*MODEL, *base, *extra])
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def grads_loss_stats(cfg, tokens):
+    plan = S.make_plan(cfg, S.make_mesh(cfg))
+    params = S.create_state(plan).params
+    out = jax.jit(S.make_grad_fn(plan))(params, jax.device_put(tokens, plan.batch))
+    return jax.device_get(out)
+
+
+# ---------------------------------------------------------------------------
+# the layout
+
+
+@pytest.mark.parametrize("C", [1, 2, 3])
+def test_device_order_puts_an_early_and_a_late_chunk_on_every_device(C):
+    order = CX.device_order(C)
+    assert sorted(order.tolist()) == list(range(2 * C))
+    for i in range(C):
+        assert order[2 * i : 2 * i + 2].tolist() == [i, 2 * C - 1 - i]
+    assert order[CX.natural_slots(C)].tolist() == list(range(2 * C))
+    shard = CX.SeqShard(C, 4, 8 * C - 3)
+    laid = np.asarray(shard.lay_out(jnp.arange(1, 8 * C - 2), 0))  # positions + 1; padding 0
+    for i in range(C):
+        held = laid[8 * i : 8 * i + 8]
+        for c, part in zip((i, 2 * C - 1 - i), (held[:4], held[4:])):
+            want = np.arange(4 * c, 4 * c + 4) + 1
+            assert part.tolist() == np.where(want <= 8 * C - 3, want, 0).tolist()
+
+
+def test_gather_positions_and_halo_inside_shard_map():
+    C, S_, B = 2, 8, 1
+    shard = CX.SeqShard(C, S_, 2 * C * S_)
+    mesh = Mesh(np.asarray(jax.devices()[:C]), (CX.SEQ,))
+    x_natural = jnp.arange(2 * C * S_, dtype=jnp.float32).reshape(B, -1, 1, 1) + 1
+
+    def local(x):
+        return shard.positions()[None], shard.gather(x), shard.prev_tails(x, 3)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P(None, CX.SEQ), out_specs=(P(None, CX.SEQ),) * 3, check_vma=False)
+    pos, gathered, tails = f(shard.lay_out(x_natural, 1))
+    assert np.asarray(pos).reshape(-1).tolist() == np.asarray(shard.lay_out(jnp.arange(2 * C * S_), 0)).tolist()
+    # Every device holds the whole sequence in position order.
+    np.testing.assert_array_equal(np.asarray(gathered).reshape(C, -1), np.tile(np.asarray(x_natural).ravel(), (C, 1)))
+    # Each chunk's halo: the 3 tokens before it (chunk 0: zeros).
+    held = np.asarray(tails).reshape(C, 2, 3)
+    for i in range(C):
+        for k, c in enumerate((i, 2 * C - 1 - i)):
+            want = [0, 0, 0] if c == 0 else [c * S_ - 2, c * S_ - 1, c * S_]
+            assert held[i, k].tolist() == want
+
+
+# ---------------------------------------------------------------------------
+# exactness on two devices
+
+
+@pytest.fixture(scope="module")
+def tokens_83():
+    return np.random.default_rng(0).integers(0, 40, size=(2, 2, 84)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def one_device_83(tokens_83):
+    return grads_loss_stats(cfg_of(83, 1, 1), tokens_83)
+
+
+def test_one_device_noise_floor(tokens_83, one_device_83):
+    """The same model with another query chunk: the tolerances below sit just above this."""
+    g1, l1, _ = one_device_83
+    g2, l2, _ = grads_loss_stats(cfg_of(83, 1, 1, "model.nsa.query_chunk=16"), tokens_83)
+    assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
+    floor = max(rel(a, b) for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)))
+    assert floor < GRAD_TOL
+
+
+def test_two_devices_at_a_ragged_length_equal_one(tokens_83, one_device_83):
+    """T = 83 (padded to 128 over 2 x 2 chunks), accumulate 2: loss, every gradient, every statistic."""
+    g1, l1, s1 = one_device_83
+    g2, l2, s2 = grads_loss_stats(cfg_of(83, 2, 2), tokens_83)
+    assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        assert rel(a, b) < GRAD_TOL, jax.tree_util.keystr(path[0])
+    assert set(s2) == set(s1) and s1
+    for k in s1:
+        np.testing.assert_allclose(s2[k], s1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_loss_weights_and_heldout_sums_under_two_devices():
+    """kv_recall's answer-only loss (a weight that depends on the whole row) and the held-out sums."""
+    extra = ["data.dataset=kv_recall", "data.kv_loss_mask=true"]
+    T = 96
+    c1, c2 = cfg_of(T, 1, 1, *extra), cfg_of(T, 2, 2, *extra)
+    from nsa_jax.data import make_dataset
+
+    rows = np.stack([next(make_dataset(c1, "train")) for _ in range(2)])  # [A, B, T + 1]
+    g1, l1, _ = grads_loss_stats(c1, rows)
+    g2, l2, _ = grads_loss_stats(c2, rows)
+    assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
+    assert max(rel(a, b) for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1))) < GRAD_TOL
+
+    plan2 = S.make_plan(c2, S.make_mesh(c2))
+    params = S.create_state(plan2).params
+    want = jax.jit(make_eval_fn(c1))(jax.device_get(params), rows[0])
+    got = jax.jit(make_context_eval_fn(c2, plan2.mesh))(params, jax.device_put(rows[0], plan2.replicated))
+    assert float(want["scored"]) > 0
+    for k in want:
+        np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-6, err_msg=k)
+
+
+# ---------------------------------------------------------------------------
+# what runs, and bad input
+
+
+def test_plan_names_the_context_and_keeps_cudnn_off():
+    cfg = cfg_of(256, 2, 2)
+    plan = plan_kernels(cfg.model.nsa, 256, "gpu", context=2)
+    assert plan.describe()["context"].startswith("2 devices per sequence")
+    nsa = dataclasses.replace(cfg.model.nsa, attention_impl="auto", compressed_kernel="cudnn")
+    assert plan_kernels(nsa, 256, "gpu").cmp == "cudnn"
+    assert plan_kernels(nsa, 256, "gpu", context=2).cmp == "pallas"
+    assert "context" not in plan_kernels(cfg.model.nsa, 256, "gpu").describe()
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["parallel.context=0"], "parallel.context must be >= 1"),
+        (["parallel.context=2", "parallel.strategy=pmap"], "runs with parallel.strategy=dp"),
+        (["parallel.context=2", "parallel.strategy=fsdp"], "runs with parallel.strategy=dp"),
+        (["parallel.context=2", "train.scorer_distill=1.0"], "set train.scorer_distill=0"),
+        (["parallel.context=4", "train.seq_len=40"], "set train.seq_len to at least 49"),
+        (["parallel.context=2", "model.dtype=bfloat16", "model.nsa.compressed_kernel=cudnn"], "takes no query offset"),
+    ],
+)
+def test_bad_context_settings_are_one_line(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*MODEL, "train.seq_len=64", *overrides])
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_context_that_does_not_divide_the_devices_is_one_line():
+    cfg = cfg_of(64, 2, 0)
+    with pytest.raises(ValueError, match=r"parallel.context=2 must divide the run's 3 device\(s\)"):
+        S.make_mesh(cfg, jax.devices()[:1] * 3)
+
+
+# ---------------------------------------------------------------------------
+# four devices, and resume across degrees (subprocesses)
+
+FOUR_DEVICES = """
+import json, sys
+import jax, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+sys.path.insert(0, "tests")
+from test_context import cfg_of, grads_loss_stats, rel
+rng = np.random.default_rng(1)
+out = {}
+for T in (128, 100):
+    tokens = rng.integers(0, 40, size=(2, 2, T + 1)).astype(np.int32)
+    ref = {D: grads_loss_stats(cfg_of(T, 1, D), tokens) for D in (1, 2)}
+    for C, D in ((4, 1), (2, 2)):
+        g, l, s = grads_loss_stats(cfg_of(T, C, C * D), tokens)
+        g1, l1, s1 = ref[D]
+        out[f"T{T}-C{C}xD{D}"] = {
+            "loss": abs(float(l - l1)) / float(l1),
+            "grad": max(rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1))),
+            "stats": max(float(np.max(np.abs(np.asarray(s[k]) - np.asarray(s1[k])))) for k in s1),
+        }
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_four_devices_equal_one_with_data_and_seq():
+    r = python_c(
+        "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'; "
+        "os.environ['JAX_PLATFORMS'] = 'cpu'\n" + FOUR_DEVICES
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert set(result) == {"T128-C4xD1", "T128-C2xD2", "T100-C4xD1", "T100-C2xD2"}
+    for case, err in result.items():
+        assert err["loss"] < LOSS_TOL and err["grad"] < GRAD_TOL and err["stats"] < 1e-5, (case, err)
+
+
+RUN = [
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "train.seq_len=200",
+    "train.global_batch=2",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "checkpoint.save_every=3",
+    "logging.tensorboard=false",
+]
+
+
+def _losses(out) -> dict[int, float]:
+    with open(out / "training.csv") as f:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_devices_resumes_at_one_and_four(tmp_path):
+    """6 steps at C = 2 (data 2 x seq 2); the step-3 checkpoint resumed at C = 1 (2 devices) and at
+    C = 4 (one row group: the elastic split makes 2 micro-batches of 1): steps 4-6 as the uninterrupted run."""
+    env = cpu_env(devices=4)
+
+    def train(out, steps, *extra):
+        args = ["--steps", str(steps), "--out-dir", str(out), *set_flags([*RUN, *extra])]
+        r = run_module(*LAUNCH_TRAIN[2:], *args, env=env)
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+        return r
+
+    full = tmp_path / "full"
+    r = train(full, 6, "parallel.context=2")
+    assert "x 2 on the seq axis (context parallelism: each sequence of 200 tokens, padded to 256" in r.stdout
+    want = _losses(full)
+    for C, extra in ((1, ["parallel.num_devices=2"]), (4, [])):
+        out = tmp_path / f"c{C}"
+        train(out, 3, "parallel.context=2")
+        r = train(out, 6, f"parallel.context={C}", *extra)
+        got = _losses(out)
+        for step in (4, 5, 6):
+            assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (C, step, got[step], want[step])
+        env_json = json.loads((out / "env.json").read_text())
+        assert env_json["mesh"]["shape"] == {1: {"data": 2, "seq": 1}, 4: {"data": 1, "seq": 4}}[C]
