@@ -2,7 +2,9 @@
 
 Parameter counts and NSA cost; with `--target`, whether the config's train step fits
 that card (compiled on this host for it: no GPU needed, only jax's CUDA plugin) and
-the largest micro-batch per device that does.
+the largest micro-batch per device that does; with parallel.context > 1 (each sequence
+over several cards) the longest train.seq_len that does instead. `--devices`: the
+cards in all (data x seq).
 """
 
 from __future__ import annotations
@@ -21,17 +23,31 @@ def log(msg: str) -> None:
 
 def describe_fit(r: dict, cfg, description: str) -> str:
     """The fit-check lines `launch.info --target` prints."""
-    n, t = r["n_devices"], cfg.train
+    n, t, C = r["n_devices"], cfg.train, cfg.parallel.context
     m = r["configured"]
+    layout = f" (data {n // C} x seq {C}: each sequence over {C} cards)" if C > 1 else ""
     lines = [
-        f"fit on {r['target']} ({description}), {n} device(s), strategy {cfg.parallel.strategy}, T={t.seq_len}, "
-        f"accumulate {t.accumulate}; jax may use {r['usable_bytes'] / aot.MiB:,.0f} MiB of each card "
+        f"fit on {r['target']} ({description}), {n} device(s){layout}, strategy {cfg.parallel.strategy}, "
+        f"T={t.seq_len}, accumulate {t.accumulate}; jax may use {r['usable_bytes'] / aot.MiB:,.0f} MiB of each card "
         "(XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)",
         f"  as configured: {r['configured_rows']} row(s) per device (train.global_batch={t.global_batch}): "
         f"{m['total'] / aot.MiB:,.0f} MiB per device (arguments {m['argument'] / aot.MiB:,.0f}, temporaries "
         f"{m['temp'] / aot.MiB:,.0f}, outputs not aliased {(m['output'] - m['alias']) / aot.MiB:,.0f}) -> "
         + ("fits" if r["configured_fits"] else "does NOT fit"),
     ]
+    if "largest_seq_len" in r:
+        T = r["largest_seq_len"]
+        if T:
+            lines.append(
+                f"  longest sequence that fits at this batch: T={T:,} (train.seq_len; within 1/16): "
+                f"{r['largest']['total'] / aot.MiB:,.0f} MiB per device"
+            )
+        else:
+            lines.append("  no sequence length fits at this batch: set model.remat=full or use more cards")
+        lines.append(
+            "  compiled: " + ", ".join(f"T={k:,} -> {v / aot.MiB:,.0f} MiB" for k, v in r["seq_probes"].items())
+        )
+        return "\n".join(lines)
     b = r["largest_rows"]
     if b:
         lines.append(
@@ -50,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--target", default=None, help="GPU card to check the step against: a100-40, a100-80, h100")
     parser.add_argument(
-        "--devices", type=int, default=None, help="cards on the data axis (default parallel.num_devices, else 1)"
+        "--devices",
+        type=int,
+        default=None,
+        help="cards in all, data x seq (default parallel.num_devices, else parallel.context)",
     )
     args = parser.parse_args(argv)
     if args.target is not None:
@@ -60,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.target is not None:
             target = aot.get_target(args.target)
-            n = args.devices if args.devices is not None else (cfg.parallel.num_devices or 1)
+            C = cfg.parallel.context
+            n = args.devices if args.devices is not None else (cfg.parallel.num_devices or C)
             if n < 1:
                 raise ValueError(f"--devices {n} must be >= 1")
+            if n % C:
+                raise ValueError(f"--devices {n} must be a multiple of parallel.context={C} (data x seq)")
             if not aot.cuda_plugin_available():
                 raise aot.PluginMissing(
                     f"--target {target.name} compiles with jax's CUDA plugin, which is not installed: "

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -429,8 +430,59 @@ def heartbeat(log: Callable[[str], None] | None, what: str, every: float | None 
 
 
 def with_batch(cfg: Config, rows_per_device: int, n_devices: int) -> Config:
-    """`cfg` with train.global_batch = rows_per_device x n_devices (the micro-batch summed over the data axis)."""
-    return config.replace(cfg, [f"train.global_batch={rows_per_device * n_devices}"])
+    """`cfg` with train.global_batch = rows_per_device x the devices on the data axis (n_devices over
+    parallel.context): the micro-batch summed over the data axis."""
+    return config.replace(cfg, [f"train.global_batch={rows_per_device * (n_devices // cfg.parallel.context)}"])
+
+
+def largest_seq_len(
+    fits: Callable[[int], tuple[bool, dict]], start: int, unit: int, budget: int, tolerance: float = 1 / 16
+) -> tuple[int, dict[int, dict]]:
+    """The largest T (a multiple of `unit`) with fits(T) true, to within `tolerance` of itself; fitting is
+    monotone in T. (T, or 0 when not even `unit` fits; {T: detail} of every probe.)
+
+    `fits(T)` -> (bool, compiled memory with `total`). Probes `start` and start / 2, draws
+    the line through their totals to `budget` and probes where it lands (bytes grow about
+    linearly in T), then doubles or bisects between the proven bounds: a compile per probe,
+    a handful in all.
+    """
+    probes: dict[int, dict] = {}
+    ok: dict[int, bool] = {}
+
+    def probe(T: int) -> None:
+        if T not in ok:
+            ok[T], probes[T] = fits(T)
+
+    def down(x: float) -> int:
+        return max(unit, int(x) // unit * unit)
+
+    def bounds() -> tuple[int, int | None]:
+        lo = max((T for T in ok if ok[T]), default=0)
+        hi = min((T for T in ok if not ok[T]), default=None)
+        return lo, hi
+
+    a, b = down(start / 2), down(start)
+    probe(b)
+    probe(a)
+    slope = (probes[b]["total"] - probes[a]["total"]) / (b - a) if b > a else 0
+    if slope > 0:
+        guess = down(b + (budget - probes[b]["total"]) / slope)
+        probe(guess)
+        if ok[guess]:  # a right guess: one step past it settles it
+            probe(down(guess * (1 + tolerance)) + unit)
+    lo, hi = bounds()
+    while lo == 0 and hi > unit:  # nothing fits yet: halve
+        probe(down(hi / 2))
+        lo, hi = bounds()
+    if lo == 0:
+        return 0, probes
+    while hi is None:  # everything fits yet: double
+        probe(2 * lo)
+        lo, hi = bounds()
+    while hi - lo > max(unit, lo * tolerance) and down((lo + hi) / 2) > lo:
+        probe(down((lo + hi) / 2))
+        lo, hi = bounds()
+    return lo, probes
 
 
 def fit_check(cfg: Config, target: str, n_devices: int, limit: int = 4096, log: Callable | None = None) -> dict:
@@ -456,19 +508,46 @@ def fit_check(cfg: Config, target: str, n_devices: int, limit: int = 4096, log: 
         mem = memory(b)
         return mem["total"] <= usable, mem
 
-    configured = per_device_batch(cfg, n_devices)
+    configured = per_device_batch(cfg, n_devices // cfg.parallel.context)
     mem = memory(configured)
-    largest, _ = largest_batch(fits, limit, affine_guess(usable))
-    return {
+    out = {
         "target": target,
         "n_devices": n_devices,
         "usable_bytes": usable,
         "configured_rows": configured,
         "configured": mem,
         "configured_fits": mem["total"] <= usable,
-        "largest_rows": largest,
-        "largest": memo.get(largest),
-        "probes": {b: m["total"] for b, m in sorted(memo.items())},
+    }
+    if cfg.parallel.context > 1:
+        # A sequence split over `seq` is there because one row is long: the question is how long.
+        out.update(seq_len_fit(cfg, target, n_devices, usable, mem, log))
+        return out
+    largest, _ = largest_batch(fits, limit, affine_guess(usable))
+    out.update(largest_rows=largest, largest=memo.get(largest), probes={b: m["total"] for b, m in sorted(memo.items())})
+    return out
+
+
+def seq_len_fit(cfg: Config, target: str, n_devices: int, usable: int, configured: dict, log: Callable | None):
+    """{largest_seq_len, seq_probes}: the longest train.seq_len whose step fits `target` at cfg's batch
+    (largest_seq_len over whole multiples of 2 C lcm(l, lp): the padded layouts of context parallelism)."""
+    a, C = cfg.model.nsa, cfg.parallel.context
+    unit = 2 * C * math.lcm(a.l, a.lp)
+    memo = {cfg.train.seq_len: configured}
+
+    def fits(T: int) -> tuple[bool, dict]:
+        if T not in memo:
+            t0 = time.perf_counter()
+            with heartbeat(log, f"  T={T:,}: compiling"):
+                memo[T] = compile_train_step(config.replace(cfg, [f"train.seq_len={T}"]), target, n_devices).memory
+            if log:
+                log(f"  T={T:,}: {memo[T]['total'] / MiB:,.0f} MiB per device ({time.perf_counter() - t0:.0f} s)")
+        return memo[T]["total"] <= usable, memo[T]
+
+    T, _ = largest_seq_len(fits, cfg.train.seq_len, unit, usable)
+    return {
+        "largest_seq_len": T,
+        "largest": memo.get(T),
+        "seq_probes": {t: m["total"] for t, m in sorted(memo.items())},
     }
 
 
@@ -591,6 +670,65 @@ def launch_counts(launches: list[Launch]) -> dict[str, int]:
     counts["kernels"] = sum(counts[c] for c in KERNEL_CATEGORIES)
     counts["total"] = sum(counts[c] for c in CATEGORIES)
     return counts
+
+
+_COLLECTIVE = re.compile(
+    r"%([\w.\-]+) = (.+?) (all-gather-start|all-gather|reduce-scatter|all-reduce-start|all-reduce|"
+    r"collective-permute-start|collective-permute|all-to-all)\(.*?replica_groups=(\{[^=]*?\}\})"
+)
+_ARRAY = re.compile(r"\b(pred|[sfu]\d+|bf16)\[([\d,]*)\]")
+_ITEM_BYTES = {"pred": 1, "bf16": 2}
+
+
+def _array_bytes(shape_text: str) -> list[int]:
+    """Bytes of every array in an HLO shape (a tuple lists several)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        n = 1
+        for d in dims.split(","):
+            n *= int(d) if d else 1
+        out.append(n * _ITEM_BYTES.get(dtype, int(dtype[1:]) // 8 if dtype[1:].isdigit() else 4))
+    return out
+
+
+def collective_traffic(dump_dir: str) -> dict[str, dict[str, int]]:
+    """Per collective kind: executions per call, payload bytes and bytes each device sends, per call.
+
+    Payload: what the collective produces on each device (an all-gather's gathered array, a
+    reduce-scatter's shard, an all-reduce's sum). Sent per device, the ring algorithms' count
+    over a group of g devices: all-gather payload (g-1)/g, reduce-scatter payload (g-1),
+    all-reduce 2 payload (g-1)/g, a permute its payload. `largest` is the largest single
+    payload (bytes) of the kind. Loops count by their trip counts (read_launches).
+    """
+    counts: dict[str, int] = {}
+    for launch in read_launches(dump_dir):
+        if launch.category == "collectives":
+            counts[launch.hlo] = counts.get(launch.hlo, 0) + launch.count
+    out: dict[str, dict[str, int]] = {}
+    for prefix in _module_prefixes(dump_dir):
+        for name, shape, op, groups in _COLLECTIVE.findall(_hlo_text(prefix)):
+            if name not in counts:
+                continue  # a collective that is not launched on its own (inside a fusion or a start/done pair)
+            kind = op.removesuffix("-start")
+            arrays = _array_bytes(shape)
+            if kind == "all-gather" and op.endswith("-start"):
+                arrays = arrays[len(arrays) // 2 :]  # ((inputs), (outputs))
+            elif kind == "collective-permute" and op.endswith("-start"):
+                arrays = arrays[:1]
+            payload = sum(arrays)
+            g = len(groups.split("},{")[0].strip("{}").split(","))
+            sent = {
+                "all-gather": payload * (g - 1) // g,
+                "reduce-scatter": payload * (g - 1),
+                "all-reduce": 2 * payload * (g - 1) // g,
+            }.get(kind, payload)
+            row = out.setdefault(kind, {"count": 0, "payload_bytes": 0, "sent_bytes": 0, "largest": 0})
+            n = counts[name]
+            row["count"] += n
+            row["payload_bytes"] += n * payload
+            row["sent_bytes"] += n * sent
+            row["largest"] = max(row["largest"], payload)
+    return out
 
 
 def loop_trip_counts(dump_dir: str) -> dict[str, int]:
