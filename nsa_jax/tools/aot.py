@@ -47,12 +47,15 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import xla_bridge
 from jax.experimental import topologies
+from jax.sharding import PartitionSpec as P
 
 from nsa_jax import config
 from nsa_jax.config import Config, ModelConfig
 from nsa_jax.kernels import plan_kernels
+from nsa_jax.nsa.context import SEQ, SeqShard
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.train.step import make_mesh, make_train_step
@@ -331,6 +334,44 @@ def compile_layer(cfg: Config, target: str, seq_len: int, batch: int = 1, dump_d
     """The NSA layer's forward+backward of `cfg.model` at T=`seq_len` for one card."""
     device = target_devices(target, 1)[0]
     fn, args = layer_forward_backward(cfg.model, seq_len, batch, jax.sharding.SingleDeviceSharding(device))
+    return compile_for(target, fn, args, dump_dir)
+
+
+def context_layer(cfg: ModelConfig, seq_len: int, context: int, devices: list, backward: bool = False):
+    """(fn, abstract (params, x[, ct])): the NSA layer over one sequence of `seq_len` split over `context`
+    devices (a `seq` mesh of `devices`; nsa/context.py), forward only or forward+backward, with a GPU's
+    kernel plan. The collectives of one layer, apart from the rest of a step."""
+    a = cfg.nsa
+    shard = SeqShard(context, config.context_chunk_len(seq_len, context, a.l, a.lp), seq_len)
+    mesh = jax.sharding.Mesh(np.asarray(devices), (SEQ,))
+    module = NSAAttention(cfg, kernels=plan_kernels(a, shard.seq_len, "gpu", context=context), shard=shard)
+    rows = jax.sharding.NamedSharding(mesh, P(None, SEQ))
+    x = jax.ShapeDtypeStruct((1, shard.seq_len, cfg.d_model), jnp.dtype(cfg.dtype), sharding=rows)
+    # The parameters do not depend on the split: those of the unsplit layer at a short length.
+    small = jax.ShapeDtypeStruct((1, max(a.l, 16), cfg.d_model), jnp.dtype(cfg.dtype))
+    params = jax.eval_shape(lambda xx: NSAAttention(cfg).init(jax.random.PRNGKey(0), xx)["params"], small)
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.NamedSharding(mesh, P())), params
+    )
+
+    def local(p, x_BxLxD, ct_BxLxD=None):
+        if ct_BxLxD is None:
+            return module.apply({"params": p}, x_BxLxD)
+        _, vjp = jax.vjp(lambda pp, xx: module.apply({"params": pp}, xx), p, x_BxLxD)
+        dp, dx = vjp(ct_BxLxD)
+        return jax.tree.map(lambda g: jax.lax.psum(g, SEQ), dp), dx
+
+    specs = (P(), P(None, SEQ), P(None, SEQ)) if backward else (P(), P(None, SEQ))
+    out_specs = (P(), P(None, SEQ)) if backward else P(None, SEQ)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+    return fn, (params, x, x) if backward else (params, x)
+
+
+def compile_context_layer(
+    cfg: Config, target: str, seq_len: int, context: int, backward: bool = False, dump_dir: str | None = None
+) -> Compiled:
+    """The NSA layer of `cfg.model` over one sequence of `seq_len` split over `context` cards of `target`."""
+    fn, args = context_layer(cfg.model, seq_len, context, target_devices(target, context), backward)
     return compile_for(target, fn, args, dump_dir)
 
 
