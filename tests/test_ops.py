@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.config import ConfigError, env_overrides, load_config
 from nsa_jax.ops import distributed as D
 from nsa_jax.ops import health as H
@@ -248,7 +249,7 @@ def test_write_halt_and_single_process_agreement(tmp_path):
     rf.write_halt(tmp_path, "nan_loss", "step 4: non-finite loss")
     assert (tmp_path / ".anomaly_type").read_text() == "nan_loss\n"
     assert (tmp_path / ".HALT").read_text() == "step 4: non-finite loss\n"
-    assert H.agree_any(True) is True and H.agree_any(False) is False
+    assert agree_any(True) is True and agree_any(False) is False
 
 
 # ---------------------------------------------------------------------------

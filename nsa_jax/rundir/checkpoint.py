@@ -95,9 +95,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config, ConfigError
 from nsa_jax.data.sources import FILE_DATASETS
-from nsa_jax.ops.health import agree_any
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir.checksums import (
     CHECKSUM_FORMAT,

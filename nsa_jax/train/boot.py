@@ -27,12 +27,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config
 from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.kernels.plan import FALLBACKS
-from nsa_jax.ops.health import agree_any
 from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.rundir import resume
 from nsa_jax.train import optimizer as O
