@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 
 from launch.cli import UsageError
-from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, env_overrides, load_config
+from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, load_config
+from nsa_jax.runbook_env import env_overrides
 
 ROOT = CONFIG_DIR.parent
 RECIPE_DIR = CONFIG_DIR / "recipes"

@@ -60,12 +60,13 @@ import sys
 import threading
 
 from launch.cli import Parser
-from nsa_jax.config import Config, ConfigError, env_overrides, load_config
+from nsa_jax.config import Config, ConfigError, load_config
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.check import check_data
 from nsa_jax.data.sources import FILE_DATASETS
 from nsa_jax.data.tokenizers import fitted_vocab_size
 from nsa_jax.ops import distributed as dist
+from nsa_jax.runbook_env import env_overrides
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir import lock, resume
 

@@ -14,10 +14,11 @@ import time
 import pytest
 
 from nsa_jax.agreement import agree_any
-from nsa_jax.config import ConfigError, env_overrides, load_config
+from nsa_jax.config import ConfigError, load_config
 from nsa_jax.ops import distributed as D
 from nsa_jax.ops import health as H
 from nsa_jax.ops.wakeup import WakeupReader
+from nsa_jax.runbook_env import env_overrides
 from nsa_jax.rundir import files as rf
 
 from helpers import LAUNCH_TRAIN, TINY_RUN, cpu_env, set_flags

@@ -18,7 +18,8 @@ from launch.train import (
     prepare_out_dir,
     xla_flags_with_bucket,
 )
-from nsa_jax.config import ConfigError, env_overrides, load_config
+from nsa_jax.config import ConfigError, load_config
+from nsa_jax.runbook_env import env_overrides
 
 from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, python_c, run_module, set_flags
 
