@@ -66,6 +66,7 @@ from launch.cli import Parser, UsageError, run_main
 from launch.recipe_results import read, report, summary_line
 from launch.recipes import ROOT, RecipeFile, Stage, check_evaluate, load_recipe_file, set_flags, stages
 from nsa_jax.rundir import files as run_files
+from nsa_jax.words import count
 
 # A run starts only with at least this many seconds left before --deadline.
 MIN_START_S = 60
@@ -265,7 +266,8 @@ class Runner:
         pending, running, told = deque(self.runs), [], 0
         while pending or running:
             for signum, n in self.signals[told:]:
-                self.say(f"{signal.Signals(signum).name}: passed to {n} running process(es); no new stage starts")
+                passed = count(n, "running process", "running processes")
+                self.say(f"{signal.Signals(signum).name}: passed to {passed}; no new stage starts")
             told = len(self.signals)
             while pending and len(running) < self.parallel and not self.signals:
                 run = pending.popleft()
@@ -276,7 +278,7 @@ class Runner:
                     )
                     self.results[str(run.dir)] = "skipped"
                     continue
-                self.say(f"start {run.label} ({len(run.stages)} stages; log {run.log})")
+                self.say(f"start {run.label} ({count(len(run.stages), 'stage')}; log {run.log})")
                 t = threading.Thread(target=self._thread, args=(run,), name=run.label)
                 t.start()
                 running.append((run, t))
@@ -432,7 +434,7 @@ def run(args) -> int:
     previous = {s: signal.signal(s, runner.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         deadline = f", deadline {args.deadline:g} s" if args.deadline else ""
-        runner.say(f"{len(runs)} run(s) of {rf.path}, {args.parallel} at a time{deadline} -> {out}")
+        runner.say(f"{count(len(runs), 'run')} of {rf.path}, {args.parallel} at a time{deadline} -> {out}")
         runner.run_all()
     finally:
         for s, h in previous.items():
@@ -455,7 +457,7 @@ def run(args) -> int:
             return EXIT_FAILED
     unfinished = [r for r in runs if runner.results.get(str(r.dir)) != "ok"]
     if unfinished:
-        print(f"{len(unfinished)} run(s) not finished; to go on with them: the same command with --resume")
+        print(f"{count(len(unfinished), 'run')} not finished; to go on with them: the same command with --resume")
     if runner.signals:
         return EXIT_SIGINT if signal.SIGINT in [s for s, _ in runner.signals] else EXIT_SIGTERM
     return EXIT_FAILED if "failed" in runner.results.values() else 0

@@ -13,11 +13,23 @@ import pathlib
 
 import pytest
 
+from nsa_jax.words import count
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # (layer, module prefixes), lowest first; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
-    ("config", ("nsa_jax", "nsa_jax.config", "nsa_jax.config_text", "nsa_jax.runbook_env", "nsa_jax.agreement")),
+    (
+        "config",
+        (
+            "nsa_jax",
+            "nsa_jax.config",
+            "nsa_jax.config_text",
+            "nsa_jax.runbook_env",
+            "nsa_jax.agreement",
+            "nsa_jax.words",
+        ),
+    ),
     ("data", ("nsa_jax.data",)),
     ("kernels", ("nsa_jax.kernels",)),
     ("model", ("nsa_jax.layers", "nsa_jax.nsa", "nsa_jax.model", "nsa_jax.info")),
@@ -195,3 +207,8 @@ def test_no_module_outside_the_kernels_passes_600_lines(tree):
     lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in sorted((ROOT / tree).rglob("*.py"))}
     found = too_long(lines)
     assert not found, f"split these along their concerns (at most {MAX_LINES} lines a module): {found}"
+
+
+def test_counts_are_said_in_the_singular_for_one():
+    assert count(1, "step") == "1 step" and count(0, "step") == "0 steps" and count(1234, "row") == "1,234 rows"
+    assert count(1, "process", "processes") == "1 process" and count(2, "process", "processes") == "2 processes"

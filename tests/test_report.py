@@ -389,7 +389,7 @@ def test_halts_anomalies_and_non_finite_loss_are_no_go(tmp_path):
         "anomaly nan_loss at step 31",
         "watchdog_dump",
         "1 skipped update",
-        "1 stack dump(s): stackdump_20250101T000000_rank0.txt",
+        "1 stack dump: stackdump_20250101T000000_rank0.txt",
     ):
         assert piece in detail
 
@@ -534,7 +534,7 @@ def test_a_problem_reading_the_files_is_never_next_to_go(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err.splitlines() == [f"warning: {d}: training.csv: line 5 has 3 fields, header 18; skipped"]
     assert not _problem_lines(out)  # the problem is on stderr and in the files criterion
-    assert "  NO-GO  files       1 problem(s) reading training.csv (each listed as a problem)" in out
+    assert "  NO-GO  files       1 problem reading training.csv (each listed as a problem)" in out
     assert out.splitlines()[-2] == "verdict: NO-GO (files)"
     s = judge(d)
     assert s.verdict == "NO-GO" and s.failing() == ["files"] and status(s)["throughput"] == "GO"

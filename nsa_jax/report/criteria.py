@@ -30,6 +30,7 @@ from typing import Any, Iterable, Sequence
 
 from nsa_jax.report.reading import Run, memory_points, memory_series
 from nsa_jax.rundir import files as rf
+from nsa_jax.words import count
 
 GATE_COLUMNS = rf.GATE_COLUMNS
 ANOMALY_EVENTS = rf.ANOMALY_EVENTS
@@ -103,6 +104,11 @@ def _age(ts: float | None) -> str:
     return f"{s:.0f}s" if s < 120 else (f"{s / 60:.0f}min" if s < 7200 else f"{s / 3600:.1f}h")
 
 
+def _steps_of(n: int, target: int | None) -> str:
+    """'40 of 200 steps', or '40 steps' without a target."""
+    return f"{n} of {count(target, 'step')}" if target else count(n, "step")
+
+
 def _state(run: Run) -> tuple[str, dict[str, Any]]:
     """One line on where the run stands, and its step counts."""
     target = run.config("train", "steps")
@@ -123,7 +129,7 @@ def _state(run: Run) -> tuple[str, dict[str, Any]]:
         info["last_step"] = steps_done
         if done.get("halted"):
             return f"halted ({done['halted']}) after step {steps_done}{of}", info
-        return f"finished: {steps_done}{of} steps", info
+        return f"finished: {_steps_of(steps_done, target)}", info
     if last_step is None and not hb0:
         return "no steps recorded", info
     last_ts = max((e.get("ts") for e in hb0 if isinstance(e.get("ts"), (int, float))), default=None)
@@ -143,7 +149,7 @@ def summarize(run: Run, last: int = 50, thresholds: Thresholds | None = None) ->
         a, b = int(window_rows[0]["step"]), int(window_rows[-1]["step"])
         fig.update(window_first_step=a, window_last_step=b)
         short = f" (fewer than --last {last})" if len(window_rows) < last else ""
-        window = f"last {len(window_rows)} of {len(run.rows)} steps{short}, steps {a}-{b}, from {src}"
+        window = f"last {len(window_rows)} of {count(len(run.rows), 'step')}{short}, steps {a}-{b}, from {src}"
     else:
         window = "no step rows (training.csv and step_end heartbeats absent or empty)"
     state, info = _state(run)
@@ -180,11 +186,11 @@ def _files(run: Run, info: dict[str, Any]) -> tuple[Criterion, list[str], list[s
     if problems:
         names = sorted({p.partition(": ")[0] for p in problems})
         detail = (
-            f"{len(problems)} problem(s) reading {', '.join(names)} (each listed as a problem); "
+            f"{count(len(problems), 'problem')} reading {', '.join(names)} (each listed as a problem); "
             f"the other criteria judge what could be read"
         )
         return Criterion("files", NO_GO, detail), problems, notes
-    note = f"; {len(notes)} note(s), listed as notes" if notes else ""
+    note = f"; {count(len(notes), 'note')}, listed as notes" if notes else ""
     return Criterion("files", GO, f"read cleanly: {', '.join(run.read)}{note}"), problems, notes
 
 
@@ -196,13 +202,12 @@ def _completion(run: Run, info: dict[str, Any]) -> Criterion:
         if target is None:
             return Criterion("completion", GO, f"finished at step {last} (target unknown: env.json missing)")
         ok = last is not None and last >= target
-        return Criterion("completion", GO if ok else NO_GO, f"{last} of {target} steps")
+        return Criterion("completion", GO if ok else NO_GO, _steps_of(last, target))
     if last is None:
         return Criterion("completion", NA, "no step recorded")
     if target is not None and last >= target and not run.heartbeats:
-        return Criterion("completion", GO, f"{last} of {target} steps in training.csv (no heartbeats)")
-    of = f" of {target}" if target else ""
-    return Criterion("completion", NO_GO, f"not finished: {last}{of} steps, no 'done' event")
+        return Criterion("completion", GO, f"{_steps_of(last, target)} in training.csv (no heartbeats)")
+    return Criterion("completion", NO_GO, f"not finished: {_steps_of(last, target)}, no 'done' event")
 
 
 def _throughput(rows: list[dict], th: Thresholds, fig: dict, window: str) -> Criterion:
@@ -233,7 +238,7 @@ def _throughput(rows: list[dict], th: Thresholds, fig: dict, window: str) -> Cri
     return Criterion(
         "throughput",
         GO if ok else NO_GO,
-        f"{overall:,.1f} tok/s ({how}), median step {median:,.1f} tok/s over {len(vals)} steps; {floor}",
+        f"{overall:,.1f} tok/s ({how}), median step {median:,.1f} tok/s over {count(len(vals), 'step')}; {floor}",
     )
 
 
@@ -245,7 +250,7 @@ def _loss(run: Run, last: int, th: Thresholds, fig: dict) -> Criterion:
     val = ""
     if run.val:
         fig.update(val_first=run.val[0][1], val_last=run.val[-1][1], val_n=len(run.val))
-        val = f"; val {run.val[0][1]:.4f} -> {run.val[-1][1]:.4f} ({len(run.val)} evals, {run.val_source})"
+        val = f"; val {run.val[0][1]:.4f} -> {run.val[-1][1]:.4f} ({count(len(run.val), 'eval')}, {run.val_source})"
     elif run.val_empty:
         every = run.config("train", "eval_every")
         val = f"; no evaluation yet ({rf.VAL_CSV} has no rows" + (f"; train.eval_every={every})" if every else ")")
@@ -262,7 +267,7 @@ def _loss(run: Run, last: int, th: Thresholds, fig: dict) -> Criterion:
     fig.update(loss_k=k, loss_first_mean=m0, loss_last_mean=m1, loss_last=losses[-1])
     falling = m1 < m0 - th.min_loss_drop
     trend = (
-        f"mean of first {k} steps {m0:.4f} -> last {k} {m1:.4f} "
+        f"mean of first {count(k, 'step')} {m0:.4f} -> last {k} {m1:.4f} "
         f"(drop {m0 - m1:+.4f}; needs > {th.min_loss_drop:g}, --min-loss-drop)"
     )
     return Criterion("loss", GO if falling and not bad else NO_GO, f"{nonfinite}; {trend}{val}")
@@ -294,7 +299,7 @@ def _step_time(rows: list[dict], th: Thresholds, fig: dict) -> Criterion:
         GO if cv <= th.max_step_cv else NO_GO,
         f"median {med * 1e3:,.1f} ms, robust CV {cv:.3f} (1.4826 MAD / median; limit {th.max_step_cv:g}, "
         f"--max-step-cv), slowest {max(vals) * 1e3:,.1f} ms = {max(vals) / med:.1f}x median, "
-        f"{slow} step(s) over 2x median",
+        f"{count(slow, 'step')} over 2x median",
     )
 
 
@@ -316,7 +321,9 @@ def _memory(run: Run, fig: dict, last: int, th: Thresholds) -> Criterion:
         src = next((e["memory"].get("source") for e in run.heartbeats[rank] if isinstance(e.get("memory"), dict)), "?")
         a, b = _halves([p[1] for p in win])
         if not a:
-            parts.append(f"rank{rank}: {len(win)} reading(s) in the window, too few for a trend; peak {peak:.2f} GiB")
+            parts.append(
+                f"rank{rank}: {count(len(win), 'reading')} in the window, too few for a trend; peak {peak:.2f} GiB"
+            )
             ok = ok and peak <= th.max_mem_gib
             continue
         m0, m1 = statistics.fmean(a), statistics.fmean(b)
@@ -384,10 +391,12 @@ def _anomalies(run: Run, fig: dict) -> Criterion:
                 found.append(f"rank{rank} {e['event']}{kind} at step {e.get('step')}{msg}")
     dumps = sorted(p.name for p in run.path.glob("stackdump_*.txt"))
     if dumps:
-        found.append(f"{len(dumps)} stack dump(s): {', '.join(dumps[:3])}{'...' if len(dumps) > 3 else ''}")
+        found.append(f"{count(len(dumps), 'stack dump')}: {', '.join(dumps[:3])}{'...' if len(dumps) > 3 else ''}")
     skipped = [int(r["step"]) for r in run.rows if r.get("skipped")]
     if skipped:
-        found.append(f"{len(skipped)} skipped update(s) at steps {skipped[:5]}{'...' if len(skipped) > 5 else ''}")
+        found.append(
+            f"{count(len(skipped), 'skipped update')} at steps {skipped[:5]}{'...' if len(skipped) > 5 else ''}"
+        )
     fig.update(anomalies=len(found), skipped=len(skipped))
     if found:
         shown = found[:6] + ([f"... {len(found) - 6} more"] if len(found) > 6 else [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from nsa_jax.report.criteria import Entry, Summary
 from nsa_jax.report.reading import Run
+from nsa_jax.words import count
 
 
 def long_eval_line(run: Run) -> str | None:
@@ -117,7 +118,7 @@ def format_table(ranked: list[tuple[int | None, Entry]], last: int, tie_pct: flo
 def _ranking_note(ranked: list[tuple[int | None, Entry]], last: int, tie_pct: float) -> str:
     best = next((e.label for r, e in ranked if r == 1), None)
     rule = (
-        f"ranked by tok/s (total tokens / total step time) over the last {last} steps; "
+        f"ranked by tok/s (total tokens / total step time) over the last {count(last, 'step')}; "
         f"within {tie_pct:g}% go to the lower pstdev"
     )
     return f"best: {best} ({rule})" if best else f"no run to rank ({rule})"

@@ -48,6 +48,7 @@ from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.train.step import make_mesh, make_train_step
 from nsa_jax.train.strategies import make_plan, per_device_batch
+from nsa_jax.words import count
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -438,10 +439,11 @@ def fit_check(cfg: Config, target: str, n_devices: int, limit: int = 4096, log: 
     def memory(b: int) -> dict:
         if b not in memo:
             t0 = time.perf_counter()
-            with heartbeat(log, f"  {b} row(s) per device: compiling"):
+            with heartbeat(log, f"  {count(b, 'row')} per device: compiling"):
                 memo[b] = compile_train_step(with_batch(cfg, b, n_devices), target, n_devices).memory
             if log:
-                log(f"  {b} row(s) per device: {memo[b]['total'] / MiB:.0f} MiB ({time.perf_counter() - t0:.0f} s)")
+                took = time.perf_counter() - t0
+                log(f"  {count(b, 'row')} per device: {memo[b]['total'] / MiB:.0f} MiB ({took:.0f} s)")
         return memo[b]
 
     def fits(b: int) -> tuple[bool, dict]:
