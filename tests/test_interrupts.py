@@ -295,7 +295,7 @@ def test_durations_and_the_cpu_projection():
     assert progress.fmt_duration(45) == "45s" and progress.fmt_duration(7500) == "2h05m"
     assert progress.fmt_duration(70 * 86400 + 3600) == "70d01h"
     gpu = load_config("a100_pcie", [])
-    assert progress.gpu_settings(gpu) == ["model.dtype bfloat16", "model.nsa.attention_impl auto"]
+    assert progress.gpu_settings(gpu) == ["model.dtype bfloat16"]  # attention_impl auto runs XLA on a CPU
     warning = progress.cpu_projection(gpu, 50_000, 120.0, "cpu")
     assert warning.startswith("warning: 2m00s a step a config meant for a GPU") and "about 69d10h" in warning
     assert progress.cpu_projection(gpu, 50_000, 0.1, "gpu") is None
@@ -303,6 +303,28 @@ def test_durations_and_the_cpu_projection():
     assert progress.gpu_settings(tiny) == [] and progress.cpu_projection(tiny, 200, 2.0, "cpu") is None
     assert "about 55h" not in (progress.cpu_projection(tiny, 100_000, 2.0, "cpu") or "")
     assert progress.cpu_projection(tiny, 100_000, 2.0, "cpu").startswith("warning: 2s a step on a CPU")
+
+
+def test_gpu_settings_on_a_cpu_sized_config_get_the_fix_not_a_smaller_config():
+    tiny = load_config("cpu_tiny", ["model.dtype=bfloat16", "model.nsa.attention_impl=pallas"])
+    assert progress.sized_for_cpu(tiny) and progress.sized_for_cpu(load_config("cpu_small", []))
+    assert not progress.sized_for_cpu(load_config("a100_pcie", []))
+    boot = progress.gpu_config_warning(tiny, "cpu")
+    assert boot == (
+        "warning: model.dtype bfloat16, model.nsa.attention_impl pallas is meant for a GPU and runs slower on a "
+        "CPU; for the CPU path run the same command with --precision fp32 --set model.nsa.attention_impl=xla"
+    )
+    projection = progress.cpu_projection(tiny, 200, 30.0, "cpu")
+    assert "cpu_tiny" not in boot and "cpu_tiny" not in projection
+    assert projection.endswith("; on a CPU run it with --precision fp32 --set model.nsa.attention_impl=xla")
+    long_tiny = progress.cpu_projection(load_config("cpu_tiny", []), 100_000, 2.0, "cpu")
+    assert "cpu_tiny" not in long_tiny and long_tiny.endswith("; fewer --steps take less, or run it on a GPU")
+    # A config sized for a GPU is still told to train a small one on a CPU.
+    gpu = load_config("a100_pcie", [])
+    assert progress.gpu_config_warning(gpu, "cpu").startswith("warning: this config is meant for a GPU")
+    assert "(--config cpu_tiny)" in progress.cpu_projection(gpu, 50_000, 120.0, "cpu")
+    assert progress.gpu_config_warning(tiny, "gpu") is None
+    assert progress.gpu_config_warning(load_config("cpu_tiny", ["model.nsa.attention_impl=auto"]), "cpu") is None
 
 
 def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():

@@ -47,22 +47,48 @@ def fmt_duration(seconds: float) -> str:
     return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
 
 
+# The largest model meant for a CPU, d_model x n_layers (configs/cpu_small.yaml: 384 x 6). Telling a run
+# of such a model to train a small config instead (--config cpu_tiny) is no help.
+CPU_SIZED_WIDTH_X_DEPTH = 384 * 6
+# Per setting meant for a GPU: how a CPU run of the same config goes without it.
+_CPU_FIX = {
+    "model.dtype bfloat16": "--precision fp32",
+    "model.nsa.attention_impl pallas": "--set model.nsa.attention_impl=xla",
+}
+
+
 def gpu_settings(cfg: Config) -> list[str]:
-    """The settings of `cfg` that are meant for a GPU (a CPU runs them, slowly)."""
+    """The settings of `cfg` that are meant for a GPU (a CPU runs them, slowly). attention_impl auto is
+    not one: off a GPU it runs XLA, the CPU path."""
     out = []
     if cfg.model.dtype == "bfloat16":
         out.append("model.dtype bfloat16")
-    if cfg.model.nsa.attention_impl != "xla":
-        out.append(f"model.nsa.attention_impl {cfg.model.nsa.attention_impl}")
+    if cfg.model.nsa.attention_impl == "pallas":
+        out.append("model.nsa.attention_impl pallas")
     return out
 
 
+def sized_for_cpu(cfg: Config) -> bool:
+    """Whether the model is no larger than the configs meant for a CPU (cpu_tiny, cpu_small)."""
+    return cfg.model.d_model * cfg.model.n_layers <= CPU_SIZED_WIDTH_X_DEPTH
+
+
+def _cpu_fixes(cfg: Config) -> str:
+    return " ".join(_CPU_FIX[s] for s in gpu_settings(cfg))
+
+
 def gpu_config_warning(cfg: Config, backend: str) -> str | None:
-    """The boot warning for a config meant for a GPU that runs on a CPU; None otherwise."""
+    """The boot warning for a config with settings meant for a GPU that runs on a CPU; None otherwise."""
     if backend != "cpu" or not gpu_settings(cfg):
         return None
+    settings = ", ".join(gpu_settings(cfg))
+    if sized_for_cpu(cfg):
+        return (
+            f"warning: {settings} is meant for a GPU and runs slower on a CPU; "
+            f"for the CPU path run the same command with {_cpu_fixes(cfg)}"
+        )
     return (
-        f"warning: this config is meant for a GPU ({', '.join(gpu_settings(cfg))}) and runs on a CPU here: "
+        f"warning: this config is meant for a GPU ({settings}) and runs on a CPU here: "
         "expect minutes per step; the projected time follows the first step"
     )
 
@@ -77,9 +103,15 @@ def cpu_projection(cfg: Config, steps_left: int, step_s: float, backend: str) ->
     if not gpu and total < CPU_PROJECTION_WARN_S:
         return None
     why = f"a config meant for a GPU ({', '.join(gpu)}) on a CPU" if gpu else "on a CPU"
+    if not sized_for_cpu(cfg):
+        advice = "on a CPU train a small config (--config cpu_tiny), or run this one on a GPU"
+    elif gpu:
+        advice = f"on a CPU run it with {_cpu_fixes(cfg)}"
+    else:
+        advice = "fewer --steps take less, or run it on a GPU"
     return (
         f"warning: {fmt_duration(step_s)} a step {why}: the {steps_left:,} steps left take about "
-        f"{fmt_duration(total)}; on a CPU train a small config (--config cpu_tiny), or run this one on a GPU"
+        f"{fmt_duration(total)}; {advice}"
     )
 
 
