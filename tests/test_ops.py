@@ -355,7 +355,9 @@ def test_trainer_counts_skipped_updates_then_halts_at_max_skips(tmp_path):
         timeout=300,
     )
     assert r.returncode == 1, r.stderr[-3000:]
-    assert "warning: non-finite loss at step 1; update skipped (ops.nan_policy=skip; 1 skipped so far)" in r.stdout
+    # A remark: on stderr, where launch.train says its warnings (the step lines stay on stdout).
+    assert "warning: non-finite loss at step 1; update skipped (ops.nan_policy=skip; 1 skipped so far)" in r.stderr
+    assert "warning:" not in r.stdout
     assert (run / ".anomaly_type").read_text() == "nan_loss\n"
     assert (run / ".HALT").read_text().startswith("step 2: non-finite loss at step 2; update skipped; 2 updates")
     rows = (run / "training.csv").read_text().splitlines()

@@ -120,11 +120,17 @@ def progress_line(step: int, steps: int, loss: float, lr: float, toks_per_s: flo
     return f"step {step}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {toks_per_s:,.0f} tok/s | ETA {fmt_duration(eta_s)}"
 
 
+# Lines that start so are remarks on the run, not its progress: they go to stderr, as launch.generate's
+# and launch.report's do, so stdout carries the progress and the results alone.
+REMARKS = ("warning:", "note:", "error:")
+
+
 def print_flushed(msg: str) -> None:
-    """One line on stdout in one write, flushed: a log gets each line when it is said, and the
-    progress and signal threads never split another thread's line."""
-    sys.stdout.write(msg + "\n")
-    sys.stdout.flush()
+    """One line in one write, flushed: a log gets each line when it is said, and the progress and
+    signal threads never split another thread's line. Remarks (REMARKS) on stderr, the rest on stdout."""
+    stream = sys.stderr if msg.startswith(REMARKS) else sys.stdout
+    stream.write(msg + "\n")
+    stream.flush()
 
 
 class Reporter:
@@ -138,19 +144,25 @@ class Reporter:
         self._print = print_fn or print_flushed
         self._note = note
         self._last_said = time.perf_counter()  # when a line was last printed (QUIET_S)
+        self._muted = False  # a second stop signal: the process is quitting and says nothing more
         self._activity: tuple[str, float] | None = None  # what the progress thread reports while quiet
         # The progress thread, from boot on (a kernel guard, a restore or a first batch can take long).
         self._stop = threading.Event()
         threading.Thread(target=self._report_quiet, name="nsa-progress", daemon=True).start()
 
     def say(self, msg: str) -> None:
-        if self.lead:
+        if self.lead and not self._muted:
             self._print(msg)
             self._last_said = time.perf_counter()
 
     def doing(self, what: str | None) -> None:
         """What the run is doing from now on (the progress thread reports it after QUIET_S of silence)."""
         self._activity = None if what is None else (what, time.perf_counter())
+
+    def mute(self) -> None:
+        """Nothing more is printed (the process quits at a second stop signal: a step line or a stop line
+        after it would promise what will not happen)."""
+        self._muted = True
 
     def close(self) -> None:
         """Stops the progress thread."""
@@ -197,13 +209,12 @@ class StepLines:
 def signal_stop_line(name: str, step: int, save: bool, checkpoint: bool) -> str:
     """The line of a run that stops after `step` on SIGINT or SIGTERM (`save` False: received during the compile)."""
     if not save:
-        said = "interrupted: Ctrl-C (SIGINT)" if name == "SIGINT" else "preempted: SIGTERM"
+        said = "Ctrl-C (SIGINT)" if name == "SIGINT" else "preempted: SIGTERM"
         return f"{said} received during the compile; stopping before step {step + 1}: nothing new to save"
     then = "saving a checkpoint" if checkpoint else "no checkpoint (checkpoint.enabled=false)"
     if name == "SIGINT":
         return (
-            f"interrupted: Ctrl-C (SIGINT) received; stopping after step {step}; {then} "
-            "(Ctrl-C again quits at once without saving)"
+            f"Ctrl-C (SIGINT) received; stopping after step {step}; {then} (Ctrl-C again quits at once without saving)"
         )
     return f"preempted: SIGTERM received; stopping after step {step} and {then}"
 
