@@ -25,6 +25,7 @@ import time
 from typing import Callable
 
 from nsa_jax.config import Config
+from nsa_jax.words import count
 
 # While the run works, a line at least this often (a long compile, step or evaluation says
 # what it is doing); also the longest interval between step lines.
@@ -110,7 +111,7 @@ def cpu_projection(cfg: Config, steps_left: int, step_s: float, backend: str) ->
     else:
         advice = "fewer --steps take less, or run it on a GPU"
     return (
-        f"warning: {fmt_duration(step_s)} a step {why}: the {steps_left:,} steps left take about "
+        f"warning: {fmt_duration(step_s)} a step {why}: the {count(steps_left, 'step')} left take about "
         f"{fmt_duration(total)}; {advice}"
     )
 
