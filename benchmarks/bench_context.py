@@ -7,7 +7,7 @@ Two modes:
   `--config` with one sequence per step split over C cards (data 1 x seq C): per-device
   memory (temporaries, total, whether it fits jax's share of the card) and, per kind of
   collective, the launches, payload and bytes each device sends in one step
-  (aot.collective_traffic; ring algorithms' counts). With `--layer-seq-len T`, also one
+  (xla_dump.collective_traffic; ring algorithms' counts). With `--layer-seq-len T`, also one
   NSA layer's forward alone at T over each C > 1: what its K/V gathers move, beside the
   layer's own K/V bytes (three branches' keys and values of T tokens).
 * `cpu`: the train step timed on this host's CPU devices for each C of `--contexts` at
@@ -36,7 +36,7 @@ from benchmarks.common import fmt_mib, log, parse_ints, short_error, write_json
 from launch.cli import Parser, UsageError
 from nsa_jax import config
 from nsa_jax.config import ConfigError, load_config
-from nsa_jax.tools import aot
+from nsa_jax.tools import aot, xla_dump
 from nsa_jax.train import step as S
 
 
@@ -67,7 +67,7 @@ def run_aot(opts, cfg) -> list[dict]:
                         with aot.heartbeat(log, f"{target}: step, T={T:,} over {C} card(s)"):
                             c = aot.compile_train_step(_one_sequence(cfg, C, T), target, C, dump)
                         row.update(memory=c.memory, fits=c.memory["total"] <= usable, usable_bytes=usable)
-                        row["collectives"] = aot.collective_traffic(dump)
+                        row["collectives"] = xla_dump.collective_traffic(dump)
                     except (aot.PluginMissing, KeyboardInterrupt):
                         raise
                     except Exception as e:  # a length this C cannot split, a kernel over a limit: reported
@@ -83,7 +83,7 @@ def run_aot(opts, cfg) -> list[dict]:
                     row["layer_kv_bytes"] = _branch_kv_bytes(cfg, T)
                     with aot.heartbeat(log, f"{target}: one layer's forward, T={T:,} over {C} cards"):
                         c = aot.compile_context_layer(cfg, target, T, C, dump_dir=dump)
-                    row.update(memory=c.memory, collectives=aot.collective_traffic(dump))
+                    row.update(memory=c.memory, collectives=xla_dump.collective_traffic(dump))
                     rows.append(row)
                     print_layer_row(row)
     return rows

@@ -35,23 +35,23 @@ from benchmarks.common import config_meta, fmt_mib, log, parse_ints, short_error
 from launch.cli import Parser, UsageError
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.kernels import plan_kernels
-from nsa_jax.tools import aot
+from nsa_jax.tools import aot, xla_dump
 
 DEFAULT_SEQ_LENS = "2k,8k,32k,64k,128k"
 
 
 def measure_step(cfg, target: str, n_devices: int, dump_dir: str) -> dict:
     c = aot.compile_train_step(cfg, target, n_devices, dump_dir)
-    launches = aot.read_launches(dump_dir)
+    launches = xla_dump.read_launches(dump_dir)
     usable = aot.get_target(target).usable_bytes()
     return {
         "memory": c.memory,
         "usable_bytes": usable,
         "fits": c.memory["total"] <= usable,
         "compile_s": c.lower_s + c.compile_s,
-        "launches": aot.launch_counts(launches),
-        "loop_trip_counts": aot.loop_trip_counts(dump_dir),
-        "kernels": with_occupancy(aot.pallas_kernels(dump_dir, launches), target),
+        "launches": xla_dump.launch_counts(launches),
+        "loop_trip_counts": xla_dump.loop_trip_counts(dump_dir),
+        "kernels": with_occupancy(xla_dump.pallas_kernels(dump_dir, launches), target),
     }
 
 
@@ -62,15 +62,15 @@ def measure_layer(cfg, target: str, seq_len: int, dump_dir: str) -> dict:
         raise
     except Exception as e:  # a kernel over the card's limits: reported, the other T go on
         return {"seq_len": seq_len, "error": short_error(e)}
-    launches = aot.read_launches(dump_dir)
+    launches = xla_dump.read_launches(dump_dir)
     usable = aot.get_target(target).usable_bytes()
     return {
         "seq_len": seq_len,
         "memory": c.memory,
         "fits": c.memory["total"] <= usable,
         "compile_s": c.lower_s + c.compile_s,
-        "launches": aot.launch_counts(launches),
-        "kernels": with_occupancy(aot.pallas_kernels(dump_dir, launches), target),
+        "launches": xla_dump.launch_counts(launches),
+        "kernels": with_occupancy(xla_dump.pallas_kernels(dump_dir, launches), target),
     }
 
 
@@ -79,7 +79,7 @@ def with_occupancy(rows: list[dict], target: str) -> list[dict]:
     t = aot.get_target(target)
     for k in rows:
         if "registers" in k and k.get("threads"):
-            k["blocks_per_sm"] = aot.occupancy_blocks(k["registers"], k["threads"], k["shared_memory"] or 0, t)
+            k["blocks_per_sm"] = xla_dump.occupancy_blocks(k["registers"], k["threads"], k["shared_memory"] or 0, t)
     return rows
 
 
@@ -150,7 +150,7 @@ def print_report(results: dict, meta: dict) -> None:
         )
         print(f"  {'fits':<24}" + _cells(["yes" if results[n]["step"]["fits"] else "NO" for n in names], w))
         print("\nlaunches per optimizer step (static count x loop trip counts):")
-        for key in (*aot.CATEGORIES, "kernels", "total"):
+        for key in (*xla_dump.CATEGORIES, "kernels", "total"):
             print(f"  {key:<24}" + _cells([str(results[n]["step"]["launches"][key]) for n in names], w))
         trips = results[names[0]]["step"]["loop_trip_counts"]
         print(f"  loops (trip counts, {names[0]}): " + ", ".join(f"{k} x{v}" for k, v in sorted(trips.items())))

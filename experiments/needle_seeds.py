@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from launch.stages import read, report
+from launch.recipe_results import read, report
 
 
 def main(argv: list[str] | None = None) -> int:

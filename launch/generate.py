@@ -23,9 +23,10 @@ Bad input prints one line `error: ...` on stderr and exits with status 2.
 
 On stderr, before generating: one `note:` line when the checkpoint was trained on
 synthetic data (its output is noise, not text), and one when a prompt (or prompt +
---max-new-tokens) goes beyond the training length. While it works, a line every
-10 s of silence says what it is doing (a long prompt's prefill is one compiled call
-and takes minutes on a CPU), and a phase so reported ends with its time.
+--max-new-tokens) goes beyond the training length. While it works, after 10 s of
+silence a line says what it is doing, and again every 10 s while that lasts (a long
+prompt's prefill is one compiled call and takes minutes on a CPU); a phase so reported
+ends with its time.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from nsa_jax.inference.progress import Progress
 from nsa_jax.info import param_shapes
 from nsa_jax.model import init_params
 from nsa_jax.rundir.checkpoint import load_for_inference
+from nsa_jax.words import count
 
 PARAMS_FILE = "params.msgpack"
 CONFIG_FILE = "config.yaml"
@@ -210,11 +212,11 @@ class _Phases:
 
     def __init__(self, progress: Progress, label: str, prompt_tokens: int, max_new: int, inner=None):
         self.progress, self.label, self.max_new, self.inner, self.tokens = progress, label, max_new, inner, 0
-        progress.doing(f"{label}prefill of {prompt_tokens:,} prompt tokens", count=(prompt_tokens, "tokens"))
+        progress.doing(f"{label}prefill of {count(prompt_tokens, 'prompt token')}", count=(prompt_tokens, "tokens"))
 
     def __call__(self, step, ids, active):
         if step == 0:
-            self.progress.doing(lambda: f"{self.label}decoding: {self.tokens} of {self.max_new} tokens")
+            self.progress.doing(lambda: f"{self.label}decoding: {self.tokens} of {count(self.max_new, 'token')}")
         self.tokens = step + 1
         if self.inner is not None:
             self.inner(step, ids, active)

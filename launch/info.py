@@ -15,6 +15,7 @@ import sys
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.info import describe
 from nsa_jax.tools import aot
+from nsa_jax.words import count
 
 
 def log(msg: str) -> None:
@@ -27,10 +28,10 @@ def describe_fit(r: dict, cfg, description: str) -> str:
     m = r["configured"]
     layout = f" (data {n // C} x seq {C}: each sequence over {C} cards)" if C > 1 else ""
     lines = [
-        f"fit on {r['target']} ({description}), {n} device(s){layout}, strategy {cfg.parallel.strategy}, "
+        f"fit on {r['target']} ({description}), {count(n, 'device')}{layout}, strategy {cfg.parallel.strategy}, "
         f"T={t.seq_len}, accumulate {t.accumulate}; jax may use {r['usable_bytes'] / aot.MiB:,.0f} MiB of each card "
         "(XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)",
-        f"  as configured: {r['configured_rows']} row(s) per device (train.global_batch={t.global_batch}): "
+        f"  as configured: {count(r['configured_rows'], 'row')} per device (train.global_batch={t.global_batch}): "
         f"{m['total'] / aot.MiB:,.0f} MiB per device (arguments {m['argument'] / aot.MiB:,.0f}, temporaries "
         f"{m['temp'] / aot.MiB:,.0f}, outputs not aliased {(m['output'] - m['alias']) / aot.MiB:,.0f}) -> "
         + ("fits" if r["configured_fits"] else "does NOT fit"),
@@ -51,7 +52,7 @@ def describe_fit(r: dict, cfg, description: str) -> str:
     b = r["largest_rows"]
     if b:
         lines.append(
-            f"  largest micro-batch that fits: {b} row(s) per device (train.global_batch={b * n}): "
+            f"  largest micro-batch that fits: {count(b, 'row')} per device (train.global_batch={b * n}): "
             f"{r['largest']['total'] / aot.MiB:,.0f} MiB per device"
         )
     else:
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        log(f"compiling the train step for {target.name} on this host ({n} device(s); a minute or more per compile)")
+        on = f"{target.name} on this host ({count(n, 'device')}"
+        log(f"compiling the train step for {on}; a minute or more per compile)")
         r = aot.fit_check(cfg, target.name, n, log=log)
     except (aot.PluginMissing, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

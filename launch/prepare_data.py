@@ -28,8 +28,9 @@ listed (reason, file, place) in the summary and in manifest.json.
 
 Shards are written under temporary names and renamed when complete; manifest.json is
 written last, so an interrupted run never leaves a manifest pointing at partial
-shards. Progress goes to stderr (a bar on a terminal, a line every 10 s otherwise),
-the summary to stdout. Bad input prints one `error: ...` line and exits with status 2.
+shards; a run that fails removes the output folder it created while that is still
+empty. Progress goes to stderr (a bar on a terminal, a line every 10 s otherwise), the
+summary to stdout. Bad input prints one `error: ...` line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import tqdm
 from launch.cli import Parser
 from nsa_jax.data import shards, sources
 from nsa_jax.data.tokenizers import make_tokenizer
+from nsa_jax.words import count
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB of uint16 per shard
 PROGRESS_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
@@ -129,7 +131,7 @@ class SkipRecorder:
                 n = counts[reason] if counts else len(group)
                 shown = "; ".join(place(s) for s in group[:EXAMPLES_PER_REASON])
                 more = f"; ... {n - EXAMPLES_PER_REASON} more" if n > EXAMPLES_PER_REASON else ""
-                out.append(f"    {reason}: {_count(n, title[:-1])} ({shown}{more})")
+                out.append(f"    {reason}: {count(n, title[:-1])} ({shown}{more})")
         return out
 
     def manifest(self) -> dict[str, Any]:
@@ -138,10 +140,6 @@ class SkipRecorder:
             "records": dict(sorted(self.record_counts.items())),
             "record_examples": [_skip_dict(s) for s in self.records],
         }
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
 def _skip_dict(s: sources.Skip) -> dict[str, str]:
@@ -200,16 +198,20 @@ class Progress:
 # output folder
 
 
-def prepare_output(out: pathlib.Path, overwrite: bool) -> None:
-    """Creates `out`, or refuses a non-empty one unless `overwrite` (then deletes only our own files)."""
+def prepare_output(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path]:
+    """Creates `out`, or refuses a non-empty one unless `overwrite` (then deletes only our own files).
+
+    Returns the folders it created (`out` and missing parents, outermost first), which a failed
+    run removes again while they are empty (`remove_empty`)."""
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--output {out} exists and is not a directory; choose another --output")
     if not out.exists():
+        created = [d for d in [*reversed(out.parents), out] if not d.exists()]
         out.mkdir(parents=True)
-        return
+        return created
     present = sorted(p.name for p in out.iterdir())
     if not present:
-        return
+        return []
     if not overwrite:
         shown = ", ".join(present[:3]) + (f", ... ({len(present)} entries)" if len(present) > 3 else "")
         raise PrepareError(
@@ -227,6 +229,18 @@ def prepare_output(out: pathlib.Path, overwrite: bool) -> None:
     for name in present:
         if shards.is_own_file(name) and (out / name).is_file():
             (out / name).unlink()
+    return []
+
+
+def remove_empty(created: list[pathlib.Path]) -> None:
+    """Removes the folders of `created` (outermost first) that are still empty, innermost first: a failed
+    run leaves no empty output folder behind. A folder that holds anything (complete shards of an
+    interrupted run) stays."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:  # not empty, or gone
+            return
 
 
 # ---------------------------------------------------------------------------
@@ -264,7 +278,16 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
         raise PrepareError(str(e).replace("data.tokenizer", "--tokenizer")) from None
     out = pathlib.Path(args.output).expanduser()
     files = sources.find_input_files(args.input, exclude=str(out))
-    prepare_output(out, args.overwrite)
+    created = prepare_output(out, args.overwrite)
+    try:
+        return _prepare(args, tokenizer, out, files, out_stream, err_stream)
+    except BaseException:
+        remove_empty(created)
+        raise
+
+
+def _prepare(args, tokenizer, out: pathlib.Path, files, out_stream: TextIO, err_stream: TextIO) -> int:
+    """`run` once the output folder is ready."""
     t0 = time.perf_counter()
 
     skips = SkipRecorder(args.strict)
@@ -286,8 +309,8 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
         for line in skips.lines():
             print(line.strip(), file=err_stream)
         raise PrepareError(
-            f"no documents found in {' '.join(args.input)} ({len(files)} files, {len(skips.files)} skipped, "
-            f"{skips.n_records} bad records); no manifest written"
+            f"no documents found in {' '.join(args.input)} ({count(len(files), 'file')}, {len(skips.files)} skipped, "
+            f"{count(skips.n_records, 'bad record')}); no manifest written"
         )
     splits = {s: {"tokens": w.tokens, "documents": w.documents, "shards": len(w.shards)} for s, w in writers.items()}
     holdout = None
@@ -301,14 +324,15 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
     n_tokens = sum(w.tokens for w in writers.values())
     mb = text_bytes / 1e6
     print(
-        f"prepare_data: {n_docs:,} documents, {n_tokens:,} tokens, {_count(len(entries), 'shard')} from "
-        f"{_count(len(used), 'file')} "
+        f"prepare_data: {count(n_docs, 'document')}, {count(n_tokens, 'token')}, {count(len(entries), 'shard')} from "
+        f"{count(len(used), 'file')} "
         f"({mb:.1f} MB of text) in {elapsed:.1f} s, {mb / max(elapsed, 1e-9):.1f} MB/s -> {out}",
         file=out_stream,
     )
     for s, info in splits.items():
         print(
-            f"  {s}: {info['documents']:,} documents, {info['tokens']:,} tokens, {_count(info['shards'], 'shard')}",
+            f"  {s}: {count(info['documents'], 'document')}, {count(info['tokens'], 'token')}, "
+            f"{count(info['shards'], 'shard')}",
             file=out_stream,
         )
     print(
@@ -317,7 +341,7 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
     )
     if args.val_fraction == 0:
         print("  val: none (--val-fraction 0): a training run on this folder evaluates nothing", file=out_stream)
-    print(f"  skipped: {_count(len(skips.files), 'file')}, {_count(skips.n_records, 'record')}", file=out_stream)
+    print(f"  skipped: {count(len(skips.files), 'file')}, {count(skips.n_records, 'record')}", file=out_stream)
     for line in skips.lines():
         print(line, file=out_stream)
     return 0
@@ -440,7 +464,7 @@ def _hold_out(
     warning, when the text is too short to spare any)."""
     train = [e for e in entries if e["split"] == "train"]
     want = holdout_tokens(splits["train"]["tokens"], val_fraction)
-    why = f"none of the {_count(n_docs, 'document')} fell in the --val-fraction {val_fraction} hash split"
+    why = f"none of the {count(n_docs, 'document')} fell in the --val-fraction {val_fraction} hash split"
     if want < 1 or not train:
         print(
             f"warning: {why}, and {splits['train']['tokens']:,} tokens are too few to hold any out: no val split; "

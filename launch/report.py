@@ -30,7 +30,9 @@ import sys
 from typing import Sequence
 
 from launch.cli import Parser
-from nsa_jax.report import summary as S
+from nsa_jax.report import criteria as C
+from nsa_jax.report import reading as R
+from nsa_jax.report import text as T
 from nsa_jax.report.plots import comparison_figures, run_figures, save_figures
 
 _THRESHOLD_HELP = {
@@ -56,7 +58,7 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
         help="ranking: means within P%% of the better one tie; the lower pstdev wins (default 1)",
     )
     g = p.add_argument_group("thresholds")
-    for f in dataclasses.fields(S.Thresholds):
+    for f in dataclasses.fields(C.Thresholds):
         g.add_argument(
             "--" + f.name.replace("_", "-"),
             type=float,
@@ -66,8 +68,8 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
         )
 
 
-def thresholds_from_args(args: argparse.Namespace) -> S.Thresholds:
-    return S.Thresholds(**{f.name: getattr(args, f.name) for f in dataclasses.fields(S.Thresholds)})
+def thresholds_from_args(args: argparse.Namespace) -> C.Thresholds:
+    return C.Thresholds(**{f.name: getattr(args, f.name) for f in dataclasses.fields(C.Thresholds)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,13 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def write_run_report(summary: S.Summary, out_dir: pathlib.Path) -> tuple[pathlib.Path, int]:
+def write_run_report(summary: C.Summary, out_dir: pathlib.Path) -> tuple[pathlib.Path, int]:
     """PNGs and report.md of one run; returns the page and the number of plots."""
     figs, skipped = run_figures(summary.run, summary)
     paths = save_figures(figs, out_dir)
     page = out_dir / "report.md"
     images = {k: p.name for k, p in paths.items()}
-    page.write_text(S.markdown_summary(summary, images, skipped) + "\n")
+    page.write_text(T.markdown_summary(summary, images, skipped) + "\n")
     return page, len(paths)
 
 
@@ -109,29 +111,29 @@ def default_comparison_dir(dirs: Sequence[pathlib.Path]) -> pathlib.Path:
     return common / "comparison"
 
 
-def comparison_text(entries: Sequence[S.Entry], last: int, tie_pct: float) -> str:
+def comparison_text(entries: Sequence[C.Entry], last: int, tie_pct: float) -> str:
     """Each run's summary, then the ranked table."""
     lines = []
     for e in entries:
-        lines += [f"== {e.label}: {e.status}", S.format_summary(e.summary) if e.summary else "no artifacts", ""]
-    lines.append(S.format_table(S.rank_entries(entries, tie_pct), last, tie_pct))
+        lines += [f"== {e.label}: {e.status}", T.format_summary(e.summary) if e.summary else "no artifacts", ""]
+    lines.append(T.format_table(C.rank_entries(entries, tie_pct), last, tie_pct))
     return "\n".join(lines)
 
 
-def write_comparison(entries: Sequence[S.Entry], out_dir: pathlib.Path, last: int, tie_pct: float) -> pathlib.Path:
+def write_comparison(entries: Sequence[C.Entry], out_dir: pathlib.Path, last: int, tie_pct: float) -> pathlib.Path:
     """Overlaid PNGs and comparison.md (ranked table, then each run's criteria)."""
     runs = [e.summary.run for e in entries if e.summary is not None]
     figs, skipped = comparison_figures(runs)
     paths = save_figures(figs, out_dir)
-    ranked = S.rank_entries(entries, tie_pct)
-    lines = ["# Run comparison", "", S.markdown_table(ranked, last, tie_pct), ""]
+    ranked = C.rank_entries(entries, tie_pct)
+    lines = ["# Run comparison", "", T.markdown_table(ranked, last, tie_pct), ""]
     for name, p in paths.items():
         lines += [f"## {name.replace('_', ' ')}", "", f"![{name}]({p.name})", ""]
     if skipped:
         lines += ["Plots not drawn: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()), ""]
     for _, e in ranked:
         if e.summary is not None:
-            lines += [S.markdown_summary(e.summary, {}, {}, level=2), ""]
+            lines += [T.markdown_summary(e.summary, {}, {}, level=2), ""]
         else:
             lines += [f"## Run report: {e.label}", "", f"- {e.status}; no artifacts", ""]
     page = out_dir / "comparison.md"
@@ -145,23 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --last must be at least 1", file=sys.stderr)
         return 2
     try:
-        dirs = [S.resolve_run_dir(p, require_run=True) for p in args.runs]
-    except S.RunPathError as e:
+        dirs = [R.resolve_run_dir(p, require_run=True) for p in args.runs]
+    except R.RunPathError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     th = thresholds_from_args(args)
-    summaries = [S.summarize(S.load_run(d, label), args.last, th) for d, label in zip(dirs, labels_for(dirs))]
+    summaries = [C.summarize(R.load_run(d, label), args.last, th) for d, label in zip(dirs, labels_for(dirs))]
     for s in summaries:
-        for line in S.warning_lines(s):
+        for line in T.warning_lines(s):
             print(line, file=sys.stderr)
     try:
         if len(summaries) == 1:
             s = summaries[0]
-            print(S.format_summary(s))
+            print(T.format_summary(s))
             page, n = write_run_report(s, pathlib.Path(args.out) if args.out else dirs[0] / "report")
             print(f"report: {page} ({n} plots)")
         else:
-            entries = [S.Entry(s.run.label, s) for s in summaries]
+            entries = [C.Entry(s.run.label, s) for s in summaries]
             print(comparison_text(entries, args.last, args.tie_pct))
             out = pathlib.Path(args.out) if args.out else default_comparison_dir(dirs)
             out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: cannot write the report: {e}", file=sys.stderr)
         return 2
-    if args.strict and any(s.verdict != S.GO for s in summaries):
+    if args.strict and any(s.verdict != C.GO for s in summaries):
         return 1
     return 0
 

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from nsa_jax.words import count
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = Spawner(cmd, args.nproc, coordinator, args.grace)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, sp.on_signal)
-    sp.say(f"{args.nproc} processes, coordinator {coordinator}: {' '.join(cmd)}")
+    sp.say(f"{count(args.nproc, 'process', 'processes')}, coordinator {coordinator}: {' '.join(cmd)}")
     try:
         sp.start()
     except OSError as e:

@@ -47,7 +47,8 @@ trains without evaluation, with one warning at boot.
 File datasets: the model's vocabulary follows the tokenizer. When model.vocab_size is
 smaller than the tokenizer's vocabulary it is raised to that size rounded up to a
 multiple of 64 (the byte tokenizer's 258 ids -> 320), with a printed note.
-Bad input prints one `error: ...` line and exits with status 2.
+Bad input prints one `error: ...` line and exits with status 2. Progress and results go to
+stdout; warnings and notes (`warning:`, `note:`) to stderr.
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ import sys
 import threading
 
 from launch.cli import Parser
-from nsa_jax.config import Config, ConfigError, env_overrides, load_config
+from nsa_jax.config import Config, ConfigError, load_config
 from nsa_jax.data import make_tokenizer
-from nsa_jax.data.check import check_data
+from nsa_jax.data.check import check_data, repeat_note
 from nsa_jax.data.sources import FILE_DATASETS
 from nsa_jax.data.tokenizers import fitted_vocab_size
 from nsa_jax.ops import distributed as dist
+from nsa_jax.runbook_env import env_overrides
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir import lock, resume
 
@@ -243,11 +245,14 @@ def _main(argv: list[str] | None = None) -> int:
         env_sets, applied = env_overrides(os.environ)
         cfg = load_config(args.config, env_sets + flag_overrides(args))
         cfg, vocab_note = fit_vocab_to_tokenizer(cfg)
-        if vocab_note:
-            print(vocab_note, flush=True)
         # Data problems are found before the out dir is locked or touched (nsa_jax/data/check.py).
         data_check = check_data(cfg)
         spec = dist.resolve(args.coordinator, args.num_processes, args.process_id)
+        # The notes once the data is usable (bad input stays one error line), from process 0 alone.
+        if spec is None or spec.process_id == 0:
+            for note in (vocab_note, repeat_note(cfg, data_check)):
+                if note:
+                    print(note, file=sys.stderr, flush=True)
         # Before anything is read, moved or written in the folder, and before XLA starts.
         lock_out_dir(cfg.train.out_dir, spec)
         # Processes other than 0 change the folder only once they have joined process 0 (which holds the lock).

@@ -45,6 +45,7 @@ import time
 
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir.files import ANOMALY_FILE, GATE_COLUMNS, HALT_FILE, write_halt
+from nsa_jax.words import count
 
 LEGACY_CSV = rf.LEGACY_COLUMNS
 # Events that show the watchdog of the trainer speaking, not the trainer making progress.
@@ -237,7 +238,8 @@ class Watchdog:
         if toks is not None:
             if all(v < a.toks_floor for v in toks):
                 return Anomaly(
-                    "throughput_flatline", f"toks_per_s under {a.toks_floor:g} for the last {a.patience} rows: {toks}"
+                    "throughput_flatline",
+                    f"toks_per_s under {a.toks_floor:g} for the last {count(a.patience, 'row')}: {toks}",
                 )
             ref = [row.get("toks_per_s") for row in list(self.rows)[: -a.patience]]
             ref = [v for v in ref if v is not None and math.isfinite(v)]
@@ -246,20 +248,24 @@ class Watchdog:
                 if base > 0 and now_med < a.flatline_fraction * base:
                     return Anomaly(
                         "throughput_flatline",
-                        f"toks_per_s median {now_med:.4g} over the last {a.patience} rows is under "
-                        f"{a.flatline_fraction:g} x the median {base:.4g} of the {len(ref)} rows before",
+                        f"toks_per_s median {now_med:.4g} over the last {count(a.patience, 'row')} is under "
+                        f"{a.flatline_fraction:g} x the median {base:.4g} of the {count(len(ref), 'row')} before",
                     )
         ent = self._recent("gate_entropy")
         if ent is not None and all(v < a.gate_entropy_min for v in ent):
-            return Anomaly("gate_collapse", f"gate_entropy under {a.gate_entropy_min:g} for {a.patience} rows: {ent}")
+            return Anomaly(
+                "gate_collapse", f"gate_entropy under {a.gate_entropy_min:g} for {count(a.patience, 'row')}: {ent}"
+            )
         gates = [self._recent(c) for c in GATE_COLUMNS]
         if all(g is not None for g in gates):
             peaks = [max(vals) for vals in zip(*gates)]
             if all(v > a.gate_max for v in peaks):
-                return Anomaly("gate_collapse", f"largest gate mean over {a.gate_max:g} for {a.patience} rows: {peaks}")
+                return Anomaly(
+                    "gate_collapse", f"largest gate mean over {a.gate_max:g} for {count(a.patience, 'row')}: {peaks}"
+                )
         gn = self._recent("grad_norm")
         if gn is not None and all(v <= a.grad_norm_floor for v in gn):
-            return Anomaly("zero_grad_norm", f"grad_norm <= {a.grad_norm_floor:g} for {a.patience} rows: {gn}")
+            return Anomaly("zero_grad_norm", f"grad_norm <= {a.grad_norm_floor:g} for {count(a.patience, 'row')}: {gn}")
         return None
 
     def poll(self, now: float | None = None) -> tuple[str | None, Anomaly | None]:

@@ -1,10 +1,12 @@
 """Typed run configuration: YAML files -> frozen dataclasses, validated at load time.
 
 Owns the schema of every config key, the lookup of `--config NAME` (a file in
-`configs/` or a path), dotted `--set section.key=value` overrides, the runbook
-variables (`NSA_*`) as overrides (`env_overrides`), and the
-validation that turns bad input into one `ConfigError` line naming the key and
-the fix. Nothing here imports jax: the shell can validate before the backend starts.
+`configs/` or a path), and the validation that turns bad input into one
+`ConfigError` line naming the key and the fix (an unknown key with the nearest
+valid one). Reading the YAML text and the dotted `--set section.key=value` items
+is config_text.py; the runbook variables (`NSA_*`) become overrides in
+runbook_env.py. Nothing here imports jax: the shell can validate before the
+backend starts.
 
 Dimension letters used across the project (declared once, here):
   B batch, T sequence length, D model width, V vocabulary, F MLP hidden width,
@@ -16,19 +18,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import pathlib
 import types
 import typing
 from typing import Any, Literal
 
-import yaml
+# ConfigError is defined with the text it is first raised on; callers import it from here.
+from nsa_jax.config_text import ConfigError, apply_overrides, closest, read_yaml
+from nsa_jax.seq_layout import split_problem
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A config problem, phrased as one line that names the key and how to fix it."""
 
 
 # Options that are gone (the evidence: docs/EXPERIMENTS.md "Retired options"): key -> its "off"
@@ -362,8 +361,10 @@ def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
         if key in MOVED:
             raise ConfigError(f"config: {key} is now {MOVED[key]} (a training schedule); rename it")
     if unknown:
+        guess = nearest_key(prefix, unknown[0], list(fields))
+        hint = f" (did you mean {guess!r}?)" if guess else ""
         raise ConfigError(
-            f"config: unknown key '{prefix}{unknown[0]}'; valid keys in "
+            f"config: unknown key '{prefix}{unknown[0]}'{hint}; valid keys in "
             f"'{prefix.rstrip('.') or '<root>'}' are: {', '.join(fields)}"
         )
     kwargs = {}
@@ -374,6 +375,23 @@ def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
         else:
             kwargs[name] = _coerce(value, tp, f"{prefix}{name}")
     return cls(**kwargs)
+
+
+def nearest_key(prefix: str, name: str, fields: list[str]) -> str | None:
+    """The valid dotted key an unknown `prefix + name` most likely meant: the closest spelling in its
+    section, else a key of that name in another section (`train.dtype` -> `model.dtype`); None."""
+    close = closest(name, fields)
+    if close:
+        return f"{prefix}{close}"
+    elsewhere = [key for key in _dotted_keys(Config) if key.rsplit(".", 1)[-1] == name]
+    return elsewhere[0] if len(elsewhere) == 1 else None
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        out += _dotted_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -497,23 +515,8 @@ def check_context(cfg: Config, need) -> None:
         f"parallel.context={C}: the compressed branch through cuDNN takes no query offset; "
         "set model.nsa.compressed_kernel=auto (its flash kernels) or parallel.context=1",
     )
-    T, m = cfg.train.seq_len, math.lcm(a.l, a.lp)
-    # Device i holds chunks i and 2C-1-i (nsa/context.py); chunk C-1 must hold a real token, or a
-    # device would hold padding only.
-    need(
-        (C - 1) * context_chunk_len(T, C, a.l, a.lp) < T,
-        f"train.seq_len ({T}) is too short to split over parallel.context={C} devices: the sequence is cut "
-        f"into {2 * C} chunks of whole blocks (multiples of lcm(l, lp) = {m} tokens) and a device would hold "
-        f"padding only; set train.seq_len to at least {(C - 1) * m + 1} (best a multiple of {2 * C * m}) "
-        "or a smaller parallel.context",
-    )
-
-
-def context_chunk_len(T: int, C: int, l: int, lp: int) -> int:
-    """S: tokens per chunk when T tokens are cut into 2C chunks (the last padded), a multiple of lcm(l, lp)
-    (nsa/context.py: every chunk starts on a compression stride and a selection block)."""
-    m = math.lcm(l, lp)
-    return -(-T // (2 * C * m)) * m
+    problem = split_problem(cfg.train.seq_len, C, a.l, a.lp)
+    need(problem is None, problem or "")
 
 
 # ---------------------------------------------------------------------------
@@ -529,37 +532,13 @@ def resolve_path(name: str) -> pathlib.Path:
         return p
     candidate = CONFIG_DIR / f"{name}.yaml"
     if not candidate.is_file():
-        names = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
-        raise ConfigError(f"config: no config named '{name}'; choose one of: {names}, or pass a YAML path")
+        names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
+        guess = closest(name, names)
+        hint = f" (did you mean {guess!r}?)" if guess else ""
+        raise ConfigError(
+            f"config: no config named '{name}'{hint}; choose one of: {', '.join(names)}, or pass a YAML path"
+        )
     return candidate
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`model.n_layers=2` -> (['model', 'n_layers'], 2); values are read as YAML scalars."""
-    if "=" not in item:
-        raise ConfigError(f"config: override '{item}' must look like section.key=value (e.g. model.n_layers=2)")
-    key, raw = item.split("=", 1)
-    path = [p for p in key.strip().split(".") if p]
-    if len(path) < 2:
-        raise ConfigError(f"config: override key '{key}' must name a section and a key, e.g. train.steps=100")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return path, value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for item in overrides:
-        path, value = parse_override(item)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"config: override '{item}': '{part}' is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
 
 
 def load_config(name: str | None = None, overrides: list[str] | tuple[str, ...] = (), saved: bool = False) -> Config:
@@ -571,11 +550,7 @@ def load_config(name: str | None = None, overrides: list[str] | tuple[str, ...] 
     data: dict[str, Any] = {}
     if name is not None:
         path = resolve_path(name)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            first = str(e).splitlines()[0] if str(e) else "parse error"
-            raise ConfigError(f"config: {path} is not valid YAML ({first}); fix the file") from None
+        data = read_yaml(path)
         if not isinstance(data, dict):
             raise ConfigError(f"config: {path} must hold a mapping of sections (model:, train:, ...)")
         if saved:
@@ -617,51 +592,3 @@ def _section(data: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
 def replace(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """A copy of `cfg` with dotted overrides applied and validated."""
     return validate(from_dict(Config, apply_overrides(to_dict(cfg), list(overrides))))
-
-
-# The torch runbooks' environment variables (docs/RUNBOOK.md): variable -> (config key, value converter).
-_NUMERIC_ENV = {
-    "NSA_ACCUM": ("train.accumulate", int),
-    "NSA_LR": ("train.lr", float),
-    "NSA_SEQ_LEN": ("train.seq_len", int),
-    "NSA_BATCH_SIZE": ("train.global_batch", int),
-    "NSA_DDP_BUCKET_MB": ("parallel.bucket_mb", float),
-    # The torch process-group timeout: here a step that does not end in time ends the process.
-    "NSA_PG_TIMEOUT_MIN": ("ops.stall_seconds", lambda raw: float(raw) * 60),
-}
-_DISABLE_ENV = {
-    "NSA_TB_DISABLE": "logging.tensorboard",
-    "NSA_DISABLE_CSV_LOGS": "logging.csv",
-    "NSA_DISABLE_AUX_STATS": "logging.aux_stats",
-}
-
-
-def env_overrides(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """Runbook variables -> (dotted overrides, {variable: what it set}); ConfigError on bad values."""
-    overrides, applied = [], {}
-
-    def add(var: str, key: str, value) -> None:
-        overrides.append(f"{key}={value}")
-        applied[var] = f"{key}={value}"
-
-    for var, (key, conv) in _NUMERIC_ENV.items():
-        raw = environ.get(var, "").strip()
-        if raw:
-            try:
-                add(var, key, conv(raw))
-            except ValueError:
-                kind = "an integer" if conv is int else "a number"
-                raise ConfigError(f"{var}={raw!r} must be {kind} ({key})") from None
-    raw = environ.get("NSA_DDP_COMPRESS", "").strip().lower()
-    if raw:
-        dtypes = {"bf16": "bfloat16", "bfloat16": "bfloat16", "off": "float32", "fp32": "float32", "none": "float32"}
-        if raw not in dtypes:
-            raise ConfigError(f"NSA_DDP_COMPRESS={raw!r} must be bf16 or off")
-        add("NSA_DDP_COMPRESS", "parallel.grad_reduce_dtype", dtypes[raw])
-    for var, key in _DISABLE_ENV.items():
-        raw = environ.get(var, "").strip()
-        if raw:
-            if raw not in ("0", "1"):
-                raise ConfigError(f"{var}={raw!r} must be 1 (disable) or 0 (enable)")
-            add(var, key, "false" if raw == "1" else "true")
-    return overrides, applied

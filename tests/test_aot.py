@@ -36,7 +36,8 @@ from benchmarks import gpu_aot
 from launch import info as info_cli
 from nsa_jax.config import load_config
 from nsa_jax.kernels.cudnn import compressed_attention_grouped
-from nsa_jax.tools import aot
+from nsa_jax.tools import aot, xla_dump
+from nsa_jax.words import count
 
 from helpers import ROOT
 
@@ -118,7 +119,7 @@ def write_dump(tmp_path):
 
 def test_read_launches_multiplies_by_loop_trip_counts(tmp_path):
     write_dump(tmp_path)
-    launches = {x.thunk_id: x for x in aot.read_launches(str(tmp_path))}
+    launches = {x.thunk_id: x for x in xla_dump.read_launches(str(tmp_path))}
     assert set(launches) == {1, 2, 4, 5, 7, 8, 9, 10, 11}  # loops themselves launch nothing
     # outside: once; the outer condition runs trips + 1 = 4 times, its body 3; the inner body 3 x 4.
     assert [launches[i].count for i in (1, 2, 4, 5, 7, 8, 9, 10, 11)] == [1, 1, 4, 3, 3 * 5, 12, 12, 3, 1]
@@ -137,11 +138,11 @@ def test_read_launches_multiplies_by_loop_trip_counts(tmp_path):
         10: "fusions",
         11: "collectives",
     }
-    counts = aot.launch_counts(list(launches.values()))
+    counts = xla_dump.launch_counts(list(launches.values()))
     assert counts["pallas"] == 3 and counts["gemm"] == 1 and counts["copies"] == 12
     assert counts["fusions"] == 4 + 15 + 3 and counts["copy_thunks"] == 13 and counts["collectives"] == 1
     assert counts["kernels"] == 3 + 1 + 12 + 22 and counts["total"] == counts["kernels"] + 14
-    assert aot.loop_trip_counts(str(tmp_path)) == {"while.1": 3, "while.2": 4}
+    assert xla_dump.loop_trip_counts(str(tmp_path)) == {"while.1": 3, "while.2": 4}
 
 
 @pytest.mark.parametrize("largest", [0, 1, 2, 3, 7, 11, 64, 100])
@@ -193,9 +194,9 @@ def test_target_config_text_states_the_card():
 def test_occupancy_by_registers():
     a100 = aot.TARGETS["a100-40"]
     # 128 threads = 4 warps; 255 registers -> 8192 per warp, 32768 per block: 2 blocks of 65536.
-    assert aot.occupancy_blocks(255, 128, 0, a100) == 2
-    assert aot.occupancy_blocks(128, 128, 0, a100) == 4
-    assert aot.occupancy_blocks(64, 128, 90112, a100) == 1  # shared memory binds first
+    assert xla_dump.occupancy_blocks(255, 128, 0, a100) == 2
+    assert xla_dump.occupancy_blocks(128, 128, 0, a100) == 4
+    assert xla_dump.occupancy_blocks(64, 128, 90112, a100) == 1  # shared memory binds first
 
 
 def test_fit_check_without_plugin_says_how_to_install(monkeypatch, capsys):
@@ -228,7 +229,7 @@ def test_gpu_aot_prints_cards_side_by_side(capsys):
     def card(name, regs, spill, smem):
         mem = dict(argument=900 * aot.MiB, output=900 * aot.MiB, alias=900 * aot.MiB, temp=2000 * aot.MiB)
         mem["total"] = 2900 * aot.MiB
-        launches = dict.fromkeys((*aot.CATEGORIES, "kernels", "total"), 7)
+        launches = dict.fromkeys((*xla_dump.CATEGORIES, "kernels", "total"), 7)
         step = dict(memory=mem, usable_bytes=30000 * aot.MiB, fits=True, launches=launches, kernels=[])
         step["loop_trip_counts"] = {"while.1": 12}
         layer = [dict(seq_len=2048, memory=dict(mem, temp=34 * aot.MiB, total=57 * aot.MiB), kernels=[])]
@@ -318,9 +319,9 @@ def test_fit_check_says_what_it_compiles(monkeypatch):
     r = aot.fit_check(load_config("cpu_tiny"), "a100-40", 2, log=lines.append)
     assert r["largest_rows"] == 9 and r["configured_fits"]
     for b in r["probes"]:  # each compile: announced, ticking while it runs, then its figure
-        i = lines.index(f"  {b} row(s) per device: compiling ...")
-        assert lines[i + 1].startswith(f"  {b} row(s) per device: compiling: ")
-        done = [line for line in lines if line.startswith(f"  {b} row(s) per device: ") and "MiB" in line]
+        i = lines.index(f"  {count(b, 'row')} per device: compiling ...")
+        assert lines[i + 1].startswith(f"  {count(b, 'row')} per device: compiling: ")
+        done = [line for line in lines if line.startswith(f"  {count(b, 'row')} per device: ") and "MiB" in line]
         assert len(done) == 1 and lines.index(done[0]) > i + 1
 
 
@@ -335,7 +336,7 @@ def test_ptxas_from_the_plugins_cuda_wheels(tmp_path, monkeypatch, layout):
     nvidia.__path__ = [str(tmp_path / "nvidia")]
     monkeypatch.setitem(sys.modules, "nvidia", nvidia)
     monkeypatch.delitem(sys.modules, "nvidia.cuda_nvcc", raising=False)
-    assert aot.ptxas_path() == str(ptxas)
+    assert xla_dump.ptxas_path() == str(ptxas)
 
 
 @pytest.mark.parametrize("devices", ["0", "-1"])
@@ -374,7 +375,7 @@ def layer_compile(card: str, seq_len: int, root, compressed_kernel: str = "auto"
         dump = str(root / f"dump_{tag}")
         cfg = load_config("a100_pcie", [f"model.nsa.compressed_kernel={compressed_kernel}"])
         c = aot.compile_layer(cfg, card, seq_len, dump_dir=dump)
-        r = {"memory": c.memory, "kernels": aot.pallas_kernels(dump)}
+        r = {"memory": c.memory, "kernels": xla_dump.pallas_kernels(dump)}
         shutil.rmtree(dump, ignore_errors=True)
         result.write_text(json.dumps(r))
         return r
@@ -422,10 +423,10 @@ def test_info_target_prints_progress_and_the_fit():
     finally:
         proc.kill()
         reader.join()
-    assert "parameters:" in out and "fit on a100-40 (NVIDIA A100-PCIE-40GB), 1 device(s)" in out, out
+    assert "parameters:" in out and "fit on a100-40 (NVIDIA A100-PCIE-40GB), 1 device," in out, out
     assert "-> does NOT fit" in out and "not even 1 row per device fits" in out, out
     lines = [line for _, line in stamps]
-    assert any("row(s) per device: compiling ..." in line for line in lines), lines
+    assert any(re.search(r"\d rows? per device: compiling \.\.\.", line) for line in lines), lines
     times = [t0] + [t for t, _ in stamps]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert max(gaps) < 30, f"{max(gaps):.0f} s without a line on stderr: {lines}"
@@ -468,7 +469,7 @@ def test_a100_pcie_step_fits_a100_40gb(tmp_path):
     usable = aot.TARGETS["a100-40"].usable_bytes(aot.DEFAULT_MEM_FRACTION)
     assert 0 < c.memory["total"] <= usable, f"{c.memory['total'] / aot.MiB:.0f} MiB per device"
     # A layer loop brought back (3,850) or new kernels per layer fail here.
-    kernels = aot.launch_counts(aot.read_launches(str(tmp_path)))["kernels"]
+    kernels = xla_dump.launch_counts(xla_dump.read_launches(str(tmp_path)))["kernels"]
     assert 0 < kernels <= KERNELS_PER_STEP_LIMIT, f"{kernels} kernel launches per a100_pcie optimizer step"
 
 

@@ -77,6 +77,54 @@ def test_bad_config_is_one_clear_error(overrides, needle):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "overrides,said",
+    [
+        (["train.step=3"], "unknown key 'train.step' (did you mean 'train.steps'?); valid keys in 'train' are: "),
+        (["modle.d_model=64"], "unknown key 'modle' (did you mean 'model'?)"),
+        (["model.nsa.lp2=32"], "unknown key 'model.nsa.lp2' (did you mean 'model.nsa.lp'?)"),
+        # No close spelling in the section: the key of that name in another one.
+        (["train.dtype=float32"], "unknown key 'train.dtype' (did you mean 'model.dtype'?)"),
+        (["model.attention_impl=xla"], "(did you mean 'model.nsa.attention_impl'?)"),
+        (["train.zzz=1"], "unknown key 'train.zzz'; valid keys in 'train' are: "),
+    ],
+)
+def test_an_unknown_key_names_the_nearest_valid_one(overrides, said):
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu_tiny", overrides)
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_config_name_close_to_a_shipped_one_is_suggested():
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu_tiy")
+    assert "no config named 'cpu_tiy' (did you mean 'cpu_tiny'?); choose one of: a100_pcie, " in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text,said",
+    [
+        (
+            "model:\n  d_model: 64\n  n_layers: [2\ntrain:\n  steps: 3\n",
+            "line 4, column 6: not valid YAML: expected ','",
+        ),
+        ("model:\n  d_model: 64\n n_layers: 2\n", "line 3, column 2: not valid YAML: expected <block end>"),
+        (
+            "model:\n\td_model: 64\n",
+            "line 2, column 1: not valid YAML: found character '\\t' that cannot start any token",
+        ),
+        ("model: {d_model: 64\ntrain: x\n", "(while parsing a flow mapping at line 1, column 8); fix the file"),
+    ],
+)
+def test_a_yaml_syntax_error_names_the_file_line_and_column_in_one_line(tmp_path, text, said):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    message = str(err.value)
+    assert message.startswith(f"config: {path} line ") and said in message and "\n" not in message
+
+
 def test_a_run_shorter_than_its_warmup_loads_with_the_decay_off():
     t = load_config("cpu_tiny", ["train.steps=5", "train.warmup=30"]).train
     assert (t.steps, t.warmup, t.decay_steps) == (5, 30, 0)

@@ -30,6 +30,7 @@ from nsa_jax.config import ConfigError, load_config
 from nsa_jax.evaluation.heldout import make_context_eval_fn, make_eval_fn
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.nsa import context as CX
+from nsa_jax.seq_layout import device_order, natural_slots
 from nsa_jax.train import step as S
 
 from helpers import LAUNCH_TRAIN, TINY_NSA, cpu_env, python_c, run_module, set_flags
@@ -65,11 +66,11 @@ def grads_loss_stats(cfg, tokens):
 
 @pytest.mark.parametrize("C", [1, 2, 3])
 def test_device_order_puts_an_early_and_a_late_chunk_on_every_device(C):
-    order = CX.device_order(C)
+    order = device_order(C)
     assert sorted(order.tolist()) == list(range(2 * C))
     for i in range(C):
         assert order[2 * i : 2 * i + 2].tolist() == [i, 2 * C - 1 - i]
-    assert order[CX.natural_slots(C)].tolist() == list(range(2 * C))
+    assert order[natural_slots(C)].tolist() == list(range(2 * C))
     shard = CX.SeqShard(C, 4, 8 * C - 3)
     laid = np.asarray(shard.lay_out(jnp.arange(1, 8 * C - 2), 0))  # positions + 1; padding 0
     for i in range(C):

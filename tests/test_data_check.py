@@ -9,7 +9,7 @@ import pytest
 from launch import prepare_data
 from nsa_jax.config import load_config
 from nsa_jax.data import make_dataset, sources
-from nsa_jax.data.check import check_data
+from nsa_jax.data.check import DataCheck, check_data, repeat_note
 
 from helpers import cpu_env, run_module
 
@@ -88,6 +88,30 @@ def test_a_prepared_folder_without_val_shards_trains_without_evaluation(tmp_path
     small = load_config("cpu_tiny", ["data.dataset=tokenized", f"data.path={again}", "model.vocab_size=128"])
     with pytest.raises(ValueError, match=r"model.vocab_size \(128\) is smaller .* set model.vocab_size=320"):
         check_data(small)
+
+
+def test_a_corpus_the_run_reads_many_times_gets_a_note_saying_how_many(tmp_path):
+    # 3 books, byte tokenizer: their bytes and one EOS each, packed into rows of 257 tokens.
+    inp = books(tmp_path / "in", 3)
+    tokens = sum(len(f.read_bytes()) + 1 for f in inp.iterdir())
+    rows = tokens // 257
+    cfg = text_cfg(inp, "data.val_fraction=0", "train.steps=200")  # 200 steps x 8 rows
+    found = check_data(cfg)
+    assert found.train_rows == rows
+    assert repeat_note(cfg, found) == (
+        f"note: the training data is {rows} rows of 257 tokens: 200 steps x 8 rows read it {1600 / rows:.0f} times"
+    )
+    # Read less than twice: no note; data too large to count cheaply: not counted.
+    assert repeat_note(text_cfg(inp, "data.val_fraction=0", f"train.steps={rows // 8}"), found) is None
+    assert repeat_note(cfg, DataCheck()) is None
+    # A prepared folder: the manifest's train tokens.
+    out = tmp_path / "prepared"
+    assert prepare_data.main(["--input", str(inp), "--output", str(out), "--val-fraction", "0"]) == 0
+    prepared = load_config(
+        "cpu_tiny", ["data.dataset=tokenized", f"data.path={out}", "model.vocab_size=320", "train.steps=200"]
+    )
+    assert check_data(prepared).train_rows == rows
+    assert "read it" in repeat_note(prepared, check_data(prepared))
 
 
 @pytest.mark.parametrize("what", ["empty", "binary"])

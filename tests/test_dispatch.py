@@ -11,6 +11,7 @@ from reference import compressed_visible, reference_attention, reference_group_p
 
 from nsa_jax.config import NSAConfig
 from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, resolve_impl
+from nsa_jax.kernels.plan import substitutions
 from nsa_jax.kernels.xla import num_compressed
 
 
@@ -87,6 +88,49 @@ def test_fallback_moves_only_auto_branches_to_xla():
     assert _plan(fallback=["win"], attention_impl="pallas").win == "pallas"
     with pytest.raises(ValueError, match="unknown NSA branches"):
         _plan(fallback=["mlp"])
+
+
+def _asked(backend="gpu", fallback=(), seq=4096, **nsa):
+    cfg = NSAConfig(**{"n": 16, "lp": 64, **nsa})
+    return substitutions(cfg, [plan_kernels(cfg, seq, backend, fallback=set(fallback))], backend, set(fallback))
+
+
+def test_what_a_config_asks_and_the_backend_runs_instead_is_named():
+    # Honoured, or asked for nothing in particular: nothing to say.
+    assert _asked() == _asked(backend="cpu") == _asked(compressed_kernel="cudnn") == []
+    assert _asked(backend="cpu", attention_impl="xla") == []
+    assert _asked(selection_kernel="blocksparse") == []
+    # The GPU kernels named on a CPU.
+    assert _asked(backend="cpu", compressed_kernel="cudnn") == [
+        "model.nsa.compressed_kernel=cudnn runs as xla-chunked (attention_impl=auto runs XLA on a cpu backend; "
+        "the kernels need a GPU)"
+    ]
+    assert _asked(backend="cpu", selection_kernel="gather") == [
+        "model.nsa.selection_kernel=gather runs as xla-chunked (attention_impl=auto runs XLA on a cpu backend; "
+        "the kernels need a GPU)"
+    ]
+    assert _asked(backend="cpu", attention_impl="pallas") == [
+        "model.nsa.attention_impl=pallas runs as pallas-interpret (the Pallas interpreter on a cpu backend: for "
+        "tests, slow; compiled kernels need a GPU)"
+    ]
+    pallas_cudnn = _asked(backend="cpu", attention_impl="pallas", compressed_kernel="cudnn")
+    assert pallas_cudnn[1] == (
+        "model.nsa.compressed_kernel=cudnn runs as xla-attention (jax's fused attention runs on XLA on a cpu backend)"
+    )
+    # On a GPU: a selection block the kernels cannot take, and what the kernel guard moved.
+    assert _asked(selection_kernel="gather", lp=40, d=8) == [
+        "model.nsa.selection_kernel=gather runs as xla-chunked (the selection kernels need lp a power of two >= 16, "
+        "got 40)"
+    ]
+    assert _asked(fallback=["slc"], selection_kernel="gather") == [
+        "model.nsa.selection_kernel=gather runs as xla-chunked (the kernel guard found its kernel failing)"
+    ]
+    assert _asked(fallback=["cmp-cudnn"], compressed_kernel="cudnn") == [
+        "model.nsa.compressed_kernel=cudnn runs as the flash kernels (the kernel guard found cuDNN's attention failing)"
+    ]
+    assert _asked(backend="cpu", attention_impl="xla", compressed_kernel="pallas") == [
+        "model.nsa.compressed_kernel=pallas runs as xla-chunked (attention_impl=xla runs every branch on XLA)"
+    ]
 
 
 def test_unknown_impl_is_rejected():

@@ -28,6 +28,7 @@ import pytest
 
 from nsa_jax.rundir import checkpoint as C
 from nsa_jax.rundir import checksums, resume
+from nsa_jax.words import count
 
 from helpers import ROOT, TINY_MODEL, cpu_env, set_flags
 
@@ -169,7 +170,7 @@ def resume_on_another_layout(base, reference, case, sets: tuple[str, ...] = (), 
     assert data["global"]["train"]["rows"] == at * 4 and data["process_count"] == p1 and "processes" not in data
     r = train(base, out, procs=p2, devices=d2, tag=f"{case}-b", sets=sets)
     boot = next(line for line in r.stdout.splitlines() if "boot:" in line)
-    assert f"{p2} process(es), {p2 * d2} cpu device(s)" in boot, boot
+    assert f"{count(p2, 'process', 'processes')}, {count(p2 * d2, 'cpu device')}" in boot, boot
     if note:
         assert f"resized on resume: {note}" in boot, boot
     else:
@@ -306,7 +307,7 @@ def test_per_process_position_on_another_process_count_is_refused_with_the_way_o
     with pytest.raises(resume.CheckpointError) as e:
         C.Checkpointer._data_for_this_process(SimpleNamespace(cfg=cfg), data, 7)
     msg = str(e.value)
-    assert "saved by 2 process(es) and this run has 1" in msg and "checkpoint.restore_data=false" in msg
+    assert "saved by 2 processes and this run has 1" in msg and "checkpoint.restore_data=false" in msg
     if dataset == "jsonl":  # a file stream: the elastic alternative is named
         assert "python -m launch.prepare_data" in msg and "--dataset tokenized" in msg
     else:  # a tokenized checkpoint from before global positions

@@ -154,16 +154,17 @@ def test_needle_selection_finds_the_key_blocks_and_the_share_selected():
 
 
 def test_needle_seeds_prints_launch_stages_report_of_an_out_dir(tmp_path, capsys):
-    """The reading and the report are launch.stages's; the CLI reads a --out of launch.stages later."""
+    """The reading and the report are launch.stages's (launch/recipe_results.py); the CLI reads a --out of
+    launch.stages later."""
     from experiments import needle_seeds
-    from launch import stages
+    from launch import recipe_results
 
     for recipe, seed, acc in (("rope", 1, [1.0, 0.875]), ("rope", 2, [1.0, 1.0]), ("plain", 1, [0.0, 0.5])):
         d = tmp_path / "out" / recipe / f"nsa_s{seed}"
         (d / "eval").mkdir(parents=True)
         (d / "val.csv").write_text("step,retrieval_acc\n800,0.9\n1100,\n")
         (d / "eval" / "evaluation.json").write_text(json.dumps({"needle": {"lengths": [1024], "accuracy": [acc]}}))
-    want = stages.report(stages.read(tmp_path / "out"))
+    want = recipe_results.report(recipe_results.read(tmp_path / "out"))
     assert needle_seeds.main([str(tmp_path / "out"), "--json", str(tmp_path / "runs.json")]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed == want and printed[0] == "== plain"

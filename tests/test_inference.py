@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import pathlib
 import re
 
 import jax
@@ -439,3 +440,14 @@ def test_progress_reports_long_activities_only():
     # A callable activity is read at each line: the tokens so far.
     assert lines[-2] == "decoding: 3 of 9: 0s so far" and re.fullmatch(r"decoding: 3 of 9: done in \ds", lines[-1])
     assert [fmt_duration(s) for s in (4.4, 83, 7500)] == ["4s", "1m23s", "2h05m"]
+
+
+def test_a_long_call_says_what_it_does_every_10_s_as_the_readme_says():
+    from nsa_jax.inference import progress
+
+    # After 10 s of silence, then every 10 s while it lasts (README "Other commands", launch.generate --help).
+    assert progress.QUIET_S == progress.REPEAT_S == 10.0
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "a long prefill says what it is doing every 10 s" in " ".join(readme.split())
+    p = progress.Progress(lambda line: None)
+    assert (p.quiet_s, p.repeat_s) == (10.0, 10.0)

@@ -154,16 +154,46 @@ def test_first_signal_sets_the_flag_and_a_second_quits_at_once(capfd):
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: a flag
         time.sleep(0.05)
         assert guard.stop_requested() and guard.signal_name == "SIGINT" and not exits
+        time.sleep(preemption.PreemptionGuard.ANNOUNCE_AFTER_S + 0.3)  # the announcement is due
         os.kill(os.getpid(), signal.SIGINT)
         assert quit_.wait(5), "a second SIGINT did not end the process"
         assert exits == [130]
     finally:
         guard.uninstall()
         signal.signal(signal.SIGINT, before)
+    out, err = capfd.readouterr()
+    assert out == "first SIGINT\n"
+    assert err.strip() == "SIGINT again: quitting now without saving; the newest checkpoint is step 7"
+
+
+def test_a_second_signal_quiets_the_run_then_names_the_checkpoint_it_reads_last(capfd, monkeypatch):
+    # The run is muted before anything else, the output flushed, and what is kept read last: a save
+    # that commits during the flush is the step the line names (and the one a restart resumes from).
+    order: list[str] = []
+    kept = {"step": 4}
+    monkeypatch.setattr(preemption, "_flush_stdout", lambda: (order.append("flush"), kept.update(step=6)))
+    quit_ = threading.Event()
+    guard = preemption.PreemptionGuard(
+        on_first=lambda name: f"first {name}",
+        on_abort=lambda: order.append("mute"),
+        abort_note=lambda: order.append("note") or f"the newest checkpoint is step {kept['step']}",
+        exit_fn=lambda code: (order.append(f"exit {code}"), quit_.set()),
+    )
+    before = signal.getsignal(signal.SIGINT)
+    guard.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # before the first one's announcement is due
+        assert quit_.wait(5)
+    finally:
+        guard.uninstall()
+        signal.signal(signal.SIGINT, before)
     time.sleep(preemption.PreemptionGuard.ANNOUNCE_AFTER_S + 0.3)
     out, err = capfd.readouterr()
-    assert "first SIGINT" in out
-    assert err.strip() == "SIGINT again: quitting now without saving; the newest checkpoint is step 7"
+    assert order == ["mute", "flush", "note", "exit 130"]
+    assert err.strip() == "SIGINT again: quitting now without saving; the newest checkpoint is step 6"
+    assert "first SIGINT" not in out  # the announcement due after the quit is not printed
 
 
 def test_uninstall_restores_the_handlers_and_after_a_stop_a_late_signal_still_quits_quietly(capfd):
@@ -222,7 +252,11 @@ def test_ctrl_c_saves_says_how_to_resume_and_the_same_command_resumes(tmp_path, 
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith(f"interrupted: stopped after step {last}; checkpoint step {last} is in "), lines
     assert lines[-1].endswith("to resume run the same command: " + shlex.join(["python", "-m", "launch.train", *args]))
-    assert f"interrupted: Ctrl-C (SIGINT) received; stopping after step {last}; saving a checkpoint" in run.out
+    assert f"Ctrl-C (SIGINT) received; stopping after step {last}; saving a checkpoint" in run.out
+    # The stop is said once on stdout (the loop's line or the announcement), the outcome once on stderr.
+    said = [line for line in run.out.splitlines() if "stopping after" in line or line.startswith("SIGINT:")]
+    assert len(said) == 1, run.out
+    assert [line for line in lines if line.startswith("interrupted:")] == [lines[-1]], run.stderr
     # The same command resumes from it.
     again = Run(args[:2] + ["--steps", str(last + 3)] + args[4:], cache)
     assert again.finish() == 0, again.stderr[-3000:]
@@ -245,6 +279,9 @@ def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path, c
     assert len(quit_line) == 1, run.stderr[-3000:]
     kept = resume.complete_steps(resume.checkpoint_dir(out))
     assert kept and kept[-1] >= 4 and f"the newest checkpoint is step {kept[-1]}" in quit_line[0]
+    # After the second signal nothing promises a save: no stop line or step line follows the quit.
+    after = run.out.split("driver: SIGINT x2", 1)[1]
+    assert "saving a checkpoint" not in after and "done:" not in after, run.out
     # The checkpoint the line names reads back: the same command resumes from it.
     again = Run(args[:2] + ["--steps", str(kept[-1] + 2)] + args[4:], cache)
     assert again.finish() == 0, again.stderr[-3000:]
@@ -282,6 +319,8 @@ def test_a_stop_during_a_long_step_waits_for_that_step_only_and_long_waits_say_s
     said = {line.split(":")[0]: t for t, line in run.lines}
     assert said["SIGINT"] - t_sent < 2, run.out  # the announcement comes at once, not at the step's end
     assert "SIGINT: the run stops when step 3 ends" in run.out
+    # Said once: the loop does not repeat the stop the announcement named.
+    assert "stopping after step 3" not in run.out and run.out.count("SIGINT:") == 1, run.out
     # A step that runs past QUIET_S (1 s here) without a line says so.
     assert any(re.fullmatch(r"step [123]/50: running: \d+s so far.*", line) for _, line in run.lines), run.out
     assert "step 1/50 |" in run.out  # a step line from the first step
@@ -295,7 +334,7 @@ def test_durations_and_the_cpu_projection():
     assert progress.fmt_duration(45) == "45s" and progress.fmt_duration(7500) == "2h05m"
     assert progress.fmt_duration(70 * 86400 + 3600) == "70d01h"
     gpu = load_config("a100_pcie", [])
-    assert progress.gpu_settings(gpu) == ["model.dtype bfloat16", "model.nsa.attention_impl auto"]
+    assert progress.gpu_settings(gpu) == ["model.dtype bfloat16"]  # attention_impl auto runs XLA on a CPU
     warning = progress.cpu_projection(gpu, 50_000, 120.0, "cpu")
     assert warning.startswith("warning: 2m00s a step a config meant for a GPU") and "about 69d10h" in warning
     assert progress.cpu_projection(gpu, 50_000, 0.1, "gpu") is None
@@ -303,6 +342,28 @@ def test_durations_and_the_cpu_projection():
     assert progress.gpu_settings(tiny) == [] and progress.cpu_projection(tiny, 200, 2.0, "cpu") is None
     assert "about 55h" not in (progress.cpu_projection(tiny, 100_000, 2.0, "cpu") or "")
     assert progress.cpu_projection(tiny, 100_000, 2.0, "cpu").startswith("warning: 2s a step on a CPU")
+
+
+def test_gpu_settings_on_a_cpu_sized_config_get_the_fix_not_a_smaller_config():
+    tiny = load_config("cpu_tiny", ["model.dtype=bfloat16", "model.nsa.attention_impl=pallas"])
+    assert progress.sized_for_cpu(tiny) and progress.sized_for_cpu(load_config("cpu_small", []))
+    assert not progress.sized_for_cpu(load_config("a100_pcie", []))
+    boot = progress.gpu_config_warning(tiny, "cpu")
+    assert boot == (
+        "warning: model.dtype bfloat16, model.nsa.attention_impl pallas is meant for a GPU and runs slower on a "
+        "CPU; for the CPU path run the same command with --precision fp32 --set model.nsa.attention_impl=xla"
+    )
+    projection = progress.cpu_projection(tiny, 200, 30.0, "cpu")
+    assert "cpu_tiny" not in boot and "cpu_tiny" not in projection
+    assert projection.endswith("; on a CPU run it with --precision fp32 --set model.nsa.attention_impl=xla")
+    long_tiny = progress.cpu_projection(load_config("cpu_tiny", []), 100_000, 2.0, "cpu")
+    assert "cpu_tiny" not in long_tiny and long_tiny.endswith("; fewer --steps take less, or run it on a GPU")
+    # A config sized for a GPU is still told to train a small one on a CPU.
+    gpu = load_config("a100_pcie", [])
+    assert progress.gpu_config_warning(gpu, "cpu").startswith("warning: this config is meant for a GPU")
+    assert "(--config cpu_tiny)" in progress.cpu_projection(gpu, 50_000, 120.0, "cpu")
+    assert progress.gpu_config_warning(tiny, "gpu") is None
+    assert progress.gpu_config_warning(load_config("cpu_tiny", ["model.nsa.attention_impl=auto"]), "cpu") is None
 
 
 def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():
@@ -321,8 +382,49 @@ def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():
     assert schedule.lr_change_on_resume({**cfg.__dict__, "log_every": 1}, cfg, 30, lr_at) is None
 
 
+def _stopping_trainer(lead: bool = True) -> SimpleNamespace:
+    """What Trainer's stop methods read, for a run between steps 5 and 6 (step 6 not dispatched)."""
+    said: list[str] = []
+    t = SimpleNamespace(
+        lead=lead,
+        summary={"steps_done": 5, "halted": None},
+        cfg=SimpleNamespace(checkpoint=SimpleNamespace(enabled=True)),
+        _stop_said=None,
+        _stop_lock=threading.Lock(),
+        _dispatched=5,
+        _preempt=SimpleNamespace(signal_name="SIGINT"),
+        art=SimpleNamespace(event=lambda *a, **k: None),
+        said=said,
+        say=said.append,
+    )
+    t._one_at_a_time = lambda: False
+    return t
+
+
 def test_only_process_0_announces_the_first_stop_signal():
     # Every process of a launch.spawn run gets the Ctrl-C; process 0 alone says what the run does.
-    lead = SimpleNamespace(lead=True, summary=None, cfg=SimpleNamespace(checkpoint=SimpleNamespace(enabled=True)))
+    lead = _stopping_trainer()
+    lead.summary = None
+    lead._dispatched = 0
     assert loop.Trainer._stop_announcement(lead, "SIGINT").startswith("SIGINT: the run stops before its first step")
-    assert loop.Trainer._stop_announcement(SimpleNamespace(**{**vars(lead), "lead": False}), "SIGINT") == ""
+    assert loop.Trainer._stop_announcement(_stopping_trainer(lead=False), "SIGINT") == ""
+
+
+def test_a_stop_is_said_once_whichever_says_it_first():
+    # The announcement first (a long step): the loop's stop after that step says nothing more.
+    t = _stopping_trainer()
+    assert loop.Trainer._stop_announcement(t, "SIGINT").startswith("SIGINT: the run stops after step 5, saves")
+    loop.Trainer._stopped_by_signal(t, 5)
+    assert t.said == [] and t.summary["halted"] == "sigint"
+    # The loop first (short steps): the announcement a second later has nothing to add.
+    t = _stopping_trainer()
+    loop.Trainer._stopped_by_signal(t, 5)
+    assert t.said == [progress.signal_stop_line("SIGINT", 5, True, True)]
+    assert loop.Trainer._stop_announcement(t, "SIGINT") == ""
+    # Processes agree on a stop one step later than the one announced: the loop names the step it stops after.
+    t = _stopping_trainer()
+    loop.Trainer._stop_announcement(t, "SIGINT")
+    loop.Trainer._stopped_by_signal(t, 6)
+    assert t.said == [progress.signal_stop_line("SIGINT", 6, True, True)]
+    # "interrupted:" is launch.train's outcome line alone.
+    assert not t.said[0].startswith("interrupted") and "stopping after step 6" in t.said[0]

@@ -240,7 +240,7 @@ def test_over_memory_length_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_training_runs_the_suites_and_the_report_shows_them(tmp_path):
     """eval.suites during `launch.train`: long_eval.csv and TensorBoard get the figures, launch.report prints them."""
-    from nsa_jax.report.summary import load_run
+    from nsa_jax.report.reading import load_run
 
     out = tmp_path / "run"
     sets = [*SMALL, "train.seq_len=128", "train.global_batch=2", "train.eval_every=2", "train.eval_batches=1"]
@@ -274,7 +274,8 @@ def test_training_runs_the_suites_and_the_report_shows_them(tmp_path):
 
 def test_scalars_name_the_long_eval_columns(tmp_path):
     from nsa_jax.evaluation.suites import scalars
-    from nsa_jax.report.summary import load_run, long_eval_line
+    from nsa_jax.report.reading import load_run
+    from nsa_jax.report.text import long_eval_line
     from nsa_jax.rundir import files as rf
 
     res = run_suites(Stub(lambda r: True), CFG, ["needle", "loss-by-position", "kv_recall"], [200], text=text_rows)

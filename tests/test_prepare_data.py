@@ -249,7 +249,7 @@ def test_a_corpus_of_few_documents_gets_a_held_out_tail_as_val(tmp_path, capsys)
     held = prepare_data.holdout_tokens(total, 0.01)
     assert held == max(-(-total // 100), 4096) and m["val_holdout"]["tokens"] == held
     assert m["splits"]["val"]["tokens"] == held and m["splits"]["train"]["tokens"] == total - held
-    assert re.search(rf"^  val: 1 documents, {held:,} tokens, 1 shard$", std.out, re.M), std.out
+    assert re.search(rf"^  val: 1 document, {held:,} tokens, 1 shard$", std.out, re.M), std.out
     # Nothing lost or repeated: train then val is the text as written, cut inside its last document.
     train = np.concatenate([np.load(out / s["tokens_file"]) for s in m["shards"] if s["split"] == "train"])
     val = np.concatenate([np.load(out / s["tokens_file"]) for s in m["shards"] if s["split"] == "val"])
@@ -516,6 +516,18 @@ def test_bad_data_is_skipped_counted_and_listed(tmp_path, capsys):
     # Files are indexed in name order: content.jsonl is the first bad one.
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "content.jsonl" in err
     assert not (tmp_path / "strict" / "manifest.json").exists()
+
+
+def test_a_failed_run_leaves_no_empty_output_folder_behind(tmp_path, capsys):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "b.txt").write_bytes(b"")
+    # The folders it made (--output and the parents it needed) go again; a folder that was there stays.
+    assert prepare(tmp_path / "bad", tmp_path / "new" / "deeper" / "out") == 2
+    assert "no documents found" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert prepare(tmp_path / "bad", tmp_path / "mine") == 2
+    assert (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())
 
 
 def test_inputs_without_documents_are_errors(tmp_path, capsys):

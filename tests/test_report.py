@@ -22,8 +22,9 @@ import pytest
 from launch import report as R
 from launch import sweep as SW
 from nsa_jax.config import load_config
+from nsa_jax.report import criteria as C
 from nsa_jax.report import plots as P
-from nsa_jax.report import summary as S
+from nsa_jax.report import reading as RD
 
 from helpers import TINY_RUN, cpu_env, set_flags
 
@@ -122,9 +123,9 @@ def write_run(
     toks = toks or [1000.0 + (s % 3) for s in steps]
     step_time = step_time or [0.5 + 0.001 * (s % 2) for s in steps]
     loss = loss or [5.0 - 0.05 * s for s in steps]
-    mem = mem or [2 * S.GIB] * n
+    mem = mem or [2 * C.GIB] * n
     entropy = entropy or [1.08] * n
-    cols = list(S.CSV_COLUMNS if gates else S.CSV_COLUMNS[:11])
+    cols = list(RD.CSV_COLUMNS if gates else RD.CSV_COLUMNS[:11])
     if csv_rows:
         lines = [",".join(cols)] if header else []
         for i, s in enumerate(steps):
@@ -165,7 +166,7 @@ def write_run(
         with open(d / "heartbeat_rank0.jsonl", "w") as f:
             for e in evs:
                 t += 0.5
-                m = e.pop("_mem", 2 * S.GIB)
+                m = e.pop("_mem", 2 * C.GIB)
                 f.write(
                     json.dumps(
                         {
@@ -185,11 +186,11 @@ def write_run(
     return d
 
 
-def judge(d: pathlib.Path, last: int = 20, **th) -> S.Summary:
-    return S.summarize(S.load_run(d), last, S.Thresholds(**th))
+def judge(d: pathlib.Path, last: int = 20, **th) -> C.Summary:
+    return C.summarize(RD.load_run(d), last, C.Thresholds(**th))
 
 
-def status(s: S.Summary) -> dict[str, str]:
+def status(s: C.Summary) -> dict[str, str]:
     return {c.name: c.status for c in s.criteria}
 
 
@@ -202,7 +203,7 @@ def test_csv_columns_match_the_trainer():
     from nsa_jax.train.artifacts import csv_columns
 
     cfg = load_config("cpu_tiny", [])
-    assert S.CSV_COLUMNS == TRAIN_COLUMNS + AUX_COLUMNS == csv_columns(cfg)
+    assert RD.CSV_COLUMNS == TRAIN_COLUMNS + AUX_COLUMNS == csv_columns(cfg)
 
 
 @pytest.mark.slow
@@ -213,7 +214,7 @@ def test_summary_figures_match_a_recomputation_from_the_files(run_dir):
     toks, st = col(win, "toks_per_s"), col(win, "step_time_s")
     losses = col(rows, "loss")
     k = min(LAST, len(losses) // 2)
-    s = S.summarize(S.load_run(run_dir), LAST)
+    s = C.summarize(RD.load_run(run_dir), LAST)
     f = s.figures
     assert f["window_n"] == LAST and (f["window_first_step"], f["window_last_step"]) == (3, 6)
     assert f["toks_mean"] == pytest.approx(toks.mean(), rel=1e-9)
@@ -276,8 +277,8 @@ def test_report_cli_prints_criteria_and_writes_plots(run_dir, tmp_path, capsys):
 @pytest.mark.slow
 def test_figures_hold_the_expected_series(run_dir):
     rows = read_csv_dicts(run_dir / "training.csv")
-    run = S.load_run(run_dir)
-    summ = S.summarize(run, LAST)
+    run = RD.load_run(run_dir)
+    summ = C.summarize(run, LAST)
     figs, skipped = P.run_figures(run, summ)
     assert set(figs) == {"loss", "throughput", "step_time", "memory", "gates", "selection"} and not skipped
     (ax,) = figs["loss"].axes
@@ -315,7 +316,7 @@ def test_partial_run_reports_what_is_there(run_dir, tmp_path, capsys):
     assert f"note: {d}: training.csv: last line incomplete" in err
     assert "GO     files" in out and "problem" not in out
     assert f"last {LAST} of 5 steps, steps 2-5" in out
-    s = S.summarize(S.load_run(d), LAST)
+    s = C.summarize(RD.load_run(d), LAST)
     assert status(s)["heartbeats"] == "NO-GO" and status(s)["memory"] == "N/A"
     assert status(s)["completion"] == "NO-GO" and "no 'done' event" in s.state
     page = (d / "report" / "report.md").read_text()
@@ -327,7 +328,7 @@ def test_rows_come_from_heartbeats_when_training_csv_is_off(run_dir, tmp_path):
     d = tmp_path / "nocsv"
     shutil.copytree(run_dir, d, ignore=shutil.ignore_patterns("report", "tb", "training.csv"))
     csv_rows = read_csv_dicts(run_dir / "training.csv")
-    s = S.summarize(S.load_run(d), LAST)
+    s = C.summarize(RD.load_run(d), LAST)
     assert s.run.series_path == d / "heartbeat_rank0.jsonl" and "training.csv" in s.run.missing
     assert s.figures["toks_mean"] == pytest.approx(col(csv_rows[-LAST:], "toks_per_s").mean(), rel=1e-4)
     assert status(s)["gates"] == "N/A"
@@ -388,13 +389,13 @@ def test_halts_anomalies_and_non_finite_loss_are_no_go(tmp_path):
         "anomaly nan_loss at step 31",
         "watchdog_dump",
         "1 skipped update",
-        "1 stack dump(s): stackdump_20250101T000000_rank0.txt",
+        "1 stack dump: stackdump_20250101T000000_rank0.txt",
     ):
         assert piece in detail
 
 
 def test_memory_growth_gates_and_step_time_follow_their_flags(tmp_path):
-    mem = [int(2 * S.GIB * (1 + 0.01 * s)) for s in range(1, 41)]  # ~+10% across the last 20 steps
+    mem = [int(2 * C.GIB * (1 + 0.01 * s)) for s in range(1, 41)]  # ~+10% across the last 20 steps
     st = [0.3 if s % 2 else 0.9 for s in range(40)]  # every other step three times as long
     d = write_run(tmp_path / "grow", mem=mem, step_time=st)
     csv_path = d / "training.csv"
@@ -447,7 +448,7 @@ def test_malformed_lines_are_skipped_and_named(tmp_path):
     (d / "training.csv").write_text("\n".join(lines) + "\n")
     with open(d / "heartbeat_rank0.jsonl", "a") as f:
         f.write('{"event": "step_end", "st\n')
-    run = S.load_run(d)
+    run = RD.load_run(d)
     assert [int(r["step"]) for r in run.rows] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
     assert any("line 5 has 3 fields" in p for p in run.problems)
     assert any("heartbeat_rank0.jsonl: line" in p and "not valid JSON" in p for p in run.problems)
@@ -507,7 +508,7 @@ def test_a_folder_that_is_not_a_run_is_refused_and_nothing_is_written(tmp_path, 
     assert (a / "report" / "report.md").is_file()
     ckpt_only = tmp_path / "ckpt_only"
     (ckpt_only / "checkpoints").mkdir(parents=True)
-    assert S.is_run_dir(ckpt_only) and not S.is_run_dir(empty)
+    assert RD.is_run_dir(ckpt_only) and not RD.is_run_dir(empty)
 
 
 def _problem_lines(text: str) -> list[str]:
@@ -533,7 +534,7 @@ def test_a_problem_reading_the_files_is_never_next_to_go(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err.splitlines() == [f"warning: {d}: training.csv: line 5 has 3 fields, header 18; skipped"]
     assert not _problem_lines(out)  # the problem is on stderr and in the files criterion
-    assert "  NO-GO  files       1 problem(s) reading training.csv (each listed as a problem)" in out
+    assert "  NO-GO  files       1 problem reading training.csv (each listed as a problem)" in out
     assert out.splitlines()[-2] == "verdict: NO-GO (files)"
     s = judge(d)
     assert s.verdict == "NO-GO" and s.failing() == ["files"] and status(s)["throughput"] == "GO"
@@ -558,11 +559,11 @@ def test_plot_axes_read_as_values(tmp_path):
     """No offset notation ('1e-5+1.0985') on any axis; a series flat up to float noise is drawn flat."""
     n = 40
     ent = [1.0986 + 1e-6 * (s % 3) for s in range(n)]  # the gate entropy at ln 3, float noise around it
-    mem = [int(2 * S.GIB) + 4096 * (s % 2) for s in range(n)]  # a constant memory reading, to 4 KiB
+    mem = [int(2 * C.GIB) + 4096 * (s % 2) for s in range(n)]  # a constant memory reading, to 4 KiB
     d = write_run(tmp_path / "flat", n=n, entropy=ent, mem=mem)
-    run = S.load_run(d)
-    figs, _ = P.run_figures(run, S.summarize(run, 20))
-    compared, _ = P.comparison_figures([run, S.load_run(write_run(tmp_path / "b"))])
+    run = RD.load_run(d)
+    figs, _ = P.run_figures(run, C.summarize(run, 20))
+    compared, _ = P.comparison_figures([run, RD.load_run(write_run(tmp_path / "b"))])
     figs.update({f"cmp_{k}": f for k, f in compared.items()})
     res = {"by_length": {"128": {"edges": [0, 1, 2, 4, 128], "loss": [2.0000001, 2.0000002, 2.0, 2.0000001]}}}
     figs["loss_by_position"] = P.loss_by_position_figure(res)
@@ -623,7 +624,7 @@ def test_sweep_runs_variants_and_ends_with_the_ranked_table(sweep):
     page = (root / "comparison" / "comparison.md").read_text()
     assert "| rank | run |" in page and "](throughput.png)" in page
     assert_png_drawn(root / "comparison" / "throughput.png")
-    figs, _ = P.comparison_figures([S.load_run(root / n, n) for n in expect])
+    figs, _ = P.comparison_figures([RD.load_run(root / n, n) for n in expect])
     assert [ln.get_label() for ln in figs["throughput"].axes[0].lines] == expect
 
 
@@ -664,7 +665,7 @@ def test_sweep_comparison_puts_problems_on_stderr(tmp_path, capsys):
     lines = (bad / "training.csv").read_text().splitlines()
     lines[4] = "4,5.0,oops"
     (bad / "training.csv").write_text("\n".join(lines) + "\n")
-    entries = [S.Entry(d.name, S.summarize(S.load_run(d, d.name), 20)) for d in (good, bad)]
+    entries = [C.Entry(d.name, C.summarize(RD.load_run(d, d.name), 20)) for d in (good, bad)]
     SW.print_comparison(entries, 20, 1.0)
     out, err = capsys.readouterr()
     assert err.splitlines() == [f"warning: {bad}: training.csv: line 5 has 3 fields, header 18; skipped"]

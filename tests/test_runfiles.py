@@ -58,7 +58,8 @@ def test_names_and_columns():
 
 
 def test_schema_modules_do_not_import_jax():
-    mods = "nsa_jax.rundir.files, nsa_jax.rundir.resume, launch.watchdog, nsa_jax.report.summary"
+    mods = "nsa_jax.rundir.files, nsa_jax.rundir.resume, launch.watchdog, nsa_jax.report.reading"
+    mods += ", nsa_jax.report.criteria, nsa_jax.report.text"
     code = f"import sys, {mods}; print('jax' in sys.modules)"
     r = python_c(code)
     assert r.stdout.strip() == "False", r.stderr

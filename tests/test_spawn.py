@@ -53,7 +53,7 @@ def test_two_process_training_run(tmp_path):
     # Both ranks joined one run, and each line says whose it is.
     for rank in (0, 1):
         assert f"[{rank}] dist: process {rank} of 2, coordinator 127.0.0.1:" in r.stdout
-    assert "[0] boot: 2 process(es), 2 cpu device(s) on the data axis" in r.stdout
+    assert "[0] boot: 2 processes, 2 cpu devices on the data axis" in r.stdout
     assert "[0] done: 3 steps" in r.stdout and "[1] done" not in r.stdout  # process 0 prints
     assert "[spawn] exit status 0" in r.stderr
 

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import stages
+from launch import recipe_results, stages
+from launch.recipes import RECIPE_DIR, load_recipe_file
 
 from helpers import cpu_env, run_module
 
 
 def write_recipe(tmp_path, recipes: dict, **sections) -> str:
     """A recipe file over the tiny smoke settings with `recipes`; returns its --recipe FILE part."""
-    smoke = yaml.safe_load((stages.RECIPE_DIR / "smoke.yaml").read_text())
+    smoke = yaml.safe_load((RECIPE_DIR / "smoke.yaml").read_text())
     smoke.update(sections, recipes=recipes)
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(smoke))
@@ -65,10 +66,10 @@ def test_two_stage_recipe_runs_end_to_end(tmp_path):
 def test_every_shipped_recipe_loads_and_runs_its_stages_in_order(capsys):
     """--dry-run over every recipe file: every stage's configuration loads, and a run's stages share
     its folder, its seed and its variant, with train.steps rising stage by stage."""
-    files = sorted(stages.RECIPE_DIR.glob("*.yaml"))
+    files = sorted(RECIPE_DIR.glob("*.yaml"))
     assert files
     for path in files:
-        rf = stages.load_recipe_file(path.stem)
+        rf = load_recipe_file(path.stem)
         spec = f"{path.stem}:{','.join(rf.recipes)}"
         assert stages.main(["--recipe", spec, "--seeds", "3,4", "--out", "/nonexistent/out", "--dry-run"]) == 0
         text = capsys.readouterr().out
@@ -198,7 +199,7 @@ def test_finished_runs_get_the_summary_line_and_the_report(tmp_path, monkeypatch
     lines = sorted((tmp_path / "o" / "r" / "summary.txt").read_text().splitlines())
     for seed, line in zip((1, 2), lines):
         assert re.fullmatch(rf"nsa seed {seed}: T=256 \d+ s,T=256 \d+ s \| L=256: mean 0.75 min 0.50", line), line
-    text = "\n".join(stages.report(stages.read(tmp_path / "o")))
+    text = "\n".join(recipe_results.report(recipe_results.read(tmp_path / "o")))
     assert "2 evaluated: mean 0.75" in text and ">= 0.90 at every depth: 0" in text
 
 
@@ -247,23 +248,24 @@ def test_read_and_report_count_the_seeds_at_the_target(tmp_path):
     run("plain", 3, [(800, 0.97)], None)  # stopped before its evaluation
     run("gradual", 1, [(800, 0.98)], {1024: [1.0, 0.875, 1.0]})
     run("gradual", 1, [(800, 0.5)], {1024: [0.0]}, variant="full")
-    recipes = stages.read(tmp_path)
-    assert sorted(recipes) == ["gradual", "plain"]
-    plain = {r["seed"]: r for r in recipes["plain"]}
+    found = recipe_results.read(tmp_path)
+    assert sorted(found) == ["gradual", "plain"]
+    plain = {r["seed"]: r for r in found["plain"]}
     assert plain[2]["recall"] == [(800, 0.99), (1100, 0.60)]
     assert plain[1]["needle"][2048]["mean"] == pytest.approx(0.25)
     assert plain[1]["needle"][1024]["min"] == pytest.approx(0.9375)
     assert plain[3]["needle"] == {}
     assert (
-        stages.summary_line(tmp_path / "plain" / "nsa_s1") == "L=1024: mean 0.96 min 0.94  L=2048: mean 0.25 min 0.00"
+        recipe_results.summary_line(tmp_path / "plain" / "nsa_s1")
+        == "L=1024: mean 0.96 min 0.94  L=2048: mean 0.25 min 0.00"
     )
-    text = "\n".join(stages.report(recipes))
+    text = "\n".join(recipe_results.report(found))
     # plain: seeds 1 and 2 evaluated, mean of (0.9583, 0.0833); seed 1 alone reaches 0.90 at every depth.
     assert "2 evaluated: mean 0.52" in text and ">= 0.90 at every depth: 1" in text
     # gradual: 0.875 at one depth misses the target although its mean (0.958) is above 0.90.
     assert "1 evaluated: mean 0.96" in text.split("== plain")[0]
     assert ">= 0.90 mean: 1; >= 0.90 at every depth: 0" in text.split("== plain")[0]
-    full = stages.read(tmp_path, "full")
+    full = recipe_results.read(tmp_path, "full")
     assert list(full) == ["gradual"] and full["gradual"][0]["needle"][1024]["mean"] == 0.0
 
 

@@ -18,7 +18,8 @@ from launch.train import (
     prepare_out_dir,
     xla_flags_with_bucket,
 )
-from nsa_jax.config import ConfigError, env_overrides, load_config
+from nsa_jax.config import ConfigError, load_config
+from nsa_jax.runbook_env import env_overrides
 
 from helpers import NSA_CSV_COLUMNS, TINY_RUN, cpu_env, python_c, run_module, set_flags
 
@@ -219,6 +220,41 @@ def test_bucket_flag_is_appended_once():
     assert xla_flags_with_bucket("--a=1", 100) == f"--a=1 {BUCKET_FLAG}={100 * 2**20}"
     mine = f"--a=1 {BUCKET_FLAG}=5"
     assert xla_flags_with_bucket(mine, 100) == mine
+
+
+@pytest.mark.slow
+def test_remarks_go_to_stderr_and_the_kernels_a_cpu_runs_instead_are_named(tmp_path):
+    # compressed_kernel=cudnn (which needs bf16) on a CPU: the XLA path runs; cpu_tiny is sized for a CPU,
+    # so the warning names the flag that gives the CPU path, not another config.
+    over = [*TINY, "model.nsa.compressed_kernel=cudnn"]
+    r = launch(
+        [
+            "--config",
+            "cpu_tiny",
+            "--steps",
+            "1",
+            "--precision",
+            "bf16",
+            "--out-dir",
+            str(tmp_path / "run"),
+            *sets(over),
+        ],
+        devices=1,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out, err = r.stdout.splitlines(), r.stderr.splitlines()
+    assert not [line for line in out if line.startswith(("warning:", "note:", "error:"))], r.stdout
+    assert (
+        "warning: model.dtype bfloat16 is meant for a GPU and runs slower on a CPU; for the CPU path run the "
+        "same command with --precision fp32"
+    ) in err
+    assert (
+        "note: kernels: model.nsa.compressed_kernel=cudnn runs as xla-chunked (attention_impl=xla runs every "
+        "branch on XLA)"
+    ) in err
+    assert "cpu_tiny" not in r.stderr
+    assert any(line.startswith("boot: 1 process, 1 cpu device on the data axis") for line in out), r.stdout
+    assert any(line.startswith("done: 1 step in ") for line in out), r.stdout
 
 
 def test_overwrite_clears_an_earlier_run(tmp_path):

@@ -18,6 +18,11 @@
 `DataCheck.no_val` is None when validation data exists (or was not ruled out within the
 scan budget), else one line saying why there is none and how to get some; the trainer
 then evaluates nothing and says so at boot instead of failing at its first evaluation.
+
+`DataCheck.train_rows`: the training rows of train.seq_len + 1 tokens in one pass over the
+data, where it is cheap to know (a prepared folder's manifest; files of at most COUNT_BYTES,
+tokenized whole); `repeat_note` turns it into the boot note of a run that reads its data
+REPEAT_NOTE_AT times or more, so a tiny corpus is not mistaken for a learning result.
 """
 
 from __future__ import annotations
@@ -28,9 +33,15 @@ import time
 from typing import Any
 
 from nsa_jax.data import shards, sources
+from nsa_jax.data.tokenizers import make_tokenizer
+from nsa_jax.words import count
 
 SCAN_BYTES = 256 << 20  # input bytes read at most while looking for a train and a val document
 SCAN_SECONDS = 10.0
+# Corpora of at most this many bytes are tokenized whole to count their rows (a second or two).
+COUNT_BYTES = 16 << 20
+# A run that reads its training data this many times or more gets a note at boot.
+REPEAT_NOTE_AT = 2
 PREPARE_HINT = (
     "to hold out part of a small corpus, prepare it once with python -m launch.prepare_data --input DATA "
     "--output PREPARED (it splits inside documents when too few fall in the validation split) and train with "
@@ -43,10 +54,42 @@ class DataCheck:
     """What the check found: `no_val` says why there is no validation data (None: there is)."""
 
     no_val: str | None = None
+    train_rows: int | None = None  # rows of seq_len + 1 tokens in one pass over the training data; None: not counted
 
 
 def _files(n: int, noun: str = "file") -> str:
-    return f"{n} {noun}{'s' * (n != 1)}"
+    return count(n, noun)
+
+
+def repeat_note(cfg: Any, check: DataCheck) -> str | None:
+    """`note: the training data is 12 rows of 257 tokens: 200 steps x 8 rows read it 133 times` when the
+    run reads its data REPEAT_NOTE_AT times or more; None otherwise (or when the rows were not counted)."""
+    rows, t = check.train_rows, cfg.train
+    if not rows:
+        return None
+    per_step = t.global_batch * t.accumulate
+    reads = t.steps * per_step / rows
+    if reads < REPEAT_NOTE_AT:
+        return None
+    return (
+        f"note: the training data is {count(rows, 'row')} of {t.seq_len + 1} tokens: "
+        f"{count(t.steps, 'step')} x {count(per_step, 'row')} read it {reads:.0f} times"
+    )
+
+
+def _count_train_rows(cfg: Any, files: list[str], chunks: list[Any]) -> int | None:
+    """Rows of seq_len + 1 tokens the training split of `chunks` packs into (the pipeline's documents,
+    each closed with EOS); None for data over COUNT_BYTES."""
+    if sum(os.path.getsize(f) for f in files) > COUNT_BYTES:
+        return None
+    d = cfg.data
+    tokenizer = make_tokenizer(d)
+    tokens = 0
+    for chunk in chunks:
+        for text in sources.read_chunk(chunk, on_skip=lambda skip: None):  # the training stream reports them
+            if sources.in_split(text, "train", d.val_fraction):
+                tokens += len(tokenizer.encode(text)) + 1
+    return tokens // (cfg.train.seq_len + 1)
 
 
 def describe_skips(skips: list[Any], limit: int = 3) -> str:
@@ -118,7 +161,7 @@ def _check_files(cfg: Any) -> DataCheck:
             f"{d.val_fraction}, by hash of their text), none is left to train on; lower data.val_fraction or add "
             "documents"
         )
-    out = DataCheck()
+    out = DataCheck(train_rows=_count_train_rows(cfg, files, chunks) if scanned_all else None)
     if d.val_fraction <= 0:
         out.no_val = "data.val_fraction is 0: there is no validation split, so this run evaluates nothing"
     elif not found_val and scanned_all:
@@ -145,7 +188,7 @@ def _check_tokenized(cfg: Any) -> DataCheck:
             f"data.path {d.path} has no training tokens (manifest.json: {tokens['val']:,} val tokens); check the "
             f"inputs prepare_data was given (its summary lists skipped files) and {redo}"
         )
-    out = DataCheck()
+    out = DataCheck(train_rows=tokens["train"] // (cfg.train.seq_len + 1))
     if tokens["val"] == 0:
         frac = m.get("val_fraction")
         out.no_val = (

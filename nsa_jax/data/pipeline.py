@@ -41,6 +41,7 @@ from nsa_jax.data.check import no_chunks_error
 from nsa_jax.data.shards import encode_docs
 from nsa_jax.data.stream import BatchStream, check_state, split_id
 from nsa_jax.data.tokenizers import make_tokenizer, padded_vocab_size
+from nsa_jax.words import count
 
 
 class ChunkTokenizer:
@@ -100,7 +101,7 @@ class PackRowsIterator(grain.DatasetIterator):
             if empty > self.max_empty:
                 # Over two full passes without a token: this shard holds no document of the split.
                 raise ValueError(
-                    f"no {self.what} documents in this process's shard of data.path after {empty} chunks; "
+                    f"no {self.what} documents in this process's shard of data.path after {count(empty, 'chunk')}; "
                     "add data, use fewer processes, or raise data.val_fraction for the val split"
                 )
         if not self._chunks:
@@ -277,7 +278,8 @@ class FileDataset(GrainBatchStream):
             self.skips(skip)
         if len(chunks) < process_count:
             raise ValueError(
-                f"data.path {path} splits into {len(chunks)} chunks ({dataset}: row groups / file ranges / files) "
+                f"data.path {path} splits into {count(len(chunks), 'chunk')} "
+                f"({dataset}: row groups / file ranges / files) "
                 f"but there are {process_count} processes; add files or run fewer processes"
             )
         self.n_chunks = len(chunks)

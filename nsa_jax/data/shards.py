@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from nsa_jax.data.tokenizers import padded_vocab_size
+from nsa_jax.words import count
 
 FORMAT = "nsa_jax.tokens"
 FORMAT_VERSION = 1
@@ -259,7 +260,7 @@ def hold_out_tail(
     ends = np.load(out / last["docs_file"]).astype(np.int64)
     n = int(min(n_tokens, len(tokens) - 1))
     if n < 1:
-        raise ValueError(f"{last['tokens_file']} has {len(tokens)} token(s): too few to hold out")
+        raise ValueError(f"{last['tokens_file']} has {count(len(tokens), 'token')}: too few to hold out")
     cut = len(tokens) - n
     head_ends = np.concatenate([ends[ends < cut], [cut]])
     tail_ends = ends[ends > cut] - cut

@@ -43,6 +43,7 @@ import numpy as np
 from nsa_jax.data import shards as fmt
 from nsa_jax.data.pipeline import GrainBatchStream, stream_seed
 from nsa_jax.data.stream import GlobalRowStream, check_state
+from nsa_jax.words import count
 
 CHUNK_TOKENS = 1 << 16  # tokens per shuffled/sharded chunk (whole documents; a long document is one chunk)
 OPEN_SHARDS = 64  # memory maps kept open per stream (each holds file descriptors)
@@ -262,7 +263,7 @@ class PerProcessTokenized(GrainBatchStream):
         mine = ds.chunks[self.process_index :: self.process_count]
         if not mine:
             raise ValueError(
-                f"data.path {ds.root} has {ds.n_chunks} {ds.split} chunks, fewer than the {self.process_count} "
-                "processes of this per-process data state"
+                f"data.path {ds.root} has {count(ds.n_chunks, ds.split + ' chunk')}, fewer than the "
+                f"{self.process_count} processes of this per-process data state"
             )
         self._start_packed(mine, ds.reader, ds.seed, ds.workers, ds.prefetch)

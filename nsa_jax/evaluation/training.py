@@ -23,12 +23,12 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config
 from nsa_jax.evaluation.heldout import Evaluator
 from nsa_jax.evaluation.scorer import ModelScorer
 from nsa_jax.evaluation.suites import TextRows, run_suites, scalars
 from nsa_jax.inference import stack_layers
-from nsa_jax.ops.health import agree_any
 
 
 class TrainingSuites:

@@ -2,7 +2,7 @@
 
 A prefill is one compiled call: nothing inside it can report how far it got, and a
 long prompt on a CPU takes minutes. `Progress` runs a thread that, when nothing was
-printed for `quiet_s` seconds while an activity is under way (then every `repeat_s`),
+printed for `quiet_s` seconds while an activity is under way (then every `repeat_s`; 10 s both),
 prints what is being done and for how long (`prefill of 61,440 prompt tokens: 30s so
 far`). An activity that was reported ends with one line giving its time; one that
 ended within `quiet_s` prints nothing, so short commands stay quiet.
@@ -26,9 +26,9 @@ from typing import Callable
 from nsa_jax.train.progress import fmt_duration
 
 # Seconds of silence after which a line says what is going on, then between the lines of
-# the same activity (the commands' target: never more than 30 s without output while they work).
+# the same activity: every 10 s, as the README and launch.generate's --help say.
 QUIET_S = 10.0
-REPEAT_S = 20.0
+REPEAT_S = 10.0
 
 What = str | Callable[[], str]
 

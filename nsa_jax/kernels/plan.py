@@ -159,3 +159,41 @@ def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset(), context: int
     if cmp == "pallas" and cmp_choice != "auto" and not (auto and CUDNN_CMP in fallback) and context == 1:
         cmp = cmp_choice
     return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS, context=context)
+
+
+def substitutions(nsa, plans: list[KernelPlan], backend: str, fallback=frozenset()) -> list[str]:
+    """What `nsa` (an NSAConfig) asks for that its `plans` (one per schedule phase) do not run on `backend`,
+    each as `model.nsa.KEY=VALUE runs as WHAT (why)`; [] when every setting is honoured.
+
+    `auto` settings ask for nothing in particular; a Pallas kernel named off a GPU runs in the
+    interpreter, and XLA stands in where a kernel cannot run (attention_impl, the backend, lp, the
+    kernel guard's `fallback`).
+    """
+    out: list[str] = []
+
+    def on_xla(branch: str) -> str:
+        if nsa.attention_impl == "xla":
+            return "attention_impl=xla runs every branch on XLA"
+        if backend not in GPU_BACKENDS and nsa.attention_impl == "auto":
+            return f"attention_impl=auto runs XLA on a {backend} backend; the kernels need a GPU"
+        if branch in fallback:
+            return "the kernel guard found its kernel failing"
+        return f"the selection kernels need lp a power of two >= 16, got {nsa.lp}"
+
+    if nsa.attention_impl == "pallas" and any(p.interpret for p in plans):
+        out.append(
+            f"model.nsa.attention_impl=pallas runs as pallas-interpret (the Pallas interpreter on a {backend} "
+            "backend: for tests, slow; compiled kernels need a GPU)"
+        )
+    if nsa.selection_kernel != "auto" and any(p.slc == "xla" for p in plans):
+        out.append(f"model.nsa.selection_kernel={nsa.selection_kernel} runs as xla-chunked ({on_xla('slc')})")
+    if nsa.compressed_kernel != "auto":
+        cmp = {p.cmp for p in plans}
+        asked = f"model.nsa.compressed_kernel={nsa.compressed_kernel}"
+        if "xla" in cmp:
+            out.append(f"{asked} runs as xla-chunked ({on_xla('cmp')})")
+        elif nsa.compressed_kernel == "cudnn" and "pallas" in cmp:
+            out.append(f"{asked} runs as the flash kernels (the kernel guard found cuDNN's attention failing)")
+        elif nsa.compressed_kernel == "cudnn" and any(p.interpret for p in plans):
+            out.append(f"{asked} runs as xla-attention (jax's fused attention runs on XLA on a {backend} backend)")
+    return out

@@ -5,9 +5,9 @@ needs under it; the layer (nsa/layer.py) calls them, the train step
 (train/strategies.py) lays the batch out with `to_device_order`.
 
 Layout (zig-zag). A sequence of T tokens is padded at its end to T' = 2 C S
-(config.context_chunk_len: S a multiple of lcm(l, lp), so every chunk starts on a
+(nsa_jax/seq_layout.py: S a multiple of lcm(l, lp), so every chunk starts on a
 compression stride and a selection block; config validation refuses a T too short
-for 2C chunks) and cut into 2C chunks of S tokens; device i of the
+for its chunks) and cut into 2C chunks of S tokens; device i of the
 `seq` axis holds chunks i and 2C-1-i, in that order. Every device holds one early
 and one late chunk, so the work that grows with the position (the compressed
 branch and block scoring read t/d compressed tokens per query) is the same on
@@ -38,19 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from nsa_jax.config import Config, context_chunk_len
+from nsa_jax.config import Config
+from nsa_jax.seq_layout import chunk_len, device_order, natural_slots
 
 SEQ = "seq"
-
-
-def device_order(C: int) -> np.ndarray:
-    """[2C] chunk ids in the order the devices hold them: 0, 2C-1, 1, 2C-2, ... (device i: i, 2C-1-i)."""
-    return np.asarray([c for i in range(C) for c in (i, 2 * C - 1 - i)], np.int32)
-
-
-def natural_slots(C: int) -> np.ndarray:
-    """[2C]: where chunk c sits in device order (the inverse permutation of device_order)."""
-    return np.argsort(device_order(C)).astype(np.int32)
 
 
 def _permute_chunks(x: jax.Array, axis: int, n_chunks: int, perm: np.ndarray) -> jax.Array:
@@ -161,4 +152,4 @@ def seq_shard(cfg: Config, seq_len: int | None = None) -> SeqShard | None:
     devices; None without context parallelism."""
     C, a = cfg.parallel.context, cfg.model.nsa
     T = cfg.train.seq_len if seq_len is None else seq_len
-    return None if C == 1 else SeqShard(C, context_chunk_len(T, C, a.l, a.lp), T)
+    return None if C == 1 else SeqShard(C, chunk_len(T, C, a.l, a.lp), T)

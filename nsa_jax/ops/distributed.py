@@ -30,6 +30,8 @@ import os
 import re
 from typing import Mapping
 
+from nsa_jax.words import count
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -104,8 +106,8 @@ def _from_slurm(environ: Mapping[str, str]) -> DistSpec | None:
     if ntasks > nodes:
         # Several tasks on a node would each claim all of its GPUs.
         raise DistributedConfigError(
-            f"SLURM started {ntasks} tasks on {nodes} node(s); nsa-jax runs one process per host that drives "
-            "all its GPUs: use srun --ntasks-per-node=1"
+            f"SLURM started {count(ntasks, 'task')} on {count(nodes, 'node')}; nsa-jax runs one process per host "
+            "that drives all its GPUs: use srun --ntasks-per-node=1"
         )
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodelist:

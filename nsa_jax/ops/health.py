@@ -15,9 +15,8 @@ returns (a dead or stopped peer), and exit handlers may block on the same device
 A non-zero exit lets a scheduler restart the job from its last checkpoint.
 
 Halts: `write_halt` (nsa_jax/rundir/files.py) writes `.anomaly_type` and `.HALT` (the
-trainer and launch.watchdog share the format); `agree_any` turns one flag per process into the
-same answer on every process, so all of them stop at the same step, and
-`halt_requested` is the trainer's check for `.HALT` with it.
+trainer and launch.watchdog share the format); `halt_requested` is the trainer's check for
+`.HALT`, agreed across processes (nsa_jax/agreement.py), so all of them stop at the same step.
 
 Fatal signals (SIGSEGV, SIGABRT, ...) print every thread's stack to stderr through
 faulthandler once `Health.start` has run.
@@ -38,9 +37,8 @@ import traceback
 from typing import Any, Callable
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.ops.wakeup import WakeupReader
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir.files import HALT_FILE
@@ -100,13 +98,6 @@ def write_stack_dump(
     tmp.write_text(text)
     os.replace(tmp, path)  # a reader never sees half a dump
     return path
-
-
-def agree_any(flag: bool) -> bool:
-    """True on every process when `flag` is True on any; a collective, so every process must call it."""
-    if jax.process_count() == 1:
-        return bool(flag)
-    return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
 def halt_requested(out_dir: str | os.PathLike, step: int, every: int) -> bool:

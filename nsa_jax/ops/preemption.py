@@ -6,7 +6,9 @@ stops at the next step boundary, saves, and the launcher exits 0 (SIGTERM) or 13
 all-reduce per step that is read one step later, so every process stops after the
 same step without the loop ever waiting for it. A second signal ends the process at
 once (by that signal, after one line on stderr): a save in flight is left under its
-temporary name, so the newest committed checkpoint stays the one a resume reads.
+temporary name, so the newest committed checkpoint stays the one a resume reads, and the
+line names that step, read just before the exit (a save that commits while the output is
+flushed counts). From that signal on the run says nothing more (`on_abort`).
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ class PreemptionGuard:
     a device wait or a compile, where a Python handler would run only once it returns.
     The first signal sets the flag (and `signal_name`) and, a second later,
     prints the line `on_first(name)` returns (what the run does now; empty when the loop
-    has said it already); a second one (either kind) writes
-    one line to stderr (`abort_note()` adds what is kept) and ends the process at once
-    with status 128 + the signal number (130 for Ctrl-C): no traceback, and nothing
-    that could wait on a step or a save. Without the helper thread (a guard installed
-    outside the main thread) the signals keep their default action.
+    has said it already); a second one (either kind) calls `on_abort()` (the run goes
+    quiet), flushes what was printed, writes one line to stderr (`abort_note()`, called
+    last, adds what is kept) and ends the process at once with status 128 + the signal
+    number (130 for Ctrl-C): no traceback, and nothing that could wait on a step or a
+    save. Without the helper thread (a guard installed outside the main thread) the
+    signals keep their default action.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -63,6 +66,7 @@ class PreemptionGuard:
         *,
         on_first: Callable[[str], str] | None = None,
         abort_note: Callable[[], str] | None = None,
+        on_abort: Callable[[], None] | None = None,
         exit_fn: Callable[[int], Any] = os._exit,
     ):
         self.mesh = mesh
@@ -70,6 +74,8 @@ class PreemptionGuard:
         self.signal_name: str | None = None
         self.on_first = on_first
         self.abort_note = abort_note
+        self.on_abort = on_abort
+        self.aborting = False  # a second signal came: the process is quitting
         self._exit = exit_fn
         self._prev_handlers: dict[int, Any] = {}
         self._wakeup = WakeupReader(self.SIGNALS, self._on_signals, "nsa-stop-signals")
@@ -141,11 +147,24 @@ class PreemptionGuard:
                 what = self.on_first(name)
             except Exception:  # noqa: BLE001 - the stop must not depend on it
                 what = ""
-        if what:  # one write: the line is not split by another thread's
+        if what and not self.aborting:  # one write: the line is not split by another thread's
             sys.stdout.write(what + "\n")
             sys.stdout.flush()
 
     def _abort(self, signum: int) -> None:
+        self.aborting = True
+        if self.on_abort is not None:
+            try:
+                self.on_abort()  # nothing more is said: no line may promise a save that will not happen
+            except Exception:  # noqa: BLE001 - the exit must not depend on it
+                pass
+        # What was printed so far is flushed, in a thread given a second: a stdout that blocks
+        # (a full pipe) must not keep the process alive.
+        flush = threading.Thread(target=_flush_stdout, daemon=True)
+        flush.start()
+        flush.join(1.0)
+        # Read last, just before the exit: the step it names is the one a restart resumes from,
+        # even when a save in flight committed during the flush.
         note = ""
         if self.abort_note is not None:
             try:
@@ -154,11 +173,6 @@ class PreemptionGuard:
                 note = ""
         name = signal.Signals(signum).name
         line = f"{name} again: quitting now without saving" + (f"; {note}" if note else "") + "\n"
-        # What was printed so far is flushed, in a thread given a second: a stdout that blocks
-        # (a full pipe) must not keep the process alive.
-        flush = threading.Thread(target=_flush_stdout, daemon=True)
-        flush.start()
-        flush.join(1.0)
         try:
             os.write(2, line.encode())
         except OSError:

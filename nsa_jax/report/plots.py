@@ -24,7 +24,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 
-from nsa_jax.report.summary import GATE_COLUMNS, GIB, Run, Summary, memory_series
+from nsa_jax.report.criteria import GATE_COLUMNS, GIB, Summary
+from nsa_jax.report.reading import Run, memory_series
 
 _SIZE = (8, 4)
 _DPI = 100

@@ -95,9 +95,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config, ConfigError
 from nsa_jax.data.sources import FILE_DATASETS
-from nsa_jax.ops.health import agree_any
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir.checksums import (
     CHECKSUM_FORMAT,
@@ -118,6 +118,7 @@ from nsa_jax.rundir.resume import (
     resume_conflicts,
     saved_config,
 )
+from nsa_jax.words import count
 
 ITEMS = ("state", "data", "config", "checksums")
 DATA_FORMAT = 2  # 1: one position per process only (read back with the same process count)
@@ -368,8 +369,9 @@ class Checkpointer:
                 else ""
             )
             raise CheckpointError(
-                f"checkpoint step {step} was saved by {saved_pc} process(es) and this run has {pc}, and its data "
-                f"position is one per process ({why}); resume with {saved_pc} process(es), or set "
+                f"checkpoint step {step} was saved by {count(saved_pc, 'process', 'processes')} and this run has {pc}, "
+                f"and its data position is one per process ({why}); resume with "
+                f"{count(saved_pc, 'process', 'processes')}, or set "
                 "checkpoint.restore_data=false to restore weights, optimizer and step and restart the data stream "
                 f"from its beginning{elastic}"
             )

@@ -29,6 +29,7 @@ import json
 import os
 import pathlib
 import socket
+import sys
 import time
 
 from nsa_jax.config import ConfigError
@@ -109,6 +110,7 @@ def acquire(out_dir: str | os.PathLike, command: str = "") -> bool:
             print(
                 f"warning: the file system of {out} does not support locks ({e.strerror}); nothing stops a second "
                 "trainer from using this out_dir at the same time - make sure only one does",
+                file=sys.stderr,
                 flush=True,
             )
             return False

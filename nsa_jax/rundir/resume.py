@@ -41,6 +41,7 @@ from typing import Any
 
 from nsa_jax.config import Config, ConfigError, from_dict, to_dict, upgrade_saved, validate
 from nsa_jax.rundir import files as rf
+from nsa_jax.words import count
 
 TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's suffix of a step directory not yet committed
 
@@ -213,7 +214,8 @@ def elastic_batch(cfg: Config, n_devices: int) -> tuple[Config, str | None]:
     evals = eval_rows // G if eval_rows % G == 0 else t.eval_batches
     note = (
         f"train.global_batch {t.global_batch} -> {G}, train.accumulate {t.accumulate} -> {A} "
-        f"(checkpoint step {steps[-1]} ran {per_dev} row(s) per device on {s_dev} device(s); {R} rows per step kept)"
+        f"(checkpoint step {steps[-1]} ran {count(per_dev, 'row')} per device on {count(s_dev, 'device')}; "
+        f"{count(R, 'row')} per step kept)"
     )
     train = dataclasses.replace(t, global_batch=G, accumulate=A, eval_batches=evals)
     return dataclasses.replace(cfg, train=train), note

@@ -27,12 +27,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config
 from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
-from nsa_jax.kernels.plan import FALLBACKS
-from nsa_jax.ops.health import agree_any
+from nsa_jax.kernels.plan import FALLBACKS, substitutions
 from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.rundir import resume
 from nsa_jax.train import optimizer as O
@@ -42,6 +42,7 @@ from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.progress import gpu_config_warning
 from nsa_jax.train.state import TrainState
 from nsa_jax.train.strategies import ShardingPlan, make_plan, process_rows
+from nsa_jax.words import count
 
 Say = Callable[[str], None]
 
@@ -120,12 +121,16 @@ def boot(
     if restored is not None:
         _say_resume(cfg, restored, art, say)
     say(
-        f"boot: {jax.process_count()} process(es), {plan.n_devices} {jax.default_backend()} device(s) on the data "
-        f"axis{_context_words(plan)}, per-device batch {cfg.train.global_batch // plan.n_devices} x accumulate "
-        f"{cfg.train.accumulate}, {tokens_per_step:,} tokens/step -> {out}"
-        + (f" (resized on resume: {elastic})" if elastic else "")
+        f"boot: {count(jax.process_count(), 'process', 'processes')}, "
+        f"{count(plan.n_devices, jax.default_backend() + ' device')} on the data axis{_context_words(plan)}, "
+        f"per-device batch {cfg.train.global_batch // plan.n_devices} x accumulate {cfg.train.accumulate}, "
+        f"{tokens_per_step:,} tokens/step -> {out}" + (f" (resized on resume: {elastic})" if elastic else "")
     )
     _say_settings(cfg, int(state.step if state is not None else 0), eval_off, art, say)
+    # What the config asks of the kernels that this backend runs otherwise (env.json has the whole plan).
+    asked = substitutions(cfg.model.nsa, [k for _, k in kernel_plans], jax.default_backend(), plan.kernel_fallback)
+    if asked:
+        say("note: kernels: " + "; ".join(asked))
     art.event("boot", 0, "boot", devices=plan.n_devices, processes=jax.process_count(), tokens_per_step=tokens_per_step)
     doing("boot: reading the first batch")
     cfg, data, first = _first_batch(cfg, data, art, say, process_rows(mesh))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import threading
 import time
 from typing import Any, Callable
 
@@ -56,6 +57,7 @@ from nsa_jax.train import step as S
 from nsa_jax.train.boot import boot, compile_step
 from nsa_jax.train.saves import RunSaves
 from nsa_jax.train.state import TrainState
+from nsa_jax.words import count
 
 # Steps at least this long run one at a time: the next step is dispatched once the one in
 # flight is recorded, so a stop (SIGINT, SIGTERM, .HALT) waits for one step, not two. The
@@ -109,6 +111,9 @@ class Trainer:
         self.state, self._first = parts.state, parts.first
         self._dense_until = schedule.dense_selection_steps(self.cfg)
         self._scale_warned = False
+        # The step a stop signal's line named (the guard's announcement or the loop's); None: not said yet.
+        self._stop_said: int | None = None
+        self._stop_lock = threading.Lock()
         # Held-out metrics and eval.suites; what they read and compile is built at the first evaluation.
         self.evaluation = RunEvaluation(self.cfg, self.mesh, self.plan.kernel_fallback)
 
@@ -186,7 +191,7 @@ class Trainer:
         s = self.summary
         done, loop_s, fmt = s["steps_done"] - start, s["loop_s"], progress.fmt_duration
         self.say(
-            f"done: {done} steps in {fmt(loop_s)} (+{fmt(s['wall_s'] - loop_s)} boot/compile) | "
+            f"done: {count(done, 'step')} in {fmt(loop_s)} (+{fmt(s['wall_s'] - loop_s)} boot/compile) | "
             f"{s['toks_per_s']:,.0f} tok/s | loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}"
             if done > 0
             else "done: no steps run"
@@ -199,7 +204,9 @@ class Trainer:
         what boot opened is closed and the heartbeat says why."""
         # Ctrl-C / SIGTERM: finish the step in flight, save, return. Installed before Health, which
         # passes the signals it does not handle on to it (and restores it when it closes).
-        self._preempt = PreemptionGuard(self.mesh, on_first=self._stop_announcement, abort_note=self._kept_note)
+        self._preempt = PreemptionGuard(
+            self.mesh, on_first=self._stop_announcement, abort_note=self._kept_note, on_abort=self.reporter.mute
+        )
         self._preempt.install()
         self._dispatched = int(self.state.step) if self.state is not None else 0
         # SIGUSR1 dumps from here on; the stall clock starts with the first step.
@@ -323,17 +330,26 @@ class Trainer:
         return self._last_step_s is None or self._last_step_s >= LONG_STEP_S
 
     def _stopped_by_signal(self, step: int, save: bool = True) -> None:
-        """The run stops after `step` on SIGINT or SIGTERM: says so once, in the summary and the heartbeat."""
+        """The run stops after `step` on SIGINT or SIGTERM: in the summary and the heartbeat, and said unless
+        the guard's announcement said it already (`_stop_said`)."""
         name = self._preempt.signal_name or "SIGTERM"
         self.summary["halted"] = "sigint" if name == "SIGINT" else "sigterm"
-        self.say(progress.signal_stop_line(name, step, save, self.cfg.checkpoint.enabled))
+        with self._stop_lock:
+            said, self._stop_said = self._stop_said, step
+        if said != step:  # not said, or said of another step (processes agree one step later)
+            self.say(progress.signal_stop_line(name, step, save, self.cfg.checkpoint.enabled))
         self.art.event("halt", step, f"{name} received")
 
     def _stop_announcement(self, name: str) -> str:
-        """The line printed the moment the first stop signal arrives (the guard's helper thread)."""
+        """The line printed the moment the first stop signal arrives (the guard's helper thread); "" when the
+        loop has said the stop already, so it is said once."""
         summary = getattr(self, "summary", None)
-        if not self.lead or (summary is not None and summary["halted"] in ("sigint", "sigterm")):
-            return ""  # process 0 speaks for the run (every process gets a Ctrl-C), or the loop has spoken
+        if not self.lead:
+            return ""  # process 0 speaks for the run (every process gets a Ctrl-C)
+        with self._stop_lock:
+            if self._stop_said is not None:
+                return ""
+            self._stop_said = self._dispatched  # the step the run stops after
         if summary is None:
             what = "the run stops before its first step"
         elif self._one_at_a_time() and self._dispatched > summary["steps_done"]:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from nsa_jax.rundir.files import BRANCHES, CMP_SCALE_WARN, SCALE_COLUMNS
+from nsa_jax.words import count
 
 # TensorBoard `train/...` scalars of every step, from its training.csv row.
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "toks_per_s", "step_time_s")
@@ -115,5 +116,5 @@ def skipped_update(step: int, loss: float, skips: int, max_skips: int) -> tuple[
     msg = f"non-finite {'loss' if kind == 'nan_loss' else 'gradient'} at step {step}; update skipped"
     too_many = 0 < max_skips <= skips
     if too_many:
-        msg += f"; {skips} updates skipped, ops.max_skips={max_skips} reached"
+        msg += f"; {count(skips, 'update')} skipped, ops.max_skips={max_skips} reached"
     return kind, msg, too_many

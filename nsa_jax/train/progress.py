@@ -25,6 +25,7 @@ import time
 from typing import Callable
 
 from nsa_jax.config import Config
+from nsa_jax.words import count
 
 # While the run works, a line at least this often (a long compile, step or evaluation says
 # what it is doing); also the longest interval between step lines.
@@ -47,22 +48,48 @@ def fmt_duration(seconds: float) -> str:
     return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
 
 
+# The largest model meant for a CPU, d_model x n_layers (configs/cpu_small.yaml: 384 x 6). Telling a run
+# of such a model to train a small config instead (--config cpu_tiny) is no help.
+CPU_SIZED_WIDTH_X_DEPTH = 384 * 6
+# Per setting meant for a GPU: how a CPU run of the same config goes without it.
+_CPU_FIX = {
+    "model.dtype bfloat16": "--precision fp32",
+    "model.nsa.attention_impl pallas": "--set model.nsa.attention_impl=xla",
+}
+
+
 def gpu_settings(cfg: Config) -> list[str]:
-    """The settings of `cfg` that are meant for a GPU (a CPU runs them, slowly)."""
+    """The settings of `cfg` that are meant for a GPU (a CPU runs them, slowly). attention_impl auto is
+    not one: off a GPU it runs XLA, the CPU path."""
     out = []
     if cfg.model.dtype == "bfloat16":
         out.append("model.dtype bfloat16")
-    if cfg.model.nsa.attention_impl != "xla":
-        out.append(f"model.nsa.attention_impl {cfg.model.nsa.attention_impl}")
+    if cfg.model.nsa.attention_impl == "pallas":
+        out.append("model.nsa.attention_impl pallas")
     return out
 
 
+def sized_for_cpu(cfg: Config) -> bool:
+    """Whether the model is no larger than the configs meant for a CPU (cpu_tiny, cpu_small)."""
+    return cfg.model.d_model * cfg.model.n_layers <= CPU_SIZED_WIDTH_X_DEPTH
+
+
+def _cpu_fixes(cfg: Config) -> str:
+    return " ".join(_CPU_FIX[s] for s in gpu_settings(cfg))
+
+
 def gpu_config_warning(cfg: Config, backend: str) -> str | None:
-    """The boot warning for a config meant for a GPU that runs on a CPU; None otherwise."""
+    """The boot warning for a config with settings meant for a GPU that runs on a CPU; None otherwise."""
     if backend != "cpu" or not gpu_settings(cfg):
         return None
+    settings = ", ".join(gpu_settings(cfg))
+    if sized_for_cpu(cfg):
+        return (
+            f"warning: {settings} is meant for a GPU and runs slower on a CPU; "
+            f"for the CPU path run the same command with {_cpu_fixes(cfg)}"
+        )
     return (
-        f"warning: this config is meant for a GPU ({', '.join(gpu_settings(cfg))}) and runs on a CPU here: "
+        f"warning: this config is meant for a GPU ({settings}) and runs on a CPU here: "
         "expect minutes per step; the projected time follows the first step"
     )
 
@@ -77,9 +104,15 @@ def cpu_projection(cfg: Config, steps_left: int, step_s: float, backend: str) ->
     if not gpu and total < CPU_PROJECTION_WARN_S:
         return None
     why = f"a config meant for a GPU ({', '.join(gpu)}) on a CPU" if gpu else "on a CPU"
+    if not sized_for_cpu(cfg):
+        advice = "on a CPU train a small config (--config cpu_tiny), or run this one on a GPU"
+    elif gpu:
+        advice = f"on a CPU run it with {_cpu_fixes(cfg)}"
+    else:
+        advice = "fewer --steps take less, or run it on a GPU"
     return (
-        f"warning: {fmt_duration(step_s)} a step {why}: the {steps_left:,} steps left take about "
-        f"{fmt_duration(total)}; on a CPU train a small config (--config cpu_tiny), or run this one on a GPU"
+        f"warning: {fmt_duration(step_s)} a step {why}: the {count(steps_left, 'step')} left take about "
+        f"{fmt_duration(total)}; {advice}"
     )
 
 
@@ -88,11 +121,17 @@ def progress_line(step: int, steps: int, loss: float, lr: float, toks_per_s: flo
     return f"step {step}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {toks_per_s:,.0f} tok/s | ETA {fmt_duration(eta_s)}"
 
 
+# Lines that start so are remarks on the run, not its progress: they go to stderr, as launch.generate's
+# and launch.report's do, so stdout carries the progress and the results alone.
+REMARKS = ("warning:", "note:", "error:")
+
+
 def print_flushed(msg: str) -> None:
-    """One line on stdout in one write, flushed: a log gets each line when it is said, and the
-    progress and signal threads never split another thread's line."""
-    sys.stdout.write(msg + "\n")
-    sys.stdout.flush()
+    """One line in one write, flushed: a log gets each line when it is said, and the progress and
+    signal threads never split another thread's line. Remarks (REMARKS) on stderr, the rest on stdout."""
+    stream = sys.stderr if msg.startswith(REMARKS) else sys.stdout
+    stream.write(msg + "\n")
+    stream.flush()
 
 
 class Reporter:
@@ -106,19 +145,25 @@ class Reporter:
         self._print = print_fn or print_flushed
         self._note = note
         self._last_said = time.perf_counter()  # when a line was last printed (QUIET_S)
+        self._muted = False  # a second stop signal: the process is quitting and says nothing more
         self._activity: tuple[str, float] | None = None  # what the progress thread reports while quiet
         # The progress thread, from boot on (a kernel guard, a restore or a first batch can take long).
         self._stop = threading.Event()
         threading.Thread(target=self._report_quiet, name="nsa-progress", daemon=True).start()
 
     def say(self, msg: str) -> None:
-        if self.lead:
+        if self.lead and not self._muted:
             self._print(msg)
             self._last_said = time.perf_counter()
 
     def doing(self, what: str | None) -> None:
         """What the run is doing from now on (the progress thread reports it after QUIET_S of silence)."""
         self._activity = None if what is None else (what, time.perf_counter())
+
+    def mute(self) -> None:
+        """Nothing more is printed (the process quits at a second stop signal: a step line or a stop line
+        after it would promise what will not happen)."""
+        self._muted = True
 
     def close(self) -> None:
         """Stops the progress thread."""
@@ -165,13 +210,12 @@ class StepLines:
 def signal_stop_line(name: str, step: int, save: bool, checkpoint: bool) -> str:
     """The line of a run that stops after `step` on SIGINT or SIGTERM (`save` False: received during the compile)."""
     if not save:
-        said = "interrupted: Ctrl-C (SIGINT)" if name == "SIGINT" else "preempted: SIGTERM"
+        said = "Ctrl-C (SIGINT)" if name == "SIGINT" else "preempted: SIGTERM"
         return f"{said} received during the compile; stopping before step {step + 1}: nothing new to save"
     then = "saving a checkpoint" if checkpoint else "no checkpoint (checkpoint.enabled=false)"
     if name == "SIGINT":
         return (
-            f"interrupted: Ctrl-C (SIGINT) received; stopping after step {step}; {then} "
-            "(Ctrl-C again quits at once without saving)"
+            f"Ctrl-C (SIGINT) received; stopping after step {step}; {then} (Ctrl-C again quits at once without saving)"
         )
     return f"preempted: SIGTERM received; stopping after step {step} and {then}"
 

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import jax
 
+from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config
-from nsa_jax.ops.health import agree_any
 from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.train.artifacts import RunArtifacts
 

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, Callable
 
 from nsa_jax.config import Config, ModelConfig, TrainConfig
+from nsa_jax.words import count
 
 # The settings the learning rate is a function of (besides the step).
 LR_SCHEDULE_KEYS = ("steps", "warmup", "lr", "min_lr", "decay_steps")
@@ -85,7 +86,7 @@ def lr_change_on_resume(
     last, nxt = lr_at(step - 1, old), lr_at(step, now)
     what = ", ".join(f"train.{k} {saved_train[k]} -> {getattr(now, k)}" for k in changed)
     if now.decay_steps:
-        shape = f"held at {now.lr:.2e} until the last {now.decay_steps} steps, then a cosine"
+        shape = f"held at {now.lr:.2e} until the last {count(now.decay_steps, 'step')}, then a cosine"
     else:
         shape = "a cosine from the end of the warm-up"
     return (
