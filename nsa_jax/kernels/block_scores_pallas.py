@@ -155,12 +155,11 @@ def _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo: _ScoreG
     Order: for r ascending, (for g ascending p[g]) then added to the block's sum.
     """
     t_c = jnp.minimum(t_P, geo.seq - 1)
-    pos_c = shift(t_c, q_offset)
     score_PxN = jnp.zeros((geo.block_pos, geo.block_blocks), jnp.float32)
     for r in range(geo.win):  # static: the tokens overlapping each block, in order
         i_N = j_N * geo.stride - geo.lead + r
         # Tokens before 0 are the left padding of block 0; past num_keys, layout_visible masks them.
-        vis_PxN = layout_visible(pos_c, valid_P, i_N, geo.lay) & (i_N >= 0)[None, :]
+        vis_PxN = layout_visible(t_c, valid_P, i_N, geo.lay, q_offset) & (i_N >= 0)[None, :]
         k_NxDk = k_ref[jnp.clip(i_N, 0, geo.key_rows - 1), :]
         p_PxN = jnp.zeros((geo.block_pos, geo.block_blocks), jnp.float32)
         for g in range(geo.group):  # static: the G heads sharing this KV head's selection

@@ -253,21 +253,21 @@ def _any_row(x_R):
     return jnp.sum(jnp.where(x_R, 1, 0)) > 0
 
 
-def _tile_selection(idx_RxN, start, t_R, valid_R, select_block):
+def _tile_selection(idx_RxN, start, t_R, valid_R, select_block, q_offset):
     """(sel_R, live) of the key tile at ``start`` for a block-masked call, (None, None) otherwise.
 
     ``sel_R``: the row's query selected the tile's block (a key tile lies in one
     block: its size divides ``select_block``); ``live``: some valid row selected
-    it and the block has begun by that row's position ``t_R``, so the tile is loaded.
+    it and the block has begun by that row's position ``t_R + q_offset``, so the tile is loaded.
     """
     if idx_RxN is None:
         return None, None
     sel_R = _rows_selecting(idx_RxN, lax.div(start, select_block))
-    return sel_R, _any_row(sel_R & valid_R & (t_R >= start))
+    return sel_R, _any_row(sel_R & valid_R & (t_R >= shift(start, -q_offset)))
 
 
-def _visible(t_R, valid_R, i_C, lay: KeyLayout, sel_R):
-    vis_RxC = layout_visible(t_R, valid_R, i_C, lay)
+def _visible(t_R, valid_R, i_C, lay: KeyLayout, sel_R, q_offset):
+    vis_RxC = layout_visible(t_R, valid_R, i_C, lay, q_offset)
     return vis_RxC if sel_R is None else vis_RxC & sel_R[:, None]
 
 
@@ -300,18 +300,17 @@ def _win_kernel(
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-    pos_R = shift(t_R, q_offset)
     rows = RowPass(backward, q_ref, rest, row_R, scale=scale, scale_log2=scale_log2, stats_only=stats_only)
     idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
 
     def body(kt, carry):
         start = kt * block_keys
-        sel_R, live = _tile_selection(idx_RxN, start, pos_R, valid_R, select_block)
+        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block, q_offset)
 
         def step(carry):
             k_CxDk = k_ref[pl.ds(start, block_keys), :]
             v_CxDv = None if v_ref is None else v_ref[pl.ds(start, block_keys), :]
-            vis_RxC = _visible(pos_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R)
+            vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R, q_offset)
             return rows.step(carry, k_CxDk, v_CxDv, vis_RxC)
 
         return _maybe(live, step, carry)
@@ -357,10 +356,12 @@ def _win_dkv_kernel(
     def body(rt, carry):
         f0 = rt * block_rows
         t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
+        # The key tile stays and the rows move: the rows are shifted to positions (shifting the keys
+        # instead spills in the block-masked kernel on sm_80).
         pos_R = shift(t_R, q_offset)
         # The block mask is recomputed per row tile from the block ids: no reverse index.
         idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
-        sel_R, live = _tile_selection(idx_RxN, start, pos_R, valid_R, select_block)
+        sel_R, live = _tile_selection(idx_RxN, start, pos_R, valid_R, select_block, 0)
 
         def step(carry):
             dk_CxDk, dv_CxDv = carry
@@ -368,7 +369,7 @@ def _win_dkv_kernel(
             do_RxDv = do_ref[row_R, :]
             lse_R = lse_ref[pl.ds(f0, block_rows)]
             delta_R = delta_ref[pl.ds(f0, block_rows)]
-            vis_RxC = _visible(pos_R, valid_R, i_C, lay, sel_R)
+            vis_RxC = _visible(pos_R, valid_R, i_C, lay, sel_R, 0)
             p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
             dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
             dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)

@@ -39,7 +39,11 @@ static kernel parameter: it travels as one more kernel input, an int32 array
 ``[1]`` that the kernel reads once (``offset_operand``, ``OFFSET_SPEC``,
 ``split_offset``). The Python int 0 adds no input and no arithmetic
 (``shift`` returns its argument): the kernels are exactly those without an
-offset.
+offset. Where the offset enters is chosen by what ptxas makes of it
+(registers and spills on sm_80 and sm_90, tests/test_aot.py): most kernels
+compare each row with the key positions less the offset (``layout_visible``'s
+``q_offset``: a scalar subtracted from a tile's run of keys), and the flash
+dK/dV kernel, whose key tile stays while its row tiles move, shifts the rows.
 """
 
 from __future__ import annotations
@@ -230,9 +234,10 @@ class KeyLayout:
     offset: int = 0
 
 
-def layout_visible(t_R, valid_R, i_C, lay: KeyLayout):
-    """[R, C] mask: row t sees key i (``vis(t, i)`` of the layout, keys past num_keys never)."""
-    pos_1xC = (i_C * lay.stride + lay.offset)[None, :]
+def layout_visible(t_R, valid_R, i_C, lay: KeyLayout, q_offset=0):
+    """[R, C] mask: row t, the query at position t + q_offset, sees key i (``vis(t + q_offset, i)`` of the
+    layout, keys past num_keys never). The keys' positions are shifted by -q_offset, not the rows'."""
+    pos_1xC = (i_C * lay.stride + shift(lay.offset, -q_offset))[None, :]
     t_Rx1 = t_R[:, None]
     live_1xC = (i_C < lay.num_keys)[None, :]
     return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - lay.window) & live_1xC

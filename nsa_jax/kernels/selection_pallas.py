@@ -181,9 +181,9 @@ def _group_rows(t, kv, num_heads: int, group: int, group_padded: int):
     return t * num_heads + kv * group + g_Gp, g_Gp
 
 
-def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks):
-    """Slot ``s`` of the selection of the query at position ``t``: K [bs, Dk], V [bs, Dv] and the mask of the
-    keys it sees [1, bs].
+def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks, q_offset):
+    """Slot ``s`` of query row ``t``'s selection: K [bs, Dk], V [bs, Dv] and the mask of the keys the row
+    (at position t + q_offset) sees [1, bs].
 
     An unused slot (-1) or an out-of-range id loads an in-bounds block and sees
     none of it, so the kernels need no branch.
@@ -193,7 +193,7 @@ def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks):
     start = jnp.clip(blk, 0, num_blocks - 1) * block_size
     k_SxDk = k_ref[pl.ds(start, block_size), :]
     v_SxDv = v_ref[pl.ds(start, block_size), :]
-    pos_S = start + lax.iota(jnp.int32, block_size)
+    pos_S = shift(start, -q_offset) + lax.iota(jnp.int32, block_size)  # less the offset: compared with the row
     vis_1xS = ((pos_S <= t) & live)[None, :]
     return k_SxDk, v_SxDv, vis_1xS
 
@@ -217,13 +217,12 @@ def _sel_kernel(
     q_offset, (idx_ref, q_ref, k_ref, v_ref, *refs) = split_offset(refs, has_offset)
     t = pl.program_id(0)
     kv = pl.program_id(2)
-    pos = shift(t, q_offset)
     row_Gp, g_Gp = _group_rows(t, kv, num_heads, group, group_padded)
     rows = RowPass(backward, q_ref, refs, row_Gp, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=g_Gp)
 
     def body(s, carry):
         k_SxDk, v_SxDv, vis_1xS = _slot_tile(
-            s, pos, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
+            s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks, q_offset=q_offset
         )
         return rows.step(carry, k_SxDk, v_SxDv, vis_1xS)
 
@@ -266,13 +265,13 @@ def _union_entry(e, p_R, idx_ref, *, slots, num_blocks):
     return blk, live, member_R
 
 
-def _union_tile(blk, t_R, member_R, k_ref, v_ref, *, block_size, num_blocks):
-    """K [bs, Dk], V [bs, Dv] of block ``blk`` and the mask [R, bs] of the keys each row sees: its own position
-    ``t_R`` selected the block (``member_R``) and the key is not after it."""
+def _union_tile(blk, t_R, member_R, k_ref, v_ref, *, block_size, num_blocks, q_offset):
+    """K [bs, Dk], V [bs, Dv] of block ``blk`` and the mask [R, bs] of the keys each row sees: its own query
+    (row ``t_R``, at position t_R + q_offset) selected the block (``member_R``) and the key is not after it."""
     start = jnp.clip(blk, 0, num_blocks - 1) * block_size
     k_SxDk = k_ref[pl.ds(start, block_size), :]
     v_SxDv = v_ref[pl.ds(start, block_size), :]
-    pos_1xS = (start + lax.iota(jnp.int32, block_size))[None, :]
+    pos_1xS = (shift(start, -q_offset) + lax.iota(jnp.int32, block_size))[None, :]  # compared with rows
     return k_SxDk, v_SxDv, member_R[:, None] & (pos_1xS <= t_R[:, None])
 
 
@@ -298,7 +297,6 @@ def _sel_multi_kernel(
     t_R, row_R, p_R, stat_R = _multi_rows(
         pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
     )
-    pos_R = shift(t_R, q_offset)
     pass_ = RowPass(backward, q_ref, refs, row_R, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=stat_R)
 
     def body(e, carry):
@@ -306,7 +304,7 @@ def _sel_multi_kernel(
 
         def step(carry):
             k_SxDk, v_SxDv, vis_RxS = _union_tile(
-                blk, pos_R, member_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
+                blk, t_R, member_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks, q_offset=q_offset
             )
             return pass_.step(carry, k_SxDk, v_SxDv, vis_RxS)
 
@@ -372,7 +370,8 @@ def _sel_dkv_kernel(
     seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
     k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
     v_SxDv = v_ref[pl.ds(seg.start, block_size), :]
-    pos_1xS = seg.pos_1xS
+    # The keys' positions less the offset, once: the causal test below then compares them with rows.
+    pos_1xS = shift(seg.pos_1xS, -q_offset)
 
     def body(it, carry):
         dk_SxDk, dv_SxDv = carry
@@ -383,7 +382,7 @@ def _sel_dkv_kernel(
         stat_R = lax.div(t_R, positions) * rows_padded + lax.rem(t_R, positions) * group + g_R
         lse_R = lse_ref[stat_R]
         delta_R = delta_ref[stat_R]
-        vis_RxS = valid_R[:, None] & (pos_1xS <= shift(t_R, q_offset)[:, None])
+        vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
         p_RxS, ds_RxS = softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
         dv_SxDv = dv_SxDv + plgpu_triton.dot(p_RxS.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
         dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
