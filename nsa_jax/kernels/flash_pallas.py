@@ -361,7 +361,7 @@ def _win_dkv_kernel(
         pos_R = shift(t_R, q_offset)
         # The block mask is recomputed per row tile from the block ids: no reverse index.
         idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
-        sel_R, live = _tile_selection(idx_RxN, start, pos_R, valid_R, select_block, 0)
+        sel_R, live = _tile_selection(idx_RxN, start, pos_R, valid_R, select_block, q_offset=0)
 
         def step(carry):
             dk_CxDk, dv_CxDv = carry
@@ -369,7 +369,7 @@ def _win_dkv_kernel(
             do_RxDv = do_ref[row_R, :]
             lse_R = lse_ref[pl.ds(f0, block_rows)]
             delta_R = delta_ref[pl.ds(f0, block_rows)]
-            vis_RxC = _visible(pos_R, valid_R, i_C, lay, sel_R, 0)
+            vis_RxC = _visible(pos_R, valid_R, i_C, lay, sel_R, q_offset=0)
             p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
             dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
             dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
