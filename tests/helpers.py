@@ -159,6 +159,25 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def as_f32(*xs):
+    """jax arrays as fp32 numpy (the float64 references' inputs)."""
+    return [np.asarray(x.astype(jnp.float32)) for x in xs]
+
+
+def check_all(results, reference, dtype):
+    """(o, dq, dk, dv) of a kernel against a float64 reference: fp32 within 1e-5 (relative to the largest
+    reference value), otherwise a relative RMS error below 5e-3."""
+    for name, got, want in zip(("o", "dq", "dk", "dv"), results, reference):
+        assert got.shape == want.shape, name
+        assert np.all(np.isfinite(got)), name
+        if dtype == jnp.float32:
+            tol = 1e-5 * max(1.0, float(np.max(np.abs(want))))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=tol, err_msg=name)
+        else:
+            err = float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+            assert err < 5e-3, f"{name}: relative RMS error {err:.2e}"
+
+
 def random_inputs(rng, b, t, h, kvh, d, dtype, dv=None):
     """q, k, v, do of an attention call (h query heads over kvh KV heads), N(0, 1) in `dtype`."""
     dv = d if dv is None else dv

@@ -26,6 +26,7 @@ from nsa_jax.kernels.reference import (  # noqa: F401  (re-exported for the test
     reference_attention,
     reference_block_scores,
     reference_block_selection,
+    reference_compressed_lse2,
     reference_group_probs,
     selection_mask,
     selection_visible,

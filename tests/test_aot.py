@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -35,7 +36,12 @@ import pytest
 from benchmarks import gpu_aot
 from launch import info as info_cli
 from nsa_jax.config import load_config
+from nsa_jax.kernels import SELECTION_KERNELS
+from nsa_jax.kernels.block_scores_pallas import compressed_attention_select_pallas
+from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.cudnn import compressed_attention_grouped
+from nsa_jax.kernels.flash_pallas import window_attention_pallas
+from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 from nsa_jax.tools import aot, xla_dump
 from nsa_jax.words import count
 
@@ -530,3 +536,68 @@ def test_layer_with_cudnn_compressed_attention_compiles_within_budget(card, dump
     assert not spills, f"kernels spill on {card} (bytes stored + loaded): {spills}"
     temp = r["memory"]["temp"]
     assert temp <= LAYER_TEMP_LIMIT, f"layer fwd+bwd at T=65536 needs {temp / aot.MiB:.0f} MiB of temporaries"
+
+
+# A context-parallel chunk at the production shapes: 2048 query rows of an 8192-token sequence (4 devices).
+CHUNK_ROWS, CHUNK_SEQ = 2048, 8192
+
+
+def chunk_kernels(card: str, traced: bool) -> dict[str, dict]:
+    """{kernel: ptxas figures} of every branch kernel's forward and backward for one chunk of the a100_pcie layer
+    (window; compressed attention with block selection; gather selection with the layer's tiling; block-sparse
+    selection), compiled for `card`; `traced`: the query offset is an argument of the compiled program, else the
+    Python int 0 (the kernels without an offset, at the same shapes)."""
+    cfg = load_config("a100_pcie").model
+    nsa, h, kvh = cfg.nsa, cfg.n_heads, cfg.n_kv_heads
+    tc = (CHUNK_SEQ - nsa.l) // nsa.d + 1
+    sharding = jax.sharding.SingleDeviceSharding(aot.target_devices(card, 1)[0])
+    sds = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    q, k, kc = (
+        sds((1, CHUNK_ROWS, h, cfg.head_dim)),
+        sds((1, CHUNK_SEQ, kvh, cfg.head_dim)),
+        sds((1, tc, kvh, cfg.head_dim)),
+    )
+    idx = sds((1, CHUNK_ROWS, kvh, nsa.n), jnp.int32)
+
+    def loss(q, k, v, kc, vc, idx, off):
+        kw = dict(lp=nsa.lp, n=nsa.n, num_blocks=CHUNK_SEQ // nsa.lp, q_offset=off)
+        o_cmp, blocks = compressed_attention_select_pallas(q, kc, vc, l=nsa.l, d=nsa.d, **kw)
+        gather = SELECTION_KERNELS["gather"]
+        outs = (
+            window_attention_pallas(q, k, v, nsa.w, q_offset=off),
+            o_cmp,
+            selection_attention_pallas(q, k, v, idx, nsa.lp, block_sizes=gather, q_offset=off),
+            selection_attention_blocksparse_pallas(q, k, v, idx, nsa.lp, q_offset=off),
+        )
+        return sum(o.astype(jnp.float32).sum() for o in outs), blocks
+
+    grad = jax.grad(loss if traced else lambda *a: loss(*a, 0), argnums=(0, 1, 2, 3, 4), has_aux=True)
+    args = (q, k, k, kc, kc, idx) + ((sds((), jnp.int32),) if traced else ())
+    with tempfile.TemporaryDirectory() as dump:
+        aot.compile_for(card, grad, args, dump)
+        return {row["name"]: row for row in xla_dump.pallas_kernels(dump)}
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("card", CARDS)
+def test_kernels_under_a_traced_query_offset_compile_without_spills(card):
+    # The offset is read from a kernel input: no kernel may spill for it, nor hold fewer blocks per SM (by
+    # registers, threads and shared memory) than without an offset. Registers without -> with the offset when
+    # this was written, sm_80 (sm_90): nsa_cmp_fwd 160 -> 162 (123 -> 128), nsa_cmp_dq 187 -> 183 (122 -> 126),
+    # nsa_cmp_dkv 255 -> 255 (197 -> 200); every other kernel at most one register more, or fewer.
+    target = aot.get_target(card)
+    with_offset, without = chunk_kernels(card, traced=True), chunk_kernels(card, traced=False)
+    stems = ("nsa_window_", "nsa_cmp_", "nsa_block_select", "nsa_selection_dkv", "nsa_selection_bsp_")
+    assert set(with_offset) == set(without) and all(any(n.startswith(s) for n in with_offset) for s in stems)
+
+    def blocks(k):
+        return xla_dump.occupancy_blocks(k["registers"], k["threads"], k["shared_memory"], target)
+
+    figures = {n: (without[n]["registers"], k["registers"]) for n, k in sorted(with_offset.items())}
+    spills = {n: k["spill_stores"] + k["spill_loads"] for n, k in with_offset.items()}
+    spills = {n: b for n, b in spills.items() if b}
+    assert not spills, f"kernels spill under a query offset on {card} (bytes stored + loaded): {spills}; {figures}"
+    fewer = {n: (blocks(without[n]), blocks(k)) for n, k in with_offset.items() if blocks(k) < blocks(without[n])}
+    assert not fewer, f"fewer blocks per SM under a query offset on {card}: {fewer}; registers {figures}"

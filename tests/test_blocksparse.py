@@ -29,7 +29,7 @@ from nsa_jax.kernels.flash_pallas import FlashBlockSizes
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
 from nsa_jax.tools import aot
 
-from helpers import random_inputs, run_with_grads
+from helpers import as_f32, check_all, random_inputs, run_with_grads
 
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 
@@ -37,22 +37,6 @@ INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
-
-
-def as_f32(*xs):
-    return [np.asarray(x.astype(jnp.float32)) for x in xs]
-
-
-def check_all(results, reference, dtype):
-    for name, got, want in zip(("o", "dq", "dk", "dv"), results, reference):
-        assert got.shape == want.shape, name
-        assert np.all(np.isfinite(got)), name
-        if dtype == jnp.float32:
-            tol = 1e-5 * max(1.0, float(np.max(np.abs(want))))
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=tol, err_msg=name)
-        else:
-            err = float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
-            assert err < 5e-3, f"{name}: relative RMS error {err:.2e}"
 
 
 def skewed_block_indices(rng, b, t, kvh, n, lp, *, always=0, never=1):

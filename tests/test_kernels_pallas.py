@@ -23,6 +23,7 @@ from reference import (
     compressed_visible,
     random_block_indices,
     reference_attention,
+    reference_compressed_lse2,
     selection_visible,
     window_visible,
 )
@@ -40,39 +41,11 @@ from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, reverse_index,
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.tools import aot
 
-from helpers import random_inputs, run_with_grads, tiny_model_cfg
+from helpers import as_f32, check_all, random_inputs, run_with_grads, tiny_model_cfg
 
 # Compiled kernels on a GPU (JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_pallas.py),
 # the interpreter on CPU.
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
-
-
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
-
-
-def assert_close_fp32(got, want, name):
-    tol = 1e-5 * max(1.0, float(np.max(np.abs(want))))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=tol, err_msg=name)
-
-
-def rel_rms(got, want):
-    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
-
-
-def check_all(results, reference, dtype):
-    for name, got, want in zip(("o", "dq", "dk", "dv"), results, reference):
-        assert np.all(np.isfinite(got)), name
-        if dtype == jnp.float32:
-            assert_close_fp32(got, want, name)
-        else:
-            err = rel_rms(got, want)
-            assert err < 5e-3, f"{name}: relative RMS error {err:.2e}"
-
-
-def as_f32(*xs):
-    return [np.asarray(x.astype(jnp.float32)) for x in xs]
 
 
 # ---------------------------------------------------------------------------
@@ -353,25 +326,6 @@ def test_compressed_matches_reference(b, t, g, kvh, d, l, stride, dtype, bsz):
     assert np.all(results[0][:, : l - 1] == 0)
 
 
-def reference_lse2_BxKxR(q, kc, l, stride, scale):
-    """Base-2 log-sum-exp of each (query, head) over its visible compressed tokens, float64, in the
-    kernels' flattened-row layout [B, K, T*G] (row t*G + g), 0 where a query sees no token."""
-    q, kc = (np.asarray(x, np.float64) for x in (q, kc))
-    b, t, h, _ = q.shape
-    tc, kvh = kc.shape[1], kc.shape[2]
-    g = h // kvh
-    out = np.zeros((b, kvh, t * g))
-    for bi in range(b):
-        for ti in range(t):
-            seen = [i for i in range(tc) if i * stride + l - 1 <= ti]
-            for hi in range(h):
-                if seen:
-                    s = scale * (kc[bi, seen, hi // g] @ q[bi, ti, hi])
-                    m = s.max()
-                    out[bi, hi // g, ti * g + hi % g] = (m + np.log(np.exp(s - m).sum())) / np.log(2)
-    return out
-
-
 @pytest.mark.parametrize("b,t,g,kvh,d,l,stride,dtype,bsz", COMPRESSED_CASES)
 def test_compressed_lse_pass_matches_float64_reference(b, t, g, kvh, d, l, stride, dtype, bsz):
     # The log-sum-exp alone (one q k^T pass, no values), which block scoring reads when the
@@ -381,7 +335,7 @@ def test_compressed_lse_pass_matches_float64_reference(b, t, g, kvh, d, l, strid
     scale = 0.7 * d**-0.5
     lse, used = compressed_lse_pallas(q, kc, l=l, d=stride, scale=scale, interpret=INTERPRET, block_sizes=bsz)
     assert used == pytest.approx(scale) and lse.dtype == jnp.float32
-    want = reference_lse2_BxKxR(q.astype(jnp.float32), kc.astype(jnp.float32), l, stride, scale)
+    want = reference_compressed_lse2(q.astype(jnp.float32), kc.astype(jnp.float32), l, stride, scale)
     got = np.asarray(lse)[:, :, : t * g]
     assert got.shape == want.shape and np.asarray(lse).shape[-1] >= t * g
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)

@@ -51,6 +51,15 @@ differ by float rounding: the tests compare the fused kernel against a float64
 reference of scores and selection, requiring identical indices wherever the
 reference has no near-tie at the cut, and identical indices on constructed
 exact ties (equal probabilities, which both paths keep bitwise equal).
+
+Query offset
+------------
+With ``q_offset`` (flash_pallas, "Query offset") row r of q is the query at
+position ``r + q_offset``: the compressed tokens it sees follow that position
+(the attention's and the scores' alike), the selection rules follow ``t_T``
+(default the same positions), and ``num_blocks`` gives the selection blocks
+of the whole sequence, which q's length no longer tells. The kernels read the
+offset from their first input; the Python int 0 adds none.
 """
 
 from __future__ import annotations
@@ -73,17 +82,24 @@ from nsa_jax.kernels.cudnn import compressed_attention_grouped
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
     MIN_DOT_DIM,
+    OFFSET_SPEC,
     SMEM_BUDGET_BYTES,
     KeyLayout,
+    check_query_offset,
     check_smem,
     check_tile_size,
     compiler_params,
+    is_static_zero,
     layout_visible,
     next_pow2,
+    offset_operand,
+    offset_operands,
     pad_axis,
     padded_dim,
     scores_log2,
+    shift,
     smem_estimate,
+    split_offset,
 )
 from nsa_jax.kernels.xla import EXCLUDED, FORCED  # the ranking values of select_blocks, shared
 
@@ -132,8 +148,9 @@ class _ScoreGeometry:
     scale_log2: float
 
 
-def _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo: _ScoreGeometry):
-    """fp32 [P, N] Eq. 9 scores of blocks ``j_N`` for positions ``t_P``, summed over the group.
+def _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo: _ScoreGeometry, q_offset):
+    """fp32 [P, N] Eq. 9 scores of blocks ``j_N`` for the query rows ``t_P`` (at positions ``t_P + q_offset``),
+    summed over the group.
 
     Order: for r ascending, (for g ascending p[g]) then added to the block's sum.
     """
@@ -142,7 +159,7 @@ def _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo: _ScoreG
     for r in range(geo.win):  # static: the tokens overlapping each block, in order
         i_N = j_N * geo.stride - geo.lead + r
         # Tokens before 0 are the left padding of block 0; past num_keys, layout_visible masks them.
-        vis_PxN = layout_visible(t_c, valid_P, i_N, geo.lay) & (i_N >= 0)[None, :]
+        vis_PxN = layout_visible(t_c, valid_P, i_N, geo.lay, q_offset) & (i_N >= 0)[None, :]
         k_NxDk = k_ref[jnp.clip(i_N, 0, geo.key_rows - 1), :]
         p_PxN = jnp.zeros((geo.block_pos, geo.block_blocks), jnp.float32)
         for g in range(geo.group):  # static: the G heads sharing this KV head's selection
@@ -218,8 +235,9 @@ def _tile_bound(cur_P, valid_P, block_blocks: int, num_tiles: int):
 # ---------------------------------------------------------------------------
 
 
-def _scores_kernel(q_ref, k_ref, lse_ref, s_ref, *, geo: _ScoreGeometry, num_tiles):
-    # Refs: q [T*H, Dk], k [Tkp, Dk], lse [Rp] (row t*G + g, base 2), scores [P, Nbp].
+def _scores_kernel(*refs, geo: _ScoreGeometry, num_tiles, has_offset):
+    # Refs: [q_offset [1],] q [T*H, Dk], k [Tkp, Dk], lse [Rp] (row t*G + g, base 2), scores [P, Nbp].
+    q_offset, (q_ref, k_ref, lse_ref, s_ref) = split_offset(refs, has_offset)
     t_P = pl.program_id(0) * geo.block_pos + lax.iota(jnp.int32, geo.block_pos)
     valid_P = t_P < geo.seq
     kv = pl.program_id(2)
@@ -227,16 +245,17 @@ def _scores_kernel(q_ref, k_ref, lse_ref, s_ref, *, geo: _ScoreGeometry, num_til
     def body(bt, carry):
         j0 = bt * geo.block_blocks
         j_N = j0 + lax.iota(jnp.int32, geo.block_blocks)
-        s_ref[:, pl.ds(j0, geo.block_blocks)] = _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo)
+        s_ref[:, pl.ds(j0, geo.block_blocks)] = _block_score_tile(
+            q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo, q_offset
+        )
         return carry
 
     lax.fori_loop(0, num_tiles, body, 0)
 
 
-def _select_kernel(
-    q_ref, k_ref, lse_ref, tsel_ref, idx_ref, *, geo: _ScoreGeometry, lp, num_blocks, num_tiles, n_slots
-):
+def _select_kernel(*refs, geo: _ScoreGeometry, lp, num_blocks, num_tiles, n_slots, has_offset):
     # Refs: as _scores_kernel, tsel [P] (the positions the selection rules see), idx [P, S].
+    q_offset, (q_ref, k_ref, lse_ref, tsel_ref, idx_ref) = split_offset(refs, has_offset)
     t_P = pl.program_id(0) * geo.block_pos + lax.iota(jnp.int32, geo.block_pos)
     valid_P = t_P < geo.seq
     kv = pl.program_id(2)
@@ -244,7 +263,7 @@ def _select_kernel(
 
     def body(bt, carry):
         j_N = bt * geo.block_blocks + lax.iota(jnp.int32, geo.block_blocks)
-        score_PxN = _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo)
+        score_PxN = _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo, q_offset)
         return _merge_top_n(carry, _ranking(score_PxN, j_N, cur_P, num_blocks), j_N, n_slots)
 
     hi = _tile_bound(cur_P, valid_P, geo.block_blocks, num_tiles)
@@ -319,43 +338,50 @@ def _score_specs(t_h, tkp, dk, rows_padded):
     ]
 
 
-def _scores_call(q, kc, lse, lay, l, d, lp, scale, interpret, bsz: BlockSelectSizes):
+def _scores_call(q, kc, lse, off_1, lay, l, d, lp, nb, scale, interpret, bsz: BlockSelectSizes):
     """[B, K, T, Nb] fp32 block scores."""
     b, t, h, _ = q.shape
     kvh = kc.shape[2]
     q_f, k_p, dk, tkp, tp = _score_inputs(q, kc, bsz)
-    nb = pl.cdiv(t, lp)
     nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
     geo = _geometry(q, kc, lay, l, d, lp, scale, bsz, tkp)
+    has_offset = off_1 is not None
     scores = pl.pallas_call(
-        functools.partial(_scores_kernel, geo=geo, num_tiles=nbp // bsz.block_blocks),
+        functools.partial(_scores_kernel, geo=geo, num_tiles=nbp // bsz.block_blocks, has_offset=has_offset),
         grid=(tp // bsz.block_pos, b, kvh),
-        in_specs=_score_specs(t * h, tkp, dk, lse.shape[-1]),
+        in_specs=[OFFSET_SPEC] * has_offset + _score_specs(t * h, tkp, dk, lse.shape[-1]),
         out_specs=pl.BlockSpec((None, None, bsz.block_pos, nbp), lambda i, bb, kv: (bb, kv, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, tp, nbp), jnp.float32),
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, dk),
         interpret=interpret,
         name="nsa_block_scores",
-    )(q_f, k_p, lse)
+    )(*offset_operands(off_1), q_f, k_p, lse)
     return scores[:, :, :t, :nb]
 
 
-def _select_call(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz: BlockSelectSizes):
+def _select_call(q, kc, lse, t_T, off_1, lay, l, d, lp, nb, n, scale, interpret, bsz: BlockSelectSizes):
     """[B, K, T, n] int32 block indices, no score tensor."""
     b, t, h, _ = q.shape
     kvh = kc.shape[2]
     q_f, k_p, dk, tkp, tp = _score_inputs(q, kc, bsz)
-    nb = pl.cdiv(t, lp)
     nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
     n_slots = next_pow2(n)
     geo = _geometry(q, kc, lay, l, d, lp, scale, bsz, tkp)
+    has_offset = off_1 is not None
     kernel = functools.partial(
-        _select_kernel, geo=geo, lp=lp, num_blocks=nb, num_tiles=nbp // bsz.block_blocks, n_slots=n_slots
+        _select_kernel,
+        geo=geo,
+        lp=lp,
+        num_blocks=nb,
+        num_tiles=nbp // bsz.block_blocks,
+        n_slots=n_slots,
+        has_offset=has_offset,
     )
     idx = pl.pallas_call(
         kernel,
         grid=(tp // bsz.block_pos, b, kvh),
         in_specs=[
+            *[OFFSET_SPEC] * has_offset,
             *_score_specs(t * h, tkp, dk, lse.shape[-1]),
             pl.BlockSpec((bsz.block_pos,), lambda i, bb, kv: (i,)),
         ],
@@ -364,42 +390,42 @@ def _select_call(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz: Block
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, dk),
         interpret=interpret,
         name="nsa_block_select",
-    )(q_f, k_p, lse, pad_axis(t_T.astype(jnp.int32), 0, tp))
+    )(*offset_operands(off_1), q_f, k_p, lse, pad_axis(t_T.astype(jnp.int32), 0, tp))
     return idx[:, :, :t, :n]
 
 
 # A bare pallas_call is never removed as dead code, but a custom_vjp call whose outputs
 # are unused is (see compressed_pallas): a layer without the selection branch, or a trace
 # that only needs the parameters, launches neither kernel. Neither output has a gradient.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
-def _block_scores(q, kc, lse, lay, l, d, lp, scale, interpret, bsz):
-    return _scores_call(q, kc, lse, lay, l, d, lp, scale, interpret, bsz)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def _block_scores(q, kc, lse, off_1, lay, l, d, lp, nb, scale, interpret, bsz):
+    return _scores_call(q, kc, lse, off_1, lay, l, d, lp, nb, scale, interpret, bsz)
 
 
-def _block_scores_fwd(q, kc, lse, lay, l, d, lp, scale, interpret, bsz):
-    return _scores_call(q, kc, lse, lay, l, d, lp, scale, interpret, bsz), (q, kc, lse)
+def _block_scores_fwd(q, kc, lse, off_1, lay, l, d, lp, nb, scale, interpret, bsz):
+    return _scores_call(q, kc, lse, off_1, lay, l, d, lp, nb, scale, interpret, bsz), (q, kc, lse)
 
 
-def _block_scores_bwd(lay, l, d, lp, scale, interpret, bsz, res, ct):
-    del lay, l, d, lp, scale, interpret, bsz, ct
-    return tuple(jnp.zeros_like(x) for x in res)
+def _block_scores_bwd(lay, l, d, lp, nb, scale, interpret, bsz, res, ct):
+    del lay, l, d, lp, nb, scale, interpret, bsz, ct
+    return (*(jnp.zeros_like(x) for x in res), None)  # the query offset (int, or None): no gradient
 
 
 _block_scores.defvjp(_block_scores_fwd, _block_scores_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
-def _block_select(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz):
-    return _select_call(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12, 13))
+def _block_select(q, kc, lse, t_T, off_1, lay, l, d, lp, nb, n, scale, interpret, bsz):
+    return _select_call(q, kc, lse, t_T, off_1, lay, l, d, lp, nb, n, scale, interpret, bsz)
 
 
-def _block_select_fwd(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz):
-    return _select_call(q, kc, lse, t_T, lay, l, d, lp, n, scale, interpret, bsz), (q, kc, lse)
+def _block_select_fwd(q, kc, lse, t_T, off_1, lay, l, d, lp, nb, n, scale, interpret, bsz):
+    return _select_call(q, kc, lse, t_T, off_1, lay, l, d, lp, nb, n, scale, interpret, bsz), (q, kc, lse)
 
 
-def _block_select_bwd(lay, l, d, lp, n, scale, interpret, bsz, res, ct):
-    del lay, l, d, lp, n, scale, interpret, bsz, ct
-    return (*(jnp.zeros_like(x) for x in res), None)
+def _block_select_bwd(lay, l, d, lp, nb, n, scale, interpret, bsz, res, ct):
+    del lay, l, d, lp, nb, n, scale, interpret, bsz, ct
+    return (*(jnp.zeros_like(x) for x in res), None, None)  # t_T and the query offset: ints
 
 
 _block_select.defvjp(_block_select_fwd, _block_select_bwd)
@@ -431,23 +457,44 @@ def fit_select_sizes(bsz: BlockSelectSizes | None, dk: int, itemsize: int) -> Bl
 ATTENTIONS = ("flash", "cudnn")
 
 
-def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes, attention):
+def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes, attention, q_offset):
     """(o, lse, layout, scale) of the compressed branch.
 
     ``flash``: the branch's flash kernels, whose forward also gives the lse. ``cudnn``:
     o from one fused causal attention over the regrouped branch (kernels/cudnn.py; XLA's
-    attention when interpreted, off a GPU) and the lse from its own q k^T pass.
+    attention when interpreted, off a GPU) and the lse from its own q k^T pass; not under
+    a query offset, which a plain causal mask over the regrouped sequence cannot express.
     """
     if attention not in ATTENTIONS:
         raise ValueError(f"compressed attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-    kw = dict(l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes)
+    if attention == "cudnn" and not is_static_zero(q_offset):
+        raise ValueError("compressed attention cudnn takes no query offset: use flash with q_offset")
+    kw = dict(l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes, q_offset=q_offset)
     if attention == "cudnn":
         lse, scale = compressed_lse_pallas(q, kc, **kw)
         impl = "xla" if interpret else "cudnn"
         o = compressed_attention_grouped(q, kc, vc, l=l, d=d, scale=scale, implementation=impl)
     else:
         o, lse, scale = compressed_attention_lse_pallas(q, kc, vc, **kw)
-    return o, lse, cmp_layout(kc.shape[1], q.shape[1], l, d), scale
+    return o, lse, cmp_layout(kc.shape[1], q.shape[1], l, d, q_offset), scale
+
+
+def _block_count(t: int, lp: int, num_blocks: int | None) -> int:
+    """Selection blocks of the sequence: ``num_blocks``, else those of q's ``t`` positions, ceil(t / lp)."""
+    if num_blocks is None:
+        return pl.cdiv(t, lp)
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+    return int(num_blocks)
+
+
+def _selection_positions(t: int, t_T, q_offset):
+    """int32 [t]: the positions the selection rules see, ``t_T`` as given, else the rows' own q_offset + 0..t-1."""
+    if t_T is None:
+        return shift(jnp.arange(t, dtype=jnp.int32), q_offset)
+    if t_T.shape != (t,):
+        raise ValueError(f"t_T must have shape ({t},), got {t_T.shape}")
+    return t_T
 
 
 def compressed_attention_scores_pallas(
@@ -463,22 +510,27 @@ def compressed_attention_scores_pallas(
     block_sizes: CompressedBlockSizes | None = None,
     select_sizes: BlockSelectSizes | None = None,
     attention: str = "flash",
+    q_offset=0,
+    num_blocks: int | None = None,
 ):
     """Compressed-branch attention and its selection-block scores.
 
     Returns o_BxTxHxDv (differentiable in q, kc, vc; as compressed_attention_pallas)
-    and scores_BxTxKxNb fp32, Nb = ceil(T / lp): Eq. 9 sums of the group
-    probabilities (no gradient). No [B, K, T, Tc] probability tensor exists.
+    and scores_BxTxKxNb fp32, Nb = num_blocks (None: ceil(T / lp)): Eq. 9 sums of
+    the group probabilities (no gradient). No [B, K, T, Tc] probability tensor exists.
     `attention`: what computes o, ``flash`` (the Pallas kernels) or ``cudnn`` (see
-    compressed_attention_select_pallas).
+    compressed_attention_select_pallas). `q_offset`: row r of q is the query at
+    position r + q_offset (Python int or traced int32 scalar; ``cudnn`` takes only 0).
     """
     _check_geometry(l, d, lp)
     ssz = fit_select_sizes(select_sizes, padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize)
+    nb = _block_count(q_BxTxHxDk.shape[1], lp, num_blocks)
     o, lse, lay, scale = _attention_and_lse(
-        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention
+        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention, q_offset
     )
     sg = lax.stop_gradient
-    s = _block_scores(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, lay, l, d, lp, scale, bool(interpret), ssz)
+    off_1 = offset_operand(q_offset)
+    s = _block_scores(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, off_1, lay, l, d, lp, nb, scale, bool(interpret), ssz)
     return o, jnp.moveaxis(s, 1, 2)
 
 
@@ -497,21 +549,25 @@ def compressed_attention_select_pallas(
     block_sizes: CompressedBlockSizes | None = None,
     select_sizes: BlockSelectSizes | None = None,
     attention: str = "flash",
+    q_offset=0,
+    num_blocks: int | None = None,
 ):
     """Compressed-branch attention and the selected blocks, with no score tensor.
 
     Args:
-      q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes:
-        as compressed_attention_pallas.
+      q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, q_offset:
+        as compressed_attention_pallas (row r of q is the query at position r + q_offset).
       lp, n: selection block length and blocks per query (d must divide l and lp).
-      t_T: positions the selection rules see per row (default 0..T-1), as
-        select_blocks' ``t_T``; the compressed tokens' visibility uses the row.
+      t_T: positions the selection rules see per row (default q_offset + 0..T-1), as
+        select_blocks' ``t_T``; the compressed tokens' visibility uses the row's
+        position r + q_offset.
+      num_blocks: selection blocks of the whole sequence (None: ceil(T / lp)).
       select_sizes: optional ``BlockSelectSizes``.
       attention: what computes o: ``flash``, the branch's Pallas flash kernels, whose
         forward gives the log-sum-exp the scores need; ``cudnn``, one fused causal
         attention over the regrouped branch (kernels/cudnn.py; XLA's attention when
         interpreted) and the log-sum-exp from a separate q k^T pass
-        (compressed_lse_pallas).
+        (compressed_lse_pallas); only with the query offset 0.
 
     Returns:
       o_BxTxHxDv and idx_BxTxKxN int32: for each row and KV group, the forced
@@ -524,14 +580,15 @@ def compressed_attention_select_pallas(
         raise ValueError(f"n={n} must be >= 1")
     ssz = fit_select_sizes(select_sizes, padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize)
     t = q_BxTxHxDk.shape[1]
-    t_T = jnp.arange(t, dtype=jnp.int32) if t_T is None else t_T
-    if t_T.shape != (t,):
-        raise ValueError(f"t_T must have shape ({t},), got {t_T.shape}")
+    nb = _block_count(t, lp, num_blocks)
+    t_T = _selection_positions(t, t_T, q_offset)
     o, lse, lay, scale = _attention_and_lse(
-        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention
+        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention, q_offset
     )
     sg = lax.stop_gradient
-    idx = _block_select(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, sg(t_T), lay, l, d, lp, n, scale, bool(interpret), ssz)
+    off_1 = offset_operand(q_offset)
+    q, kc = sg(q_BxTxHxDk), sg(kc_BxTcxKxDk)
+    idx = _block_select(q, kc, lse, sg(t_T), off_1, lay, l, d, lp, nb, n, scale, bool(interpret), ssz)
     return o, jnp.moveaxis(idx, 1, 2)
 
 
@@ -543,17 +600,20 @@ def select_blocks_pallas(
     *,
     interpret: bool = False,
     select_sizes: BlockSelectSizes | None = None,
+    q_offset=0,
 ):
-    """select_blocks (kernels.xla) as a kernel reading the scores tile by tile; same output, bitwise."""
+    """select_blocks (kernels.xla) as a kernel reading the scores tile by tile; same output, bitwise.
+
+    The block count is the scores' last axis; ``t_T`` defaults to the rows' positions
+    q_offset + 0..T-1 (Python int or traced int32 scalar ``q_offset``)."""
     if lp < 1 or n < 1:
         raise ValueError(f"lp={lp} and n={n} must be >= 1")
     bsz = BlockSelectSizes() if select_sizes is None else select_sizes
     check_tile_size("block_pos", bsz.block_pos)  # no matmul here: only the tile rule
     check_tile_size("block_blocks", bsz.block_blocks)
     b, t, kvh, nb = scores_BxTxKxNb.shape
-    t_T = jnp.arange(t, dtype=jnp.int32) if t_T is None else t_T
-    if t_T.shape != (t,):
-        raise ValueError(f"t_T must have shape ({t},), got {t_T.shape}")
+    check_query_offset(q_offset, t)
+    t_T = _selection_positions(t, t_T, q_offset)
     tp = pl.cdiv(t, bsz.block_pos) * bsz.block_pos
     nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
     n_slots = next_pow2(n)

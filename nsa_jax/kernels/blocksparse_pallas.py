@@ -42,6 +42,10 @@ layout), the engine the window and compressed branches use:
   C = 64, with block 0's program walking all T*G rows).
 * ``jax.custom_vjp`` with the forward's log-sum-exp saved for the backward.
 
+Under a query offset (flash_pallas, "Query offset") q holds a chunk of the
+sequence's queries and k, v all of its keys: the layout is causal over the
+Tk keys and each row's position is its row plus the offset.
+
 Long sequences keep the gather kernel: there the block mask would still walk
 every causal key tile (a skipped tile costs a branch, not a load), while the
 gather kernel's work grows with ``T n lp``. ``kernels.selection_attention``
@@ -58,7 +62,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, banded_attention
-from nsa_jax.kernels.pallas_common import KeyLayout, check_tile_size, validate_qkv
+from nsa_jax.kernels.pallas_common import KeyLayout, check_tile_size, validate_selection
 
 # The block-sparse path runs when T <= BLOCKSPARSE_MAX_SEQ_RATIO * n * lp: the
 # selected keys (n * lp per query) are then at least half of the longest causal
@@ -82,32 +86,34 @@ def selection_attention_blocksparse_pallas(
     *,
     interpret: bool = False,
     block_sizes: FlashBlockSizes | None = None,
+    q_offset=0,
 ):
     """NSA selection attention as a block-masked causal flash attention (fused Pallas/Triton forward and backward).
 
     Args:
-      q_BxTxHxDk: queries; H = K*G, query head h reads KV head h // G.
-      k_BxTxKxDk, v_BxTxKxDv: selection-branch keys and values.
-      idx_BxTxKxN: int32 selected block ids per (query, KV head); -1 = unused;
-        ids in a row are distinct; ids outside the sequence's blocks see nothing.
+      q_BxTxHxDk: queries; H = K*G, query head h reads KV head h // G; row r is
+        the query at position r + q_offset.
+      k_BxTxKxDk, v_BxTxKxDv: selection-branch keys and values, Tk >= Tq rows
+        (key i at position i); their gradients cover all Tk keys.
+      idx_BxTxKxN: int32 selected block ids per (query row, KV head), blocks of
+        the Tk keys; -1 = unused; ids in a row are distinct; ids outside the
+        sequence's blocks see nothing.
       block_size: selection block length lp (power of two >= 16).
       scale: softmax scale, default Dk**-0.5.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
       block_sizes: optional ``FlashBlockSizes`` (key tiles at most lp).
+      q_offset: position of q's first row, a Python int or a traced int32
+        scalar; the caller keeps q_offset + Tq <= Tk.
 
     Returns:
       o_BxTxHxDv in q's dtype.
     """
-    validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
-    b, t, _, dk = q_BxTxHxDk.shape
-    if idx_BxTxKxN.ndim != 4 or idx_BxTxKxN.shape[:3] != (b, t, k_BxTxKxDk.shape[2]):
-        raise ValueError(
-            f"block indices {idx_BxTxKxN.shape} do not match [B, T, K, n] of q{q_BxTxHxDk.shape} k{k_BxTxKxDk.shape}"
-        )
+    validate_selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, q_offset)
+    dk, tk = q_BxTxHxDk.shape[-1], k_BxTxKxDk.shape[1]
     check_tile_size("block_size", block_size)
     bsz = FlashBlockSizes() if block_sizes is None else block_sizes
     scale = float(dk**-0.5 if scale is None else scale)
-    lay = KeyLayout(num_keys=t, window=t)  # causal; the block mask does the rest
+    lay = KeyLayout(num_keys=tk, window=tk)  # causal; the block mask does the rest
     o, _ = banded_attention(
         q_BxTxHxDk,
         k_BxTxKxDk,
@@ -119,5 +125,6 @@ def selection_attention_blocksparse_pallas(
         "nsa_selection_bsp",
         idx=idx_BxTxKxN.astype(jnp.int32),
         select_block=int(block_size),
+        q_offset=q_offset,
     )
     return o

@@ -15,7 +15,8 @@ one call of it is a candidate wherever it is timed. Two can:
   heads over K, exactly the branch's output (queries t < l - 1 see no token: 0).
   It gives no log-sum-exp, which block scoring needs, so with `compressed_kernel: cudnn`
   the layer pairs it with a Pallas pass that computes only that (block_scores_pallas,
-  ``attention="cudnn"``; compressed_pallas.compressed_lse_pallas).
+  ``attention="cudnn"``; compressed_pallas.compressed_lse_pallas). Queries start at
+  position 0: a chunk of queries under a query offset takes the Pallas kernels.
 
 `implementation` is jax's: "cudnn" on a GPU; None or "xla" elsewhere (the CPU tests
 check the regrouping with XLA's attention, which holds the [H*d, Tc, Tc] scores).
@@ -55,7 +56,13 @@ def compressed_attention_grouped(
     scale: float | None = None,
     implementation: str | None = "cudnn",
 ):
-    """o_BxTxHxDv of the compressed branch as causal attention over the compressed sequence (module docstring)."""
+    """o_BxTxHxDv of the compressed branch as causal attention over the compressed sequence (module docstring).
+
+    q's rows are the positions 0..T-1: there is no query offset. Under one (a context-parallel chunk, row r at
+    position r + q_offset, possibly traced) the chunk's first query group stands at compressed position
+    (q_offset - l + 1) // d, where a plain causal mask puts token 0; such chunks take the Pallas kernels
+    (block_scores_pallas with ``attention="flash"`` and ``q_offset``).
+    """
     validate_qkv(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, same_length=False)
     B, T, H, Dk = q_BxTxHxDk.shape
     Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]

@@ -47,6 +47,16 @@ compressed branch (``compressed_pallas``) reuses the same kernels with
 token is) and a window longer than the sequence. Loop bounds follow from the
 layout, so every program only visits the key (or query) tiles it can see.
 
+Query offset
+------------
+With ``q_offset`` (``pallas_common``, "Query offset") query row ``r`` stands
+at position ``r + q_offset``: q holds ``Tq`` rows of a longer sequence whose
+keys k holds (``Tk`` of them). Rows index q, dO, the outputs and the block
+ids; positions decide visibility, the key tiles a row tile walks
+(``_key_tile_range``) and the row tiles a key tile walks
+(``_row_tile_range``: positions back to rows, clipped to ``[0, Tq)``). The
+dK/dV kernel covers all ``Tk`` keys; one that no row sees gets zeros.
+
 Block mask
 ----------
 With ``idx`` [B, T, K, n] and ``select_block`` = lp, row ``t*G + g`` also
@@ -83,18 +93,25 @@ from jax.experimental.pallas import triton as plgpu_triton
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
     MIN_DOT_DIM,
+    OFFSET_SPEC,
     SMEM_BUDGET_BYTES,
     KeyLayout,
     RowPass,
+    check_query_offset,
     check_smem,
     check_tile_size,
     compiler_params,
+    is_static_zero,
     layout_visible,
     next_pow2,
+    offset_operand,
+    offset_operands,
     pad_axis,
     padded_dim,
+    shift,
     smem_estimate,
     softmax_grad_tile,
+    split_offset,
     validate_qkv,
 )
 
@@ -187,10 +204,10 @@ def _gather_rows(f_R, kv, *, seq, num_heads, group):
     return t_R, valid_R, row_R
 
 
-def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_tiles):
-    """Key tiles [lo, hi) that rows [f0, f0 + rows) can see (lo >= hi: none)."""
-    t_first = lax.div(f0, group)
-    t_last = jnp.minimum(lax.div(f0 + rows - 1, group), seq - 1)
+def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_tiles, q_offset):
+    """Key tiles [lo, hi) that rows [f0, f0 + rows) can see (lo >= hi: none); row t*G + g stands at t + q_offset."""
+    t_first = shift(lax.div(f0, group), q_offset)
+    t_last = shift(jnp.minimum(lax.div(f0 + rows - 1, group), seq - 1), q_offset)
     # First key at or after position t_first - window + 1; one past the last at or before t_last.
     # Numerators are clamped at 0 first: lax.div truncates toward zero.
     i_lo = lax.div(jnp.maximum(t_first - lay.window + 1 - lay.offset, 0) + lay.stride - 1, lay.stride)
@@ -200,21 +217,30 @@ def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_til
     return lo, hi
 
 
-def _row_tile_range(start, *, seq, group, lay: KeyLayout, block_keys, block_rows):
+def _rows_before(pos, q_offset, seq):
+    """Query rows at positions before ``pos`` (>= 0): ``pos - q_offset`` clipped to [0, seq]."""
+    if is_static_zero(q_offset):
+        return jnp.minimum(pos, seq)
+    return jnp.clip(pos - q_offset, 0, seq)
+
+
+def _row_tile_range(start, *, seq, group, lay: KeyLayout, block_keys, block_rows, q_offset):
     """Row tiles [lo, hi) holding a query that sees a key of the tile [start, start + block_keys)."""
     last = jnp.minimum(start + block_keys, lay.num_keys) - 1
     pos_first = start * lay.stride + lay.offset
     pos_last = last * lay.stride + lay.offset
-    # Queries t in [pos_first, pos_last + window - 1] (clipped to the sequence).
-    t_end = jnp.minimum(pos_last + lay.window, seq)
-    lo = lax.div(jnp.minimum(pos_first, seq) * group, block_rows)
+    # Queries at positions [pos_first, pos_last + window - 1]: the rows there (clipped to q's rows).
+    t_end = _rows_before(pos_last + lay.window, q_offset, seq)
+    lo = lax.div(_rows_before(pos_first, q_offset, seq) * group, block_rows)
     hi = lax.div(t_end * group + block_rows - 1, block_rows)
     return lo, hi
 
 
-def _split_refs(refs, select_block):
-    """(idx_ref or None, the other refs): a block-masked call passes the block ids [T, Np] first."""
-    return (refs[0], refs[1:]) if select_block else (None, refs)
+def _split_refs(refs, has_offset, select_block):
+    """(query offset, idx_ref or None, the other refs): an offset call passes its offset [1] first,
+    a block-masked call the block ids [T, Np] next."""
+    q_offset, refs = split_offset(refs, has_offset)
+    return (q_offset, refs[0], refs[1:]) if select_block else (q_offset, None, refs)
 
 
 def _rows_selecting(idx_RxN, blk):
@@ -227,21 +253,21 @@ def _any_row(x_R):
     return jnp.sum(jnp.where(x_R, 1, 0)) > 0
 
 
-def _tile_selection(idx_RxN, start, t_R, valid_R, select_block):
+def _tile_selection(idx_RxN, start, t_R, valid_R, select_block, q_offset):
     """(sel_R, live) of the key tile at ``start`` for a block-masked call, (None, None) otherwise.
 
     ``sel_R``: the row's query selected the tile's block (a key tile lies in one
     block: its size divides ``select_block``); ``live``: some valid row selected
-    it and the block has begun by that row's position, so the tile is loaded.
+    it and the block has begun by that row's position ``t_R + q_offset``, so the tile is loaded.
     """
     if idx_RxN is None:
         return None, None
     sel_R = _rows_selecting(idx_RxN, lax.div(start, select_block))
-    return sel_R, _any_row(sel_R & valid_R & (t_R >= start))
+    return sel_R, _any_row(sel_R & valid_R & (t_R >= shift(start, -q_offset)))
 
 
-def _visible(t_R, valid_R, i_C, lay: KeyLayout, sel_R):
-    vis_RxC = layout_visible(t_R, valid_R, i_C, lay)
+def _visible(t_R, valid_R, i_C, lay: KeyLayout, sel_R, q_offset):
+    vis_RxC = layout_visible(t_R, valid_R, i_C, lay, q_offset)
     return vis_RxC if sel_R is None else vis_RxC & sel_R[:, None]
 
 
@@ -252,6 +278,7 @@ def _maybe(live, step, carry):
 
 def _win_kernel(
     *refs,
+    has_offset,
     backward,
     seq,
     num_heads,
@@ -265,9 +292,9 @@ def _win_kernel(
     select_block,
     stats_only=False,
 ):
-    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv] (not with stats_only), then
+    # Refs: [q_offset [1],] [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv] (not with stats_only), then
     #   forward: o [R, Dv], lse [R]; stats_only: lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [R, Dk].
-    idx_ref, (q_ref, k_ref, *rest) = _split_refs(refs, select_block)
+    q_offset, idx_ref, (q_ref, k_ref, *rest) = _split_refs(refs, has_offset, select_block)
     v_ref = None if stats_only else rest.pop(0)
     f0 = pl.program_id(0) * block_rows
     kv = pl.program_id(2)
@@ -278,24 +305,32 @@ def _win_kernel(
 
     def body(kt, carry):
         start = kt * block_keys
-        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block)
+        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block, q_offset)
 
         def step(carry):
             k_CxDk = k_ref[pl.ds(start, block_keys), :]
             v_CxDv = None if v_ref is None else v_ref[pl.ds(start, block_keys), :]
-            vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R)
+            vis_RxC = _visible(t_R, valid_R, start + lax.iota(jnp.int32, block_keys), lay, sel_R, q_offset)
             return rows.step(carry, k_CxDk, v_CxDv, vis_RxC)
 
         return _maybe(live, step, carry)
 
     lo, hi = _key_tile_range(
-        f0, block_rows, seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles
+        f0,
+        block_rows,
+        seq=seq,
+        group=group,
+        lay=lay,
+        block_keys=block_keys,
+        num_tiles=num_key_tiles,
+        q_offset=q_offset,
     )
     rows.finish(lax.fori_loop(lo, hi, body, rows.init(block_rows)))
 
 
 def _win_dkv_kernel(
     *refs,
+    has_offset,
     seq,
     num_heads,
     group,
@@ -307,9 +342,10 @@ def _win_dkv_kernel(
     select_block,
     splits,
 ):
-    # Refs: [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
+    # Refs: [q_offset [1],] [idx [T, Np],] q [T*H, Dk], k [Tk, Dk], v [Tk, Dv], do [T*H, Dv],
     #   lse / delta [Rp], dk [C, Dk], dv [C, Dv] (this split's part when splits > 1).
-    idx_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _split_refs(refs, select_block)
+    q_offset, idx_ref, refs = _split_refs(refs, has_offset, select_block)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     start = lax.div(pl.program_id(0), splits) * block_keys
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
@@ -320,9 +356,12 @@ def _win_dkv_kernel(
     def body(rt, carry):
         f0 = rt * block_rows
         t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
+        # The key tile stays and the rows move: the rows are shifted to positions (shifting the keys
+        # instead spills in the block-masked kernel on sm_80).
+        pos_R = shift(t_R, q_offset)
         # The block mask is recomputed per row tile from the block ids: no reverse index.
         idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
-        sel_R, live = _tile_selection(idx_RxN, start, t_R, valid_R, select_block)
+        sel_R, live = _tile_selection(idx_RxN, start, pos_R, valid_R, select_block, q_offset=0)
 
         def step(carry):
             dk_CxDk, dv_CxDv = carry
@@ -330,7 +369,7 @@ def _win_dkv_kernel(
             do_RxDv = do_ref[row_R, :]
             lse_R = lse_ref[pl.ds(f0, block_rows)]
             delta_R = delta_ref[pl.ds(f0, block_rows)]
-            vis_RxC = _visible(t_R, valid_R, i_C, lay, sel_R)
+            vis_RxC = _visible(pos_R, valid_R, i_C, lay, sel_R, q_offset=0)
             p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
             dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
             dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
@@ -338,7 +377,9 @@ def _win_dkv_kernel(
 
         return _maybe(live, step, carry)
 
-    lo, hi = _row_tile_range(start, seq=seq, group=group, lay=lay, block_keys=block_keys, block_rows=block_rows)
+    lo, hi = _row_tile_range(
+        start, seq=seq, group=group, lay=lay, block_keys=block_keys, block_rows=block_rows, q_offset=q_offset
+    )
     if splits > 1:  # this program's run of the row tiles
         run = lax.div(jnp.maximum(hi - lo, 0) + splits - 1, splits)
         lo = lo + lax.rem(pl.program_id(0), splits) * run
@@ -417,26 +458,28 @@ def _idx_spec(d: _WinDims, slots: int):
     return pl.BlockSpec((None, d.seq, None, slots), lambda i, b, kv: (b, 0, kv, 0))
 
 
-def _prep_idx(idx, select_block):
-    """The leading kernel arguments: () without a block mask, else the block ids with slots padded to a power of
-    two with -1 (a Triton tile dimension)."""
-    if not select_block:
-        return ()
-    return (pad_axis(idx.astype(jnp.int32), 3, next_pow2(idx.shape[-1]), value=-1),)
+def _leading_args(off_1, idx, select_block, d: _WinDims):
+    """(arguments, specs) before q: the query offset [1] when there is one (``offset_operand``), then the block
+    ids of a block-masked call with slots padded to a power of two with -1 (a Triton tile dimension)."""
+    args, specs = list(offset_operands(off_1)), [OFFSET_SPEC] * (off_1 is not None)
+    if select_block:
+        args.append(pad_axis(idx.astype(jnp.int32), 3, next_pow2(idx.shape[-1]), value=-1))
+        specs.append(_idx_spec(d, args[-1].shape[-1]))
+    return args, specs
 
 
-def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, select_block, stats_only=False):
+def _banded_forward(q, k, v, off_1, idx, lay: KeyLayout, scale, interpret, bsz, name, select_block, stats_only=False):
     """(o [B, T, H, Dv], lse [B, K, Rp] base 2 in the flattened-row layout); with `stats_only`
     (v is None) the lse alone, from a kernel that never loads a value."""
     v_like = k if stats_only else v  # stats_only: the value operand's shapes are the keys' (never loaded)
     d = _win_dims(q, k, v_like, bsz)
     q_f, k_p, v_p = _prep(q, k, v_like, d)
     q_spec, k_spec, v_spec, _ = _in_specs(d)
-    idx_args = _prep_idx(idx, select_block)
-    idx_specs = [_idx_spec(d, x.shape[-1]) for x in idx_args]
+    lead_args, lead_specs = _leading_args(off_1, idx, select_block, d)
     r = bsz.block_rows
     kernel = functools.partial(
         _win_kernel,
+        has_offset=off_1 is not None,
         backward=False,
         seq=d.seq,
         num_heads=d.heads,
@@ -457,30 +500,30 @@ def _banded_forward(q, k, v, idx, lay: KeyLayout, scale, interpret, bsz, name, s
     outs = pl.pallas_call(
         kernel,
         grid=(d.rows_padded // r, d.batch, d.kv_heads),
-        in_specs=[*idx_specs, q_spec, k_spec, *([] if stats_only else [v_spec])],
+        in_specs=[*lead_specs, q_spec, k_spec, *([] if stats_only else [v_spec])],
         out_specs=[lse_spec] if stats_only else [o_spec, lse_spec],
         out_shape=[lse_shape] if stats_only else [o_shape, lse_shape],
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name=f"{name}_lse" if stats_only else f"{name}_fwd",
-    )(*idx_args, q_f, k_p, *([] if stats_only else [v_p]))
+    )(*lead_args, q_f, k_p, *([] if stats_only else [v_p]))
     if stats_only:
         return outs[0]
     o_rows, lse = outs
     return _ungroup_rows(o_rows, d, v.shape[-1]), lse
 
 
-def _banded_backward(q, k, v, idx, o, lse, do, lay: KeyLayout, scale, interpret, bsz, name, select_block):
+def _banded_backward(q, k, v, off_1, idx, o, lse, do, lay: KeyLayout, scale, interpret, bsz, name, select_block):
     d = _win_dims(q, k, v, bsz)
     q_f, k_p, v_p = _prep(q, k, v, d)
     do_f = pad_axis(do, 3, d.dv).reshape(d.batch, d.seq * d.heads, d.dv)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = _group_rows_stat(delta, d)
     q_spec, k_spec, v_spec, do_spec = _in_specs(d)
-    idx_args = _prep_idx(idx, select_block)
-    idx_specs = [_idx_spec(d, x.shape[-1]) for x in idx_args]
+    lead_args, lead_specs = _leading_args(off_1, idx, select_block, d)
     params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
     common = dict(
+        has_offset=off_1 is not None,
         seq=d.seq,
         num_heads=d.heads,
         group=d.group,
@@ -502,13 +545,13 @@ def _banded_backward(q, k, v, idx, o, lse, do, lay: KeyLayout, scale, interpret,
             **common,
         ),
         grid=(d.rows_padded // r, d.batch, d.kv_heads),
-        in_specs=[*idx_specs, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
+        in_specs=[*lead_specs, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
         out_specs=pl.BlockSpec((None, None, r, d.dk), lambda i, b, kv: (b, kv, i, 0)),
         out_shape=jax.ShapeDtypeStruct((d.batch, d.kv_heads, d.rows_padded, d.dk), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name=f"{name}_dq",
-    )(*idx_args, q_f, k_p, v_p, do_f, lse, delta)
+    )(*lead_args, q_f, k_p, v_p, do_f, lse, delta)
     dq = _ungroup_rows(dq_rows, d, q.shape[-1])
 
     c = bsz.block_keys_dkv
@@ -534,13 +577,13 @@ def _banded_backward(q, k, v, idx, o, lse, do, lay: KeyLayout, scale, interpret,
     dk_p, dv_p = pl.pallas_call(
         functools.partial(_win_dkv_kernel, block_keys=c, block_rows=bsz.block_rows_dkv, splits=splits, **common),
         grid=(d.keys_padded // c * splits, d.batch, d.kv_heads),
-        in_specs=[*idx_specs, q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
+        in_specs=[*lead_specs, q_spec, k_spec, v_spec, do_spec, full_stat, full_stat],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name=f"{name}_dkv",
-    )(*idx_args, q_f, k_p, v_p, do_f, lse, delta)
+    )(*lead_args, q_f, k_p, v_p, do_f, lse, delta)
     if splits > 1:
         # Elementwise adds in split order: the same sum on every run (no reduction whose order may vary).
         dk_p = functools.reduce(jnp.add, [dk_p[i] for i in range(splits)]).astype(k.dtype)
@@ -563,6 +606,7 @@ def banded_attention(
     *,
     idx=None,
     select_block: int | None = None,
+    q_offset=0,
 ):
     """(o [B, T, H, Dv], lse [B, K, Rp]) of attention over keys placed by ``lay``.
 
@@ -572,12 +616,17 @@ def banded_attention(
     stop_gradient only. ``bsz``'s None tiles are chosen to fit the shared-memory
     budget, and an explicit tiling over it is refused here, at trace time.
 
-    Block mask (``select_block`` = lp, with ``idx`` [B, T, K, n] int32): query t
+    ``q_offset`` (Python int or traced int32 scalar): query row t stands at
+    position ``t + q_offset`` in the layout; k has its own length Tk (``lay``
+    places its keys), and dk, dv cover all of them. The Python int 0 runs the
+    kernels without an offset input.
+
+    Block mask (``select_block`` = lp, with ``idx`` [B, T, K, n] int32): query row t
     of KV head kv also needs key i's block ``i // lp`` among ``idx[b, t, kv]``
     (-1: unused slot), on top of the layout; a key tile no row of the program
     selected is skipped. Key tiles must lie in one block (``block_keys`` and
     ``block_keys_dkv`` at most lp; the default tiles are capped there). No
-    gradient flows to ``idx``.
+    gradient flows to ``idx`` or ``q_offset``.
     """
     if (idx is None) != (not select_block):
         raise ValueError("banded_attention: idx and select_block go together")
@@ -593,37 +642,40 @@ def banded_attention(
                 )
     if bsz.dkv_splits is None:
         bsz = dataclasses.replace(bsz, dkv_splits=q.shape[2] // k.shape[2] if select_block else 1)
-    return _banded(q, k, v, idx, lay, scale, interpret, bsz, name, select_block or None)
+    off_1 = offset_operand(q_offset)
+    return _banded(q, k, v, off_1, idx, lay, scale, interpret, bsz, name, select_block or None)
 
 
-def banded_lse(q, k, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str):
+def banded_lse(q, k, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str, *, q_offset=0):
     """lse [B, K, Rp] of attention over keys placed by ``lay``, as ``banded_attention``
-    returns it (base 2, flattened-row layout, 0 for a row that sees no key), from one
-    kernel ``{name}_lse`` that walks the same key tiles and computes only q k^T: no value
-    is loaded and no output written. No gradient (a statistic)."""
+    returns it (base 2, flattened-row layout, 0 for a row that sees no key; row t at
+    position ``t + q_offset``), from one kernel ``{name}_lse`` that walks the same key
+    tiles and computes only q k^T: no value is loaded and no output written. No gradient
+    (a statistic)."""
     check_block_sizes(bsz)
     itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q, k))
     bsz = fit_block_sizes(bsz, q.shape[-1], k.shape[-1], itemsize)
     q, k = lax.stop_gradient(q), lax.stop_gradient(k)  # no tangent reaches the kernel: it has no derivative
-    return _banded_forward(q, k, None, None, lay, scale, interpret, bsz, name, None, True)
+    off_1 = offset_operand(q_offset)
+    return _banded_forward(q, k, None, off_1, None, lay, scale, interpret, bsz, name, None, True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _banded(q, k, v, idx, lay, scale, interpret, bsz, name, select_block):
-    return _banded_forward(q, k, v, idx, lay, scale, interpret, bsz, name, select_block)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _banded(q, k, v, off_1, idx, lay, scale, interpret, bsz, name, select_block):
+    return _banded_forward(q, k, v, off_1, idx, lay, scale, interpret, bsz, name, select_block)
 
 
-def _banded_vjp_fwd(q, k, v, idx, lay, scale, interpret, bsz, name, select_block):
-    o, lse = _banded_forward(q, k, v, idx, lay, scale, interpret, bsz, name, select_block)
-    return (o, lse), (q, k, v, idx, o, lse)
+def _banded_vjp_fwd(q, k, v, off_1, idx, lay, scale, interpret, bsz, name, select_block):
+    o, lse = _banded_forward(q, k, v, off_1, idx, lay, scale, interpret, bsz, name, select_block)
+    return (o, lse), (q, k, v, off_1, idx, o, lse)
 
 
 def _banded_vjp_bwd(lay, scale, interpret, bsz, name, select_block, res, cts):
-    q, k, v, idx, o, lse = res
+    q, k, v, off_1, idx, o, lse = res
     do, _ = cts  # lse is a statistic: see banded_attention
-    dq, dk, dv = _banded_backward(q, k, v, idx, o, lse, do, lay, scale, interpret, bsz, name, select_block)
-    # idx (int block ids, or None) takes no gradient.
-    return dq, dk, dv, None
+    dq, dk, dv = _banded_backward(q, k, v, off_1, idx, o, lse, do, lay, scale, interpret, bsz, name, select_block)
+    # The query offset and idx (ints, or None) take no gradient.
+    return dq, dk, dv, None, None
 
 
 _banded.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
@@ -646,6 +698,7 @@ def window_attention_pallas(
     *,
     interpret: bool = False,
     block_sizes=None,
+    q_offset=0,
 ):
     """Sliding-window attention (fused Pallas/Triton forward and backward).
 
@@ -653,21 +706,27 @@ def window_attention_pallas(
     head h // G. Softmax in fp32; the output has q's dtype.
 
     Args:
-      q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv: window-branch queries, keys, values.
-      window: w >= 1 (w >= T gives full causal attention).
+      q_BxTxHxDk: window-branch queries, Tq rows: row r is the query at position r + q_offset.
+      k_BxTxKxDk, v_BxTxKxDv: window-branch keys and values, Tk >= Tq rows: key i at position i.
+      window: w >= 1 (w >= Tk gives full causal attention).
       scale: softmax scale, default Dk**-0.5.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
       block_sizes: optional ``FlashBlockSizes``.
+      q_offset: position of q's first row, a Python int or a traced int32 scalar (0: queries and keys
+        start together); the caller keeps q_offset + Tq <= Tk. The gradients of k and v cover all Tk keys.
     """
-    validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
+    validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, same_length=False)
+    check_query_offset(q_offset, q_BxTxHxDk.shape[1], k_BxTxKxDk.shape[1])
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
     bsz = FlashBlockSizes() if block_sizes is None else block_sizes
     dk = q_BxTxHxDk.shape[-1]
     scale = float(dk**-0.5 if scale is None else scale)
-    # A window longer than the sequence is full causal attention; clamping
+    # A window longer than the keys is full causal attention; clamping
     # keeps the static loop bounds small.
-    T = q_BxTxHxDk.shape[1]
-    lay = KeyLayout(num_keys=T, window=int(min(window, T)))
-    o, _ = banded_attention(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, lay, scale, bool(interpret), bsz, "nsa_window")
+    tk = k_BxTxKxDk.shape[1]
+    lay = KeyLayout(num_keys=tk, window=int(min(window, tk)))
+    o, _ = banded_attention(
+        q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, lay, scale, bool(interpret), bsz, "nsa_window", q_offset=q_offset
+    )
     return o

@@ -28,6 +28,22 @@ shared-memory budget every tiling must fit (``SMEM_BUDGET_BYTES``,
 ``smem_estimate``, ``check_smem``), and the key layouts of the flash kernels
 (``KeyLayout``, ``layout_visible``), which the compressed branch's
 block-scoring kernel (block_scores_pallas) shares.
+
+Query offset
+------------
+Every kernel takes its queries' positions from a query offset: query row r
+stands at position ``r + q_offset`` while keys keep theirs (a context-parallel
+chunk of a sequence over the whole sequence's keys). The offset may be traced
+(inside ``shard_map`` it comes from the device's index), so it cannot be a
+static kernel parameter: it travels as one more kernel input, an int32 array
+``[1]`` that the kernel reads once (``offset_operand``, ``OFFSET_SPEC``,
+``split_offset``). The Python int 0 adds no input and no arithmetic
+(``shift`` returns its argument): the kernels are exactly those without an
+offset. Where the offset enters is chosen by what ptxas makes of it
+(registers and spills on sm_80 and sm_90, tests/test_aot.py): most kernels
+compare each row with the key positions less the offset (``layout_visible``'s
+``q_offset``: a scalar subtracted from a tile's run of keys), and the flash
+dK/dV kernel, whose key tile stays while its row tiles move, shifts the rows.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 # Scores live in the log2 domain (exp2 is the cheap instruction).
@@ -101,6 +118,73 @@ def validate_qkv(q, k, v, *, same_length: bool = True):
 
 
 # ---------------------------------------------------------------------------
+# Query offset
+# ---------------------------------------------------------------------------
+
+
+def is_static_zero(q_offset) -> bool:
+    """Whether ``q_offset`` is the Python int 0: the kernels without an offset input."""
+    return isinstance(q_offset, int) and not isinstance(q_offset, bool) and q_offset == 0
+
+
+def check_query_offset(q_offset, num_rows: int, num_keys: int | None = None) -> None:
+    """Refuses a query offset that is not an integer scalar, and query rows that are not all positions of
+    ``num_keys`` raw keys: ``[q_offset, q_offset + num_rows)`` for a Python int, ``[0, num_rows)`` at least for
+    a traced one, whose range is the caller's to keep. ``num_keys`` None: the keys are not raw positions
+    (compressed tokens), only ``q_offset >= 0`` is checked."""
+    static = isinstance(q_offset, int) and not isinstance(q_offset, bool)
+    if not static and (jnp.shape(q_offset) != () or not jnp.issubdtype(jnp.result_type(q_offset), jnp.integer)):
+        raise ValueError(f"q_offset must be an integer scalar, got {q_offset!r}")
+    first = q_offset if static else 0
+    if first < 0:
+        raise ValueError(f"q_offset={q_offset} must be >= 0")
+    if num_keys is not None and first + num_rows > num_keys:
+        raise ValueError(
+            f"q_offset={first} puts the last of {num_rows} query rows at position {first + num_rows - 1}, past the "
+            f"{num_keys} keys"
+            if static
+            else f"{num_rows} query rows reach past the {num_keys} keys at any q_offset"
+        )
+
+
+def validate_selection(q, k, v, idx, q_offset) -> None:
+    """The checks of a selection call: q, k, v (``validate_qkv``; k and v hold the Tk keys of the whole
+    sequence), the query offset against those keys, and idx [B, Tq, K, n] (one row per query row)."""
+    validate_qkv(q, k, v, same_length=False)
+    check_query_offset(q_offset, q.shape[1], k.shape[1])
+    if idx.ndim != 4 or idx.shape[:3] != (*q.shape[:2], k.shape[2]):
+        raise ValueError(f"block indices {idx.shape} do not match [B, T, K, n] of q{q.shape} k{k.shape}")
+
+
+def offset_operand(q_offset):
+    """The kernels' offset input: None for the Python int 0 (no input), else ``q_offset`` as int32 [1]."""
+    if is_static_zero(q_offset):
+        return None
+    return jnp.asarray(q_offset, jnp.int32).reshape(1)
+
+
+def offset_operands(off_1) -> tuple:
+    """``off_1`` (an ``offset_operand``) as the leading kernel arguments: () or (off_1,)."""
+    return () if off_1 is None else (off_1,)
+
+
+# The offset input's BlockSpec: the whole [1] array in every program, whatever the grid.
+OFFSET_SPEC = pl.BlockSpec((1,), lambda *_: (0,))
+
+
+def split_offset(refs, has_offset: bool):
+    """(query offset, the other refs) inside a kernel: an offset call passes its [1] input first; else 0."""
+    if not has_offset:
+        return 0, refs
+    return refs[0][0], refs[1:]
+
+
+def shift(x, q_offset):
+    """Positions of rows ``x``: ``x + q_offset``, or ``x`` itself for the static offset 0 (nothing traced)."""
+    return x if is_static_zero(q_offset) else x + q_offset
+
+
+# ---------------------------------------------------------------------------
 # Shared-memory budget
 # ---------------------------------------------------------------------------
 
@@ -150,9 +234,10 @@ class KeyLayout:
     offset: int = 0
 
 
-def layout_visible(t_R, valid_R, i_C, lay: KeyLayout):
-    """[R, C] mask: row t sees key i (``vis(t, i)`` of the layout, keys past num_keys never)."""
-    pos_1xC = (i_C * lay.stride + lay.offset)[None, :]
+def layout_visible(t_R, valid_R, i_C, lay: KeyLayout, q_offset=0):
+    """[R, C] mask: row t, the query at position t + q_offset, sees key i (``vis(t + q_offset, i)`` of the
+    layout, keys past num_keys never). The keys' positions are shifted by -q_offset, not the rows'."""
+    pos_1xC = (i_C * lay.stride + shift(lay.offset, -q_offset))[None, :]
     t_Rx1 = t_R[:, None]
     live_1xC = (i_C < lay.num_keys)[None, :]
     return valid_R[:, None] & (pos_1xC <= t_Rx1) & (pos_1xC > t_Rx1 - lay.window) & live_1xC

@@ -14,6 +14,8 @@ Written from docs/NSA.md and nothing else, and slow on purpose (keep T small):
   each KV group's heads, float64; ``reference_block_scores``: their Eq. 9 sums
   over each selection block; ``reference_block_selection``: the top-n rules
   (forced blocks, ties to the lower index, -1 for unused slots) over given scores;
+  ``reference_compressed_lse2``: each head's base-2 log-sum-exp over the tokens
+  it sees, in the flash kernels' row layout;
 * ``random_block_indices``: random valid selections (forced blocks 0, current
   and previous, then random earlier blocks, -1 for slots left over), vectorised
   so the benchmarks can draw them at long T too.
@@ -153,6 +155,26 @@ def reference_group_probs(q, kc, visible, scale=None):
                 s = q[b, t, kv * g : (kv + 1) * g] @ kc[b, pos, kv].T * scale
                 p = np.exp(s - s.max(axis=1, keepdims=True))
                 out[b, kv, t, pos] = (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
+    return out
+
+
+def reference_compressed_lse2(q, kc, l, d, scale):
+    """float64 [B, K, T*G]: the base-2 log-sum-exp of each (query, head) over the compressed tokens it sees,
+    in the flash kernels' flattened-row layout (row t*G + g); 0 where a query sees no token."""
+    q, kc = (np.asarray(x, np.float64) for x in (q, kc))
+    b_, t_, h, _ = q.shape
+    tc, kvh = kc.shape[1], kc.shape[2]
+    g = h // kvh
+    visible = compressed_visible(l, d, tc)
+    out = np.zeros((b_, kvh, t_ * g))
+    for b in range(b_):
+        for t in range(t_):
+            seen = visible(b, t, 0)
+            for hi in range(h):
+                if seen.size:
+                    s = scale * (kc[b, seen, hi // g] @ q[b, t, hi])
+                    m = s.max()
+                    out[b, hi // g, t * g + hi % g] = (m + np.log(np.exp(s - m).sum())) / np.log(2)
     return out
 
 

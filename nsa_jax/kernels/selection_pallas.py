@@ -90,6 +90,16 @@ kernel's need from lp, the padded head dims, the dtype, ``rows_dkv`` and
 dK/dV kernel fits, and a configuration that still does not fit (lp = 512 at
 head dim 128, say) is refused with one error naming the kernel and the knobs.
 
+Query offset
+------------
+With ``q_offset`` (``pallas_common``, "Query offset") query row ``r`` stands
+at position ``r + q_offset``: q, dO, o, dQ and idx ``[B, Tq, K, n]`` are
+indexed by row, and the causal test ``p <= t`` inside the selected blocks
+takes the row's position. k and v hold the whole sequence (``Tk`` keys, idx's
+block ids are blocks of it), and dK/dV cover all of it: the reverse index
+lists rows, and a block that no row selected gets zeros. The kernels read the
+offset from their first input; the Python int 0 adds none.
+
 All kernels are plain ``pl.pallas_call``s with explicit Triton
 ``CompilerParams`` so they lower through Triton (A100 and newer), not
 Mosaic GPU. ``interpret=True`` runs the same kernels on CPU for testing.
@@ -110,17 +120,22 @@ from jax.experimental.pallas import triton as plgpu_triton
 from nsa_jax.kernels.pallas_common import (
     LOG2E,
     MIN_DOT_DIM,
+    OFFSET_SPEC,
     SMEM_BUDGET_BYTES,
     RowPass,
     check_smem,
     check_tile_size,
     compiler_params,
     next_pow2,
+    offset_operand,
+    offset_operands,
     pad_axis,
     padded_dim,
+    shift,
     smem_estimate,
     softmax_grad_tile,
-    validate_qkv,
+    split_offset,
+    validate_selection,
 )
 
 
@@ -166,8 +181,9 @@ def _group_rows(t, kv, num_heads: int, group: int, group_padded: int):
     return t * num_heads + kv * group + g_Gp, g_Gp
 
 
-def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks):
-    """Slot ``s`` of query ``t``'s selection: K [bs, Dk], V [bs, Dv] and the mask of the keys t sees [1, bs].
+def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks, q_offset):
+    """Slot ``s`` of query row ``t``'s selection: K [bs, Dk], V [bs, Dv] and the mask of the keys the row
+    (at position t + q_offset) sees [1, bs].
 
     An unused slot (-1) or an out-of-range id loads an in-bounds block and sees
     none of it, so the kernels need no branch.
@@ -177,17 +193,14 @@ def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks):
     start = jnp.clip(blk, 0, num_blocks - 1) * block_size
     k_SxDk = k_ref[pl.ds(start, block_size), :]
     v_SxDv = v_ref[pl.ds(start, block_size), :]
-    pos_S = start + lax.iota(jnp.int32, block_size)
+    pos_S = shift(start, -q_offset) + lax.iota(jnp.int32, block_size)  # less the offset: compared with the row
     vis_1xS = ((pos_S <= t) & live)[None, :]
     return k_SxDk, v_SxDv, vis_1xS
 
 
 def _sel_kernel(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
     *refs,
+    has_offset,
     backward,
     block_size,
     num_slots,
@@ -199,15 +212,18 @@ def _sel_kernel(
     scale_log2,
 ):
     # Refs (leading batch / KV-head dims squeezed by the BlockSpecs):
-    #   idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv], then
+    #   [q_offset [1],] idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv], then
     #   forward: o [T*H, Dv], lse [Gp]; dQ: do [T*H, Dv], lse / delta [Gp], dq [T*H, Dk].
+    q_offset, (idx_ref, q_ref, k_ref, v_ref, *refs) = split_offset(refs, has_offset)
     t = pl.program_id(0)
     kv = pl.program_id(2)
     row_Gp, g_Gp = _group_rows(t, kv, num_heads, group, group_padded)
     rows = RowPass(backward, q_ref, refs, row_Gp, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=g_Gp)
 
     def body(s, carry):
-        k_SxDk, v_SxDv, vis_1xS = _slot_tile(s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks)
+        k_SxDk, v_SxDv, vis_1xS = _slot_tile(
+            s, t, idx_ref, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks, q_offset=q_offset
+        )
         return rows.step(carry, k_SxDk, v_SxDv, vis_1xS)
 
     rows.finish(lax.fori_loop(0, num_slots, body, rows.init(group_padded)))
@@ -249,20 +265,19 @@ def _union_entry(e, p_R, idx_ref, *, slots, num_blocks):
     return blk, live, member_R
 
 
-def _union_tile(blk, t_R, member_R, k_ref, v_ref, *, block_size, num_blocks):
+def _union_tile(blk, t_R, member_R, k_ref, v_ref, *, block_size, num_blocks, q_offset):
+    """K [bs, Dk], V [bs, Dv] of block ``blk`` and the mask [R, bs] of the keys each row sees: its own query
+    (row ``t_R``, at position t_R + q_offset) selected the block (``member_R``) and the key is not after it."""
     start = jnp.clip(blk, 0, num_blocks - 1) * block_size
     k_SxDk = k_ref[pl.ds(start, block_size), :]
     v_SxDv = v_ref[pl.ds(start, block_size), :]
-    pos_1xS = (start + lax.iota(jnp.int32, block_size))[None, :]
+    pos_1xS = (shift(start, -q_offset) + lax.iota(jnp.int32, block_size))[None, :]  # compared with rows
     return k_SxDk, v_SxDv, member_R[:, None] & (pos_1xS <= t_R[:, None])
 
 
 def _sel_multi_kernel(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
     *refs,
+    has_offset,
     backward,
     block_size,
     slots,
@@ -275,8 +290,9 @@ def _sel_multi_kernel(
     scale,
     scale_log2,
 ):
-    # Refs: idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], then
+    # Refs: [q_offset [1],] idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], then
     #   forward: o [T*H, Dv], lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [T*H, Dk].
+    q_offset, (idx_ref, q_ref, k_ref, v_ref, *refs) = split_offset(refs, has_offset)
     kv = pl.program_id(2)
     t_R, row_R, p_R, stat_R = _multi_rows(
         pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
@@ -288,7 +304,7 @@ def _sel_multi_kernel(
 
         def step(carry):
             k_SxDk, v_SxDv, vis_RxS = _union_tile(
-                blk, t_R, member_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks
+                blk, t_R, member_R, k_ref, v_ref, block_size=block_size, num_blocks=num_blocks, q_offset=q_offset
             )
             return pass_.step(carry, k_SxDk, v_SxDv, vis_RxS)
 
@@ -333,19 +349,8 @@ class _Segment:
 
 
 def _sel_dkv_kernel(
-    seg_blk_ref,
-    seg_lo_ref,
-    seg_hi_ref,
-    qlist_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
+    *refs,
+    has_offset,
     block_size,
     num_blocks,
     num_heads,
@@ -357,13 +362,16 @@ def _sel_dkv_kernel(
     scale_log2,
 ):
     # One program = one segment of one block's reverse-index list.
-    # Refs: seg_* [P], qlist [T*n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
+    # Refs: [q_offset [1],] seg_* [P], qlist [T*n] (query rows), q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
     #   do [T*H, Dv], lse / delta [T/P * Rp], dk [bs, Dk], dv [bs, Dv] (partials).
+    q_offset, (seg_blk_ref, seg_lo_ref, seg_hi_ref, qlist_ref, *refs) = split_offset(refs, has_offset)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     kv = pl.program_id(2)
     seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
     k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
     v_SxDv = v_ref[pl.ds(seg.start, block_size), :]
-    pos_1xS = seg.pos_1xS
+    # The keys' positions less the offset, once: the causal test below then compares them with rows.
+    pos_1xS = shift(seg.pos_1xS, -q_offset)
 
     def body(it, carry):
         dk_SxDk, dv_SxDv = carry
@@ -424,7 +432,7 @@ class _Dims:
     dv: int
     slots: int
     block_size: int
-    num_blocks: int
+    num_blocks: int  # blocks of k's Tk keys (the whole sequence under a query offset)
     positions: int  # P query positions per forward / dQ program
     rows_padded: int  # Rp rows per forward / dQ program (Gp when P = 1)
     programs: int  # forward / dQ programs along T: ceil(T / P)
@@ -446,7 +454,7 @@ def _dims(q, k, v, idx, block_size, positions: int = 1) -> _Dims:
         padded_dim(v.shape[-1]),
         idx.shape[-1],
         block_size,
-        pl.cdiv(t, block_size),
+        pl.cdiv(k.shape[1], block_size),
         positions,
         gp if positions == 1 else max(MIN_DOT_DIM, next_pow2(positions * g)),
         pl.cdiv(t, positions),
@@ -471,49 +479,55 @@ def _unflat_heads(x_BxRowsxD, d: _Dims, d_out: int):
     return x if x.shape[-1] == d_out else x[..., :d_out]
 
 
+def _idx_spec(d: _Dims):
+    """The block ids of one forward / dQ program: its position's [n], or its P positions' [P, n padded]."""
+    if d.positions == 1:
+        return pl.BlockSpec((None, None, None, d.slots), lambda t, b, kv: (b, t, kv, 0))
+    return pl.BlockSpec((None, d.positions, None, next_pow2(d.slots)), lambda i, b, kv: (b, i, kv, 0))
+
+
 def _common_specs(d: _Dims):
     tp = d.num_blocks * d.block_size
     th = d.seq * d.heads
-    if d.positions == 1:
-        idx_spec = pl.BlockSpec((None, None, None, d.slots), lambda t, b, kv: (b, t, kv, 0))
-    else:
-        idx_spec = pl.BlockSpec((None, d.positions, None, next_pow2(d.slots)), lambda i, b, kv: (b, i, kv, 0))
     q_spec = pl.BlockSpec((None, th, d.dk), lambda t, b, kv: (b, 0, 0))
     k_spec = pl.BlockSpec((None, tp, None, d.dk), lambda t, b, kv: (b, 0, kv, 0))
     v_spec = pl.BlockSpec((None, tp, None, d.dv), lambda t, b, kv: (b, 0, kv, 0))
-    return idx_spec, q_spec, k_spec, v_spec
+    return q_spec, k_spec, v_spec
 
 
-def _row_kernel(backward: bool, d, idx, block_size, scale):
-    """(kernel, block ids it reads) of the forward (backward=False) or dQ program over d's rows.
+def _row_kernel(backward: bool, d, off_1, idx, block_size, scale):
+    """(kernel, its leading arguments, their specs) of the forward (backward=False) or dQ program over d's rows:
+    the query offset when there is one, then the block ids.
 
     One position's G heads per program (``_sel_kernel``) when d.positions is 1, else P
     positions over the union of their blocks (``_sel_multi_kernel``, ids laid out per program).
     """
     common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
-    common.update(backward=backward, scale=scale, scale_log2=scale * LOG2E)
+    common.update(has_offset=off_1 is not None, backward=backward, scale=scale, scale_log2=scale * LOG2E)
     if d.positions == 1:
-        return functools.partial(_sel_kernel, num_slots=d.slots, group_padded=d.group_padded, **common), idx
-    kernel = functools.partial(
-        _sel_multi_kernel, slots=next_pow2(d.slots), positions=d.positions, rows=d.rows_padded, seq=d.seq, **common
-    )
-    return kernel, _multi_idx(idx, d)
+        kernel = functools.partial(_sel_kernel, num_slots=d.slots, group_padded=d.group_padded, **common)
+    else:
+        kernel = functools.partial(
+            _sel_multi_kernel, slots=next_pow2(d.slots), positions=d.positions, rows=d.rows_padded, seq=d.seq, **common
+        )
+        idx = _multi_idx(idx, d)
+    return kernel, [*offset_operands(off_1), idx], [OFFSET_SPEC] * (off_1 is not None) + [_idx_spec(d)]
 
 
-def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
+def _selection_forward(q, k, v, off_1, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
     """(o [B, T, H, Dv], lse in the per-program layout [B, K, T/P * Rp])."""
     d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
-    idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
-    kernel, idx = _row_kernel(False, d, idx, block_size, scale)
+    q_spec, k_spec, v_spec = _common_specs(d)
+    kernel, lead_args, lead_specs = _row_kernel(False, d, off_1, idx, block_size, scale)
     rows_g = d.programs * d.rows_padded
     # Each program stores its rows straight into o [B, T*H, Dv] (the layout of q), so no
     # padded rows reach memory and no transpose follows.
     o_f, lse = pl.pallas_call(
         kernel,
         grid=(d.programs, d.batch, d.kv_heads),
-        in_specs=[idx_spec, q_spec, k_spec, v_spec],
+        in_specs=[*lead_specs, q_spec, k_spec, v_spec],
         out_specs=[
             pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda i, b, kv: (b, 0, 0)),
             pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i)),
@@ -525,7 +539,7 @@ def _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz: Selectio
         compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_fwd",
-    )(idx, q_f, k_p, v_p)
+    )(*lead_args, q_f, k_p, v_p)
     return _unflat_heads(o_f, d, v.shape[-1]), lse
 
 
@@ -651,7 +665,7 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
     return ReverseIndex(qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count)
 
 
-def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
+def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
     d = _dims(q, k, v, idx, block_size, bsz.positions)
     k_p, v_p = _prep_kv(k, v, d)
     q_f = _flat_heads(q, d.dk)
@@ -660,22 +674,22 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = _group_stat(delta, d)
     params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
-    idx_spec, q_spec, k_spec, v_spec = _common_specs(d)
+    q_spec, k_spec, v_spec = _common_specs(d)
     do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda t, b, kv: (b, 0, 0))
     stat_spec = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i))
 
     # ---- dQ: query-centric, same walk as the forward.
-    dq_kernel, idx_q = _row_kernel(True, d, idx, block_size, scale)
+    dq_kernel, lead_args, lead_specs = _row_kernel(True, d, off_1, idx, block_size, scale)
     dq_f = pl.pallas_call(
         dq_kernel,
         grid=(d.programs, d.batch, d.kv_heads),
-        in_specs=[idx_spec, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
+        in_specs=[*lead_specs, q_spec, k_spec, v_spec, do_spec, stat_spec, stat_spec],
         out_specs=pl.BlockSpec((None, d.seq * d.heads, d.dk), lambda i, b, kv: (b, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((d.batch, d.seq * d.heads, d.dk), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="nsa_selection_dq",
-    )(idx_q, q_f, k_p, v_p, do_f, lse, delta)
+    )(*lead_args, q_f, k_p, v_p, do_f, lse, delta)
     dq = _unflat_heads(dq_f, d, q.shape[-1])
 
     # ---- dK/dV: key-centric over the reverse index, in segments.
@@ -687,6 +701,7 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
     seg_spec = pl.BlockSpec((None, None, num_segments), lambda p, b, kv: (b, kv, 0))
     dkv_kernel = functools.partial(
         _sel_dkv_kernel,
+        has_offset=off_1 is not None,
         block_size=block_size,
         num_blocks=d.num_blocks,
         num_heads=d.heads,
@@ -701,6 +716,7 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
         dkv_kernel,
         grid=(num_segments, d.batch, d.kv_heads),
         in_specs=[
+            *[OFFSET_SPEC] * (off_1 is not None),
             seg_spec,
             seg_spec,
             seg_spec,
@@ -723,7 +739,7 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
         compiler_params=compiler_params(None, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_dkv",
-    )(seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
+    )(*offset_operands(off_1), seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
 
     blk_spec = pl.BlockSpec((None, None, d.num_blocks), lambda j, b, kv: (b, kv, 0))
     dk_p, dv_p = pl.pallas_call(
@@ -747,25 +763,25 @@ def _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, 
         interpret=interpret,
         name="nsa_selection_dkv_reduce",
     )(blk_first, blk_count, dk_part, dv_part)
-    dk = dk_p[:, : d.seq, :, : k.shape[-1]]
-    dv = dv_p[:, : d.seq, :, : v.shape[-1]]
+    dk = dk_p[:, : k.shape[1], :, : k.shape[-1]]
+    dv = dv_p[:, : v.shape[1], :, : v.shape[-1]]
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _selection(q, k, v, idx, block_size, scale, interpret, bsz):
-    return _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _selection(q, k, v, off_1, idx, block_size, scale, interpret, bsz):
+    return _selection_forward(q, k, v, off_1, idx, block_size, scale, interpret, bsz)[0]
 
 
-def _selection_vjp_fwd(q, k, v, idx, block_size, scale, interpret, bsz):
-    o, lse = _selection_forward(q, k, v, idx, block_size, scale, interpret, bsz)
-    return o, (q, k, v, idx, o, lse)
+def _selection_vjp_fwd(q, k, v, off_1, idx, block_size, scale, interpret, bsz):
+    o, lse = _selection_forward(q, k, v, off_1, idx, block_size, scale, interpret, bsz)
+    return o, (q, k, v, off_1, idx, o, lse)
 
 
 def _selection_vjp_bwd(block_size, scale, interpret, bsz, res, do):
-    q, k, v, idx, o, lse = res
-    dq, dk, dv = _selection_backward(q, k, v, idx, o, lse, do, block_size, scale, interpret, bsz)
-    return dq, dk, dv, None
+    q, k, v, off_1, idx, o, lse = res
+    dq, dk, dv = _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, interpret, bsz)
+    return dq, dk, dv, None, None  # the query offset and the block ids (ints, or None): no gradient
 
 
 _selection.defvjp(_selection_vjp_fwd, _selection_vjp_bwd)
@@ -818,28 +834,29 @@ def selection_attention_pallas(
     *,
     interpret: bool = False,
     block_sizes=None,
+    q_offset=0,
 ):
     """NSA selection attention (fused Pallas/Triton forward and backward).
 
     Args:
-      q_BxTxHxDk: queries; H = K*G, query head h reads KV head h // G.
-      k_BxTxKxDk, v_BxTxKxDv: selection-branch keys and values.
-      idx_BxTxKxN: int32 selected block ids per (query, KV head); -1 = unused;
-        ids in a row are distinct.
+      q_BxTxHxDk: queries; H = K*G, query head h reads KV head h // G; row r is
+        the query at position r + q_offset.
+      k_BxTxKxDk, v_BxTxKxDv: selection-branch keys and values, Tk >= Tq rows
+        (key i at position i); their gradients cover all Tk keys.
+      idx_BxTxKxN: int32 selected block ids per (query row, KV head), blocks of
+        the Tk keys; -1 = unused; ids in a row are distinct.
       block_size: selection block length lp (power of two >= 16).
       scale: softmax scale, default Dk**-0.5.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
       block_sizes: optional ``SelectionBlockSizes``.
+      q_offset: position of q's first row, a Python int or a traced int32
+        scalar; the caller keeps q_offset + Tq <= Tk.
 
     Returns:
       o_BxTxHxDv in q's dtype.
     """
-    validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv)
-    b, t, _, dk = q_BxTxHxDk.shape
-    if idx_BxTxKxN.shape[:3] != (b, t, k_BxTxKxDk.shape[2]):
-        raise ValueError(
-            f"block indices {idx_BxTxKxN.shape} do not match [B, T, K, n] of q{q_BxTxHxDk.shape} k{k_BxTxKxDk.shape}"
-        )
+    validate_selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, q_offset)
+    dk = q_BxTxHxDk.shape[-1]
     check_tile_size("block_size", block_size)
     bsz = SelectionBlockSizes() if block_sizes is None else block_sizes
     if bsz.rows_dkv is not None:
@@ -849,6 +866,6 @@ def selection_attention_pallas(
     if bsz.dkv_segment < 1:
         raise ValueError("dkv_segment must be >= 1")
     scale = float(dk**-0.5 if scale is None else scale)
-    return _selection(
-        q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN.astype(jnp.int32), int(block_size), scale, bool(interpret), bsz
-    )
+    idx = idx_BxTxKxN.astype(jnp.int32)
+    off_1 = offset_operand(q_offset)
+    return _selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, off_1, idx, int(block_size), scale, bool(interpret), bsz)
