@@ -64,11 +64,6 @@ def _interpret(interpret: bool | None) -> bool:
     return interpret_pallas() if interpret is None else bool(interpret)
 
 
-def _offset(q_offset) -> dict:
-    """The Pallas kernels' `q_offset` keyword, left out where it is the constant 0 (their default)."""
-    return {} if isinstance(q_offset, int) and q_offset == 0 else {"q_offset": q_offset}
-
-
 def selection_attention(
     q, k, v, idx, block_size, scale=None, *, kernel="xla", interpret=None, query_chunk=512, q_offset=0
 ):
@@ -79,7 +74,7 @@ def selection_attention(
     """
     if kernel == "blocksparse":
         return selection_attention_blocksparse_pallas(
-            q, k, v, idx, block_size, scale, interpret=_interpret(interpret), **_offset(q_offset)
+            q, k, v, idx, block_size, scale, interpret=_interpret(interpret), q_offset=q_offset
         )
     if kernel in SELECTION_KERNELS:
         return selection_attention_pallas(
@@ -91,7 +86,7 @@ def selection_attention(
             scale,
             interpret=_interpret(interpret),
             block_sizes=SELECTION_KERNELS[kernel],
-            **_offset(q_offset),
+            q_offset=q_offset,
         )
     if kernel != "xla":
         raise ValueError(f"selection kernel must be one of {', '.join(SELECTION_KERNELS)} or xla, got {kernel!r}")
@@ -101,7 +96,7 @@ def selection_attention(
 def window_attention(q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512, q_offset=0):
     """Sliding-window attention through `impl` (`pallas` or `xla`)."""
     if impl == "pallas":
-        return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret), **_offset(q_offset))
+        return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret), q_offset=q_offset)
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk, q_offset=q_offset)
 
 
@@ -145,18 +140,14 @@ def compressed_attention(
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
     n_blocks = -(-T // lp) if num_blocks is None else num_blocks
     scale = Dk**-0.5 if scale is None else scale
-    offset = _offset(q_offset)
-    if t_T is None and offset:
+    if t_T is None and not (isinstance(q_offset, int) and q_offset == 0):
         t_T = q_offset + jnp.arange(T, dtype=jnp.int32)
     if Tc == 0:
         o, scores = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
     elif impl in COMPRESSED_KERNELS:
-        if offset and impl == "cudnn":
-            raise ValueError("the compressed branch through cuDNN takes no query offset; use compressed_kernel=pallas")
         attention = "cudnn" if impl == "cudnn" else "flash"
-        kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention, **offset)
-        if num_blocks is not None:
-            kw["num_blocks"] = num_blocks
+        kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention)
+        kw.update(q_offset=q_offset, num_blocks=num_blocks)
         if select_n is None:
             return compressed_attention_scores_pallas(q, kc, vc, **kw)
         return compressed_attention_select_pallas(q, kc, vc, n=select_n, t_T=t_T, **kw)
