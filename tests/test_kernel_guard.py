@@ -143,3 +143,24 @@ def test_evaluation_runs_the_branches_the_guard_moved_to_xla_there_too(monkeypat
     for fn in (make_eval_fn(cfg), make_score_fn(model)):
         with pytest.raises(RuntimeError, match="the kernel the guard rejected ran"):
             fn(params, tokens)
+
+
+def test_guard_under_context_parallelism_checks_the_kernels_at_a_query_offset(monkeypatch):
+    """parallel.context=2: each branch compiled for one device's chunk of queries over the whole padded
+    sequence, compared at an offset; a kernel that ignores the offset is caught and moved to XLA."""
+    cfg = _model_cfg()
+    lines = []
+    assert guard_kernels(cfg, 1, 2 * SEQ, force=True, warn=lines.append, context=2) == {} and lines == []
+
+    real_window = K.window_attention_pallas
+
+    def offset_ignored(*a, q_offset=0, **k):
+        return real_window(*a, **k) if isinstance(q_offset, int) else real_window(*a, **k, q_offset=0)
+
+    def sliced_keys(q, k, v, *a, q_offset=0, **kw):  # the keys of the rows' own positions, as if unsplit
+        return offset_ignored(q, k[:, : q.shape[1]], v[:, : q.shape[1]], *a, q_offset=q_offset, **kw)
+
+    monkeypatch.setattr(K, "window_attention_pallas", sliced_keys)
+    failed = guard_kernels(cfg, 1, 2 * SEQ, force=True, warn=lines.append, context=2)
+    assert set(failed) == {"win"}
+    assert lines[0].startswith("warning: kernel guard: flash_pallas (nsa_window_*) disagrees with XLA")

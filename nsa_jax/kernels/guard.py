@@ -33,6 +33,7 @@ import numpy as np
 # The dispatch module, called through its attributes: what a test monkeypatches is what runs.
 from nsa_jax import kernels as K
 from nsa_jax.kernels.xla import num_compressed, select_blocks
+from nsa_jax.seq_layout import chunk_len
 
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
 SLICE_SEQ = 256
@@ -56,45 +57,54 @@ class KernelMismatch(Exception):
     """The Pallas path's result differs from the XLA path's beyond the tolerance."""
 
 
-def _branch_fn(plan, nsa, branch: str) -> tuple[str, Callable]:
-    """(kernel name, fn(impl, *inputs) -> (differentiable output, index output or None)) of `plan`'s kernel.
+def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[str, Callable]:
+    """(kernel name, fn(impl, *inputs, q_offset) -> (differentiable output, index output or None)) of `plan`'s
+    kernel.
 
-    `impl` is "pallas" (the plan's kernel for the branch) or "xla" (the reference).
+    `impl` is "pallas" (the plan's kernel for the branch) or "xla" (the reference). `q_offset`: where
+    the queries start among the keys (context parallelism; 0 otherwise); `num_blocks`: the selection
+    blocks of the keys (the compressed branch, under an offset).
     """
     run = {"interpret": plan.interpret}
     if branch == "cmp":
         select_n = nsa.n if "slc" in nsa.branches else None
 
-        def cmp(impl, q, kc, vc):
+        def cmp(impl, q, kc, vc, q_offset):
             impl = plan.cmp if impl == "pallas" else impl
-            o, idx = K.compressed_attention(q, kc, vc, l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n, **run)
+            kw = dict(l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n, num_blocks=num_blocks)
+            o, idx = K.compressed_attention(q, kc, vc, q_offset=q_offset, **kw, **run)
             return o, (idx if select_n is not None else None)
 
         return _KERNELS["cmp-cudnn" if plan.cmp == "cudnn" else "cmp"], cmp
     if branch == "win":
-        return _KERNELS["win"], lambda impl, q, k, v: (K.window_attention(q, k, v, nsa.w, impl=impl, **run), None)
 
-    def slc(impl, q, k, v, idx):
+        def win(impl, q, k, v, q_offset):
+            return K.window_attention(q, k, v, nsa.w, impl=impl, q_offset=q_offset, **run), None
+
+        return _KERNELS["win"], win
+
+    def slc(impl, q, k, v, idx, q_offset):
         kernel = plan.slc if impl == "pallas" else "xla"
-        return K.selection_attention(q, k, v, idx, nsa.lp, kernel=kernel, **run), None
+        return K.selection_attention(q, k, v, idx, nsa.lp, kernel=kernel, q_offset=q_offset, **run), None
 
     return _KERNELS[plan.slc], slc
 
 
-def _shapes(cfg, branch: str, batch: int, seq: int) -> list[tuple[tuple[int, ...], jnp.dtype]]:
-    """Shapes and dtypes of the branch's inputs (q first), as the layer calls it."""
+def _shapes(cfg, branch: str, batch: int, seq: int, rows: int) -> list[tuple[tuple[int, ...], jnp.dtype]]:
+    """Shapes and dtypes of the branch's inputs (q first) as the layer calls it: `rows` queries over the
+    keys of `seq` tokens (rows < seq: a context-parallel chunk)."""
     a, dt = cfg.nsa, jnp.dtype(cfg.dtype)
     H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
-    q = ((batch, seq, H, Dk), dt)
+    q = ((batch, rows, H, Dk), dt)
     if branch == "cmp":
         tc = num_compressed(seq, a.l, a.d)
         return [q, ((batch, tc, K, Dk), dt), ((batch, tc, K, Dv), dt)]
     kv = [((batch, seq, K, Dk), dt), ((batch, seq, K, Dv), dt)]
-    return [q, *kv, ((batch, seq, K, a.n), jnp.int32)] if branch == "slc" else [q, *kv]
+    return [q, *kv, ((batch, rows, K, a.n), jnp.int32)] if branch == "slc" else [q, *kv]
 
 
 def _loss_and_grads(fn, impl: str, n_diff: int):
-    """x -> ((out, idx), grads of sum(out * ct) wrt the first n_diff inputs); ct fixed per shape."""
+    """(*x, q_offset) -> ((out, idx), grads of sum(out * ct) wrt the first n_diff inputs); ct fixed per shape."""
 
     def loss(*xs):
         o, idx = fn(impl, *xs)
@@ -108,14 +118,15 @@ def _loss_and_grads(fn, impl: str, n_diff: int):
     return run
 
 
-def _slice_inputs(cfg, branch: str, seq: int, rng: np.random.Generator):
+def _slice_inputs(cfg, branch: str, seq: int, rows: int, rng: np.random.Generator):
+    """Random inputs of `rows` queries at the end of `seq` keys (all of them when rows = seq)."""
     xs = []
-    for shape, dt in _shapes(cfg, branch, SLICE_BATCH, seq):
+    for shape, dt in _shapes(cfg, branch, SLICE_BATCH, seq, rows):
         if dt == jnp.int32:  # selected blocks: select_blocks' rules over random scores
             a = cfg.nsa
             nb = -(-seq // a.lp)
-            scores = jnp.asarray(rng.random((shape[0], seq, shape[2], nb)), jnp.float32)
-            xs.append(select_blocks(scores, a.lp, a.n))
+            scores = jnp.asarray(rng.random((shape[0], rows, shape[2], nb)), jnp.float32)
+            xs.append(select_blocks(scores, a.lp, a.n, seq - rows + jnp.arange(rows, dtype=jnp.int32)))
         else:
             xs.append(jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt))
     return xs
@@ -130,21 +141,30 @@ def _compare(name: str, got, want, tol: float) -> None:
         raise KernelMismatch(f"{name} differs from XLA by {err:.3g} (max |XLA| {scale:.3g}, tolerance {tol:g})")
 
 
-def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0) -> str:
+def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0, rows: int | None = None) -> str:
     """Compiles `branch`'s Pallas kernel of `plan` at [batch, seq] and compares it with XLA on a slice.
 
-    Returns the kernel's name; raises what the compile raised, or KernelMismatch.
+    `rows` (context parallelism): the queries of one call, a chunk at a traced offset into the
+    `seq` keys, compiled so and compared on the second half of a slice's rows. Returns the
+    kernel's name; raises what the compile raised, or KernelMismatch.
     """
-    kernel, fn = _branch_fn(plan, cfg.nsa, branch)
-    shapes = _shapes(cfg, branch, batch, seq)
+    offset = rows is not None and rows < seq
+    kernel, fn = _branch_fn(plan, cfg.nsa, branch, -(-seq // cfg.nsa.lp) if offset else None)
+    shapes = _shapes(cfg, branch, batch, seq, rows if offset else seq)
     n_diff = 3
     run = _loss_and_grads(fn, "pallas", n_diff)
-    jax.jit(run).lower(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).compile()
+    q_offset = jax.ShapeDtypeStruct((), jnp.int32) if offset else 0
+    jax.jit(run, static_argnums=() if offset else (len(shapes),)).lower(
+        *(jax.ShapeDtypeStruct(s, d) for s, d in shapes), q_offset
+    ).compile()
 
     short = min(seq, SLICE_SEQ)
-    xs = _slice_inputs(cfg, branch, short, np.random.default_rng(seed))
-    o_p, idx_p, g_p = jax.jit(run)(*xs)
-    o_x, idx_x, g_x = jax.jit(_loss_and_grads(fn, "xla", n_diff))(*xs)
+    part = short // 2 if offset else short
+    xs = _slice_inputs(cfg, branch, short, part, np.random.default_rng(seed))
+    q_offset = jnp.int32(short - part) if offset else 0
+    static = () if offset else (len(xs),)
+    o_p, idx_p, g_p = jax.jit(run, static_argnums=static)(*xs, q_offset)
+    o_x, idx_x, g_x = jax.jit(_loss_and_grads(fn, "xla", n_diff), static_argnums=static)(*xs, q_offset)
     tol = TOLERANCE.get(jnp.dtype(cfg.dtype).name, 5e-2)
     _compare("output", o_p, o_x, tol)
     for name, gp, gx in zip(("dq", "dk", "dv"), g_p, g_x):
@@ -156,10 +176,14 @@ def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0)
     return kernel
 
 
-def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Callable[[str], None] = print) -> dict:
+def guard_kernels(
+    cfg, batch: int, seq: int, *, force: bool = False, warn: Callable[[str], None] = print, context: int = 1
+) -> dict:
     """Checks the Pallas kernels of the branches `auto` runs on Pallas at length `seq`.
 
-    `cfg`: the ModelConfig; `batch`: rows per device; `seq`: the training length.
+    `cfg`: the ModelConfig; `batch`: rows per device; `seq`: the training length; `context`:
+    devices per sequence (parallel.context), whose kernels run a chunk of queries at a traced
+    offset into the whole (padded) sequence's keys, and are checked so.
     Returns {branch: error line} of the branches whose kernel failed ({} when nothing
     was checked or everything passed), and `cmp-cudnn` when cuDNN's attention failed in
     the compressed branch (the flash kernels are then checked in its place): the run's
@@ -170,15 +194,19 @@ def guard_kernels(cfg, batch: int, seq: int, *, force: bool = False, warn: Calla
     backend = jax.default_backend()
     if a.attention_impl != "auto" or not (force or K.resolve_impl("auto", backend) == "pallas"):
         return {}
+    rows = None
+    if context > 1:  # one device's chunk of queries over the whole padded sequence
+        rows = chunk_len(seq, context, a.l, a.lp)
+        seq = 2 * context * rows
     # What `auto` runs on this backend's GPU path (forced on a CPU: the interpreted kernels).
-    plan = K.plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend)
+    plan = K.plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend, context=context)
     failed = {}
 
     def broken(branch: str, plan) -> str | None:
         """Why `branch`'s kernel of `plan` cannot run (None: it passed)."""
         kernel = _branch_fn(plan, a, branch)[0]
         try:
-            check_branch(cfg, branch, batch, seq, plan)
+            check_branch(cfg, branch, batch, seq, plan, rows=rows)
         except KernelMismatch as e:
             return f"{kernel} disagrees with XLA: {e}"
         except Exception as e:  # a compile error of any kind: the branch must not take the run down

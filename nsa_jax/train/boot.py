@@ -157,7 +157,7 @@ def _guard_kernels(cfg: Config, batch_per_device: int, say: Say) -> set[str]:
     Before the step is traced, so the fallback is in its program; every process takes the
     union of the failures, so all of them compile the same program.
     """
-    failed = set(guard_kernels(cfg.model, batch_per_device, cfg.train.seq_len, warn=say))
+    failed = set(guard_kernels(cfg.model, batch_per_device, cfg.train.seq_len, warn=say, context=cfg.parallel.context))
     if jax.process_count() > 1 and cfg.model.nsa.attention_impl == "auto":
         failed = {b for b in FALLBACKS if agree_any(b in failed)}
     return failed
