@@ -30,7 +30,7 @@ Ctrl-C (SIGINT) and SIGTERM are passed to the running stages once each (they sav
 checkpoint), and no new stage starts; a second Ctrl-C is passed on too (the stages quit
 at once). --resume continues the runs of an earlier command in the same OUT: a finished
 stage is a no-op, a stopped one resumes from its checkpoint, an evaluated run keeps its
-evaluation.
+evaluation, and a stopped evaluation continues where it stopped.
 
 Progress: one line per run start, stage and end on stdout, every line the run's processes
 print prefixed with `[recipe variant sSEED]`, then each run's summary line and, per
@@ -70,6 +70,7 @@ import yaml
 
 from launch.cli import Parser, UsageError, run_main
 from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, env_overrides, load_config
+from nsa_jax.evaluation.results import RESULTS_FILE, unfinished
 from nsa_jax.rundir import files as rf
 
 ROOT = CONFIG_DIR.parent
@@ -290,6 +291,16 @@ def read_run(run: Path) -> dict:
     return out
 
 
+def evaluated(eval_dir: Path) -> bool:
+    """Whether the evaluation in `eval_dir` finished: an evaluation.json that a stopped launch.evaluate left with
+    results still pending is continued by running the same evaluation again."""
+    path = eval_dir / RESULTS_FILE
+    try:
+        return path.exists() and not unfinished(path)
+    except (OSError, ValueError):
+        return False  # unreadable: launch.evaluate says why
+
+
 def summary_line(run: str | Path) -> str:
     """A run's needle accuracy: "L=1024: mean M min N  L=2048: ..."."""
     needle = read_run(Path(run))["needle"]
@@ -500,7 +511,7 @@ class Runner:
                 if rc or why:
                     return self.stopped(run, rc, why, f"stage {i}/{n}", t0)
                 times.append(f"T={stage.seq_len} {int(time.monotonic() - s0)} s")
-            if (run.dir / "eval" / "evaluation.json").exists():
+            if evaluated(run.dir / "eval"):
                 self.say(f"{run.label}: evaluated before; keeping {run.dir / 'eval'}")
             else:
                 lengths = ",".join(map(str, self.ev["lengths"]))

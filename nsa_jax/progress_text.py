@@ -26,6 +26,15 @@ def fmt_duration(seconds: float) -> str:
     return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
 
 
+def fmt_seconds(seconds: float) -> str:
+    """fmt_duration, with decimals below 10 s (a short batch's time is not '0s'): 0.062 -> '0.06s', 4.26 -> '4.3s'."""
+    if 0 <= seconds < 1:
+        return f"{seconds:.2f}s"
+    if 1 <= seconds < 10:
+        return f"{seconds:.1f}s"
+    return fmt_duration(seconds)
+
+
 def so_far(what: str, seconds: float) -> str:
     """'<what>: 1m02s so far': the line of an activity still under way."""
     return f"{what}: {fmt_duration(seconds)} so far"
