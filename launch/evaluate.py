@@ -11,9 +11,35 @@ with config.yaml + params.msgpack, or `--random-init --config X`). Held-out text
 run's validation split (its data config, through the data pipelines), or `--text`
 files. Lengths may exceed the training length. Every L is compiled first; one whose
 compiled forward needs more than the device's memory (or `--device-memory`) is
-refused with one `error:` line naming both figures. Results: `<out>/evaluation.json`
-and one PNG per suite (needle.png: L x depth heatmap; loss_by_position.png;
-kv_recall.png). The summary is printed. Suites and scoring: nsa_jax/evaluation.
+refused with one `error:` line naming both figures. The summary is printed.
+Suites and scoring: nsa_jax/evaluation.
+
+Kept as it goes: the lengths run shortest first, and each (suite, L) is written to
+`<out>/evaluation.json` as soon as it is done, the whole file each time (a temporary
+file renamed over it: a stop or a crash leaves the previous file or the new one,
+never less; nsa_jax/evaluation/results.py). The PNGs (needle.png: L x depth heatmap;
+loss_by_position.png; kv_recall.png) are drawn from the file at the end. The same
+command run again skips the cells the file holds, saying so in one line, and adds
+the rest; lengths or suites added to the command are added to the file. Results
+made with other weights (another checkpoint, or another step of the same run) or
+other settings (config, depths, samples, rows, seed, text) are refused with one
+`error:` line naming the difference and the fix (the same settings, or another
+--out): recomputing would overwrite what was kept, and mixing would put
+incomparable results in one table.
+
+How long: each length starts with a line giving what it runs and a projected time
+for the length and for the rest of the command, from the measured time of a batch
+at a shorter length scaled by the attention cost model (nsa_jax/evaluation/timing.py);
+with nothing measured, a length whose batch would cost PROBE_RATIO times one at
+PROBE_LENGTH or more first times one batch there (seconds), so the projection never
+waits for a batch that takes minutes. After a length's first batch a second line
+projects from its own rate. The line says which it used.
+
+Stopping: SIGTERM or Ctrl-C (SIGINT) ends the command at once, even inside a long
+forward (the batch in flight belongs to no kept result), with one line on stderr
+naming what evaluation.json keeps and the command that continues: exit status 0
+after SIGTERM, 130 after Ctrl-C, as a training run. A second signal while the line
+waits for a write in progress quits at once.
 
 Before the suites run, one `note:` line on stderr names the lengths beyond the
 training length (train.seq_len: positions never trained), and one says when the

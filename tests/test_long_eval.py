@@ -599,3 +599,100 @@ def test_the_same_command_skips_what_its_out_folder_holds(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(
         f"error: --out {out} holds the evaluation.json of another evaluation (rows"
     )
+
+
+# A launch.evaluate started as a terminal starts it: SIGINT at its default action (a background job of a
+# script inherits it ignored; exec keeps the default this sets). No preexec_fn: this process has jax loaded.
+WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+)
+
+
+class Evaluate:
+    """A `python -m launch.evaluate` subprocess whose stderr lines are read as they come (the progress bar's
+    redraws cut off: a line is what follows its last carriage return)."""
+
+    def __init__(self, args: list[str]):
+        import subprocess
+        import sys
+        import threading
+
+        from helpers import ROOT
+
+        cmd = [sys.executable, "-c", WITH_SIGINT, sys.executable, "-m", "launch.evaluate", *args]
+        env = cpu_env(devices=None)
+        self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.err: list[str] = []
+        self.out: list[str] = []
+        self._out = threading.Thread(target=lambda: self.out.extend(self.p.stdout), daemon=True)
+        self._out.start()
+
+    def until(self, text: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        for raw in self.p.stderr:
+            self.err.append(raw.rstrip("\n").rsplit("\r", 1)[-1])
+            if text in self.err[-1]:
+                return self.err[-1]
+            if time.monotonic() > deadline:
+                break
+        self.p.kill()
+        raise AssertionError(f"no line with {text!r} in:\n" + "\n".join(self.err))
+
+    def finish(self, timeout: float = 60) -> int:
+        rc = self.p.wait(timeout)
+        self.err.extend(raw.rstrip("\n").rsplit("\r", 1)[-1] for raw in self.p.stderr)
+        self._out.join(10)
+        return rc
+
+
+@pytest.mark.slow
+def test_a_stopped_long_evaluation_keeps_what_it_did_and_the_same_command_continues(tmp_path):
+    """cpu_tiny at L=256 then 100,000 (minutes a batch on a CPU): SIGTERM once 256 is done and 100,000 started
+    ends it at once (exit 0), keeping L=256 and naming the command; that command skips 256, projects 100,000 from
+    one timed batch at 1,024, and a Ctrl-C ends it with 130."""
+    import shlex
+    import signal
+
+    from launch.generate import write_inference_dir
+    from nsa_jax.model import init_params
+
+    cfg = load_config("cpu_tiny")
+    write_inference_dir(tmp_path / "ckpt", cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(0)))
+    (tmp_path / "hay.txt").write_text(HAY)
+    out = tmp_path / "eval"
+    results = out / "evaluation.json"
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--lengths", "256,100000", "--suites", "loss-by-position"]
+    args += ["--rows", "1", "--batch-size", "1", "--text", str(tmp_path / "hay.txt"), "--out", str(out)]
+    again = f"run the same command: python -m launch.evaluate {shlex.join(args)}"
+
+    first = Evaluate(args)
+    line = first.until("L=100,000: length 2 of 2")
+    minutes = r"(\d+h\d\dm|\d+m\d\ds)"  # a batch at 100,000 takes minutes on a CPU
+    assert re.search(rf": projected {minutes} for this length \(scaled from L=256's [\d.]+s a batch by the", line), line
+    assert any(x.startswith("L=256: done in ") for x in first.err), first.err
+    t_sent = time.monotonic()
+    first.p.send_signal(signal.SIGTERM)
+    assert first.finish() == 0, first.err
+    assert time.monotonic() - t_sent < 15  # at once: not after the batch in flight, which takes minutes
+    stops = [x for x in first.err if "stopped by" in x]
+    assert stops == [
+        f"stopped by SIGTERM: {results} keeps loss-by-position at L=256 (1 added by this run); to continue from "
+        f"L=100,000 {again}"
+    ], first.err
+    kept = json.loads(results.read_text())
+    assert list(kept["loss-by-position"]["by_length"]) == ["256"]
+    assert kept["meta"]["pending"] == [["loss-by-position", 100000]]
+
+    second = Evaluate(args)
+    line = second.until("L=100,000: length 1 of 1")
+    assert f"skipping loss-by-position at L=256: in {results} already (the same weights and settings)" in second.err
+    assert "L=100,000: timing one batch at L=1,024 first, to project how long L=100,000 takes" in second.err
+    assert re.search(rf": projected {minutes} for this length \(scaled from L=1,024's ", line), line
+    assert not any(x.startswith("L=256: length") for x in second.err)
+    second.p.send_signal(signal.SIGINT)
+    assert second.finish() == 130, second.err
+    assert [x for x in second.err if "stopped by" in x] == [
+        f"stopped by SIGINT: {results} keeps loss-by-position at L=256 (0 added by this run); to continue from "
+        f"L=100,000 {again}"
+    ], second.err
+    assert json.loads(results.read_text())["loss-by-position"] == kept["loss-by-position"]
