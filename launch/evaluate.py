@@ -80,7 +80,7 @@ from nsa_jax.progress_text import fmt_duration, fmt_seconds
 # (the cost model's ratio) is projected from one batch timed at PROBE_LENGTH first: its own first
 # batch may take minutes, and the projection is due sooner.
 PROBE_LENGTH = 1024
-PROBE_RATIO = 30.0
+PROBE_RATIO = 10.0
 # Seconds between redraws of the progress bar while nothing advances it.
 REFRESH_S = 5.0
 
@@ -405,7 +405,7 @@ def _prepare(args, argv: list[str]) -> Evaluation:
     digest = weights_digest(params)
     key = make_settings(cfg.to_dict(), digest, args.depths, args.samples, args.rows, args.seed, args.text)
     out = pathlib.Path(args.out) if args.out else None
-    results = Results(out, key, settings, {"ckpt": args.ckpt, "config": cfg.to_dict()})
+    results = Results(out, key, settings, {"ckpt": args.ckpt})
     try:
         results.read()
     except Mismatch as e:

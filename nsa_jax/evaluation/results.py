@@ -9,7 +9,7 @@ plots and launch.stages read) and `meta`:
     digests, or the run's validation split);
   - `pending`: the [suite, L] cells the latest command asked for and has not finished
     ([] once it did: launch.stages reads this, `unfinished`);
-  - `seconds` {suite: {L: seconds}}, `compiled_bytes` {L: bytes per device}, `ckpt`, `config`.
+  - `seconds` {suite: {L: seconds}}, `compiled_bytes` {L: bytes per device}, `ckpt` (the path given).
 
 Every write is whole (`write_whole`): the text goes to a temporary file in the same
 folder, is flushed to the disk, and is renamed over evaluation.json, so a stop, a
