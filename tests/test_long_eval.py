@@ -568,11 +568,15 @@ def test_a_stop_signal_says_what_was_kept_and_exits_as_training_does():
 def test_the_same_command_skips_what_its_out_folder_holds(tmp_path, capsys):
     """In process, a tiny model: a rerun scores only the lengths not yet in evaluation.json and says so."""
     from launch.evaluate import main
+    from launch.generate import write_inference_dir
+    from nsa_jax.model import init_params
 
+    cfg = load_config("cpu_tiny", SMALL)  # a checkpoint directory: each command reads it, none compiles an init
+    write_inference_dir(tmp_path / "ckpt", cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(0)))
     text = tmp_path / "hay.txt"
     text.write_text(HAY)
     out = tmp_path / "eval"
-    argv = ["--random-init", "--config", "cpu_tiny", *TINY, "--text", str(text), "--no-progress", "--out", str(out)]
+    argv = ["--ckpt", str(tmp_path / "ckpt"), "--text", str(text), "--no-progress", "--out", str(out)]
     argv += ["--suites", "loss-by-position,kv_recall", "--rows", "1", "--batch-size", "1"]
     assert main([*argv, "--lengths", "256,128"]) == 0
     first = capsys.readouterr()
