@@ -137,11 +137,6 @@ def cell_batches(suite: str, settings: Settings, B: int) -> int:
     return batches(settings.rows_of(suite), B)
 
 
-def count_batches(suites: Sequence[str], lengths: Sequence[int], settings: Settings, B: int) -> int:
-    """Scorer calls the suites make over `lengths` (the progress bar's total)."""
-    return sum(cell_batches(s, settings, B) for s in suites) * len(lengths)
-
-
 def needle_rows(text: Rows, tokenizer: Any, L: int, depths: Sequence[float], samples: int, seed: int):
     """The rows of one length, depth-major: [(depth index, sample, NeedleRow)]."""
     hay = text(L, samples)
