@@ -217,7 +217,7 @@ def test_cli_end_to_end(tmp_path):
     assert set(res["kv_recall"]["by_length"]) == {"128", "256"}
     assert res["meta"]["compiled_bytes"]["256"] > 0
     assert {p.name for p in out.glob("*.png")} == {"needle.png", "loss_by_position.png", "kv_recall.png"}
-    # The results are never overwritten: other settings are refused (the same ones would skip every cell).
+    # The results are never overwritten: other settings are refused.
     again = _cli(*args, "--out", str(out))
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --out {out} holds the evaluation.json of another evaluation (rows 2 there, 4 here); run it with "
@@ -566,13 +566,18 @@ def test_a_stop_signal_says_what_was_kept_and_exits_as_training_does():
 
 
 def test_the_same_command_skips_what_its_out_folder_holds(tmp_path, capsys):
-    """In process, a tiny model: a rerun scores only the lengths not yet in evaluation.json and says so."""
+    """In process, a tiny model: the same command again skips what evaluation.json holds and says so (one that
+    adds a length: test_a_stopped_long_evaluation...; one with other settings: test_cli_end_to_end)."""
     from launch.evaluate import main
     from launch.generate import write_inference_dir
-    from nsa_jax.model import init_params
+    from nsa_jax.inference.decode import inference_config
+    from nsa_jax.info import param_shapes
 
-    cfg = load_config("cpu_tiny", SMALL)  # a checkpoint directory: each command reads it, none compiles an init
-    write_inference_dir(tmp_path / "ckpt", cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(0)))
+    # A checkpoint directory of random weights drawn on the host: nothing compiles an initialisation.
+    cfg = load_config("cpu_tiny", SMALL)
+    rng = np.random.default_rng(0)
+    shapes = param_shapes(inference_config(cfg.model))
+    write_inference_dir(tmp_path / "ckpt", cfg, jax.tree.map(lambda x: 0.02 * rng.standard_normal(x.shape), shapes))
     text = tmp_path / "hay.txt"
     text.write_text(HAY)
     out = tmp_path / "eval"
@@ -587,22 +592,13 @@ def test_the_same_command_skips_what_its_out_folder_holds(tmp_path, capsys):
     assert "skipping" not in first.err
     doc = json.loads((out / "evaluation.json").read_text())
     assert list(doc["kv_recall"]["by_length"]) == ["128", "256"] and doc["meta"]["pending"] == []
-    assert main([*argv, "--lengths", "128,256,192"]) == 0
+    # The same command again: nothing to run; the summary and the figures come from the file.
+    assert main([*argv, "--lengths", "256,128"]) == 0
     again = capsys.readouterr()
     skip = f"skipping loss-by-position, kv_recall at L=128, 256: in {out / 'evaluation.json'} already"
-    assert again.err.splitlines()[0].startswith(skip), again.err
-    assert "L=192: length 1 of 1" in again.err and "L=128: length" not in again.err
-    assert "evaluated loss-by-position, kv_recall at L=192 in " in again.out
-    doc = json.loads((out / "evaluation.json").read_text())
-    assert list(doc["loss-by-position"]["by_length"]) == ["128", "192", "256"]
-    assert main([*argv, "--lengths", "128"]) == 0
-    assert f"nothing to run: {out / 'evaluation.json'} holds every result asked for" in capsys.readouterr().out
-    # Other rows: refused, the file untouched.
-    assert main([*argv, "--lengths", "128", "--rows", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(
-        f"error: --out {out} holds the evaluation.json of another evaluation (rows"
-    )
+    assert again.err.splitlines() == [f"{skip} (the same weights and settings)"], again.err
+    assert f"nothing to run: {out / 'evaluation.json'} holds every result asked for" in again.out
+    assert "kv_recall L=256: " in again.out and json.loads((out / "evaluation.json").read_text()) == doc
 
 
 # A launch.evaluate started as a terminal starts it: SIGINT at its default action (a background job of a
