@@ -11,9 +11,35 @@ with config.yaml + params.msgpack, or `--random-init --config X`). Held-out text
 run's validation split (its data config, through the data pipelines), or `--text`
 files. Lengths may exceed the training length. Every L is compiled first; one whose
 compiled forward needs more than the device's memory (or `--device-memory`) is
-refused with one `error:` line naming both figures. Results: `<out>/evaluation.json`
-and one PNG per suite (needle.png: L x depth heatmap; loss_by_position.png;
-kv_recall.png). The summary is printed. Suites and scoring: nsa_jax/evaluation.
+refused with one `error:` line naming both figures. The summary is printed.
+Suites and scoring: nsa_jax/evaluation.
+
+Kept as it goes: the lengths run shortest first, and each (suite, L) is written to
+`<out>/evaluation.json` as soon as it is done, the whole file each time (a temporary
+file renamed over it: a stop or a crash leaves the previous file or the new one,
+never less; nsa_jax/evaluation/results.py). The PNGs (needle.png: L x depth heatmap;
+loss_by_position.png; kv_recall.png) are drawn from the file at the end. The same
+command run again skips the cells the file holds, saying so in one line, and adds
+the rest; lengths or suites added to the command are added to the file. Results
+made with other weights (another checkpoint, or another step of the same run) or
+other settings (config, depths, samples, rows, seed, text) are refused with one
+`error:` line naming the difference and the fix (the same settings, or another
+--out): recomputing would overwrite what was kept, and mixing would put
+incomparable results in one table.
+
+How long: each length starts with a line giving what it runs and a projected time
+for the length and for the rest of the command, from the measured time of a batch
+at a shorter length scaled by the attention cost model (nsa_jax/evaluation/timing.py);
+with nothing measured, a length whose batch would cost PROBE_RATIO times one at
+PROBE_LENGTH or more first times one batch there (seconds), so the projection never
+waits for a batch that takes minutes. After a length's first batch a second line
+projects from its own rate. The line says which it used.
+
+Stopping: SIGTERM or Ctrl-C (SIGINT) ends the command at once, even inside a long
+forward (the batch in flight belongs to no kept result), with one line on stderr
+naming what evaluation.json keeps and the command that continues: exit status 0
+after SIGTERM, 130 after Ctrl-C, as a training run. A second signal while the line
+waits for a write in progress quits at once.
 
 Before the suites run, one `note:` line on stderr names the lengths beyond the
 training length (train.seq_len: positions never trained), and one says when the
@@ -26,12 +52,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import pathlib
+import shlex
 import sys
 import threading
 import time
 
+import jax
+import numpy as np
 from tqdm import tqdm
 
 from launch.cli import Parser, UsageError, run_main
@@ -39,11 +67,20 @@ from launch.generate import check_params, load_model
 from nsa_jax.config import ConfigError
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import min_row_len
+from nsa_jax.evaluation.results import Mismatch, Results, describe, make_settings, weights_digest
 from nsa_jax.evaluation.scorer import ModelScorer
-from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, SUITES, TextRows, count_batches, run_suites
+from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, SUITES, Settings, TextRows, cell, cell_batches
+from nsa_jax.evaluation.timing import CostModel, Rates
 from nsa_jax.inference.notes import synthetic_note, times, trained_positions
+from nsa_jax.ops.memory import WontFitError
+from nsa_jax.ops.preemption import QuitOnSignal
+from nsa_jax.progress_text import fmt_duration, fmt_seconds
 
-RESULTS_FILE = "evaluation.json"
+# A length with no measured rate that costs PROBE_RATIO times a batch at PROBE_LENGTH or more
+# (the cost model's ratio) is projected from one batch timed at PROBE_LENGTH first: its own first
+# batch may take minutes, and the projection is due sooner.
+PROBE_LENGTH = 1024
+PROBE_RATIO = 10.0
 # Seconds between redraws of the progress bar while nothing advances it.
 REFRESH_S = 5.0
 
@@ -105,8 +142,6 @@ def _check_args(args) -> None:
     for f in args.text:
         if not pathlib.Path(f).is_file():
             raise UsageError(f"--text {f} not found")
-    if args.out and (pathlib.Path(args.out) / RESULTS_FILE).exists():
-        raise UsageError(f"--out {args.out} already holds {RESULTS_FILE}; pass another --out or move it away")
 
 
 def notes(args, cfg) -> list[str]:
@@ -171,8 +206,192 @@ def summary_lines(results: dict) -> list[str]:
     return lines
 
 
-def run(args) -> int:
+def rerun_command(argv: list[str]) -> str:
+    """The command line that runs this evaluation again (the same command continues it)."""
+    return shlex.join(["python", "-m", "launch.evaluate", *argv])
+
+
+def projection_line(L: int, what: str, rates: Rates, left_here: int, left_after: list[tuple[int, int]]) -> str:
+    """'L=...: <what>: projected T for this length, T for the command (<how>)'.
+
+    `left_here`: batches still to run at L; `left_after`: (L', batches) of the longer lengths still to run.
+    """
+    per_batch, how = rates.per_batch(L)
+    this = left_here * per_batch
+    parts = [f"{fmt_seconds(this)} for this length"] if left_here else []
+    if left_after:
+        rest = fmt_seconds(this + rates.total(left_after))
+        parts.append(f"{rest} for the command" if left_here else f"{rest} for the rest of the command")
+        if how == "measured" and any(n not in rates.measured for n, _ in left_after):
+            how = "this length's first batch; the longer ones scaled by the attention cost model"
+    if how == "measured":
+        how = "this length's first batch"
+    return f"L={L:,}: {what}: projected {', '.join(parts)} ({how})"
+
+
+class TimedScorer:
+    """The scorer, each call timed: `rates` gets the seconds a batch at L took and `on_batch(L, seconds)` is told."""
+
+    def __init__(self, scorer, rates: Rates, on_batch):
+        self.scorer, self.rates, self.on_batch = scorer, rates, on_batch
+        self.batch = scorer.batch
+
+    def prepare(self, L: int):
+        return self.scorer.prepare(L)
+
+    def __call__(self, tokens_BxT1):
+        t0 = time.perf_counter()
+        out = self.scorer(tokens_BxT1)
+        seconds = time.perf_counter() - t0
+        L = tokens_BxT1.shape[1] - 1
+        self.rates.add(L, seconds)
+        self.on_batch(L, seconds)
+        return out
+
+
+class Evaluation:
+    """One command's run: what it compiles and scores, what it says, and the line a stop signal prints."""
+
+    def __init__(self, args, argv: list[str], cfg, params, settings: Settings, results: Results):
+        self.args, self.argv, self.cfg, self.params = args, argv, cfg, params
+        self.settings, self.results = settings, results
+        lengths = sorted(set(args.lengths))
+        self.skipped = [(s, L) for L in lengths for s in args.suites if results.done(s, L)]
+        self.todo = [(s, L) for L in lengths for s in args.suites if not results.done(s, L)]
+        self.batches_at: dict[int, int] = {}  # batches to run at each length
+        for s, L in self.todo:
+            self.batches_at[L] = self.batches_at.get(L, 0) + cell_batches(s, settings, args.batch_size)
+        self.done_at = dict.fromkeys(self.batches_at, 0)  # batches run at each length
+        n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        cost = CostModel(cfg.model, n_params, jax.default_backend())
+        self.rates = Rates(cost)
+        self.bar = None
+        self.added = 0
+
+    def say(self, line: str) -> None:
+        """One line on stderr, above the progress bar."""
+        if self.bar is None:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            tqdm.write(line, file=sys.stderr)
+
+    def stop_line(self, name: str) -> str:
+        """What a stop by `name` leaves: the cells on disk, and the command that continues."""
+        with self.results.lock:  # not in the middle of a write: the line names what the file holds
+            kept = list(self.results.kept)
+        if self.bar is not None:
+            self.bar.close()  # its last state stays on screen; the line goes below it
+        again = rerun_command(self.argv)
+        if self.results.path is None:
+            return (
+                f"stopped by {name}: nothing kept (no --out); pass --out DIR to keep each result as it is done: {again}"
+            )
+        path = self.results.path
+        if not kept:
+            return f"stopped by {name}: nothing kept yet ({path} not written); the same command starts again: {again}"
+        left = [c for c in self.todo if c not in kept]
+        then = f"from L={left[0][1]:,}" if left else "and draw the figures"
+        return (
+            f"stopped by {name}: {path} keeps {describe(kept)} ({self.added} added by this run); "
+            f"to continue {then} run the same command: {again}"
+        )
+
+    def left_after(self, L: int) -> list[tuple[int, int]]:
+        return [(n, b) for n, b in sorted(self.batches_at.items()) if n > L]
+
+    def on_batch(self, L: int, seconds: float) -> None:
+        """Counts a batch; after the first one at a length, the projection from its own rate."""
+        if L not in self.done_at:  # the probe
+            return
+        self.done_at[L] += 1
+        left_here = self.batches_at[L] - self.done_at[L]
+        if self.done_at[L] == 1 and (left_here or self.left_after(L)):
+            what = f"first batch {fmt_seconds(seconds)}"
+            self.say(projection_line(L, what, self.rates, left_here, self.left_after(L)))
+        self.bar.update(1)
+
+    def probe(self, scorer, L: int) -> None:
+        """Times one batch at PROBE_LENGTH when nothing is measured and L costs far more (a projection in seconds)."""
+        cost = self.rates.cost
+        if self.rates.measured or L <= PROBE_LENGTH or cost(L) < PROBE_RATIO * cost(PROBE_LENGTH):
+            return
+        self.say(f"L={L:,}: timing one batch at L={PROBE_LENGTH:,} first, to project how long L={L:,} takes")
+        try:
+            scorer.prepare(PROBE_LENGTH)
+        except WontFitError:
+            return
+        rng = np.random.default_rng(0)
+        rows = rng.integers(0, self.cfg.model.vocab_size, (scorer.batch, PROBE_LENGTH + 1), dtype=np.int32)
+        scorer(rows)
+
+    def run(self, scorer) -> None:
+        """Compiles every length to run (refusing one that does not fit), then scores the cells, lengths ascending."""
+        args, results = self.args, self.results
+        timed = TimedScorer(scorer, self.rates, self.on_batch)
+        lengths = sorted(self.batches_at)
+        total = sum(self.batches_at.values())
+        self.bar = tqdm(total=total, desc="evaluate", unit="batch", disable=args.no_progress, file=sys.stderr)
+        with self.bar, _redrawn(self.bar):
+            for L in lengths:
+                self.bar.set_postfix_str(f"compiling L={L}")
+                results.meta["compiled_bytes"][str(L)] = scorer.prepare(L)
+            self.bar.set_postfix_str("")
+            for line in notes(args, self.cfg):
+                self.say(line)
+            results.begin(self.todo)
+            for i, L in enumerate(lengths, 1):
+                self.probe(timed, L)
+                cells = [s for s, n in self.todo if n == L]
+                sizes = ", ".join(f"{s} {cell_batches(s, self.settings, args.batch_size)}" for s in cells)
+                rows = f"{args.batch_size} row{'s' if args.batch_size > 1 else ''}"
+                what = f"length {i} of {len(lengths)}, batches of {rows}: {sizes}"
+                if self.rates.measured:
+                    self.say(projection_line(L, what, self.rates, self.batches_at[L], self.left_after(L)))
+                else:
+                    self.say(f"L={L:,}: {what}: the projected time follows its first batch")
+                t_length = time.perf_counter()
+                for s in cells:
+                    t0 = time.perf_counter()
+                    result = cell(timed, s, L, self.settings)
+                    left = [c for c in self.todo if c != (s, L) and not results.done(*c)]
+                    results.add(s, L, result, time.perf_counter() - t0, left)
+                    self.added += 1
+                where = f"kept in {results.path}" if results.path else "not kept (no --out)"
+                self.say(f"L={L:,}: done in {fmt_seconds(time.perf_counter() - t_length)}; {where}")
+
+
+def run(args, argv: list[str]) -> int:
     _check_args(args)
+    ev: Evaluation | None = None
+
+    def stop_line(name: str) -> str:
+        if ev is None:
+            return f"stopped by {name} before anything ran; nothing kept"
+        return ev.stop_line(name)
+
+    guard = QuitOnSignal(stop_line, lambda line: ev.say(line) if ev else print(line, file=sys.stderr, flush=True))
+    guard.install()
+    try:
+        ev = _prepare(args, argv)
+        if ev.skipped:
+            where = ev.results.path
+            ev.say(f"skipping {describe(ev.skipped)}: in {where} already (the same weights and settings)")
+        t0 = time.perf_counter()
+        if ev.todo:
+            scorer = ModelScorer(ev.cfg.model, ev.params, args.batch_size, args.device_memory)
+            try:
+                ev.run(scorer)
+            except ValueError as e:  # WontFitError, too little held-out text, a kv_recall row too short
+                raise UsageError(str(e).splitlines()[0]) from None
+        ev.bar = None
+        _finish(ev, time.perf_counter() - t0)
+    finally:
+        guard.uninstall()
+    return 0
+
+
+def _prepare(args, argv: list[str]) -> Evaluation:
+    """The checkpoint, the settings and what the out folder holds; UsageError for input that cannot run."""
     try:
         cfg, params = load_model(args)
         text = TextRows(cfg, args.text)
@@ -182,55 +401,38 @@ def run(args) -> int:
     if "needle" in args.suites and min(args.lengths) < need:
         raise UsageError(f"--lengths {min(args.lengths)} is too short for a needle row; use L >= {need}")
     params = check_params(cfg, params)
-    scorer = ModelScorer(cfg.model, params, args.batch_size, args.device_memory)
-    total = count_batches(args.suites, args.lengths, args.depths, args.samples, args.rows, args.batch_size)
-    t0 = time.perf_counter()
-    bar = tqdm(total=total, desc="evaluate", unit="batch", disable=args.no_progress, file=sys.stderr)
-    with bar, _redrawn(bar):
-        try:
-            for L in args.lengths:
-                bar.set_postfix_str(f"compiling L={L}")
-                scorer.prepare(L)
-            bar.set_postfix_str("")
-            for line in notes(args, cfg):
-                tqdm.write(line, file=sys.stderr)
-            results = run_suites(
-                scorer,
-                cfg,
-                args.suites,
-                args.lengths,
-                text=text,
-                depths=args.depths,
-                samples=args.samples,
-                rows=args.rows,
-                seed=args.seed,
-                advance=bar.update,
-            )
-        except ValueError as e:  # WontFitError, too little held-out text, a kv_recall row too short
-            raise UsageError(str(e).splitlines()[0]) from None
-    seconds = time.perf_counter() - t0
-    for line in summary_lines(results):
+    settings = Settings(cfg, text, tuple(args.depths), args.samples, args.rows, args.seed)
+    digest = weights_digest(params)
+    key = make_settings(cfg.to_dict(), digest, args.depths, args.samples, args.rows, args.seed, args.text)
+    out = pathlib.Path(args.out) if args.out else None
+    results = Results(out, key, settings, {"ckpt": args.ckpt})
+    try:
+        results.read()
+    except Mismatch as e:
+        raise UsageError(str(e)) from None
+    return Evaluation(args, argv, cfg, params, settings, results)
+
+
+def _finish(ev: Evaluation, seconds: float) -> None:
+    """The summary of every cell the out folder holds (or this run scored), and the figures."""
+    results = ev.results
+    doc = results.document()
+    for line in summary_lines(doc):
         print(line)
-    print(f"evaluated in {seconds:.1f} s")
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "ckpt": args.ckpt,
-            "config": cfg.to_dict(),
-            "seconds": seconds,
-            "compiled_bytes": {str(L): scorer.bytes.get(L) for L in args.lengths},
-        }
+    if ev.todo:
+        print(f"evaluated {describe(ev.todo)} in {fmt_duration(seconds)}")
+    else:
+        print(f"nothing to run: {results.path} holds every result asked for")
+    if results.path is not None and results.cells:
         from nsa_jax.report.plots import evaluation_figures, save_figures  # noqa: PLC0415 - matplotlib: only for --out
 
-        paths = save_figures(evaluation_figures(results), out)
-        (out / RESULTS_FILE).write_text(json.dumps({"meta": meta, **results}, indent=1))
-        print(f"wrote {out / RESULTS_FILE} and {', '.join(p.name for p in paths.values())}")
-    return 0
+        paths = save_figures(evaluation_figures(doc), results.path.parent)
+        print(f"{results.path} holds {describe(results.cells)}; figures: {', '.join(p.name for p in paths.values())}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(build_parser, run, argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_main(build_parser, lambda args: run(args, argv), argv)
 
 
 if __name__ == "__main__":

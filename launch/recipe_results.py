@@ -9,10 +9,21 @@ import json
 import statistics
 from pathlib import Path
 
+from nsa_jax.evaluation.results import RESULTS_FILE, unfinished
 from nsa_jax.rundir import files as rf
 
 # Needle exact match a seed must reach at every depth of the first length (the report's target).
 TARGET = 0.90
+
+
+def evaluated(eval_dir: Path) -> bool:
+    """Whether the evaluation in `eval_dir` finished: an evaluation.json that a stopped launch.evaluate left with
+    results still pending is continued by running the same evaluation again."""
+    path = eval_dir / RESULTS_FILE
+    try:
+        return path.exists() and not unfinished(path)
+    except (OSError, ValueError):
+        return False  # unreadable: launch.evaluate says why
 
 
 def read_run(run: Path) -> dict:

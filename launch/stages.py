@@ -30,7 +30,7 @@ Ctrl-C (SIGINT) and SIGTERM are passed to the running stages once each (they sav
 checkpoint), and no new stage starts; a second Ctrl-C is passed on too (the stages quit
 at once). --resume continues the runs of an earlier command in the same OUT: a finished
 stage is a no-op, a stopped one resumes from its checkpoint, an evaluated run keeps its
-evaluation.
+evaluation, and a stopped evaluation continues where it stopped.
 
 Progress: one line per run start, stage and end on stdout, every line the run's processes
 print prefixed with `[recipe variant sSEED]`, then each run's summary line and, per
@@ -63,7 +63,7 @@ from collections import deque
 from pathlib import Path
 
 from launch.cli import Parser, UsageError, run_main
-from launch.recipe_results import read, report, summary_line
+from launch.recipe_results import evaluated, read, report, summary_line
 from launch.recipes import ROOT, RecipeFile, Stage, check_evaluate, load_recipe_file, set_flags, stages
 from nsa_jax.rundir import files as run_files
 from nsa_jax.words import count
@@ -242,7 +242,7 @@ class Runner:
                 if rc or why:
                     return self.stopped(run, rc, why, f"stage {i}/{n}", t0)
                 times.append(f"T={stage.seq_len} {int(time.monotonic() - s0)} s")
-            if (run.dir / "eval" / "evaluation.json").exists():
+            if evaluated(run.dir / "eval"):
                 self.say(f"{run.label}: evaluated before; keeping {run.dir / 'eval'}")
             else:
                 lengths = ",".join(map(str, self.ev["lengths"]))

@@ -207,7 +207,7 @@ sys.path.insert(0, "tests")
 from test_context import cfg_of, grads_loss_stats, rel
 rng = np.random.default_rng(1)
 out = {}
-for T in (128, 100):
+for T in (100,):  # ragged: padded to 128 over 4 devices, as over 2 x 2
     tokens = rng.integers(0, 40, size=(2, 2, T + 1)).astype(np.int32)
     ref = {D: grads_loss_stats(cfg_of(T, 1, D), tokens) for D in (1, 2)}
     for C, D in ((4, 1), (2, 2)):
@@ -230,7 +230,7 @@ def test_four_devices_equal_one_with_data_and_seq():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.split("RESULT", 1)[1])
-    assert set(result) == {"T128-C4xD1", "T128-C2xD2", "T100-C4xD1", "T100-C2xD2"}
+    assert set(result) == {"T100-C4xD1", "T100-C2xD2"}
     for case, err in result.items():
         assert err["loss"] < LOSS_TOL and err["grad"] < GRAD_TOL and err["stats"] < 1e-5, (case, err)
 
@@ -280,3 +280,41 @@ def test_a_checkpoint_of_two_devices_resumes_at_one_and_four(tmp_path):
             assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (C, step, got[step], want[step])
         env_json = json.loads((out / "env.json").read_text())
         assert env_json["mesh"]["shape"] == {1: {"data": 2, "seq": 1}, 4: {"data": 1, "seq": 4}}[C]
+    # Generation and evaluation of the C = 2 checkpoint run unchanged on one device.
+    one = cpu_env(devices=1)
+    r = run_module("launch.generate", "--ckpt", str(full), "--prompt", "ab", "--max-new-tokens", "8", env=one)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ev = tmp_path / "eval"
+    args = ["--ckpt", str(full), "--suites", "loss-by-position", "--lengths", "256", "--out", str(ev)]
+    r = run_module("launch.evaluate", *args, env=one)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (ev / "evaluation.json").exists()
+
+
+@pytest.mark.slow
+def test_the_pallas_kernels_under_two_devices_equal_one():
+    """The GPU path's kernels (interpreted here) at a query offset: C = 2 against C = 1, both selection kernels."""
+    tokens = np.random.default_rng(2).integers(0, 40, size=(1, 2, 91)).astype(np.int32)
+    for kernel in ("gather", "blocksparse"):
+        extra = ["model.nsa.attention_impl=pallas", f"model.nsa.selection_kernel={kernel}", "train.accumulate=1"]
+        g1, l1, _ = grads_loss_stats(cfg_of(90, 1, 1, *extra), tokens)
+        g2, l2, _ = grads_loss_stats(cfg_of(90, 2, 2, *extra), tokens)
+        assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL, kernel
+        assert max(rel(a, b) for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1))) < GRAD_TOL, kernel
+
+
+@pytest.mark.slow
+def test_a_sequence_split_over_two_processes(tmp_path):
+    """launch.spawn: 2 processes of one CPU device each, each sequence over both (seq spans the processes,
+    which read the same rows): the losses of one process with 2 devices."""
+    args = ["--steps", "3", *set_flags([*RUN, "parallel.context=2"])]
+    one = run_module(*LAUNCH_TRAIN[2:], *args, "--out-dir", str(tmp_path / "one"), env=cpu_env(devices=2))
+    assert one.returncode == 0, one.stderr[-2000:]
+    cmd = [*LAUNCH_TRAIN, *args, "--out-dir", str(tmp_path / "two")]
+    two = run_module("launch.spawn", "--nproc", "2", "--grace", "5", "--", *cmd, env=cpu_env(devices=1))
+    assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-2000:])
+    assert "[0] boot: 2 processes, 1 cpu device on the data axis x 2 on the seq axis" in two.stdout
+    want, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert set(got) == {1, 2, 3}
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])

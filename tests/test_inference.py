@@ -416,7 +416,8 @@ def test_cli_notes_and_prefill_progress(tmp_path, capsys, monkeypatch):
 def test_progress_reports_long_activities_only():
     import time
 
-    from nsa_jax.inference.progress import Progress, fmt_duration
+    from nsa_jax.inference.progress import Progress
+    from nsa_jax.progress_text import fmt_duration
 
     lines = []
     with Progress(lines.append, quiet_s=0.1, repeat_s=0.1) as p:

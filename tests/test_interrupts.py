@@ -26,6 +26,7 @@ import pytest
 
 from nsa_jax.config import load_config
 from nsa_jax.ops import preemption
+from nsa_jax.progress_text import fmt_duration
 from nsa_jax.rundir import resume
 from nsa_jax.train import loop, progress, schedule
 from nsa_jax.train import optimizer as O
@@ -331,8 +332,8 @@ def test_a_stop_during_a_long_step_waits_for_that_step_only_and_long_waits_say_s
 
 
 def test_durations_and_the_cpu_projection():
-    assert progress.fmt_duration(45) == "45s" and progress.fmt_duration(7500) == "2h05m"
-    assert progress.fmt_duration(70 * 86400 + 3600) == "70d01h"
+    assert fmt_duration(45) == "45s" and fmt_duration(7500) == "2h05m"
+    assert fmt_duration(70 * 86400 + 3600) == "70d01h"
     gpu = load_config("a100_pcie", [])
     assert progress.gpu_settings(gpu) == ["model.dtype bfloat16"]  # attention_impl auto runs XLA on a CPU
     warning = progress.cpu_projection(gpu, 50_000, 120.0, "cpu")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jax
 import numpy as np
 import pytest
 
-from nsa_jax.config import load_config
+from nsa_jax.config import load_config, replace
 from nsa_jax.data.needle import QUESTION, answer_mask, make_needle_row, needle_pieces
 from nsa_jax.data.tokenizers import ByteTokenizer
 from nsa_jax.evaluation import scoring
@@ -216,10 +217,11 @@ def test_cli_end_to_end(tmp_path):
     assert set(res["kv_recall"]["by_length"]) == {"128", "256"}
     assert res["meta"]["compiled_bytes"]["256"] > 0
     assert {p.name for p in out.glob("*.png")} == {"needle.png", "loss_by_position.png", "kv_recall.png"}
-    # The results are never overwritten.
+    # The results are never overwritten: other settings are refused.
     again = _cli(*args, "--out", str(out))
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
-        f"error: --out {out} already holds evaluation.json; pass another --out or move it away"
+        f"error: --out {out} holds the evaluation.json of another evaluation (rows 2 there, 4 here); run it with "
+        "the settings it was made with to continue it, or pass another --out"
     ]
 
 
@@ -383,3 +385,315 @@ def test_progress_bar_is_redrawn_while_nothing_advances_it():
     after = bar.n
     time.sleep(0.15)
     assert after >= 3 and bar.n == after  # redrawn while inside, not after
+
+
+# ---------------------------------------------------------------------------
+# launch.evaluate keeps each (suite, L) as it is done, projects its time, and stops on a signal
+
+
+def _key(**over):
+    """The comparability key of an evaluation of CFG (results.make_settings), with `over` changed."""
+    from nsa_jax.evaluation.results import make_settings
+
+    kw = dict(config=CFG.to_dict(), weights="w1", depths=DEPTHS, samples=2, rows=4, seed=0, text=[])
+    return make_settings(**{**kw, **over})
+
+
+def _suite_settings(samples=2):
+    from nsa_jax.evaluation.suites import Settings
+
+    return Settings(CFG, text_rows, tuple(DEPTHS), samples, 4, 0)
+
+
+def test_results_are_written_after_every_cell_and_read_back_to_skip_them(tmp_path):
+    from nsa_jax.evaluation.results import RESULTS_FILE, Results, describe, unfinished
+    from nsa_jax.evaluation.suites import cell
+
+    st, stub = _suite_settings(), Stub(lambda row: needle_at(row) is not None and needle_at(row) < len(row) // 2)
+    path = tmp_path / RESULTS_FILE
+    first = Results(tmp_path, _key(), st, {"ckpt": "ck"})
+    assert first.read() == [] and not path.exists()
+    first.add("needle", 200, cell(stub, "needle", 200, st), 1.5, pending=[("loss-by-position", 200), ("needle", 400)])
+    doc = json.loads(path.read_text())
+    assert doc["needle"]["lengths"] == [200] and doc["meta"]["seconds"] == {"needle": {"200": 1.5}}
+    assert unfinished(path) == [("loss-by-position", 200), ("needle", 400)]
+    first.add("loss-by-position", 200, cell(stub, "loss-by-position", 200, st), 0.5, pending=[("needle", 400)])
+    # The same evaluation again: what is on disk is done, the rest is not.
+    again = Results(tmp_path, _key(), st, {"ckpt": "ck"})
+    assert sorted(again.read()) == [("loss-by-position", 200), ("needle", 200)]
+    assert again.done("needle", 200) and not again.done("needle", 400)
+    again.add("needle", 400, cell(stub, "needle", 400, st), 2.0, pending=[])
+    doc = json.loads(path.read_text())
+    whole = run_suites(stub, CFG, ["needle", "loss-by-position"], [200, 400], text=text_rows, depths=DEPTHS)
+    assert doc["needle"] == whole["needle"]  # cells joined as the suites join them
+    assert doc["loss-by-position"]["by_length"] == {"200": whole["loss-by-position"]["by_length"]["200"]}
+    assert unfinished(path) == [] and doc["meta"]["seconds"]["needle"] == {"200": 1.5, "400": 2.0}
+    assert describe(again.cells) == "needle, loss-by-position at L=200; needle at L=400"
+
+
+def test_results_of_other_settings_are_refused_in_one_line(tmp_path):
+    from nsa_jax.evaluation.results import RESULTS_FILE, Mismatch, Results
+    from nsa_jax.evaluation.suites import cell
+
+    st = _suite_settings()
+    Results(tmp_path, _key(), st, {}).add("needle", 200, cell(Stub(lambda r: True), "needle", 200, st), 1.0, [])
+    path = tmp_path / RESULTS_FILE
+    before = path.read_bytes()
+    fix = "run it with the settings it was made with to continue it, or pass another --out"
+    other = f"--out {tmp_path} holds the {RESULTS_FILE} of another evaluation"
+    cases = {
+        "samples 2 there, 3 here": _key(samples=3),
+        "the weights (another checkpoint, or another step of it)": _key(weights="w2"),
+        "seed 0 there, 1 here; the text": _key(seed=1, text=[__file__]),
+        "model.nsa.w 16 there, 32 here": _key(config=replace(CFG, ["model.nsa.w=32"]).to_dict()),
+    }
+    for said, key in cases.items():
+        with pytest.raises(Mismatch) as e:
+            Results(tmp_path, key, st, {}).read()
+        assert str(e.value) == f"{other} ({said}); {fix}"
+    path.write_text(json.dumps({"needle": {"lengths": [200]}}))  # an evaluation.json from before settings were kept
+    with pytest.raises(Mismatch, match=r"records no settings \(an older evaluation\), so it cannot be continued"):
+        Results(tmp_path, _key(), st, {}).read()
+    path.write_bytes(before)
+    assert Results(tmp_path, _key(), st, {}).read() == [("needle", 200)]
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    from nsa_jax.evaluation import results
+    from nsa_jax.evaluation.suites import cell
+
+    st, stub = _suite_settings(), Stub(lambda r: True)
+    kept = results.Results(tmp_path, _key(), st, {})
+    kept.add("needle", 200, cell(stub, "needle", 200, st), 1.0, [])
+    before = (tmp_path / results.RESULTS_FILE).read_bytes()
+
+    class HalfWrite:
+        """A file that takes half the text, then fails, as a crash or a full disk would leave it."""
+
+        def __init__(self, path, *args, **kwargs):
+            self.f = open(path, *args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results, "open", HalfWrite, raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        kept.add("needle", 400, cell(stub, "needle", 400, st), 1.0, [])
+    assert (tmp_path / results.RESULTS_FILE).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [results.RESULTS_FILE]  # no partial file left behind
+    assert ("needle", 400) not in kept.kept  # a stop now names only what the file holds
+
+
+def test_projections_from_a_shorter_length_and_from_the_first_batch():
+    from launch.evaluate import projection_line
+    from nsa_jax.evaluation.timing import CostModel, Rates, query_keys
+    from nsa_jax.info import keys_per_query
+
+    rates = Rates(lambda L: L * L)
+    assert np.isnan(rates.per_batch(100)[0])  # nothing measured: nothing projected
+    rates.add(100, 2.0)
+    scaled = "scaled from L=100's 2.0s a batch by the attention cost model"
+    assert rates.per_batch(100) == (2.0, "measured") and rates.per_batch(200) == (8.0, scaled)
+    assert rates.per_batch(50) == (0.5, scaled)  # the shortest measured length above, when none is below
+    assert rates.total([(200, 3), (100, 1)]) == 26.0
+    assert projection_line(200, "length 2 of 3", rates, 3, [(400, 2)]) == (
+        f"L=200: length 2 of 3: projected 24s for this length, 1m28s for the command ({scaled})"
+    )
+    rates.add(200, 10.0)  # its first batch took longer than projected: the rest follows the measurement
+    assert projection_line(200, "first batch 10s", rates, 2, [(400, 2)]) == (
+        "L=200: first batch 10s: projected 20s for this length, 1m40s for the command (this length's first batch; "
+        "the longer ones scaled by the attention cost model)"
+    )
+    assert projection_line(200, "first batch 10s", rates, 0, [(400, 2)]) == (
+        "L=200: first batch 10s: projected 1m20s for the rest of the command (this length's first batch; "
+        "the longer ones scaled by the attention cost model)"
+    )
+    # The cost model: the XLA path (CPU) scores every compressed token for every query; the kernels read the causal
+    # keys. Both grow the cost of a row faster than its length.
+    tiny = CFG.model
+    a = tiny.nsa
+    assert query_keys(tiny, 4096, "cpu") == (4096 - a.l) // a.d + 1 + a.n * a.lp + a.query_chunk + a.w - 1
+    gpu = load_config("a100_pcie").model
+    assert query_keys(gpu, 4096, "gpu") == keys_per_query(gpu, 4096)["nsa_total"]
+    cost = CostModel(tiny, 1_000_000, "cpu")
+    assert cost.dense == 2 * (1_000_000 - tiny.vocab_size * tiny.d_model)
+    assert cost(100_000) / cost(256) > 3 * 100_000 / 256
+
+
+def test_a_stop_signal_says_what_was_kept_and_exits_as_training_does():
+    import os
+    import signal
+    import threading
+
+    from nsa_jax.ops.preemption import QuitOnSignal
+
+    for sig, status in ((signal.SIGTERM, 0), (signal.SIGINT, 130)):
+        said, codes, ended = [], [], threading.Event()
+        guard = QuitOnSignal(lambda name: f"stopped by {name}", said.append, lambda c: (codes.append(c), ended.set()))
+        before = signal.getsignal(sig)
+        guard.install()
+        try:
+            os.kill(os.getpid(), sig)
+            assert ended.wait(5), f"{sig.name} did not end it"
+        finally:
+            guard.uninstall()
+        assert said == [f"stopped by {sig.name}"] and codes == [status]
+        assert signal.getsignal(sig) is before
+    # A second signal while the first one's line waits (a write finishing): quits at once.
+    release, said, codes, ended = threading.Event(), [], [], threading.Event()
+
+    def slow_line(name):
+        release.wait(5)
+        return "late"
+
+    guard = QuitOnSignal(slow_line, said.append, lambda c: (codes.append(c), ended.set()))
+    guard.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert ended.wait(5)
+    finally:
+        release.set()
+        guard.uninstall()
+    assert said[0] == "SIGINT again: quitting now" and codes[0] == 130
+
+
+def test_the_same_command_skips_what_its_out_folder_holds(tmp_path, capsys):
+    """In process, a tiny model: the same command again skips what evaluation.json holds and says so (one that
+    adds a length: test_a_stopped_long_evaluation...; one with other settings: test_cli_end_to_end)."""
+    from launch.evaluate import main
+    from launch.generate import write_inference_dir
+    from nsa_jax.inference.decode import inference_config
+    from nsa_jax.info import param_shapes
+
+    # A checkpoint directory of random weights drawn on the host: nothing compiles an initialisation.
+    cfg = load_config("cpu_tiny", SMALL)
+    rng = np.random.default_rng(0)
+    shapes = param_shapes(inference_config(cfg.model))
+    write_inference_dir(tmp_path / "ckpt", cfg, jax.tree.map(lambda x: 0.02 * rng.standard_normal(x.shape), shapes))
+    text = tmp_path / "hay.txt"
+    text.write_text(HAY)
+    out = tmp_path / "eval"
+    argv = ["--ckpt", str(tmp_path / "ckpt"), "--text", str(text), "--no-progress", "--out", str(out)]
+    argv += ["--suites", "loss-by-position,kv_recall", "--rows", "1", "--batch-size", "1"]
+    assert main([*argv, "--lengths", "256,128"]) == 0
+    first = capsys.readouterr()
+    assert "L=128: length 1 of 2, batches of 1 row: loss-by-position 1, kv_recall 1: " in first.err
+    assert re.search(
+        r"^L=256: length 2 of 2, .*: projected [\d.]+s for this length \(scaled from L=128's ", first.err, re.M
+    )
+    assert "skipping" not in first.err
+    doc = json.loads((out / "evaluation.json").read_text())
+    assert list(doc["kv_recall"]["by_length"]) == ["128", "256"] and doc["meta"]["pending"] == []
+    # The same command again: nothing to run; the summary and the figures come from the file.
+    assert main([*argv, "--lengths", "256,128"]) == 0
+    again = capsys.readouterr()
+    skip = f"skipping loss-by-position, kv_recall at L=128, 256: in {out / 'evaluation.json'} already"
+    assert again.err.splitlines() == [f"{skip} (the same weights and settings)"], again.err
+    assert f"nothing to run: {out / 'evaluation.json'} holds every result asked for" in again.out
+    assert "kv_recall L=256: " in again.out and json.loads((out / "evaluation.json").read_text()) == doc
+
+
+# A launch.evaluate started as a terminal starts it: SIGINT at its default action (a background job of a
+# script inherits it ignored; exec keeps the default this sets). No preexec_fn: this process has jax loaded.
+WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+)
+
+
+class Evaluate:
+    """A `python -m launch.evaluate` subprocess whose stderr lines are read as they come (the progress bar's
+    redraws cut off: a line is what follows its last carriage return)."""
+
+    def __init__(self, args: list[str]):
+        import subprocess
+        import sys
+        import threading
+
+        from helpers import ROOT
+
+        cmd = [sys.executable, "-c", WITH_SIGINT, sys.executable, "-m", "launch.evaluate", *args]
+        env = cpu_env(devices=None)
+        self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.err: list[str] = []
+        self.out: list[str] = []
+        self._out = threading.Thread(target=lambda: self.out.extend(self.p.stdout), daemon=True)
+        self._out.start()
+
+    def until(self, text: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        for raw in self.p.stderr:
+            self.err.append(raw.rstrip("\n").rsplit("\r", 1)[-1])
+            if text in self.err[-1]:
+                return self.err[-1]
+            if time.monotonic() > deadline:
+                break
+        self.p.kill()
+        raise AssertionError(f"no line with {text!r} in:\n" + "\n".join(self.err))
+
+    def finish(self, timeout: float = 60) -> int:
+        rc = self.p.wait(timeout)
+        self.err.extend(raw.rstrip("\n").rsplit("\r", 1)[-1] for raw in self.p.stderr)
+        self._out.join(10)
+        return rc
+
+
+@pytest.mark.slow
+def test_a_stopped_long_evaluation_keeps_what_it_did_and_the_same_command_continues(tmp_path):
+    """cpu_tiny at L=256 then 100,000 (minutes a batch on a CPU): SIGTERM once 256 is done and 100,000 started
+    ends it at once (exit 0), keeping L=256 and naming the command; that command skips 256, projects 100,000 from
+    one timed batch at 1,024, and a Ctrl-C ends it with 130."""
+    import shlex
+    import signal
+
+    from launch.generate import write_inference_dir
+    from nsa_jax.model import init_params
+
+    cfg = load_config("cpu_tiny")
+    write_inference_dir(tmp_path / "ckpt", cfg, jax.jit(lambda k: init_params(cfg.model, k))(jax.random.PRNGKey(0)))
+    (tmp_path / "hay.txt").write_text(HAY)
+    out = tmp_path / "eval"
+    results = out / "evaluation.json"
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--lengths", "256,100000", "--suites", "loss-by-position"]
+    args += ["--rows", "1", "--batch-size", "1", "--text", str(tmp_path / "hay.txt"), "--out", str(out)]
+    again = f"run the same command: python -m launch.evaluate {shlex.join(args)}"
+
+    first = Evaluate(args)
+    line = first.until("L=100,000: length 2 of 2")
+    minutes = r"(\d+h\d\dm|\d+m\d\ds)"  # a batch at 100,000 takes minutes on a CPU
+    assert re.search(rf": projected {minutes} for this length \(scaled from L=256's [\d.]+s a batch by the", line), line
+    assert any(x.startswith("L=256: done in ") for x in first.err), first.err
+    t_sent = time.monotonic()
+    first.p.send_signal(signal.SIGTERM)
+    assert first.finish() == 0, first.err
+    assert time.monotonic() - t_sent < 15  # at once: not after the batch in flight, which takes minutes
+    stops = [x for x in first.err if "stopped by" in x]
+    assert stops == [
+        f"stopped by SIGTERM: {results} keeps loss-by-position at L=256 (1 added by this run); to continue from "
+        f"L=100,000 {again}"
+    ], first.err
+    kept = json.loads(results.read_text())
+    assert list(kept["loss-by-position"]["by_length"]) == ["256"]
+    assert kept["meta"]["pending"] == [["loss-by-position", 100000]]
+
+    second = Evaluate(args)
+    line = second.until("L=100,000: length 1 of 1")
+    assert f"skipping loss-by-position at L=256: in {results} already (the same weights and settings)" in second.err
+    assert "L=100,000: timing one batch at L=1,024 first, to project how long L=100,000 takes" in second.err
+    assert re.search(rf": projected {minutes} for this length \(scaled from L=1,024's ", line), line
+    assert not any(x.startswith("L=256: length") for x in second.err)
+    second.p.send_signal(signal.SIGINT)
+    assert second.finish() == 130, second.err
+    assert [x for x in second.err if "stopped by" in x] == [
+        f"stopped by SIGINT: {results} keeps loss-by-position at L=256 (0 added by this run); to continue from "
+        f"L=100,000 {again}"
+    ], second.err
+    assert json.loads(results.read_text())["loss-by-position"] == kept["loss-by-position"]

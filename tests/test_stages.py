@@ -300,3 +300,20 @@ def test_a_bad_runbook_variable_is_named_before_anything_runs(tmp_path, capsys, 
     args = stages.build_parser().parse_args(["--recipe", "smoke:two", "--seeds", "1", "--out", str(tmp_path / "o")])
     _, _, (run,) = stages.plan(args)
     assert [s.seq_len for s in run.stages] == [128, 256]
+
+
+def test_an_evaluation_left_unfinished_is_run_again(tmp_path):
+    """launch.evaluate records the cells it has not finished; --resume keeps only a finished evaluation."""
+    ev = tmp_path / "eval"
+    assert not stages.evaluated(ev)
+    ev.mkdir()
+    doc = {"meta": {"pending": [["needle", 4096]]}, "needle": {"lengths": [1024], "accuracy": [[1.0]]}}
+    (ev / "evaluation.json").write_text(json.dumps(doc))
+    assert not stages.evaluated(ev)
+    doc["meta"]["pending"] = []
+    (ev / "evaluation.json").write_text(json.dumps(doc))
+    assert stages.evaluated(ev)
+    (ev / "evaluation.json").write_text(json.dumps({"needle": doc["needle"]}))  # written before pending was kept
+    assert stages.evaluated(ev)
+    (ev / "evaluation.json").write_text("{")  # unreadable: launch.evaluate is run, and says why
+    assert not stages.evaluated(ev)

@@ -18,9 +18,10 @@ import pytest
 
 from nsa_jax.config import load_config
 from nsa_jax.model import NSALM, cross_entropy
+from nsa_jax.progress_text import fmt_duration
 from nsa_jax.train import optimizer as O
 from nsa_jax.train import step as S
-from nsa_jax.train.progress import fmt_duration, progress_line
+from nsa_jax.train.progress import progress_line
 from nsa_jax.train.state import init_state
 
 from helpers import TINY_NSA, host_train_state, rel_err

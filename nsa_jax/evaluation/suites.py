@@ -14,12 +14,20 @@ Suites (SUITES), each returning a JSON-ready dict:
   - `kv_recall`: rows of data/kv_recall.py at length L (the model's vocabulary, window
     and the config's kv_* settings), accuracy by query - pair distance.
 
+A suite is scored one length at a time: `cell(scorer, suite, L, settings)` is the result
+of one (suite, L) pair, the unit launch.evaluate keeps as soon as it is done;
+`assemble` joins cells into the per-suite dicts above (the shape of evaluation.json);
+`run_suites` does both for a list of suites and lengths (training's eval.suites).
+`Settings` holds what a cell depends on besides the scorer and L.
+
 `text(L, n)` is a `TextRows` (held-out rows from the run's validation split through
 the data pipelines, or from text files) or any callable returning int32 [n, L + 1].
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import pathlib
 from typing import Any, Callable, Sequence
 
@@ -104,12 +112,29 @@ def batches(n_rows: int, batch: int) -> int:
     return -(-n_rows // batch)
 
 
-def loss_by_position(scorer, text: Rows, lengths: Sequence[int], rows: int, advance: Advance = _noop) -> dict:
-    out = {}
-    for L in lengths:
-        nll, _ = _run_rows(scorer, text(L, rows), advance)
-        out[str(L)] = scoring.loss_by_position(nll)
-    return {"rows": rows, "by_length": out}
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the suites' rows and figures depend on besides the scorer and the length L."""
+
+    cfg: Config
+    text: Rows
+    depths: Sequence[float] = DEFAULT_DEPTHS
+    samples: int = 2
+    rows: int = 4
+    seed: int = 0
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        return make_tokenizer(self.cfg.data)
+
+    def rows_of(self, suite: str) -> int:
+        """Rows one (suite, L) cell scores."""
+        return len(self.depths) * self.samples if suite == "needle" else self.rows
+
+
+def cell_batches(suite: str, settings: Settings, B: int) -> int:
+    """Scorer calls of one (suite, L) cell with `B` rows a call."""
+    return batches(settings.rows_of(suite), B)
 
 
 def needle_rows(text: Rows, tokenizer: Any, L: int, depths: Sequence[float], samples: int, seed: int):
@@ -123,66 +148,75 @@ def needle_rows(text: Rows, tokenizer: Any, L: int, depths: Sequence[float], sam
     ]
 
 
-def needle(
-    scorer,
-    text: Rows,
-    tokenizer: Any,
-    lengths: Sequence[int],
-    depths: Sequence[float],
-    samples: int,
-    seed: int = 0,
-    advance: Advance = _noop,
-) -> dict:
-    """{'lengths', 'depths', 'accuracy' [L][depth], 'logprob' [L][depth], 'samples'}."""
-    acc = np.zeros((len(lengths), len(depths)))
-    logp = np.zeros((len(lengths), len(depths)))
-    for i, L in enumerate(lengths):
-        built = needle_rows(text, tokenizer, L, depths, samples, seed)
-        tokens = np.stack([r.tokens_T1 for _, _, r in built])
-        nll, hit = _run_rows(scorer, tokens, advance)
-        lp_N, exact_N = scoring.answer_scores(nll, hit, np.stack([answer_mask(r) for _, _, r in built]))
-        d_N = np.array([d for d, _, _ in built])
-        for d in range(len(depths)):
-            acc[i, d] = exact_N[d_N == d].mean()
-            logp[i, d] = lp_N[d_N == d].mean()
-    return {
-        "lengths": list(lengths),
-        "depths": list(depths),
-        "samples": samples,
-        "accuracy": acc.tolist(),
-        "logprob": logp.tolist(),
-    }
+def _needle_cell(scorer, L: int, st: Settings, advance: Advance) -> dict:
+    """{'accuracy' [depth], 'logprob' [depth]}: mean exact match and answer log-probability per depth."""
+    built = needle_rows(st.text, st.tokenizer, L, st.depths, st.samples, st.seed)
+    tokens = np.stack([r.tokens_T1 for _, _, r in built])
+    nll, hit = _run_rows(scorer, tokens, advance)
+    lp_N, exact_N = scoring.answer_scores(nll, hit, np.stack([answer_mask(r) for _, _, r in built]))
+    d_N = np.array([d for d, _, _ in built])
+    acc = [float(exact_N[d_N == d].mean()) for d in range(len(st.depths))]
+    logp = [float(lp_N[d_N == d].mean()) for d in range(len(st.depths))]
+    return {"accuracy": acc, "logprob": logp}
 
 
-def kv_recall(scorer, cfg: Config, lengths: Sequence[int], rows: int, seed: int = 0, advance: Advance = _noop) -> dict:
-    out = {}
-    for L in lengths:
-        kv = make_kv_batch(
-            np.random.default_rng([seed, L]),
-            rows,
-            L,
-            cfg.model.vocab_size,
-            cfg.model.nsa.w,
-            cfg.data.kv_pairs,
-            cfg.data.kv_queries,
-            "random",
-            cfg.data.kv_format,
-        )
-        _, hit = _run_rows(scorer, kv.tokens_BxT1, advance)
-        out[str(L)] = scoring.kv_by_distance(hit, kv.pair_key_pos_BxQ, kv.query_key_pos_BxQ, L)
-    return {"rows": rows, "by_length": out}
+def _loss_cell(scorer, L: int, st: Settings, advance: Advance) -> dict:
+    nll, _ = _run_rows(scorer, st.text(L, st.rows), advance)
+    return scoring.loss_by_position(nll)
 
 
-def count_batches(
-    suites: Sequence[str], lengths: Sequence[int], depths: Sequence[float], samples: int, rows: int, B: int
-):
-    """Scorer calls the suites will make (the progress bar's total)."""
-    per_length = {
-        "needle": batches(len(depths) * samples, B),
-        "loss-by-position": batches(rows, B),
-        "kv_recall": batches(rows, B),
-    }
-    return sum(per_length[s] for s in suites) * len(lengths)
+def _kv_cell(scorer, L: int, st: Settings, advance: Advance) -> dict:
+    c = st.cfg
+    kv = make_kv_batch(
+        np.random.default_rng([st.seed, L]),
+        st.rows,
+        L,
+        c.model.vocab_size,
+        c.model.nsa.w,
+        c.data.kv_pairs,
+        c.data.kv_queries,
+        "random",
+        c.data.kv_format,
+    )
+    _, hit = _run_rows(scorer, kv.tokens_BxT1, advance)
+    return scoring.kv_by_distance(hit, kv.pair_key_pos_BxQ, kv.query_key_pos_BxQ, L)
+
+
+_CELLS = {"needle": _needle_cell, "loss-by-position": _loss_cell, "kv_recall": _kv_cell}
+
+
+def cell(scorer, suite: str, L: int, settings: Settings, advance: Advance = _noop) -> dict:
+    """One suite at one length L, JSON-ready: the unit an evaluation keeps as soon as it is done.
+
+    `advance(1)` after every scorer call (a progress bar).
+    """
+    if suite not in _CELLS:
+        raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    return _CELLS[suite](scorer, L, settings, advance)
+
+
+def assemble(cells: dict[tuple[str, int], dict], settings: Settings) -> dict:
+    """{suite: result} of the (suite, L) cells given, lengths ascending:
+
+    needle: {'lengths', 'depths', 'samples', 'accuracy' [L][depth], 'logprob' [L][depth]};
+    loss-by-position and kv_recall: {'rows', 'by_length': {str(L): cell}}.
+    """
+    out: dict[str, Any] = {}
+    for suite in SUITES:
+        lengths = sorted(L for s, L in cells if s == suite)
+        if not lengths:
+            continue
+        if suite == "needle":
+            out[suite] = {
+                "lengths": lengths,
+                "depths": list(settings.depths),
+                "samples": settings.samples,
+                "accuracy": [cells[suite, L]["accuracy"] for L in lengths],
+                "logprob": [cells[suite, L]["logprob"] for L in lengths],
+            }
+        else:
+            out[suite] = {"rows": settings.rows, "by_length": {str(L): cells[suite, L] for L in lengths}}
+    return out
 
 
 def run_suites(
@@ -198,22 +232,15 @@ def run_suites(
     seed: int = 0,
     advance: Advance = _noop,
 ) -> dict:
-    """{suite: result} for the suites named; every L is prepared (and may be refused) before any runs."""
+    """{suite: result} (`assemble`) for the suites named; every L is prepared (and may be refused) before any runs."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)}")
     for L in lengths:
         scorer.prepare(L)
-    out: dict[str, Any] = {}
-    for s in suites:
-        if s == "needle":
-            tok = make_tokenizer(cfg.data)
-            out[s] = needle(scorer, text, tok, lengths, depths, samples, seed, advance)
-        elif s == "loss-by-position":
-            out[s] = loss_by_position(scorer, text, lengths, rows, advance)
-        else:
-            out[s] = kv_recall(scorer, cfg, lengths, rows, seed, advance)
-    return out
+    settings = Settings(cfg, text, tuple(depths), samples, rows, seed)
+    cells = {(s, L): cell(scorer, s, L, settings, advance) for s in suites for L in lengths}
+    return assemble(cells, settings)
 
 
 def scalars(results: dict) -> dict[str, float]:

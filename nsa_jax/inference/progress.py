@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Callable
 
-from nsa_jax.train.progress import fmt_duration
+from nsa_jax.progress_text import fmt_duration, so_far
 
 # Seconds of silence after which a line says what is going on, then between the lines of
 # the same activity: every 10 s, as the README and launch.generate's --help say.
@@ -114,7 +114,7 @@ class Progress:
                 if self._what is None or now - max(self._last, self._t0) < wait:
                     continue
                 self._reported = True
-                self._print(f"{_text(self._what)}: {fmt_duration(now - self._t0)} so far")
+                self._print(so_far(_text(self._what), now - self._t0))
 
 
 def _text(what: What) -> str:

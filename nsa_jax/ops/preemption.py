@@ -9,6 +9,11 @@ once (by that signal, after one line on stderr): a save in flight is left under 
 temporary name, so the newest committed checkpoint stays the one a resume reads, and the
 line names that step, read just before the exit (a save that commits while the output is
 flushed counts). From that signal on the run says nothing more (`on_abort`).
+
+`QuitOnSignal` is the same two signals for a command that keeps each finished piece
+of work as it goes (launch.evaluate): the work in flight belongs to nothing kept, so
+the first signal ends the process at once, with one line saying what was kept and
+how to go on, and the status a training run gives (0 after SIGTERM, 130 after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -199,3 +204,82 @@ class PreemptionGuard:
         local = np.full((mesh.local_mesh.size,), int(flag), np.int32)
         flags = jax.make_array_from_process_local_data(NamedSharding(mesh, P(axis)), local, (mesh.size,))
         return self._reduce(flags)
+
+
+class QuitOnSignal:
+    """SIGTERM or SIGINT -> `say(line(name))` and the end of the process: status 0 (SIGTERM) or 130 (SIGINT).
+
+    Seen by a WakeupReader thread, so it acts while the main thread waits on a device or
+    a compile. The first signal runs `line` in a thread of its own (it may wait a moment:
+    a command takes the lock its writes hold, so the line names what is on disk); a second
+    one while that runs ends the process at once with 128 + its number, as training's
+    second signal does. Only the main thread installs it (without it the signals keep
+    their default action).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    STATUS = {signal.SIGTERM: 0, signal.SIGINT: 128 + signal.SIGINT}
+
+    def __init__(
+        self,
+        line: Callable[[str], str],
+        say: Callable[[str], None] | None = None,
+        exit_fn: Callable[[int], Any] | None = None,
+    ):
+        self.line = line
+        self.say = say or (lambda msg: os.write(2, (msg + "\n").encode()))
+        self._exit = exit_fn or os._exit
+        self._prev: dict[int, Any] = {}
+        self._wakeup = WakeupReader(self.SIGNALS, self._on_signals, "nsa-quit-signals")
+        self._seen = 0
+        self._installed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            # The reader thread acts; the Python handler only keeps the default action (and
+            # KeyboardInterrupt) away from the main thread.
+            self._prev[sig] = signal.signal(sig, lambda signum, frame: None)
+        self._seen = 0
+        self._wakeup.start()
+        self._installed = True
+
+    def uninstall(self) -> None:
+        if not self._installed:
+            return
+        self._installed = False
+        for sig, prev in self._prev.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._wakeup.stop()
+
+    def _on_signals(self, numbers: list[int]) -> bool:
+        for signum in numbers:
+            self._seen += 1
+            if self._seen == 1:
+                threading.Thread(target=self._quit, args=(signum,), name="nsa-quit", daemon=True).start()
+            else:
+                name = signal.Signals(signum).name
+                self._end(f"{name} again: quitting now", 128 + signum)
+                return False
+        return True
+
+    def _quit(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        try:
+            text = self.line(name)
+        except Exception as e:  # noqa: BLE001 - the stop must not depend on it
+            text = f"{name}: stopping ({type(e).__name__} while saying what was kept: {e})"
+        self._end(text, self.STATUS[signal.Signals(signum)])
+
+    def _end(self, text: str, status: int) -> None:
+        # What was printed so far is flushed, in a thread given a second: a stdout that blocks
+        # (a full pipe) must not keep the process alive.
+        flush = threading.Thread(target=_flush_stdout, daemon=True)
+        flush.start()
+        flush.join(1.0)
+        try:
+            self.say(text)
+        except Exception:  # noqa: BLE001 - the exit must not depend on it
+            pass
+        self._exit(status)

@@ -50,6 +50,7 @@ from nsa_jax.evaluation.training import RunEvaluation
 from nsa_jax.ops.health import Health, halt_requested
 from nsa_jax.ops.memory import check_fits, compiled_memory, describe
 from nsa_jax.ops.preemption import PreemptionGuard
+from nsa_jax.progress_text import fmt_duration
 from nsa_jax.rundir import resume
 from nsa_jax.rundir.files import HALT_FILE, write_halt
 from nsa_jax.train import metrics, progress, schedule
@@ -119,7 +120,7 @@ class Trainer:
 
     def _last_step_note(self) -> str:
         last = getattr(self, "_last_step_s", None)
-        return f" (the last step took {progress.fmt_duration(last)})" if last else ""
+        return f" (the last step took {fmt_duration(last)})" if last else ""
 
     def _next_tokens(self) -> np.ndarray:
         if self._first is not None:
@@ -189,7 +190,7 @@ class Trainer:
         finally:
             self._close(start, t_start, error)
         s = self.summary
-        done, loop_s, fmt = s["steps_done"] - start, s["loop_s"], progress.fmt_duration
+        done, loop_s, fmt = s["steps_done"] - start, s["loop_s"], fmt_duration
         self.say(
             f"done: {count(done, 'step')} in {fmt(loop_s)} (+{fmt(s['wall_s'] - loop_s)} boot/compile) | "
             f"{s['toks_per_s']:,.0f} tok/s | loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}"

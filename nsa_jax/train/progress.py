@@ -18,13 +18,13 @@ Nothing here touches the device or the run directory; the loop (loop.py) calls i
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
 from typing import Callable
 
 from nsa_jax.config import Config
+from nsa_jax.progress_text import fmt_duration, so_far
 from nsa_jax.words import count
 
 # While the run works, a line at least this often (a long compile, step or evaluation says
@@ -32,20 +32,6 @@ from nsa_jax.words import count
 QUIET_S = 25.0
 # Warn with the projected time when a run on a CPU would take longer than this.
 CPU_PROJECTION_WARN_S = 12 * 3600.0
-
-
-def fmt_duration(seconds: float) -> str:
-    """45 -> '45s', 83 -> '1m23s', 7500 -> '2h05m', 6048000 -> '70d00h'."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
 
 
 # The largest model meant for a CPU, d_model x n_layers (configs/cpu_small.yaml: 384 x 6). Telling a run
@@ -175,7 +161,7 @@ class Reporter:
             if activity is None or time.perf_counter() - self._last_said < QUIET_S:
                 continue
             what, t0 = activity
-            self.say(f"{what}: {fmt_duration(time.perf_counter() - t0)} so far" + self._note())
+            self.say(so_far(what, time.perf_counter() - t0) + self._note())
 
 
 class StepLines:

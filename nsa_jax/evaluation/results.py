@@ -1,0 +1,214 @@
+"""launch.evaluate's evaluation.json: written whole after every (suite, L) cell, read back to skip what is done.
+
+The file holds the suites' results in the shape `suites.assemble` gives them (what the
+plots and launch.stages read) and `meta`:
+
+  - `settings`: what makes two cells comparable (`make_settings`): a digest of the
+    weights (another checkpoint, or another step of the same run, differs), the
+    config, the needle depths and samples, the rows, the seed and the text (the files'
+    digests, or the run's validation split);
+  - `pending`: the [suite, L] cells the latest command asked for and has not finished
+    ([] once it did: launch.stages reads this, `unfinished`);
+  - `seconds` {suite: {L: seconds}}, `compiled_bytes` {L: bytes per device}, `ckpt` (the path given).
+
+Every write is whole (`write_whole`): the text goes to a temporary file in the same
+folder, is flushed to the disk, and is renamed over evaluation.json, so a stop, a
+crash or a full disk at any moment leaves the previous file or the new one, never a
+mix and never less than was there.
+
+A file made with other settings is refused (`Mismatch`: one line naming the first
+differences and the fix) rather than recomputed or mixed: recomputing would overwrite
+results someone kept, and mixing would put incomparable cells side by side in one table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import threading
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from nsa_jax.evaluation.suites import SUITES, Settings, assemble
+
+RESULTS_FILE = "evaluation.json"
+
+Cell = tuple[str, int]
+
+
+class Mismatch(ValueError):
+    """The out folder holds results that cannot be continued with these settings; one line naming the fix."""
+
+
+def weights_digest(params: Any) -> str:
+    """A digest of every array of `params` (path, dtype, shape and bytes): equal exactly when the weights are."""
+    import jax  # noqa: PLC0415 - only for the tree walk
+
+    h = hashlib.blake2b(digest_size=16)
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda kv: jax.tree_util.keystr(kv[0])):
+        x = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}|{x.dtype}|{x.shape}|".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    return hashlib.blake2b(pathlib.Path(path).read_bytes(), digest_size=16).hexdigest()
+
+
+def make_settings(
+    config: dict, weights: str, depths: Sequence[float], samples: int, rows: int, seed: int, text: Sequence[str]
+) -> dict:
+    """The comparability key of an evaluation (module docstring), as JSON reads it back."""
+    settings = {
+        "weights": weights,
+        "depths": list(depths),
+        "samples": samples,
+        "rows": rows,
+        "seed": seed,
+        "text": [{"file": os.path.basename(f), "digest": file_digest(f)} for f in text] or "validation split",
+        "config": config,
+    }
+    return json.loads(json.dumps(settings))
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+def differences(there: dict, here: dict, most: int = 3) -> list[str]:
+    """The first `most` settings that differ, as 'samples 2 there, 4 here' (weights and text by name only)."""
+    out = []
+    a, b = _flat(there), _flat(here)
+    for key in [*b, *(k for k in a if k not in b)]:
+        if a.get(key) == b.get(key):
+            continue
+        if key == "weights":
+            out.append("the weights (another checkpoint, or another step of it)")
+        elif key.startswith("text"):
+            if "the text" not in out:
+                out.append("the text")
+        else:
+            out.append(f"{key.removeprefix('config.')} {a.get(key, '(none)')} there, {b.get(key, '(none)')} here")
+    return out[:most]
+
+
+def write_whole(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path` so that `path` holds the old text or the new, whole, at every moment."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_cells(doc: dict) -> dict[Cell, dict]:
+    """The (suite, L) cells of an evaluation.json document."""
+    cells: dict[Cell, dict] = {}
+    needle = doc.get("needle")
+    if needle:
+        for L, acc, lp in zip(needle["lengths"], needle["accuracy"], needle["logprob"]):
+            cells["needle", int(L)] = {"accuracy": acc, "logprob": lp}
+    for suite in SUITES:
+        if suite != "needle" and suite in doc:
+            for L, r in doc[suite]["by_length"].items():
+                cells[suite, int(L)] = r
+    return cells
+
+
+def unfinished(path: str | os.PathLike) -> list[Cell]:
+    """The cells the latest command that wrote `path` asked for and did not finish ([] for a file without `pending`)."""
+    doc = json.loads(pathlib.Path(path).read_text())
+    return [(s, int(L)) for s, L in doc.get("meta", {}).get("pending", [])]
+
+
+def describe(cells: Iterable[Cell]) -> str:
+    """'needle, kv_recall at L=256, 1,024; needle at L=100,000': lengths ascending, grouped by their suites."""
+    by_length: dict[int, set[str]] = {}
+    for s, L in cells:
+        by_length.setdefault(L, set()).add(s)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for L, ss in sorted(by_length.items()):
+        groups.setdefault(tuple(s for s in SUITES if s in ss), []).append(L)
+    parts = [f"{', '.join(ss)} at L={', '.join(f'{L:,}' for L in Ls)}" for ss, Ls in groups.items()]
+    return "; ".join(parts) if parts else "nothing"
+
+
+class Results:
+    """The cells of one out folder: those read back from its evaluation.json and those added since.
+
+    `add` writes the whole file after every cell, holding `lock`; a stop that must name
+    what the file holds takes the lock too, so it never reports a cell half-written.
+    """
+
+    def __init__(self, out: pathlib.Path | None, settings: dict, suite_settings: Settings, meta: dict):
+        self.path = None if out is None else pathlib.Path(out) / RESULTS_FILE
+        self.settings, self.suite_settings = settings, suite_settings
+        self.meta = {**meta, "settings": settings, "seconds": {}, "compiled_bytes": {}, "pending": []}
+        self.cells: dict[Cell, dict] = {}
+        self.kept: list[Cell] = []  # the cells on disk, in the order they were written
+        self.lock = threading.Lock()
+
+    def read(self) -> list[Cell]:
+        """Reads the existing file (Mismatch when it cannot be continued); the cells it holds."""
+        if self.path is None or not self.path.exists():
+            return []
+        out = self.path.parent
+        try:
+            doc = json.loads(self.path.read_text())
+            there = doc.get("meta", {}).get("settings")
+        except (OSError, ValueError, AttributeError) as e:
+            raise Mismatch(f"--out {out} holds a {RESULTS_FILE} that does not read ({e}); pass another --out") from None
+        if there is None:
+            raise Mismatch(
+                f"--out {out} holds a {RESULTS_FILE} that records no settings (an older evaluation), so it cannot be "
+                "continued; pass another --out"
+            )
+        diff = differences(there, self.settings)
+        if diff:
+            raise Mismatch(
+                f"--out {out} holds the {RESULTS_FILE} of another evaluation ({'; '.join(diff)}); run it with the "
+                "settings it was made with to continue it, or pass another --out"
+            )
+        self.cells = read_cells(doc)
+        old = doc["meta"]
+        for key in ("seconds", "compiled_bytes"):
+            self.meta[key] = old.get(key, {})
+        self.kept = list(self.cells)
+        return list(self.cells)
+
+    def done(self, suite: str, L: int) -> bool:
+        return (suite, L) in self.cells
+
+    def begin(self, pending: Sequence[Cell]) -> None:
+        """A command starts on `pending`: an existing file records them (launch.stages reads it as unfinished)."""
+        with self.lock:
+            self.meta["pending"] = [[s, n] for s, n in pending]
+            if self.path is not None and self.path.exists():
+                write_whole(self.path, json.dumps(self.document(), indent=1))
+
+    def add(self, suite: str, L: int, result: dict, seconds: float, pending: Sequence[Cell]) -> None:
+        """Keeps one finished cell: in memory, and (with an out folder) in the file, written whole."""
+        with self.lock:
+            self.cells[suite, L] = result
+            self.meta["seconds"].setdefault(suite, {})[str(L)] = seconds
+            self.meta["pending"] = [[s, n] for s, n in pending]
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                write_whole(self.path, json.dumps(self.document(), indent=1))
+                self.kept.append((suite, L))
+
+    def document(self) -> dict:
+        return {"meta": self.meta, **assemble(self.cells, self.suite_settings)}
