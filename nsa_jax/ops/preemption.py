@@ -198,11 +198,12 @@ class PreemptionGuard:
     def _post(self, flag: bool):
 
         mesh = self.mesh
-        axis = mesh.axis_names[0]
         if self._reduce is None:
             self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
         local = np.full((mesh.local_mesh.size,), int(flag), np.int32)
-        flags = jax.make_array_from_process_local_data(NamedSharding(mesh, P(axis)), local, (mesh.size,))
+        # One flag per device, over every mesh axis (data x seq): each process gives its devices' own.
+        every = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        flags = jax.make_array_from_process_local_data(every, local, (mesh.size,))
         return self._reduce(flags)
 
 
