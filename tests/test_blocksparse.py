@@ -80,9 +80,21 @@ CASES = [
     pytest.param(2, 45, 1, 2, 32, 16, 3, jnp.float32, FlashBlockSizes(16, 16, 16, 16), id="G1-d32-T45-f32"),
     pytest.param(1, 70, 6, 2, 64, 16, 4, jnp.float32, None, id="G6-d64-T70-f32-default-tiles"),
     pytest.param(1, 40, 16, 1, 32, 16, 3, jnp.float32, FlashBlockSizes(32, 16, 16, 64), id="G16-d32-T40-f32"),
-    pytest.param(1, 100, 6, 2, 64, 16, 5, jnp.bfloat16, None, id="G6-d64-T100-bf16"),
+    pytest.param(1, 100, 6, 2, 64, 16, 5, jnp.bfloat16, None, id="G6-d64-T100-bf16", marks=pytest.mark.slow),
     # Key tiles of 16 in blocks of 32: two tiles per block, both masked by the same block id.
-    pytest.param(1, 75, 16, 1, 32, 32, 2, jnp.bfloat16, FlashBlockSizes(16, 16, 16, 16), id="G16-d32-lp32-tile16-bf16"),
+    pytest.param(
+        1,
+        75,
+        16,
+        1,
+        32,
+        32,
+        2,
+        jnp.bfloat16,
+        FlashBlockSizes(16, 16, 16, 16),
+        id="G16-d32-lp32-tile16-bf16",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(1, 53, 1, 2, 64, 32, 2, jnp.bfloat16, FlashBlockSizes(64, 32, 32, 16), id="G1-d64-lp32-bf16"),
     pytest.param(1, 9, 6, 1, 32, 16, 2, jnp.float32, None, id="G6-T9-shorter-than-a-block-f32"),
 ]
@@ -97,7 +109,9 @@ def test_blocksparse_matches_reference(b, t, g, kvh, d, lp, n, dtype, bsz):
     check_against_reference(b, t, g, kvh, d, lp, n, dtype, idx, bsz=bsz, seed=t + g)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)], ids=["f32", "bf16"]
+)
 @pytest.mark.parametrize("g", [1, 6, 16])
 def test_blocksparse_block_chosen_by_every_query_and_by_none(g, dtype):
     # Block 0 in every row, block 1 in none, -1 slots, future blocks (selected, never visible).

@@ -8,9 +8,11 @@ another query chunk (a re-association of the same sums) differs from itself by a
 much as the split does, so a tolerance below it would test nothing but luck.
 
 In process, on the two host devices conftest makes: the layout, the collectives, and C = 2
-against C = 1 at a ragged T with accumulation, loss weights and the logged statistics. In a
-subprocess with four host devices (slow tier): C = 4, data x seq = 2 x 2, and a checkpoint
-of a C = 2 run resumed at C = 1 and C = 4.
+against C = 1 at a ragged T with accumulation and the logged statistics (fast tier); the
+noise floor, loss weights and held-out sums, and the Pallas kernels (slow tier). In
+subprocesses (slow tier): four host devices (C = 4, data x seq = 2 x 2), a checkpoint of a
+C = 2 run resumed at C = 1 and C = 4 and read by generate and evaluate on one device, and a
+sequence split over two processes.
 """
 
 from __future__ import annotations
@@ -106,29 +108,33 @@ def test_gather_positions_and_halo_inside_shard_map():
 # exactness on two devices
 
 
-@pytest.fixture(scope="module")
-def tokens_83():
-    return np.random.default_rng(0).integers(0, 40, size=(2, 2, 84)).astype(np.int32)
+RAGGED_T = 53  # padded to 64 over 2 x 2 chunks of 16
 
 
 @pytest.fixture(scope="module")
-def one_device_83(tokens_83):
-    return grads_loss_stats(cfg_of(83, 1, 1), tokens_83)
+def tokens_ragged():
+    return np.random.default_rng(0).integers(0, 40, size=(2, 2, RAGGED_T + 1)).astype(np.int32)
 
 
-def test_one_device_noise_floor(tokens_83, one_device_83):
+@pytest.fixture(scope="module")
+def one_device_ragged(tokens_ragged):
+    return grads_loss_stats(cfg_of(RAGGED_T, 1, 1, "model.n_layers=1"), tokens_ragged)
+
+
+@pytest.mark.slow
+def test_one_device_noise_floor(tokens_ragged, one_device_ragged):
     """The same model with another query chunk: the tolerances below sit just above this."""
-    g1, l1, _ = one_device_83
-    g2, l2, _ = grads_loss_stats(cfg_of(83, 1, 1, "model.nsa.query_chunk=16"), tokens_83)
+    g1, l1, _ = one_device_ragged
+    g2, l2, _ = grads_loss_stats(cfg_of(RAGGED_T, 1, 1, "model.n_layers=1", "model.nsa.query_chunk=16"), tokens_ragged)
     assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
     floor = max(rel(a, b) for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)))
     assert floor < GRAD_TOL
 
 
-def test_two_devices_at_a_ragged_length_equal_one(tokens_83, one_device_83):
-    """T = 83 (padded to 128 over 2 x 2 chunks), accumulate 2: loss, every gradient, every statistic."""
-    g1, l1, s1 = one_device_83
-    g2, l2, s2 = grads_loss_stats(cfg_of(83, 2, 2), tokens_83)
+def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragged):
+    """A ragged T (53, padded to 64 over 2 x 2 chunks), accumulate 2: loss, every gradient, every statistic."""
+    g1, l1, s1 = one_device_ragged
+    g2, l2, s2 = grads_loss_stats(cfg_of(RAGGED_T, 2, 2, "model.n_layers=1"), tokens_ragged)
     assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
     for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(g2), jax.tree.leaves(g1)):
         assert rel(a, b) < GRAD_TOL, jax.tree_util.keystr(path[0])
@@ -137,6 +143,7 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_83, one_device_83):
         np.testing.assert_allclose(s2[k], s1[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_loss_weights_and_heldout_sums_under_two_devices():
     """kv_recall's answer-only loss (a weight that depends on the whole row) and the held-out sums."""
     extra = ["data.dataset=kv_recall", "data.kv_loss_mask=true"]

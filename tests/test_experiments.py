@@ -104,6 +104,7 @@ def test_experiments_warn_when_runs_mix_software_environments():
     assert "a/1, b/1" in text and "numpy 0.0.1" in text and "versions not recorded: d/3" in text
 
 
+@pytest.mark.slow
 def test_branch_scale_measures_each_branch_tensor():
     """Scaling the v_slc projection by 3 triples the v_slc figure and leaves every other tensor's as it was."""
     from flax.traverse_util import flatten_dict, unflatten_dict

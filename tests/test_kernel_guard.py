@@ -52,6 +52,7 @@ def test_guard_costs_nothing_on_cpu_unless_forced(monkeypatch):
     assert guard_kernels(pallas, 1, SEQ, force=True, warn=boom) == {}  # only `auto` is guarded
 
 
+@pytest.mark.slow
 def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypatch):
     real_select = K.selection_attention_blocksparse_pallas
 
@@ -83,6 +84,7 @@ def test_guard_falls_back_per_branch_on_compile_error_and_wrong_result(monkeypat
     assert K.plan_kernels(pallas, SEQ, "gpu", fallback=set(failed)).win == "pallas"
 
 
+@pytest.mark.slow
 def test_guard_checks_the_compressed_branch_through_cudnn_when_the_config_names_it(monkeypatch):
     # compressed_kernel: cudnn is checked as it runs: the fused attention (XLA's here) with the Pallas
     # log-sum-exp pass and scoring agrees with XLA. When the fused attention fails (a card or cuDNN
@@ -145,6 +147,7 @@ def test_evaluation_runs_the_branches_the_guard_moved_to_xla_there_too(monkeypat
             fn(params, tokens)
 
 
+@pytest.mark.slow
 def test_guard_under_context_parallelism_checks_the_kernels_at_a_query_offset(monkeypatch):
     """parallel.context=2: each branch compiled for one device's chunk of queries over the whole padded
     sequence, compared at an offset; a kernel that ignores the offset is caught and moved to XLA."""

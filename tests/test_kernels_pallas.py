@@ -201,9 +201,9 @@ def test_selection_dkv_skewed_blocks(g, dtype):
 # (G, positions per program, dtype, skewed selections)
 MULTI_POSITION_CASES = [
     pytest.param(6, 2, jnp.float32, False, id="G6-P2-f32"),
-    pytest.param(6, 2, jnp.bfloat16, True, id="G6-P2-bf16-skewed"),
+    pytest.param(6, 2, jnp.bfloat16, True, id="G6-P2-bf16-skewed", marks=pytest.mark.slow),
     pytest.param(1, 4, jnp.float32, True, id="G1-P4-f32-skewed"),
-    pytest.param(16, 2, jnp.bfloat16, False, id="G16-P2-bf16"),
+    pytest.param(16, 2, jnp.bfloat16, False, id="G16-P2-bf16", marks=pytest.mark.slow),
     pytest.param(3, 8, jnp.float32, False, id="G3-P8-f32"),
 ]
 

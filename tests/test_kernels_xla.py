@@ -41,8 +41,8 @@ def _qkv(B, T, H, K, D, seed=0):
     "G,K,T,lp,n,chunk,strategy",
     [
         (1, 2, 37, 8, 3, 16, "gather"),
-        (6, 1, 50, 8, 4, 512, "gather"),
-        (2, 2, 64, 16, 3, 20, "gather"),
+        pytest.param(6, 1, 50, 8, 4, 512, "gather", marks=pytest.mark.slow),
+        pytest.param(2, 2, 64, 16, 3, 20, "gather", marks=pytest.mark.slow),
         (1, 2, 37, 8, 3, 16, "masked"),
         (6, 1, 50, 8, 4, 512, "masked"),
     ],
@@ -66,7 +66,9 @@ def test_selection_matches_per_token_and_dense_grads(G, K, T, lp, n, chunk, stra
         assert rel_err(g, r) < 1e-5
 
 
-@pytest.mark.parametrize("G,K,T,w,chunk", [(1, 2, 45, 7, 16), (6, 1, 40, 64, 512), (2, 1, 33, 16, 8)])
+@pytest.mark.parametrize(
+    "G,K,T,w,chunk", [(1, 2, 45, 7, 16), pytest.param(6, 1, 40, 64, 512, marks=pytest.mark.slow), (2, 1, 33, 16, 8)]
+)
 def test_window_matches_per_token_and_dense_grads(G, K, T, w, chunk):
     B, D = 2, 8
     q, k, v = _qkv(B, T, G * K, K, D, seed=1)
@@ -82,6 +84,7 @@ def test_window_matches_per_token_and_dense_grads(G, K, T, w, chunk):
         assert rel_err(g, r) < 1e-5
 
 
+@pytest.mark.slow
 def test_selection_with_all_blocks_is_full_causal_attention():
     """n >= ceil(T/lp): selection (through select_blocks) equals causal attention."""
     B, G, K, T, D, lp = 1, 3, 2, 45, 8, 8
@@ -95,6 +98,7 @@ def test_selection_with_all_blocks_is_full_causal_attention():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_window_covering_sequence_is_full_causal_attention():
     B, G, K, T, D = 1, 2, 2, 30, 8
     q, k, v = _qkv(B, T, G * K, K, D, seed=4)
@@ -148,7 +152,7 @@ def _shifted(visible, off: int):
     return lambda b, t, kv: visible(b, t + off, kv)
 
 
-@pytest.mark.parametrize("off,Tq,chunk", [(0, 20, 8), (13, 24, 16), (40, 17, 512)])
+@pytest.mark.parametrize("off,Tq,chunk", [(13, 24, 16), pytest.param(40, 17, 512, marks=pytest.mark.slow)])
 def test_selection_and_window_with_a_query_offset(off, Tq, chunk):
     """Context parallelism's queries: rows [off, off + Tq) of a length-57 problem against all 57 keys."""
     B, G, K, T, D, lp, n, w = 2, 3, 2, 57, 8, 8, 3, 11

@@ -88,6 +88,7 @@ def test_forward_matches_reference():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_gate_bias_init_sets_initial_gate_means():
     biases = (-2.0, -1.0, 2.0)
     # The project's init_std (the tiny test config's 0.3 would swamp the biases with noise).
@@ -141,6 +142,7 @@ def test_dense_warmup_and_distill_steps_train_each_phase_model():
     assert step._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_score_distill_in_the_layer_trains_only_the_scorer_keys():
     # The layer's KL moves the k_cmp projection and the key compressor, and nothing below
     # the layer (its input) nor any other weight: the distillation cannot pull on the
@@ -313,6 +315,7 @@ def test_phases_on_two_devices_match_one_device(strategy):
 # train.rope_positions: randomized RoPE positions
 
 
+@pytest.mark.slow
 def test_rope_positions_move_rope_only_as_the_reference_does():
     # RoPE at the given positions, blocks, window and causality at the token indices.
     cfg = tiny_model_cfg(G=2, K=2)

@@ -161,6 +161,7 @@ def test_figures_and_json_cells(tmp_path):
     assert back["needle"]["accuracy"][0][0] == 1.0 and back["needle"]["accuracy"][1][-1] == 0.0
 
 
+@pytest.mark.slow
 def test_model_scorer_matches_logits(tmp_path):
     """nll/hit of the compiled scorer against a numpy log-softmax of the model's forward logits."""
     from nsa_jax.evaluation.scorer import ModelScorer
@@ -225,6 +226,7 @@ def test_cli_end_to_end(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_over_memory_length_is_refused(tmp_path, capsys):
     from launch.evaluate import main
 

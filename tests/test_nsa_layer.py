@@ -34,7 +34,12 @@ def _apply(cfg, params, x):
 
 @pytest.mark.parametrize(
     "G,K,T,phi",
-    [(1, 2, 40, "mlp"), (6, 1, 64, "mlp"), (6, 1, 37, "avg"), (2, 2, 53, "mlp")],
+    [
+        (1, 2, 40, "mlp"),
+        pytest.param(6, 1, 64, "mlp", marks=pytest.mark.slow),
+        (6, 1, 37, "avg"),
+        pytest.param(2, 2, 53, "mlp", marks=pytest.mark.slow),
+    ],
 )
 def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
     cfg = tiny_model_cfg(G=G, K=K, cmp_phi=phi)
@@ -49,8 +54,8 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
     "G,K,T,kernel,cmp",
     [
         (2, 2, 53, "auto", "auto"),
-        (6, 1, 64, "auto", "auto"),
-        (6, 1, 64, "gather", "auto"),
+        pytest.param(6, 1, 64, "auto", "auto", marks=pytest.mark.slow),
+        pytest.param(6, 1, 64, "gather", "auto", marks=pytest.mark.slow),
         # fp32 through XLA's attention: off a GPU only (cuDNN takes 16-bit inputs; test_block_scores
         # runs the cuDNN path in bf16 on a GPU).
         pytest.param(6, 2, 61, "auto", "cudnn", marks=pytest.mark.skipif(ON_GPU, reason="cuDNN takes 16-bit inputs")),
@@ -87,6 +92,7 @@ def _live_primitives(cfg, T, used):
     return [name(e) for e in live.eqns]
 
 
+@pytest.mark.slow
 def test_pallas_layer_is_dead_code_when_unused():
     # jax never drops a bare pallas_call as dead code. flax's nn.scan traces its body and
     # requires that nothing in it survives elimination when only parameters are needed, and
@@ -171,6 +177,7 @@ def test_long_sequence_runs_without_dense_scores():
     assert mem.temp_size_in_bytes < dense_scores_bytes / 4
 
 
+@pytest.mark.slow
 def test_scale_stats_follow_the_compressed_values():
     """cmp_v_ratio is RMS(compressed values) / RMS(selection values): the MLP phi is linear in
     fc2, so scaling cmp_v's fc2 by c scales the ratio by c and leaves the keys' ratio alone."""

@@ -75,6 +75,7 @@ def _leave_unretrieved_future_error(message: str) -> None:
     gc.collect()
 
 
+@pytest.mark.slow
 def test_unretrieved_orbax_write_errors_are_dropped_and_others_kept(caplog):
     orbax_errors.silence_closed_loop_callbacks()
     with caplog.at_level(logging.ERROR, logger="asyncio"):

@@ -189,6 +189,7 @@ def test_state_is_donated(host_state, batches):
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
 def test_non_finite_step_is_skipped(host_state, batches):
     bad = np.full_like(batches[0], V)  # out-of-range ids: the embedding lookup yields NaN
     state, (m,) = run_steps(2, host_state, [bad])
