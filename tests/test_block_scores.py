@@ -95,7 +95,7 @@ def test_select_from_scores_equals_select_blocks(t, kvh, lp, n, sizes, offset):
 # (batch, T, G, KV heads, head dim, l, d, lp, n, dtype, tiles)
 FUSED_CASES = [
     pytest.param(1, 150, 6, 2, 32, 16, 8, 16, 4, jnp.float32, SMALL, id="G6-T150-l16-d8-lp16-f32"),
-    pytest.param(2, 70, 1, 2, 16, 8, 4, 8, 3, jnp.float32, SMALL, id="G1-T70-l8-d4-lp8-f32"),
+    pytest.param(2, 70, 1, 2, 16, 8, 4, 8, 3, jnp.float32, SMALL, id="G1-T70-l8-d4-lp8-f32", marks=pytest.mark.slow),
     pytest.param(1, 96, 16, 1, 16, 16, 16, 16, 3, jnp.float32, None, id="G16-T96-l16-d16-lp16-f32"),
     pytest.param(
         1, 200, 6, 1, 64, 32, 16, 32, 4, jnp.bfloat16, SMALL, id="G6-T200-l32-d16-lp32-bf16", marks=pytest.mark.slow
@@ -159,7 +159,7 @@ def test_fused_scores_and_selection_match_float64_reference(b, t, g, kvh, dk, l,
     [
         pytest.param(150, 6, 16, 8, 16, 5, 1, jnp.float32, id="G6-one-tie-group-f32"),
         pytest.param(150, 1, 16, 8, 16, 6, 2, jnp.float32, id="G1-two-tie-groups-f32"),
-        pytest.param(120, 16, 8, 4, 8, 4, 2, jnp.bfloat16, id="G16-two-tie-groups-bf16"),
+        pytest.param(120, 16, 8, 4, 8, 4, 2, jnp.bfloat16, id="G16-two-tie-groups-bf16", marks=pytest.mark.slow),
     ],
 )
 def test_fused_selection_exact_ties(t, g, l, d, lp, n, groups, dtype):

@@ -44,7 +44,7 @@ def _qkv(B, T, H, K, D, seed=0):
         pytest.param(6, 1, 50, 8, 4, 512, "gather", marks=pytest.mark.slow),
         pytest.param(2, 2, 64, 16, 3, 20, "gather", marks=pytest.mark.slow),
         (1, 2, 37, 8, 3, 16, "masked"),
-        (6, 1, 50, 8, 4, 512, "masked"),
+        pytest.param(6, 1, 50, 8, 4, 512, "masked", marks=pytest.mark.slow),
     ],
 )
 def test_selection_matches_per_token_and_dense_grads(G, K, T, lp, n, chunk, strategy):
@@ -67,7 +67,12 @@ def test_selection_matches_per_token_and_dense_grads(G, K, T, lp, n, chunk, stra
 
 
 @pytest.mark.parametrize(
-    "G,K,T,w,chunk", [(1, 2, 45, 7, 16), pytest.param(6, 1, 40, 64, 512, marks=pytest.mark.slow), (2, 1, 33, 16, 8)]
+    "G,K,T,w,chunk",
+    [
+        (1, 2, 45, 7, 16),
+        pytest.param(6, 1, 40, 64, 512, marks=pytest.mark.slow),
+        pytest.param(2, 1, 33, 16, 8, marks=pytest.mark.slow),
+    ],
 )
 def test_window_matches_per_token_and_dense_grads(G, K, T, w, chunk):
     B, D = 2, 8
@@ -171,7 +176,7 @@ def test_selection_and_window_with_a_query_offset(off, Tq, chunk):
     _check_against_reference(f, q_part, k, v, _shifted(window_visible(w), off))
 
 
-@pytest.mark.parametrize("off,Tq", [(0, 30), (21, 19)])
+@pytest.mark.parametrize("off,Tq", [pytest.param(0, 30, marks=pytest.mark.slow), (21, 19)])
 def test_compressed_with_a_query_offset_scores_the_whole_sequence(off, Tq):
     """Rows [off, off + Tq) of a length-50 problem: attention, gradients and the selected blocks."""
     B, G, K, T, D, l, d, lp, n = 1, 2, 2, 50, 8, 8, 4, 8, 3
