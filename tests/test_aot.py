@@ -36,6 +36,7 @@ import pytest
 from benchmarks import gpu_aot
 from launch import info as info_cli
 from nsa_jax.config import load_config
+from nsa_jax.config import replace as config_replace
 from nsa_jax.kernels import SELECTION_KERNELS
 from nsa_jax.kernels.block_scores_pallas import compressed_attention_select_pallas
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
@@ -477,6 +478,45 @@ def test_a100_pcie_step_fits_a100_40gb(tmp_path):
     # A layer loop brought back (3,850) or new kernels per layer fail here.
     kernels = xla_dump.launch_counts(xla_dump.read_launches(str(tmp_path)))["kernels"]
     assert 0 < kernels <= KERNELS_PER_STEP_LIMIT, f"{kernels} kernel launches per a100_pcie optimizer step"
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+def test_context_parallel_step_fits_two_a100_80gb_and_moves_no_quadratic_collective(tmp_path):
+    """a100_pcie_256k (one sequence over two cards) at T = 65536 for two A100 80GB: it fits, its K/V
+    travel by all-gathers and reduce-scatters, and no collective is larger than one branch's K (or V)
+    of the whole sequence (nothing O(T^2 / C) or O(T n_blocks)); the per-card memory is about half
+    of one card's."""
+    T = 65536
+    cfg = load_config("a100_pcie_256k", [f"train.seq_len={T}"])
+    c2 = aot.compile_train_step(cfg, "a100-80", 2, str(tmp_path))
+    usable = aot.TARGETS["a100-80"].usable_bytes(aot.DEFAULT_MEM_FRACTION)
+    assert 0 < c2.memory["total"] <= usable
+    traffic = xla_dump.collective_traffic(str(tmp_path))
+    assert {"all-gather", "reduce-scatter", "all-reduce"} <= set(traffic)
+    m = cfg.model
+    one_branch_kv = T * m.n_kv_heads * m.head_dim * 2  # bf16
+    assert max(row["largest"] for row in traffic.values()) <= one_branch_kv
+    c1 = aot.compile_train_step(config_replace(cfg, ["parallel.context=1"]), "a100-80", 1)
+    assert c2.memory["temp"] <= 0.625 * c1.memory["temp"], (c2.memory["temp"], c1.memory["temp"])
+
+
+def test_largest_seq_len_finds_the_longest_within_its_tolerance():
+    """The search over T (launch.info --target under context parallelism) on a made-up memory curve."""
+    for cap in (3000, 40_000, 300_000, 2_000_000):
+        budget = 1000 + 3 * cap
+
+        def fits(T, budget=budget):
+            total = 1000 + 3 * T + T * T // 10**7  # a little more than linear, as compiled memory is
+            return total <= budget, {"total": total}
+
+        best = max(T for T in range(512, 4 * cap, 512) if fits(T)[0])  # the answer, by brute force
+        for start in (512, 65536, 1 << 20):
+            T, probes = aot.largest_seq_len(fits, start, 512, budget)
+            assert T % 512 == 0 and fits(T)[0] and T >= best * 15 / 16 - 512, (cap, start, T, best)
+            assert len(probes) <= 16, (cap, start, sorted(probes))
+    assert aot.largest_seq_len(lambda T: (False, {"total": T}), 4096, 512, 10)[0] == 0
 
 
 @pytest.mark.aot

@@ -497,6 +497,8 @@ def largest_seq_len(
         return lo, hi
 
     a, b = down(start / 2), down(start)
+    if a == b:  # a start of one unit: the line needs a second point
+        b = 2 * a
     probe(b)
     probe(a)
     slope = (probes[b]["total"] - probes[a]["total"]) / (b - a) if b > a else 0
