@@ -485,9 +485,9 @@ def test_a100_pcie_step_fits_a100_40gb(tmp_path):
 @needs_plugin
 def test_context_parallel_step_fits_two_a100_80gb_and_moves_no_quadratic_collective(tmp_path):
     """a100_pcie_256k (one sequence over two cards) at T = 65536 for two A100 80GB: it fits, its K/V
-    travel by all-gathers and reduce-scatters, and no collective is larger than one branch's K (or V)
-    of the whole sequence (nothing O(T^2 / C) or O(T n_blocks)); the per-card memory is about half
-    of one card's."""
+    travel by all-gathers and reduce-scatters of a few K/V arrays of the whole sequence at most
+    (nothing O(T^2 / C) or O(T n_blocks)); the per-card temporaries are at most 1.25 / 2 of one
+    card's."""
     T = 65536
     cfg = load_config("a100_pcie_256k", [f"train.seq_len={T}"])
     c2 = aot.compile_train_step(cfg, "a100-80", 2, str(tmp_path))
@@ -497,7 +497,10 @@ def test_context_parallel_step_fits_two_a100_80gb_and_moves_no_quadratic_collect
     assert {"all-gather", "reduce-scatter", "all-reduce"} <= set(traffic)
     m = cfg.model
     one_branch_kv = T * m.n_kv_heads * m.head_dim * 2  # bf16
-    assert max(row["largest"] for row in traffic.values()) <= one_branch_kv
+    # The sequence's collectives (XLA combines a few into one launch: the K and V of two branches at
+    # most, 4 arrays of T tokens); the all-reduce carries the bf16 gradient, parameter-sized. A score
+    # or block tensor moved whole would be T^2 / C or T n_blocks: thousands of times larger.
+    assert max(traffic[kind]["largest"] for kind in ("all-gather", "reduce-scatter")) <= 4 * one_branch_kv
     c1 = aot.compile_train_step(config_replace(cfg, ["parallel.context=1"]), "a100-80", 1)
     assert c2.memory["temp"] <= 0.625 * c1.memory["temp"], (c2.memory["temp"], c1.memory["temp"])
 
