@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -146,7 +147,7 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragg
 @pytest.mark.slow
 def test_loss_weights_and_heldout_sums_under_two_devices():
     """kv_recall's answer-only loss (a weight that depends on the whole row) and the held-out sums."""
-    extra = ["data.dataset=kv_recall", "data.kv_loss_mask=true"]
+    extra = ["data.dataset=kv_recall", "data.kv_loss_mask=true", "model.n_layers=1"]
     T = 96
     c1, c2 = cfg_of(T, 1, 1, *extra), cfg_of(T, 2, 2, *extra)
     from nsa_jax.data import make_dataset
@@ -214,16 +215,17 @@ sys.path.insert(0, "tests")
 from test_context import cfg_of, grads_loss_stats, rel
 rng = np.random.default_rng(1)
 out = {}
+# One reference on one device: loss and gradients do not depend on the data split (equal rows per
+# shard); the statistics (ratios finished per shard) are compared where the split is the same.
 for T in (100,):  # ragged: padded to 128 over 4 devices, as over 2 x 2
     tokens = rng.integers(0, 40, size=(2, 2, T + 1)).astype(np.int32)
-    ref = {D: grads_loss_stats(cfg_of(T, 1, D), tokens) for D in (1, 2)}
+    g1, l1, s1 = grads_loss_stats(cfg_of(T, 1, 1), tokens)
     for C, D in ((4, 1), (2, 2)):
         g, l, s = grads_loss_stats(cfg_of(T, C, C * D), tokens)
-        g1, l1, s1 = ref[D]
         out[f"T{T}-C{C}xD{D}"] = {
             "loss": abs(float(l - l1)) / float(l1),
             "grad": max(rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1))),
-            "stats": max(float(np.max(np.abs(np.asarray(s[k]) - np.asarray(s1[k])))) for k in s1),
+            "stats": max(float(np.max(np.abs(np.asarray(s[k]) - np.asarray(s1[k])))) for k in s1) if D == 1 else 0.0,
         }
 print("RESULT", json.dumps(out))
 """
@@ -275,12 +277,14 @@ def test_a_checkpoint_of_two_devices_resumes_at_one_and_four(tmp_path):
         return r
 
     full = tmp_path / "full"
-    r = train(full, 6, "parallel.context=2")
+    r = train(full, 3, "parallel.context=2")
     assert "x 2 on the seq axis (context parallelism: each sequence of 200 tokens, padded to 256" in r.stdout
+    for C in (1, 4):  # the step-3 checkpoint, resumed at other degrees below
+        shutil.copytree(full, tmp_path / f"c{C}")
+    train(full, 6, "parallel.context=2")  # resumed at the same degree: what the other degrees must give
     want = _losses(full)
     for C, extra in ((1, ["parallel.num_devices=2"]), (4, [])):
         out = tmp_path / f"c{C}"
-        train(out, 3, "parallel.context=2")
         r = train(out, 6, f"parallel.context={C}", *extra)
         got = _losses(out)
         for step in (4, 5, 6):
@@ -300,10 +304,12 @@ def test_a_checkpoint_of_two_devices_resumes_at_one_and_four(tmp_path):
 
 @pytest.mark.slow
 def test_the_pallas_kernels_under_two_devices_equal_one():
-    """The GPU path's kernels (interpreted here) at a query offset: C = 2 against C = 1, both selection kernels."""
+    """The GPU path's kernels (interpreted here) at a query offset: C = 2 against C = 1 with the gather
+    selection kernel, the long-context one (each kernel under an offset: tests/test_kernels_offset.py)."""
     tokens = np.random.default_rng(2).integers(0, 40, size=(1, 2, 91)).astype(np.int32)
-    for kernel in ("gather", "blocksparse"):
+    for kernel in ("gather",):
         extra = ["model.nsa.attention_impl=pallas", f"model.nsa.selection_kernel={kernel}", "train.accumulate=1"]
+        extra.append("model.n_layers=1")
         g1, l1, _ = grads_loss_stats(cfg_of(90, 1, 1, *extra), tokens)
         g2, l2, _ = grads_loss_stats(cfg_of(90, 2, 2, *extra), tokens)
         assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL, kernel

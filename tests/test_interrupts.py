@@ -280,9 +280,11 @@ def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path, c
     assert len(quit_line) == 1, run.stderr[-3000:]
     kept = resume.complete_steps(resume.checkpoint_dir(out))
     assert kept and kept[-1] >= 4 and f"the newest checkpoint is step {kept[-1]}" in quit_line[0]
-    # After the second signal nothing promises a save: no stop line or step line follows the quit.
+    # The run never ends as a finished one. (The first signal's stop line may still come after the
+    # driver's line: the loop says it as soon as it sees the flag, which can be before the second
+    # signal is read; what the quit line names is what a restart resumes from, checked above and below.)
     after = run.out.split("driver: SIGINT x2", 1)[1]
-    assert "saving a checkpoint" not in after and "done:" not in after, run.out
+    assert "done:" not in after, run.out
     # The checkpoint the line names reads back: the same command resumes from it.
     again = Run(args[:2] + ["--steps", str(kept[-1] + 2)] + args[4:], cache)
     assert again.finish() == 0, again.stderr[-3000:]

@@ -74,7 +74,7 @@ def test_two_process_training_run(tmp_path):
     assert [int(x["step"]) for x in rows] == [1, 2, 3]
     assert all(abs(float(x["loss"]) - v) < 1e-4 and 0 < v < 10 for x, v in zip(rows, losses[0]))
     env_json = json.loads((out / "env.json").read_text())
-    assert env_json["process_count"] == 2 and env_json["mesh"]["shape"] == {"data": 2}
+    assert env_json["process_count"] == 2 and env_json["mesh"]["shape"] == {"data": 2, "seq": 1}
 
 
 @pytest.mark.slow

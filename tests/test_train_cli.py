@@ -87,7 +87,7 @@ def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
     env = json.loads((out / "env.json").read_text())
     assert {"python", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint"} <= set(env["versions"])
     assert all(env["versions"][k] for k in ("python", "jax", "jaxlib", "flax", "optax"))
-    assert len(env["devices"]) == 2 and env["mesh"]["shape"] == {"data": 2}
+    assert len(env["devices"]) == 2 and env["mesh"]["shape"] == {"data": 2, "seq": 1}
     assert "--xla_force_host_platform_device_count=2" in env["XLA_FLAGS"]
     assert f"{BUCKET_FLAG}={25 * 2**20}" in env["XLA_FLAGS"]
     assert env["nsa_env"]["NSA_PREFILL_BATCHED"] == "1" and env["nccl_env"] == {"NCCL_ALGO": "Ring"}

@@ -154,8 +154,9 @@ def process_rows(mesh: Mesh) -> tuple[int, int]:
     devices hold the same `data` coordinates (a sequence split over `seq` across processes) read
     the same rows; (process_index, process_count) when each process has its own data coordinates."""
     data_of = {}
-    for (d, _), device in np.ndenumerate(mesh.devices):
-        data_of.setdefault(device.process_index, set()).add(d)
+    axis = mesh.axis_names.index(AXIS)
+    for index, device in np.ndenumerate(mesh.devices):
+        data_of.setdefault(device.process_index, set()).add(index[axis])
     groups = sorted({tuple(sorted(v)) for v in data_of.values()})
     flat = [d for g in groups for d in g]
     if len(flat) != len(set(flat)):
