@@ -13,7 +13,11 @@ with XLA's GPU compiler and the Pallas kernels through Triton and ptxas:
 * the step's launches per optimizer step: each launch site of the thunk sequence
   times the trip counts of the loops around it, split into Pallas kernels, gemm
   fusions, other fusions, copy kernels (dynamic(-update)-slice fusions), copy thunks
-  (memcpy / offset copies) and collectives.
+  (memcpy / offset copies) and collectives;
+* what the layer's launches move and compute, per part of the layer (its named scopes:
+  nsa_jax/tools/parts.py), with the roofline floor at the card's bandwidth and bf16
+  tensor peak (nsa_jax/tools/hlo_traffic.py): where the time outside the Pallas kernels
+  can go, before a profile on the card says where it went.
 
 Nothing runs: no GPU is needed, only jax's CUDA plugin (pip install -e ".[cuda12]").
 XLA does not autotune without a GPU, so its gemm tiles are defaults; the Pallas
@@ -35,7 +39,7 @@ from benchmarks.common import config_meta, fmt_mib, log, parse_ints, short_error
 from launch.cli import Parser, UsageError
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.kernels import plan_kernels
-from nsa_jax.tools import aot, xla_dump
+from nsa_jax.tools import aot, hlo_traffic, xla_dump
 
 DEFAULT_SEQ_LENS = "2k,8k,32k,64k,128k"
 
@@ -63,14 +67,17 @@ def measure_layer(cfg, target: str, seq_len: int, dump_dir: str) -> dict:
     except Exception as e:  # a kernel over the card's limits: reported, the other T go on
         return {"seq_len": seq_len, "error": short_error(e)}
     launches = xla_dump.read_launches(dump_dir)
-    usable = aot.get_target(target).usable_bytes()
+    t = aot.get_target(target)
+    traffic = hlo_traffic.launch_traffic(dump_dir, launches)
     return {
         "seq_len": seq_len,
         "memory": c.memory,
-        "fits": c.memory["total"] <= usable,
+        "fits": c.memory["total"] <= t.usable_bytes(),
         "compile_s": c.lower_s + c.compile_s,
         "launches": xla_dump.launch_counts(launches),
         "kernels": with_occupancy(xla_dump.pallas_kernels(dump_dir, launches), target),
+        "traffic": hlo_traffic.by_part(traffic, t.memory_bandwidth, t.bf16_tensor_flops),
+        "top_launches": hlo_traffic.top_launches(traffic, t.memory_bandwidth, t.bf16_tensor_flops, 8),
     }
 
 
@@ -172,6 +179,8 @@ def print_report(results: dict, meta: dict) -> None:
                 if "error" in layer:
                     print(f"  {n} T={layer['seq_len']}: {layer['error']}")
 
+    print_traffic(results)
+
     print(
         "\nPallas kernels: grid and threads per block (first card); per card: registers, spill bytes (stores + "
         "loads), shared memory per block (KiB), blocks per SM (by registers, threads and shared memory)"
@@ -200,6 +209,36 @@ def print_report(results: dict, meta: dict) -> None:
                 f"{n}: most registers {wst['registers']} ({wst['registers_kernel']}); most spills "
                 f"{wst['spill_stores']} B stores / {wst['spill_loads']} B loads ({wst['spill_kernel']}); "
                 f"kernels that spill: {', '.join(wst['kernels_spilling']) or 'none'}"
+            )
+
+
+def print_traffic(results: dict) -> None:
+    """Per card, the layer at its longest compiled T: what each part moves and its roofline floor."""
+    for name, r in results.items():
+        layers = [x for x in r["layer"] if "traffic" in x]
+        if not layers:
+            continue
+        layer = layers[-1]
+        t = aot.get_target(name)
+        print(
+            f"\n{name}: the layer's fwd+bwd at T={layer['seq_len']}, per part: launches, MiB read + written, GFLOP, "
+            f"floor ms = max(bytes / {t.memory_bandwidth / 1e12:.2f} TB/s, flops / {t.bf16_tensor_flops / 1e12:.0f} "
+            "TFLOP/s) per launch (hlo_traffic.py: a Pallas kernel's bytes are its operands and result only)"
+        )
+        print(f"  {'part':<26} {'runs as':<8} {'launches':>8} {'MiB':>9} {'GFLOP':>8} {'floor ms':>9}")
+        totals = {False: 0.0, True: 0.0}
+        for row in layer["traffic"]:
+            totals[row["pallas"]] += row["floor_ms"]
+            print(
+                f"  {row['part']:<26} {'Pallas' if row['pallas'] else 'XLA':<8} {row['launches']:>8} "
+                f"{row['bytes'] / aot.MiB:>9.0f} {row['flops'] / 1e9:>8.1f} {row['floor_ms']:>9.3f}"
+            )
+        print(f"  floor: XLA's launches {totals[False]:.2f} ms, the Pallas kernels' operands {totals[True]:.2f} ms")
+        print("  the XLA launches with the largest floors (ms, runs, MiB, part, instruction):")
+        for x in layer["top_launches"][:5]:
+            print(
+                f"    {x['floor_ms']:.3f} ms  x{x['count']:<4} {x['bytes'] / aot.MiB:>7.0f} MiB  {x['part']:<24} "
+                f"{x['hlo']}"
             )
 
 

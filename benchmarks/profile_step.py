@@ -5,8 +5,8 @@ under --trace-dir for TensorBoard's profile plugin or Perfetto), reads back the
 Perfetto JSON it writes, and adds up the time of every XLA instruction (fusion,
 dot, gather, ...) that ran. Each instruction is named with the JAX operation that
 emitted it (the HLO `op_name` metadata, Flax module path included), and the
-instructions are also summed per part of the model (selection, compression,
-window, gates, MLP, embedding/head, optimizer):
+instructions are also summed per part of the model (nsa_jax/tools/parts.py: the NSA layer's
+named scopes, selection, compression, window, projections, gates, ...; MLP, embedding/head, optimizer):
 
     python -m benchmarks.profile_step --config cpu_tiny --steps 3
     python -m benchmarks.profile_step --layer --config a100_pcie --seq-len 32768 --steps 1
@@ -39,6 +39,7 @@ import numpy as np
 from benchmarks.common import add_config_args, print_header, write_json
 from nsa_jax.config import load_config
 from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.tools.parts import part_of
 from nsa_jax.train import step as S
 from nsa_jax.train.strategies import make_plan
 
@@ -57,19 +58,6 @@ KINDS = (
     ("transpose/copy", ("transpose", "copy")),
     ("reduce", ("reduce", "reduce-window")),
     ("update slice", ("dynamic-update-slice",)),
-)
-
-# Parts of the model, matched against the op_name path (first match wins).
-PARTS = (
-    ("optimizer", ("optax", "adam", "clip", "/update", "global_norm")),
-    ("selection", ("selection", "slc", "select")),
-    ("compression", ("compress", "cmp")),
-    ("window", ("window", "win")),
-    ("gates", ("gate",)),
-    ("qkv/out proj", ("q_proj", "k_proj", "v_proj", "o_proj", "wq", "wk", "wv", "wo", "proj")),
-    ("mlp", ("mlp", "ffn", "w1", "w2", "w3")),
-    ("norms", ("norm",)),
-    ("embed/head/loss", ("embed", "lm_head", "head", "log_softmax", "cross_entropy", "logits")),
 )
 
 
@@ -103,14 +91,6 @@ def instruction_sources(hlo_text: str) -> dict[str, dict[str, str]]:
             inside.add("dot")
         info["kind"] = next((k for k, ops in KINDS if inside & set(ops)), "elementwise")
     return instrs
-
-
-def part_of(op_name: str) -> str:
-    path = op_name.lower()
-    for part, needles in PARTS:
-        if any(n in path for n in needles):
-            return part
-    return "other"
 
 
 def trace_events(trace_dir: pathlib.Path) -> list[dict]:

@@ -43,7 +43,7 @@ from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_p
 from nsa_jax.kernels.cudnn import compressed_attention_grouped
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
-from nsa_jax.tools import aot, xla_dump
+from nsa_jax.tools import aot, hlo_traffic, xla_dump
 from nsa_jax.words import count
 
 from helpers import ROOT
@@ -382,7 +382,9 @@ def layer_compile(card: str, seq_len: int, root, compressed_kernel: str = "auto"
         dump = str(root / f"dump_{tag}")
         cfg = load_config("a100_pcie", [f"model.nsa.compressed_kernel={compressed_kernel}"])
         c = aot.compile_layer(cfg, card, seq_len, dump_dir=dump)
-        r = {"memory": c.memory, "kernels": xla_dump.pallas_kernels(dump)}
+        t = aot.get_target(card)
+        traffic = hlo_traffic.by_part(hlo_traffic.launch_traffic(dump), t.memory_bandwidth, t.bf16_tensor_flops)
+        r = {"memory": c.memory, "kernels": xla_dump.pallas_kernels(dump), "traffic": traffic}
         shutil.rmtree(dump, ignore_errors=True)
         result.write_text(json.dumps(r))
         return r
@@ -465,6 +467,25 @@ def test_pallas_kernels_compile_without_spills(card, T, dump_root):
 def test_layer_temporaries_at_64k_within_1gib(dump_root):
     temp = layer_compile("a100-40", 65536, dump_root)["memory"]["temp"]
     assert temp <= LAYER_TEMP_LIMIT, f"layer fwd+bwd at T=65536 needs {temp / aot.MiB:.0f} MiB of temporaries"
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+def test_layer_traffic_at_64k_counts_the_projections_and_names_its_parts(dump_root):
+    """What the 64k layer's launches move, per part (hlo_traffic.py): the projections' flops as the
+    model's shapes give them (forward, input gradient and weight gradient: 3 x 2 T D N), and nearly
+    all of XLA's bytes in a named part of the layer."""
+    m = load_config("a100_pcie").model
+    T, D, H, K = 65536, m.d_model, m.n_heads, m.n_kv_heads
+    rows = {(r["part"], r["pallas"]): r for r in layer_compile("a100-40", T, dump_root)["traffic"]}
+    qkv_width = H * m.head_dim + 3 * K * m.head_dim + 3 * K * m.v_head_dim + m.nsa.gate_hidden
+    assert rows[("qkv proj + RoPE", False)]["flops"] == 3 * 2 * T * D * qkv_width
+    assert rows[("out proj", False)]["flops"] == 3 * 2 * T * H * m.v_head_dim * D
+    xla_bytes = sum(r["bytes"] for (_, pallas), r in rows.items() if not pallas)
+    assert rows.get(("other", False), {"bytes": 0})["bytes"] <= 0.15 * xla_bytes, rows
+    for part in ("selection", "compressed attn + top-n", "window"):
+        assert rows[(part, True)]["launches"] >= 3, part  # forward and backward kernels of each branch
 
 
 @pytest.mark.aot

@@ -127,6 +127,15 @@ def combine_branches(g_BxTxHx3: jax.Array, outputs: dict[str, jax.Array], branch
     return o
 
 
+def gated_output(g_BxTxHx3: jax.Array, outputs: dict[str, jax.Array], branches, out_proj, dtype) -> jax.Array:
+    """The gated sum of the branches [B, T, H, Dv] through the output projection: [B, T, D]."""
+    B, T = g_BxTxHx3.shape[:2]
+    with jax.named_scope("nsa_combine"):
+        o = combine_branches(g_BxTxHx3, outputs, branches)
+    with jax.named_scope("nsa_out"):
+        return out_proj(o.astype(dtype).reshape(B, T, -1))
+
+
 def gate_bias_init(biases: tuple[float, ...], n_heads: int):
     """Bias initialiser of the last gate Dense: `biases` = [cmp, slc, win] for every head; () gives zeros.
 
@@ -215,15 +224,20 @@ class NSAAttention(nn.Module):
         ]
         v_parts = [DenseParams(K * Dv, kernel_init=init, name=n) for n in ("v_cmp", "v_slc", "v_win")]
         gate_fc1 = DenseParams(a.gate_hidden, use_bias=True, kernel_init=init, name="gate_fc1")
-        *qk, v_cmp, v_slc, v_win, gh = fused_dense(x_BxTxD, [*qk_parts, *v_parts, gate_fc1], dtype)
-        q, k_cmp, k_slc, k_win = (roped(y.reshape(B, T, -1, Dk)) for y in qk)
-        v_cmp, v_slc, v_win = (v.reshape(B, T, K, Dv) for v in (v_cmp, v_slc, v_win))
+        # Each part of the layer under a named scope: compiled programs name it in their ops'
+        # metadata, so a profile (benchmarks/profile_step.py) or the compiled program's traffic
+        # (benchmarks/gpu_aot.py --traffic) sums time and bytes per part.
+        with jax.named_scope("nsa_qkv"):
+            *qk, v_cmp, v_slc, v_win, gh = fused_dense(x_BxTxD, [*qk_parts, *v_parts, gate_fc1], dtype)
+            q, k_cmp, k_slc, k_win = (roped(y.reshape(B, T, -1, Dk)) for y in qk)
+            v_cmp, v_slc, v_win = (v.reshape(B, T, K, Dv) for v in (v_cmp, v_slc, v_win))
 
         gate_fc2 = nn.Dense(
             3 * H, dtype=dtype, kernel_init=init, bias_init=gate_bias_init(a.gate_bias_init, H), name="gate_fc2"
         )
-        g = gate_fc2(nn.silu(gh))
-        g_BxTxHx3 = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, T, H, 3)
+        with jax.named_scope("nsa_gates"):
+            g = gate_fc2(nn.silu(gh))
+            g_BxTxHx3 = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, T, H, 3)
 
         def compressor(name):
             return Compressor(a.l, a.d, a.cmp_phi, a.cmp_mlp_hidden, dtype=dtype, init_std=cfg.init_std, name=name)
@@ -236,8 +250,7 @@ class NSAAttention(nn.Module):
             outputs = decode_branches(
                 cfg, cache, layer, pos_B, q[:, 0], {k: x[:, 0] for k, x in kv.items()}, compressor
             )
-            o = combine_branches(g_BxTxHx3, {k: x[:, None] for k, x in outputs.items()}, a.branches)
-            return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
+            return gated_output(g_BxTxHx3, {k: x[:, None] for k, x in outputs.items()}, a.branches, out_proj, dtype)
 
         if shard is not None:
             if self.is_mutable_collection("losses"):
@@ -245,20 +258,21 @@ class NSAAttention(nn.Module):
             outputs, idx, own = sharded_branches(
                 a, plan, run_kw, shard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor
             )
-            o = combine_branches(g_BxTxHx3, outputs, a.branches)
             if "slc" in a.branches:
                 self.sow("intermediates", "block_idx", idx)
-                stat_sums = aux_stat_sums(
-                    g_BxTxHx3, idx, *own["kc"], k_slc, v_slc, a.lp, a.w, positions_T, shard.real(), own["real_Tc"]
-                )
+                with jax.named_scope("nsa_stats"):
+                    stat_sums = aux_stat_sums(
+                        g_BxTxHx3, idx, *own["kc"], k_slc, v_slc, a.lp, a.w, positions_T, shard.real(), own["real_Tc"]
+                    )
                 self.sow("aux", "stat_sums", stat_sums)
             self.sow("intermediates", "gates", g_BxTxHx3)
-            return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
+            return gated_output(g_BxTxHx3, outputs, a.branches, out_proj, dtype)
 
         with jax.named_scope("nsa_cmp"):
             cmp_k = compressor("cmp_k")
-            kc = cmp_k(k_cmp)
-            vc = compressor("cmp_v")(v_cmp)
+            with jax.named_scope("compress"):  # the compression MLP, apart from the attention and scoring
+                kc = cmp_k(k_cmp)
+                vc = compressor("cmp_v")(v_cmp)
             # Block indices straight from the compressed branch: on the Pallas path one kernel
             # scores and selects, with no probability or block-score tensor.
             select_n = a.n if "slc" in a.branches else None
@@ -282,14 +296,15 @@ class NSAAttention(nn.Module):
             with jax.named_scope("nsa_win"):
                 outputs["win"] = window_attention(q, k_win, v_win, a.w, impl=plan.win, **run_kw)
 
-        o = combine_branches(g_BxTxHx3, outputs, a.branches)
         if self.mode == "prefill":
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
         if "slc" in a.branches:
             self.sow("intermediates", "block_idx", idx)
-            self.sow("aux", "stat_sums", aux_stat_sums(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w))
+            with jax.named_scope("nsa_stats"):
+                stat_sums = aux_stat_sums(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w)
+            self.sow("aux", "stat_sums", stat_sums)
         self.sow("intermediates", "gates", g_BxTxHx3)
-        return out_proj(o.astype(dtype).reshape(B, T, H * Dv))
+        return gated_output(g_BxTxHx3, outputs, a.branches, out_proj, dtype)
 
 
 def sharded_branches(
@@ -303,7 +318,7 @@ def sharded_branches(
     chunk then runs every branch's kernel with its first position as the query offset.
     """
     S, lp = shard.chunk, a.lp
-    with jax.named_scope("nsa_cmp"):
+    with jax.named_scope("nsa_cmp"), jax.named_scope("compress"):
         kc, kc_own, real_Tc = shard.compress_chunks(k_cmp, compressor("cmp_k"), a.l, a.d)
         vc, vc_own, _ = shard.compress_chunks(v_cmp, compressor("cmp_v"), a.l, a.d)
     full = {}

@@ -84,6 +84,7 @@ class GpuTarget:
     memory_bandwidth: int  # bytes / s
     l2_cache_size: int
     clock_rate_ghz: float
+    bf16_tensor_flops: float = 0.0  # the dense bf16 tensor-core peak of the datasheet, flop / s (not XLA's)
     shared_memory_per_block: int = 49152
     threads_per_block_limit: int = 1024
     threads_per_warp: int = 32
@@ -145,6 +146,7 @@ _A100 = dict(
     shared_memory_per_core=167936,
     l2_cache_size=41943040,
     clock_rate_ghz=1.41,
+    bf16_tensor_flops=312e12,
 )
 TARGETS: dict[str, GpuTarget] = {
     "a100-40": GpuTarget(
@@ -165,6 +167,7 @@ TARGETS: dict[str, GpuTarget] = {
         memory_bandwidth=3352320000000,
         l2_cache_size=52428800,
         clock_rate_ghz=1.98,
+        bf16_tensor_flops=989e12,
     ),
 }
 
@@ -309,7 +312,7 @@ def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str |
 
 
 def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, sharding=None):
-    """(fn, abstract (params, x, ct)): the NSA layer's forward and its VJP w.r.t. parameters and input,
+    """(fn, abstract (params, x, ct)): the NSA layer's output and its VJP w.r.t. parameters and input,
     with the kernel plan of a GPU (kernels compiled, not interpreted, whatever this host is)."""
     module = NSAAttention(cfg, kernels=plan_kernels(cfg.nsa, seq_len, "gpu"))
     x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
@@ -318,8 +321,9 @@ def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, shard
         params, x = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), (params, x))
 
     def forward_backward(p, x_BxTxD, ct_BxTxD):
-        _, vjp = jax.vjp(lambda pp, xx: module.apply({"params": pp}, xx), p, x_BxTxD)
-        return vjp(ct_BxTxD)
+        # The output too: a step consumes it (without it, XLA drops the output projection's forward).
+        y, vjp = jax.vjp(lambda pp, xx: module.apply({"params": pp}, xx), p, x_BxTxD)
+        return y, vjp(ct_BxTxD)
 
     return forward_backward, (params, x, x)
 

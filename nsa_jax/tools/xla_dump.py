@@ -59,11 +59,11 @@ class Launch:
     shared_memory: int | None = None
 
 
-def _module_prefixes(dump_dir: str) -> list[str]:
+def module_prefixes(dump_dir: str) -> list[str]:
     return sorted(p[: -len(".thunk_sequence.txt")] for p in glob.glob(os.path.join(dump_dir, "*.thunk_sequence.txt")))
 
 
-def _hlo_text(prefix: str) -> str:
+def hlo_text(prefix: str) -> str:
     files = glob.glob(prefix + ".sm_*_gpu_after_optimizations.txt")
     return Path(files[0]).read_text() if files else ""
 
@@ -93,10 +93,10 @@ def read_launches(dump_dir: str) -> list[Launch]:
     count XLA does not know counts once.
     """
     out = []
-    for prefix in _module_prefixes(dump_dir):
-        hlo_text = _hlo_text(prefix)
-        trips = {m.group(1): int(m.group(2)) for m in _TRIP.finditer(hlo_text)}
-        triton = set(_TRITON_CALL.findall(hlo_text))
+    for prefix in module_prefixes(dump_dir):
+        text = hlo_text(prefix)
+        trips = {m.group(1): int(m.group(2)) for m in _TRIP.finditer(text)}
+        triton = set(_TRITON_CALL.findall(text))
         meta_path = Path(prefix + ".thunk_metadata.txt")
         meta = {}
         if meta_path.exists():
@@ -154,7 +154,7 @@ _ARRAY = re.compile(r"\b(pred|[sfu]\d+|bf16)\[([\d,]*)\]")
 _ITEM_BYTES = {"pred": 1, "bf16": 2}
 
 
-def _array_bytes(shape_text: str) -> list[int]:
+def array_bytes(shape_text: str) -> list[int]:
     """Bytes of every array in an HLO shape (a tuple lists several)."""
     out = []
     for dtype, dims in _ARRAY.findall(shape_text):
@@ -179,12 +179,12 @@ def collective_traffic(dump_dir: str) -> dict[str, dict[str, int]]:
         if launch.category == "collectives":
             counts[launch.hlo] = counts.get(launch.hlo, 0) + launch.count
     out: dict[str, dict[str, int]] = {}
-    for prefix in _module_prefixes(dump_dir):
-        for name, shape, op, groups in _COLLECTIVE.findall(_hlo_text(prefix)):
+    for prefix in module_prefixes(dump_dir):
+        for name, shape, op, groups in _COLLECTIVE.findall(hlo_text(prefix)):
             if name not in counts:
                 continue  # a collective that is not launched on its own (inside a fusion or a start/done pair)
             kind = op.removesuffix("-start")
-            arrays = _array_bytes(shape)
+            arrays = array_bytes(shape)
             if kind == "all-gather" and op.endswith("-start"):
                 arrays = arrays[len(arrays) // 2 :]  # ((inputs), (outputs))
             elif kind == "collective-permute" and op.endswith("-start"):
@@ -208,8 +208,8 @@ def collective_traffic(dump_dir: str) -> dict[str, dict[str, int]]:
 def loop_trip_counts(dump_dir: str) -> dict[str, int]:
     """{while loop HLO name: known trip count} of the dumped program(s)."""
     out = {}
-    for prefix in _module_prefixes(dump_dir):
-        out.update({m.group(1): int(m.group(2)) for m in _TRIP.finditer(_hlo_text(prefix))})
+    for prefix in module_prefixes(dump_dir):
+        out.update({m.group(1): int(m.group(2)) for m in _TRIP.finditer(hlo_text(prefix))})
     return out
 
 
