@@ -299,7 +299,7 @@ def test_profile_step_cli_writes_json(tmp_path):
     rows = data["rows"]
     assert rows and all(r["ms_per_step"] >= 0 for r in rows)
     assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6
-    assert {p["part"] for p in data["meta"]["parts"]} & {"selection", "compression", "window"}
+    assert {p["part"] for p in data["meta"]["parts"]} & {"selection", "compressed attn + top-n", "window"}
     assert any((tmp_path / "trace").rglob("*.xplane.pb"))
 
 
