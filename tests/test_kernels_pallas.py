@@ -37,7 +37,12 @@ from nsa_jax.kernels.compressed_pallas import (
 )
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
-from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, reverse_index, selection_attention_pallas
+from nsa_jax.kernels.selection_pallas import (
+    SelectionBlockSizes,
+    _stable_positions,
+    reverse_index,
+    selection_attention_pallas,
+)
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.tools import aot
 
@@ -134,9 +139,11 @@ def test_selection_uneven_head_dims():
 
 
 @pytest.mark.parametrize("scan_elems", [1 << 22, 64], ids=["one-chunk", "many-chunks"])
-def test_reverse_index_segments_cover_every_entry(scan_elems):
+@pytest.mark.parametrize("t,bs", [(37, 16), (203, 4)], ids=["one-digit", "two-digits"])
+def test_reverse_index_segments_cover_every_entry(scan_elems, t, bs):
+    # 3 blocks sort in one counting pass; 51 in two (digits of 15 and 4: _stable_positions).
     rng = np.random.default_rng(11)
-    b, t, kvh, n, bs, seg = 2, 37, 2, 4, 16, 5
+    b, kvh, n, seg = 2, 2, 4, 5
     idx = random_block_indices(rng, b, t, kvh, n, bs)
     # Off-contract rows too: a repeated block, ids past the last block, ids below -1.
     idx[0, 30, 0] = [1, 1, 7, -3]
@@ -159,6 +166,21 @@ def test_reverse_index_segments_cover_every_entry(scan_elems):
                 assert got == want
             unused = seg_blk[bi, ki] == nb
             assert np.all(seg_lo[bi, ki][unused] == seg_hi[bi, ki][unused])
+
+
+@pytest.mark.parametrize("n,num_keys", [(1, 2), (4, 51), (16, 2049), (3, 1000)])
+def test_stable_positions_are_a_stable_sort_by_key(n, num_keys):
+    # The two-digit counting sort against numpy's stable argsort, with chunked scans (scan_elems small).
+    rng = np.random.default_rng(n * 7 + num_keys)
+    b, kvh, t = 2, 2, 97
+    key = rng.integers(0, num_keys, size=(b, kvh, t, n)).astype(np.int32)
+    key[0, 0, :5] = num_keys - 1  # the largest key (unused slots) in runs
+    pos = np.asarray(_stable_positions(jnp.asarray(key), num_keys, 512))
+    flat = key.reshape(b, kvh, t * n)
+    order = np.argsort(flat, axis=-1, kind="stable")  # order[j]: the entry at sorted slot j
+    want = np.empty_like(order)
+    np.put_along_axis(want, order, np.arange(t * n)[None, None, :], axis=-1)
+    np.testing.assert_array_equal(pos, want)
 
 
 def _skewed_block_indices(rng, b, t, kvh, n, bs, never):

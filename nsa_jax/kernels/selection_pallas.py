@@ -66,10 +66,11 @@ Two ways to collect that without a TxT matrix:
    head) grouped by block id, ascending t within a block, give per block the
    list of queries that selected it (CSR form, O(T*n) int32). A key-centric
    kernel then loads the K/V block once and streams the queries that chose it.
-   The index is a counting sort (``reverse_index``): per-block counts, their
-   exclusive cumsum as offsets, and each entry's rank within its block from
-   cumulative counts; no comparison sort, integer arithmetic only, so it is
-   exact and deterministic.
+   The index is a counting sort (``reverse_index``) in two digits of the block
+   id, each pass placing entries by their digit's exclusive-cumsum offsets
+   plus their rank among equal digits from cumulative counts; no comparison
+   sort, integer arithmetic only, so it is exact and deterministic, and its
+   counters grow as T^1.5 rather than T x T / lp.
 
 We use (2): no atomics, bitwise deterministic, and the inner loop gathers
 ``rows_dkv`` flattened (query, head) rows per step, so its matmuls are
@@ -109,6 +110,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -595,6 +597,44 @@ def _ranks_within_key(key_BxKxTxN, num_keys: int, chunk_elems: int = 1 << 22):
     return rank + in_row[:, :, :t], counts_BxKxM
 
 
+def _stable_positions(key_BxKxTxN, num_keys: int, scan_elems: int) -> jax.Array:
+    """[B, K, T*n]: where each (t, s) entry lands in a stable sort of the entries by key (keys in [0, num_keys)).
+
+    A least-significant-digit radix sort in two counting passes, key = hi * R1 + lo:
+    entries stably by lo in (t, s) order (``_ranks_within_key`` over the rows of n slots:
+    T x R1 counters in all), then the result stably by hi (one entry a row: T n x R2
+    counters), so equal keys keep (t, s) order. One pass over the whole key would count
+    T x num_keys: with num_keys = T / lp + 1 that grows as T^2 (41 GiB moved at T = 256k
+    for the a100_pcie layer). R1 = sqrt(n num_keys) balances the two passes: about
+    2 T sqrt(n T / lp) counters, 5.6x fewer than one pass at T = 64k and 11x at 256k.
+    """
+    b, kvh, t, n = key_BxKxTxN.shape
+    entries = t * n
+    r_lo = min(num_keys, max(1, math.isqrt(n * num_keys - 1) + 1))  # ceil(sqrt(n num_keys))
+    r_hi = pl.cdiv(num_keys, r_lo)
+    b_i, k_i = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
+
+    def placed(digit_BxKxE, rank_BxKxE, counts_BxKxR):
+        starts_BxKxR = jnp.cumsum(counts_BxKxR, axis=-1) - counts_BxKxR
+        return jnp.take_along_axis(starts_BxKxR, digit_BxKxE, axis=-1) + rank_BxKxE
+
+    lo_BxKxTxN = key_BxKxTxN % r_lo
+    rank_lo, counts_lo = _ranks_within_key(lo_BxKxTxN, r_lo, scan_elems)
+    pos1_BxKxE = placed(lo_BxKxTxN.reshape(b, kvh, entries), rank_lo.reshape(b, kvh, entries), counts_lo)
+    if r_hi == 1:
+        return pos1_BxKxE
+    # The high digits in pass-1 order (pos1 is a permutation of [0, T*n) per (b, k)).
+    hi_sorted_BxKxE = (
+        jnp.zeros((b, kvh, entries), jnp.int32)
+        .at[b_i, k_i, pos1_BxKxE]
+        .set((key_BxKxTxN // r_lo).reshape(b, kvh, entries), unique_indices=True)
+    )
+    rank_hi, counts_hi = _ranks_within_key(hi_sorted_BxKxE[..., None], r_hi, scan_elems)
+    pos2_BxKxE = placed(hi_sorted_BxKxE, rank_hi[..., 0], counts_hi)
+    # Entry e sits at pos1[e] after pass 1, and that slot moves to pos2[pos1[e]].
+    return jnp.take_along_axis(pos2_BxKxE, pos1_BxKxE, axis=-1)
+
+
 class ReverseIndex(NamedTuple):
     """A selection's CSR reverse index, cut into work segments (``reverse_index``); all int32."""
 
@@ -619,22 +659,23 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
       blk_first, blk_count [B, K, NB]: each block's segments are
         ``seg_first .. seg_first + blk_count - 1``.
 
-    Built as a counting sort: per-block counts, their exclusive cumsum as the
-    block offsets, and each entry's rank among the entries of its block
-    (``_ranks_within_key``, holding at most ``scan_elems`` counters at a time);
-    entry (t, s) lands at offset + rank. A comparison
-    sort of the T*n entries (what XLA emits for argsort) costs O(E log^2 E) on a
-    GPU and was the largest non-kernel op of the backward.
+    Built as a counting sort of the entries by block id (``_stable_positions``: two
+    counting passes, one per digit of the id, holding at most ``scan_elems``
+    counters at a time), then the per-block counts' exclusive cumsum as the
+    segments' offsets. A comparison sort of the T*n entries (what XLA emits for
+    argsort) costs O(E log^2 E) on a GPU and was the largest non-kernel op of the
+    backward.
     """
     b, t, kvh, n = idx_BxTxKxN.shape
     entries = t * n
     idx_BxKxTxN = idx_BxTxKxN.transpose(0, 2, 1, 3)
     live = (idx_BxKxTxN >= 0) & (idx_BxKxTxN < num_blocks)
     key_BxKxTxN = jnp.where(live, idx_BxKxTxN, num_blocks).astype(jnp.int32)
-    rank_BxKxTxN, counts_BxKxM = _ranks_within_key(key_BxKxTxN, num_blocks + 1, scan_elems)
-    starts_BxKxM = jnp.cumsum(counts_BxKxM, axis=-1) - counts_BxKxM
-    key_BxKxE = key_BxKxTxN.reshape(b, kvh, entries)
-    pos_BxKxE = jnp.take_along_axis(starts_BxKxM, key_BxKxE, axis=-1) + rank_BxKxTxN.reshape(b, kvh, entries)
+    pos_BxKxE = _stable_positions(key_BxKxTxN, num_blocks + 1, scan_elems)
+    b_i, k_i = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
+    counts_BxKxM = (
+        jnp.zeros((b, kvh, num_blocks + 1), jnp.int32).at[b_i, k_i, key_BxKxTxN.reshape(b, kvh, entries)].add(1)
+    )
     t_E = jnp.repeat(jnp.arange(t, dtype=jnp.int32), n)
     # pos is a permutation of [0, T*n) per (b, k): every element is written once.
     qlist = (
