@@ -168,7 +168,7 @@ def test_reverse_index_segments_cover_every_entry(scan_elems, t, bs):
             assert np.all(seg_lo[bi, ki][unused] == seg_hi[bi, ki][unused])
 
 
-@pytest.mark.parametrize("n,num_keys", [(1, 2), (4, 51), (16, 2049), (3, 1000)])
+@pytest.mark.parametrize("n,num_keys", [(4, 51), (16, 2049)])
 def test_stable_positions_are_a_stable_sort_by_key(n, num_keys):
     # The two-digit counting sort against numpy's stable argsort, with chunked scans (scan_elems small).
     rng = np.random.default_rng(n * 7 + num_keys)
