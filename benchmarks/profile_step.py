@@ -39,16 +39,11 @@ import numpy as np
 from benchmarks.common import add_config_args, print_header, write_json
 from nsa_jax.config import load_config
 from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.tools.hlo_traffic import parse_module
 from nsa_jax.tools.parts import part_of
 from nsa_jax.train import step as S
 from nsa_jax.train.strategies import make_plan
 
-# `%name = type opcode(...), ..., metadata={op_name="..." ...}` in compiled HLO text.
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s+.*?\s([\w\-]+)\((.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 # Instructions that only contain others: their time is their children's.
 CONTAINERS = ("while", "conditional", "call")
 # What an instruction does, from the opcodes inside it (first match wins).
@@ -63,33 +58,16 @@ KINDS = (
 
 def instruction_sources(hlo_text: str) -> dict[str, dict[str, str]]:
     """HLO instruction name -> {op_name, source 'file:line', opcode, kind} from the compiled module."""
-    opcodes: dict[str, set[str]] = collections.defaultdict(set)  # computation -> opcodes in it
+    comps = parse_module(hlo_text)
+    opcodes = {comp: {i.opcode for i in body.values()} for comp, body in comps.items()}
     instrs = {}
-    computation = ""
-    for line in hlo_text.splitlines():
-        c = _COMPUTATION.match(line)
-        if c:
-            computation = c.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, opcode, rest = m.groups()
-        opcodes[computation].add(opcode)
-        op = _OP_NAME.search(rest)
-        src = _SOURCE.search(rest)
-        calls = _CALLS.search(rest)
-        instrs[name] = {
-            "op_name": op.group(1) if op else "",
-            "source": f"{pathlib.Path(src.group(1)).name}:{src.group(2)}" if src else "",
-            "opcode": opcode,
-            "calls": calls.group(1) if calls and opcode == "fusion" else "",
-        }
-    for info in instrs.values():
-        inside = opcodes.get(info.pop("calls"), set()) | {info["opcode"]}
-        if info["opcode"] == "fusion" and "ynn" in "".join(inside):
-            inside.add("dot")
-        info["kind"] = next((k for k, ops in KINDS if inside & set(ops)), "elementwise")
+    for body in comps.values():
+        for ins in body.values():
+            inside = {ins.opcode} | (opcodes.get(ins.calls, set()) if ins.opcode == "fusion" else set())
+            if ins.opcode == "fusion" and "ynn" in "".join(inside):
+                inside.add("dot")
+            kind = next((k for k, ops in KINDS if inside & set(ops)), "elementwise")
+            instrs[ins.name] = {"op_name": ins.op_name, "source": ins.source, "opcode": ins.opcode, "kind": kind}
     return instrs
 
 

@@ -47,6 +47,7 @@ ENTRY %main (p0: f32[1024,64], x: f32[8], buf: s32[33,100], upd: s32[1,100], i: 
   %loop_dynamic_update_slice_fusion = s32[33,100]{1,0} fusion(%buf, %upd, %i), kind=kLoop, calls=%fused_dus, metadata={op_name="jit(f)/transpose(jvp(NSAAttention))/nsa_slc/while/body/dynamic_update_slice"}
   %gemm_fusion_dot = bf16[256,64]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_computation, metadata={op_name="jit(f)/jvp(NSAAttention)/nsa_out/o/dot_general"}
   %copy.1 = f32[1024,64]{0,1} copy(%p0)
+  %dot.2 = bf16[256,64]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/mlp/w1/dot_general" source_file="/src/nsa_jax/layers.py" source_line=42}
   ROOT %pallas_call.3 = f32[8]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
 }
 """  # noqa: E501
@@ -58,6 +59,7 @@ def launches() -> list[Launch]:
         ("loop_dynamic_update_slice_fusion", "loop_dynamic_update_slice_fusion", "copies", 33),
         ("gemm_fusion_dot", "gemm_fusion_dot", "gemm", 2),
         ("copy.1", "copy.1", "copy_thunks", 1),
+        ("dot.2", "sm90_xmma_gemm", "gemm", 1),
         ("pallas_call.3", "nsa_window_fwd", "pallas", 1),
     ]
     return [Launch(i, "kCustomKernel", hlo, kernel, cat, n, ()) for i, (hlo, kernel, cat, n) in enumerate(rows)]
@@ -76,12 +78,16 @@ def test_bytes_and_flops_of_each_launch_from_the_shapes(tmp_path):
     assert got["gemm_fusion_dot"].flops == 2 * 256 * 64 * 128
     assert got["copy.1"].bytes == 2 * 1024 * 64 * 4 and got["copy.1"].flops == 0
     assert got["pallas_call.3"].bytes == 2 * 8 * 4
+    # A dot launched on its own (a library call): the same count as inside a gemm fusion.
+    assert got["dot.2"].flops == 2 * 256 * 64 * 128 and got["dot.2"].bytes == got["gemm_fusion_dot"].bytes
+    assert hlo_traffic.parse_module(MODULE)["main"]["dot.2"].source == "layers.py:42"
     parts_of = {hlo: t.part for hlo, t in got.items()}
     assert parts_of == {
         "loop_slice_fusion": "qkv proj + RoPE",
         "loop_dynamic_update_slice_fusion": "selection",
         "gemm_fusion_dot": "out proj",
         "copy.1": "other",  # no op_name
+        "dot.2": "mlp",
         "pallas_call.3": "window",  # no op_name: the kernel's own name
     }
     bandwidth, peak = 1e9, 1e9
@@ -93,8 +99,8 @@ def test_bytes_and_flops_of_each_launch_from_the_shapes(tmp_path):
     assert gemm["flops"] == 2 * 2 * 256 * 64 * 128
     assert gemm["floor_ms"] == pytest.approx(2 * 2 * 256 * 64 * 128 / peak * 1e3)
     assert rows[("window", True)]["launches"] == 1
-    top = hlo_traffic.top_launches(list(got.values()), bandwidth, peak, 2)
-    assert [r["hlo"] for r in top] == ["gemm_fusion_dot", "copy.1"]  # the Pallas kernel is not listed
+    top = hlo_traffic.top_launches(list(got.values()), bandwidth, peak, 3)
+    assert [r["hlo"] for r in top] == ["gemm_fusion_dot", "dot.2", "copy.1"]  # the Pallas kernel is not listed
 
 
 def test_part_of_reads_the_layer_scopes_then_kernel_names_then_words():

@@ -34,6 +34,7 @@ _DEF = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s([a-z][\w\-]*)\((.*)$
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _CALLS = re.compile(r"calls=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DIMS = re.compile(r"\[([\d,]*)\]")
 # Ops that read only part of an operand: inside a fusion, such an operand counts at what they read.
@@ -50,6 +51,7 @@ class Instr:
     op_name: str
     root: bool
     contracting: list[int]
+    source: str  # 'file.py:line' where the module names it inline, else ''
 
 
 def _split_call(rest: str) -> tuple[str, str]:
@@ -79,6 +81,7 @@ def parse_module(hlo_text: str) -> dict[str, dict[str, Instr]]:
         calls = _CALLS.search(attrs)
         op = _OP_NAME.search(attrs)
         contract = _CONTRACT.search(attrs)
+        src = _SOURCE.search(attrs)
         current[name] = Instr(
             name,
             shape,
@@ -88,6 +91,7 @@ def parse_module(hlo_text: str) -> dict[str, dict[str, Instr]]:
             op.group(1) if op else "",
             bool(root),
             [int(d) for d in contract.group(1).split(",") if d] if contract else [],
+            f"{src.group(1).rsplit('/', 1)[-1]}:{src.group(2)}" if src else "",
         )
     return comps
 
@@ -101,25 +105,29 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
+def _flops_of(ins: Instr, shapes: dict[str, str]) -> int:
+    """2 x M x N x K of one dot (0 for any other op)."""
+    if ins.opcode != "dot" or not ins.operands:
+        return 0
+    out = 1
+    for d in _dims(ins.shape):
+        out *= d
+    lhs = _dims(shapes.get(ins.operands[0], ""))
+    k = 1
+    for d in ins.contracting:
+        k *= lhs[d] if d < len(lhs) else 1
+    return 2 * out * k
+
+
 def _dot_flops(comps: dict[str, dict[str, Instr]], comp: str, shapes: dict[str, str], seen: set[str]) -> int:
-    """2 x M x N x K summed over the dots in `comp` and the computations it calls."""
+    """The flops of the dots in `comp` and the computations it calls."""
     if comp in seen or comp not in comps:
         return 0
     seen.add(comp)
-    flops = 0
-    for ins in comps[comp].values():
-        if ins.opcode == "dot" and ins.operands:
-            out = 1
-            for d in _dims(ins.shape):
-                out *= d
-            lhs = _dims(shapes.get(ins.operands[0], ""))
-            k = 1
-            for d in ins.contracting:
-                k *= lhs[d] if d < len(lhs) else 1
-            flops += 2 * out * k
-        if ins.calls:
-            flops += _dot_flops(comps, ins.calls, shapes, seen)
-    return flops
+    return sum(
+        _flops_of(ins, shapes) + (_dot_flops(comps, ins.calls, shapes, seen) if ins.calls else 0)
+        for ins in comps[comp].values()
+    )
 
 
 def _fusion_bytes(comps: dict[str, dict[str, Instr]], ins: Instr, shapes: dict[str, str]) -> int:
@@ -178,12 +186,10 @@ def launch_traffic(dump_dir: str, launches: list[xla_dump.Launch] | None = None)
             nbytes = _fusion_bytes(comps, ins, shapes)
         else:
             nbytes = sum(_bytes(shapes.get(o, "")) for o in ins.operands) + _bytes(ins.shape)
-        flops = _dot_flops(comps, ins.calls, shapes, set()) if ins.calls else 0
-        if ins.opcode == "dot":
-            flops = _dot_flops({"": {ins.name: ins}}, "", shapes, set())
-        name = ins.op_name or f"kernel:{launch.kernel}"
-        part = part_of(name)
-        if part == "other" and launch.category == "pallas":
+        flops = _flops_of(ins, shapes) + (_dot_flops(comps, ins.calls, shapes, set()) if ins.calls else 0)
+        # A launch without an op_name, or a Pallas kernel whose caller names no part, goes by its kernel's name.
+        part = part_of(ins.op_name) if ins.op_name else "other"
+        if part == "other" and (launch.category == "pallas" or not ins.op_name):
             part = part_of(f"kernel:{launch.kernel}")
         out.append(Traffic(launch, nbytes, flops, part, ins.op_name))
     return out
