@@ -234,7 +234,9 @@ print("RESULT", json.dumps(out))
 @pytest.mark.slow
 def test_four_devices_equal_one_with_data_and_seq():
     r = python_c(
-        "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'; "
+        "import os\n"  # four host devices, the test process's other XLA flags kept
+        "flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if 'device_count' not in f]\n"
+        "os.environ['XLA_FLAGS'] = ' '.join([*flags, '--xla_force_host_platform_device_count=4'])\n"
         "os.environ['JAX_PLATFORMS'] = 'cpu'\n" + FOUR_DEVICES
     )
     assert r.returncode == 0, r.stderr[-3000:]

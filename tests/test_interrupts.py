@@ -269,7 +269,9 @@ def test_ctrl_c_saves_says_how_to_resume_and_the_same_command_resumes(tmp_path, 
 def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path, cache):
     out = tmp_path / "run"
     args = train_args(out, 400, "checkpoint.save_every=2", "checkpoint.max_to_keep=10")
-    run = Run(args, cache, driver=DRIVER, AT="5", DELAY="0", COUNT="2")
+    # At step 7: the save of step 6 began only once step 4's had committed (a save waits for the one
+    # before it), so step 4 is on disk whatever the load; step 6's may still be in flight.
+    run = Run(args, cache, driver=DRIVER, AT="7", DELAY="0", COUNT="2")
     run.until("driver: SIGINT x2")
     t_sent = time.monotonic()
     rc = run.finish()
