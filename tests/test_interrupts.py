@@ -116,8 +116,10 @@ for module, name in ((loop, "LONG_STEP_S"), (progress, "QUIET_S")):
         setattr(module, name, float(os.environ[name]))
 at, delay, count = int(os.environ["AT"]), float(os.environ["DELAY"]), int(os.environ.get("COUNT", "1"))
 record = loop.Trainer._record
+fired = threading.Event()
 
 def fire():
+    fired.set()
     sys.stdout.write(f"driver: SIGINT x{count}\n")  # one write: not inside another thread's line
     sys.stdout.flush()
     for _ in range(count):
@@ -131,6 +133,16 @@ def _record(self, p):
     return ok
 
 loop.Trainer._record = _record
+if os.environ.get("SLOW_SAVE"):  # saves after the signals take this long (a large model's save)
+    from nsa_jax.rundir import checkpoint
+    save = checkpoint.Checkpointer.save
+
+    def _save(self, *args, **kwargs):
+        if fired.is_set():
+            time.sleep(float(os.environ["SLOW_SAVE"]))
+        return save(self, *args, **kwargs)
+
+    checkpoint.Checkpointer.save = _save
 from launch.train import main
 sys.argv = ["launch.train", *sys.argv[1:]]
 sys.exit(main())
@@ -270,8 +282,9 @@ def test_a_second_ctrl_c_quits_at_once_and_keeps_the_last_checkpoint(tmp_path, c
     out = tmp_path / "run"
     args = train_args(out, 400, "checkpoint.save_every=2", "checkpoint.max_to_keep=10")
     # At step 7: the save of step 6 began only once step 4's had committed (a save waits for the one
-    # before it), so step 4 is on disk whatever the load; step 6's may still be in flight.
-    run = Run(args, cache, driver=DRIVER, AT="7", DELAY="0", COUNT="2")
+    # before it), so step 4 is on disk whatever the load; step 6's may still be in flight. The stop's
+    # save takes 5 s, so the second Ctrl-C comes while it runs, as it does for a large model.
+    run = Run(args, cache, driver=DRIVER, AT="7", DELAY="0", COUNT="2", SLOW_SAVE="5")
     run.until("driver: SIGINT x2")
     t_sent = time.monotonic()
     rc = run.finish()
