@@ -18,6 +18,7 @@ Two modes:
 Usage:
   python -m benchmarks.bench_context aot --target a100-80 --target h100 [--config a100_pcie_256k]
       [--contexts 1,2,4,8] [--seq-lens 64k,256k] [--layer-seq-len 256k] [--set KEY=VALUE] [--json out.json]
+      (--set parallel.strategy=zero1: the Adam moments split over the C cards)
   python -m benchmarks.bench_context cpu [--config cpu_tiny] [--contexts 1,2,4] [--seq-len 1024]
       [--steps 5] [--json out.json]
 """
@@ -48,9 +49,11 @@ def _branch_kv_bytes(cfg, T: int) -> int:
 
 
 def _one_sequence(cfg, C: int, T: int):
-    """cfg with one sequence of T per step over C cards (data 1 x seq C)."""
+    """cfg with one sequence of T per step over C cards (data 1 x seq C), under its strategy if that
+    runs with context parallelism (dp, zero1), else dp."""
     sets = [f"train.seq_len={T}", "train.global_batch=1", "train.accumulate=1", f"parallel.context={C}"]
-    return config.replace(cfg, sets + ["parallel.num_devices=0", "parallel.strategy=dp"])
+    strategy = cfg.parallel.strategy if cfg.parallel.strategy in ("dp", "zero1") else "dp"
+    return config.replace(cfg, sets + ["parallel.num_devices=0", f"parallel.strategy={strategy}"])
 
 
 def run_aot(opts, cfg) -> list[dict]:
@@ -104,7 +107,8 @@ def print_step_row(r: dict) -> None:
         for k, v in sorted(r["collectives"].items())
     )
     print(
-        f"{head}: temporaries {fmt_mib(m['temp'], 0).strip()} MiB, total {fmt_mib(m['total'], 0).strip()} MiB "
+        f"{head}: arguments {fmt_mib(m['argument'], 0).strip()} MiB, temporaries {fmt_mib(m['temp'], 0).strip()} MiB, "
+        f"total {fmt_mib(m['total'], 0).strip()} MiB "
         f"per card ({'fits' if r['fits'] else 'does NOT fit'}); per step {wire or 'no collectives'}",
         flush=True,
     )

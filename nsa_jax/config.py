@@ -501,8 +501,8 @@ def check_context(cfg: Config, need) -> None:
     if C == 1:
         return
     need(
-        cfg.parallel.strategy == "dp",
-        f"parallel.context={C} runs with parallel.strategy=dp (its shard_map step); "
+        cfg.parallel.strategy in ("dp", "zero1"),
+        f"parallel.context={C} runs with parallel.strategy=dp or zero1 (their shard_map step); "
         f"got {cfg.parallel.strategy}: set parallel.strategy=dp or parallel.context=1",
     )
     need(

@@ -144,6 +144,40 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragg
         np.testing.assert_allclose(s2[k], s1[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+def test_zero1_under_context_parallelism_steps_as_dp_with_the_moments_split(tokens_ragged):
+    """parallel.strategy=zero1 at C = 2 (data 1 x seq 2): two whole train steps (the reduced gradient,
+    clipping, Adam on slices, the parameters gathered) give dp's state at C = 2, whose gradients the
+    tests above hold to one device's, while every Adam moment with an even axis lives half on each
+    device. Against one device: the loss and the gradient norm. (Its parameters differ where Adam
+    turns the split's 1e-6 rounding of a near-zero gradient into a step of another sign, so they are
+    compared with dp at the same split.)"""
+    extra = ["model.n_layers=1", "train.grad_clip=0.5", "train.lr=1e-2"]
+    runs = {}
+    for name, cfg in (
+        ("dp C=1", cfg_of(RAGGED_T, 1, 1, *extra)),
+        ("dp C=2", cfg_of(RAGGED_T, 2, 2, *extra)),
+        ("zero1 C=2", cfg_of(RAGGED_T, 2, 2, "parallel.strategy=zero1", *extra)),
+    ):
+        plan = S.make_plan(cfg, S.make_mesh(cfg))
+        state = S.create_state(plan)
+        step = S.make_train_step(plan)
+        for batch in (tokens_ragged, tokens_ragged[::-1]):
+            state, metrics = step(state, jax.device_put(batch, plan.batch))
+        runs[name] = (plan, state, jax.device_get(metrics))
+    (_, _, m1), (_, dp, _), (plan, got, m2) = runs["dp C=1"], runs["dp C=2"], runs["zero1 C=2"]
+    assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=GRAD_TOL)
+    assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=LOSS_TOL)
+    for a, b in zip(jax.tree.leaves(jax.device_get(got.params)), jax.tree.leaves(jax.device_get(dp.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+    split = 0
+    for leaf in jax.tree.leaves(got.opt_state):
+        if any(size % 2 == 0 and size > 1 for size in leaf.shape):
+            assert leaf.addressable_shards[0].data.size * 2 == leaf.size, leaf.sharding
+            split += 1
+    assert split >= 2 * len(jax.tree.leaves(got.params)) - 2  # both moments of (nearly) every weight
+    assert plan.state.params == jax.tree.map(lambda _: plan.replicated, plan.state.params)
+
+
 @pytest.mark.slow
 def test_loss_weights_and_heldout_sums_under_two_devices():
     """kv_recall's answer-only loss (a weight that depends on the whole row) and the held-out sums."""
@@ -186,7 +220,7 @@ def test_plan_names_the_context_and_keeps_cudnn_off():
     [
         (["parallel.context=0"], "parallel.context must be >= 1"),
         (["parallel.context=2", "parallel.strategy=pmap"], "runs with parallel.strategy=dp"),
-        (["parallel.context=2", "parallel.strategy=fsdp"], "runs with parallel.strategy=dp"),
+        (["parallel.context=2", "parallel.strategy=fsdp"], "runs with parallel.strategy=dp or zero1"),
         (["parallel.context=2", "train.scorer_distill=1.0"], "set train.scorer_distill=0"),
         (["parallel.context=4", "train.seq_len=40"], "set train.seq_len to at least 49"),
         (["parallel.context=2", "model.dtype=bfloat16", "model.nsa.compressed_kernel=cudnn"], "takes no query offset"),

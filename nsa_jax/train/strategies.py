@@ -24,14 +24,18 @@ optax update with global-norm clipping.
 
 "Sharded": the leaf rule of `data_spec`, `data` on the largest axis whose size the
 device count divides; leaves with no such axis (scalars, odd sizes) stay replicated.
+Under context parallelism (zero1) a leaf is split over `data` and `seq` together, so each
+of the mesh's devices holds 1/devices of it.
 
 The mesh is (data, seq): `seq` has parallel.context devices (1 unless context
 parallelism is on), and the batch is sharded over `data` only. With context C > 1
-(dp only; `make_context_grad_fn`) every row's T tokens are padded and laid out over
+(dp or zero1; `make_context_grad_fn`) every row's T tokens are padded and laid out over
 the C devices of `seq` as nsa/context.py says; each device computes its tokens'
 share of the loss (the sequence's K/V reach it through the layers' collectives, and
 autodiff returns their gradients to their owners), and the one explicit reduction
-of the summed gradient runs over both axes.
+of the summed gradient runs over both axes: an all-reduce (dp), or a reduce-scatter
+to each device's slice (zero1: the update and the Adam moments then live on slices
+of all C x data devices, and the jit all-gathers the updated parameters).
 
 How gspmd, zero1 and fsdp reduce. The batch [A, B, T+1] is viewed as
 [A, D, B/D, T+1] with D (the device count) sharded on `data`, and the accumulated
@@ -88,21 +92,31 @@ def check_strategy(cfg: Config) -> str:
 # placement
 
 
-def data_spec(shape: tuple[int, ...], n_shards: int) -> P:
-    """`data` on the largest axis of `shape` that n_shards divides (the first of equals); P() if none."""
+def data_spec(shape: tuple[int, ...], n_shards: int, axes: str | tuple[str, ...] = AXIS) -> P:
+    """`axes` (default `data`) on the largest axis of `shape` that n_shards divides (the first of
+    equals); P() if none."""
     if n_shards <= 1:
         return P()
-    axes = [i for i, size in enumerate(shape) if size % n_shards == 0]
-    if not axes:
+    dims = [i for i, size in enumerate(shape) if size % n_shards == 0]
+    if not dims:
         return P()
-    best = max(axes, key=lambda i: (shape[i], -i))
-    return P(*[AXIS if i == best else None for i in range(len(shape))])
+    best = max(dims, key=lambda i: (shape[i], -i))
+    return P(*[axes if i == best else None for i in range(len(shape))])
 
 
-def sharded_over_data(tree: Any, mesh: Mesh) -> Any:
-    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs) by the `data_spec` rule."""
-    n = mesh.shape[AXIS]
-    return jax.tree.map(lambda x: NamedSharding(mesh, data_spec(tuple(x.shape), n)), tree)
+def shard_axes(mesh: Mesh) -> tuple[str | tuple[str, ...], int]:
+    """(mesh axes, device count) a sharded leaf is split over: `data`, and with context
+    parallelism `data` and `seq` together (every device of the mesh holds one slice)."""
+    context = dict(mesh.shape).get(SEQ, 1)
+    if context > 1:
+        return (AXIS, SEQ), mesh.shape[AXIS] * context
+    return AXIS, mesh.shape[AXIS]
+
+
+def sharded_over_mesh(tree: Any, mesh: Mesh) -> Any:
+    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs) by the `data_spec` rule over `shard_axes`."""
+    axes, n = shard_axes(mesh)
+    return jax.tree.map(lambda x: NamedSharding(mesh, data_spec(tuple(x.shape), n, axes)), tree)
 
 
 def replicated_tree(tree: Any, mesh: Mesh) -> Any:
@@ -124,8 +138,8 @@ def state_shardings(cfg: Config, mesh: Mesh, shapes: TrainState | None = None) -
     shard_opt = strategy in ("zero1", "fsdp")
     return TrainState(
         step=rep,
-        params=(sharded_over_data if shard_params else replicated_tree)(shapes.params, mesh),
-        opt_state=(sharded_over_data if shard_opt else replicated_tree)(shapes.opt_state, mesh),
+        params=(sharded_over_mesh if shard_params else replicated_tree)(shapes.params, mesh),
+        opt_state=(sharded_over_mesh if shard_opt else replicated_tree)(shapes.opt_state, mesh),
         rng=rep,
     )
 
@@ -133,7 +147,7 @@ def state_shardings(cfg: Config, mesh: Mesh, shapes: TrainState | None = None) -
 def grad_shardings(cfg: Config, mesh: Mesh, params_shapes: Any) -> Any:
     """Where the reduced mean gradient (and the update computed from it) lives: sharded for zero1/fsdp."""
     if check_strategy(cfg) in ("zero1", "fsdp"):
-        return sharded_over_data(params_shapes, mesh)
+        return sharded_over_mesh(params_shapes, mesh)
     return replicated_tree(params_shapes, mesh)
 
 
@@ -293,7 +307,8 @@ class ContextLoss:
 
 
 def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
-    """dp with context parallelism: (params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats).
+    """dp or zero1 with context parallelism: (params, tokens_AxBxT1) -> (mean grads fp32 placed as
+    plan.grads, mean loss, mean stats).
 
     The result is dp's at C = 1: the mean over the A x D (micro-batch, data shard) pairs
     of each pair's weighted mean loss (denominator max(sum of weights, 1), as
@@ -306,6 +321,7 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
     spec_rows = P(None, AXIS, SEQ)
+    grad_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1)
 
     def local(params, inputs_AxbxL, targets_AxbxL, weights_AxbxL, rope_Ax1xL, denom_Ax1):
         def pair_loss(xs):  # (share, sums), grads of micro-batch xs
@@ -328,7 +344,17 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
         )
         (grads, total, stats), _ = lax.scan(micro, zeros, xs)
         n = inputs_AxbxL.shape[0] * n_devices
-        grads = jax.tree.map(lambda g: lax.psum((g / n).astype(reduce_dtype), (AXIS, SEQ)).astype(jnp.float32), grads)
+
+        def reduce(g, spec):  # the mean over every device: whole (dp), or this device's slice (zero1)
+            g = (g / n).astype(reduce_dtype)
+            dims = [i for i, a in enumerate(spec) if a is not None]
+            if dims:
+                g = lax.psum_scatter(g, (AXIS, SEQ), scatter_dimension=dims[0], tiled=True)
+            else:
+                g = lax.psum(g, (AXIS, SEQ))
+            return g.astype(jnp.float32)
+
+        grads = jax.tree.map(reduce, grads, grad_specs)
         return grads, lax.psum(total, AXIS) / n, jax.tree.map(lambda s: lax.psum(s, AXIS) / n, stats)
 
     def lay_out(x_AxDxbxT):
@@ -349,7 +375,7 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
             local,
             mesh=mesh,
             in_specs=(P(), spec_rows, spec_rows, spec_rows, None if rope is None else spec_rows, P(None, AXIS)),
-            out_specs=(P(), P(), P()),
+            out_specs=(grad_specs, P(), P()),
             check_vma=False,
         )
         return fn(params, *args)
