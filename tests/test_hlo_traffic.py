@@ -12,7 +12,7 @@ import pytest
 
 from nsa_jax.config import load_config
 from nsa_jax.nsa.layer import NSAAttention
-from nsa_jax.tools import hlo_traffic, parts
+from nsa_jax.tools import hlo_traffic, parts, xla_dump
 from nsa_jax.tools.xla_dump import Launch
 
 MODULE = """\
@@ -145,3 +145,19 @@ def test_every_op_of_the_layer_is_in_a_named_part():
     missing = {p for p, _ in parts.LAYER_PARTS} - set(counts)
     assert not missing, (missing, counts)
     assert counts["other"] <= 0.02 * sum(counts.values()), counts
+
+
+def test_collective_group_sizes_in_each_form_xla_prints():
+    """replica_groups as explicit groups, an iota list, or named mesh axes (the SPMD partitioner's
+    collectives, e.g. zero1's parameter gathers): each is matched and sized."""
+    assert xla_dump.group_size("{{0,1},{2,3}}") == 2
+    assert xla_dump.group_size("[2,4]<=[8]") == 4
+    assert xla_dump.group_size("mesh['axis_0'=1,'axis_1'=1,'axis_2'=2] {'axis_2'}") == 2
+    assert xla_dump.group_size("mesh['data'=2,'seq'=4] {'data','seq'}") == 8
+    line = (
+        "  %all-gather-start.13 = (f32[12,768,1024]{1,0,2}, f32[12,768,2048]{1,0,2}) all-gather-start("
+        "%bitcast.3296.0), channel_id=62, replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=2] {'axis_2'}, "
+        "dimensions={2}, use_global_device_ids=true"
+    )
+    ((name, _, op, groups),) = xla_dump._COLLECTIVE.findall(line)
+    assert (name, op, xla_dump.group_size(groups)) == ("all-gather-start.13", "all-gather-start", 2)

@@ -146,10 +146,30 @@ def launch_counts(launches: list[Launch]) -> dict[str, int]:
     return counts
 
 
+# replica_groups in the three forms XLA prints: explicit groups `{{0,1},{2,3}}`, an iota list
+# `[2,2]<=[4]` (groups x group size), or named mesh axes `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`
+# (the SPMD partitioner's collectives: a group spans the listed axes).
 _COLLECTIVE = re.compile(
     r"%([\w.\-]+) = (.+?) (all-gather-start|all-gather|reduce-scatter|all-reduce-start|all-reduce|"
-    r"collective-permute-start|collective-permute|all-to-all)\(.*?replica_groups=(\{[^=]*?\}\})"
+    r"collective-permute-start|collective-permute|all-to-all)\(.*?replica_groups="
+    r"(\{\{[^=]*?\}\}|\[[\d,]+\]<=\[[\d,]+\]|mesh\[[^\]]*\]\s*\{[^}]*\})"
 )
+_MESH_AXIS = re.compile(r"'([\w]+)'=(\d+)")
+
+
+def group_size(groups: str) -> int:
+    """Devices per replica group, from replica_groups' text in any of _COLLECTIVE's forms."""
+    if groups.startswith("{{"):
+        return len(groups.split("},{")[0].strip("{}").split(","))
+    if groups.startswith("["):
+        return int(groups[1:].split("]")[0].split(",")[-1])
+    sizes = dict((a, int(n)) for a, n in _MESH_AXIS.findall(groups.split("]")[0]))
+    size = 1
+    for axis in re.findall(r"'([\w]+)'", groups.split("]", 1)[1]):
+        size *= sizes.get(axis, 1)
+    return size
+
+
 _ARRAY = re.compile(r"\b(pred|[sfu]\d+|bf16)\[([\d,]*)\]")
 _ITEM_BYTES = {"pred": 1, "bf16": 2}
 
@@ -190,7 +210,7 @@ def collective_traffic(dump_dir: str) -> dict[str, dict[str, int]]:
             elif kind == "collective-permute" and op.endswith("-start"):
                 arrays = arrays[:1]
             payload = sum(arrays)
-            g = len(groups.split("},{")[0].strip("{}").split(","))
+            g = group_size(groups)
             sent = {
                 "all-gather": payload * (g - 1) // g,
                 "reduce-scatter": payload * (g - 1),
