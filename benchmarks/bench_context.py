@@ -52,7 +52,7 @@ def _one_sequence(cfg, C: int, T: int):
     """cfg with one sequence of T per step over C cards (data 1 x seq C), under its strategy if that
     runs with context parallelism (dp, zero1), else dp."""
     sets = [f"train.seq_len={T}", "train.global_batch=1", "train.accumulate=1", f"parallel.context={C}"]
-    strategy = cfg.parallel.strategy if cfg.parallel.strategy in ("dp", "zero1") else "dp"
+    strategy = cfg.parallel.strategy if cfg.parallel.strategy in config.CONTEXT_STRATEGIES else "dp"
     return config.replace(cfg, sets + ["parallel.num_devices=0", f"parallel.strategy={strategy}"])
 
 

@@ -493,6 +493,10 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+# The strategies whose step splits a sequence over `seq` (train/strategies.make_context_grad_fn).
+CONTEXT_STRATEGIES = ("dp", "zero1")
+
+
 def check_context(cfg: Config, need) -> None:
     """parallel.context: a positive degree, on the strategy and the model that run under it, with a
     sequence long enough for its chunks (nsa/context.py)."""
@@ -501,7 +505,7 @@ def check_context(cfg: Config, need) -> None:
     if C == 1:
         return
     need(
-        cfg.parallel.strategy in ("dp", "zero1"),
+        cfg.parallel.strategy in CONTEXT_STRATEGIES,
         f"parallel.context={C} runs with parallel.strategy=dp or zero1 (their shard_map step); "
         f"got {cfg.parallel.strategy}: set parallel.strategy=dp or parallel.context=1",
     )

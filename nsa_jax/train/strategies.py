@@ -347,9 +347,9 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
 
         def reduce(g, spec):  # the mean over every device: whole (dp), or this device's slice (zero1)
             g = (g / n).astype(reduce_dtype)
-            dims = [i for i, a in enumerate(spec) if a is not None]
-            if dims:
-                g = lax.psum_scatter(g, (AXIS, SEQ), scatter_dimension=dims[0], tiled=True)
+            dims = [i for i, axes in enumerate(spec) if axes is not None]
+            if dims:  # the leaf's sharded axis, over the mesh axes shard_axes chose
+                g = lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
             else:
                 g = lax.psum(g, (AXIS, SEQ))
             return g.astype(jnp.float32)
