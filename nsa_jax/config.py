@@ -23,9 +23,10 @@ import types
 import typing
 from typing import Any, Literal
 
+from nsa_jax.config_checks import BRANCHES, validate
+
 # ConfigError is defined with the text it is first raised on; callers import it from here.
 from nsa_jax.config_text import ConfigError, apply_overrides, closest, read_yaml
-from nsa_jax.seq_layout import split_problem
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -45,9 +46,6 @@ MOVED = {
     "model.nsa.slc_score_distill": "train.scorer_distill",
     "model.nsa.slc_score_distill_steps": "train.scorer_distill_steps",
 }
-
-# The NSA branches, in the order of the gate's outputs (the run files name their columns after them).
-BRANCHES = ("cmp", "slc", "win")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +80,17 @@ class NSAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequencies rescaled by wavelength band, as a pretrained model was trained (docs/PRETRAINED.md)."""
+
+    kind: Literal["none", "llama3"] = "none"  # none: theta ** (-2i / Dk) as they are
+    factor: float = 1.0  # long wavelengths are divided by it
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192  # the context the bands are measured against
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only LM shape and numerics."""
 
@@ -106,6 +115,13 @@ class ModelConfig:
     # stacked [L, ...] whatever it is. n_layers: no loop left in the program.
     scan_unroll: int = 1
     init_std: float = 0.02
+    # Each layer's attention: nsa (three branches and their gates), or dense (plain causal
+    # attention: a pretrained model as it was imported, launch.convert --attention dense).
+    attention: Literal["nsa", "dense"] = "nsa"
+    dense_window: int = 0  # dense only: each query sees this many keys (Mistral); 0: all before it
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
     nsa: NSAConfig = dataclasses.field(default_factory=NSAConfig)
 
 
@@ -182,10 +198,6 @@ class DataConfig:
     kv_loss_mask: bool = True
     # needle: weight of each pass-key target in the loss (every other target weighs 1).
     needle_answer_weight: float = 20.0
-
-
-# Long-context suites (nsa_jax/evaluation, `python -m launch.evaluate`).
-EVAL_SUITES = ("needle", "loss-by-position", "kv_recall")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,13 +390,13 @@ def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
 
 
 def nearest_key(prefix: str, name: str, fields: list[str]) -> str | None:
-    """The valid dotted key an unknown `prefix + name` most likely meant: the closest spelling in its
-    section, else a key of that name in another section (`train.dtype` -> `model.dtype`); None."""
-    close = closest(name, fields)
-    if close:
-        return f"{prefix}{close}"
+    """The valid dotted key an unknown `prefix + name` most likely meant: the one key of that name in
+    another section (`train.dtype` -> `model.dtype`), else the closest spelling in its section; None."""
     elsewhere = [key for key in _dotted_keys(Config) if key.rsplit(".", 1)[-1] == name]
-    return elsewhere[0] if len(elsewhere) == 1 else None
+    if len(elsewhere) == 1:  # the exact name in another section beats a near spelling in this one
+        return elsewhere[0]
+    close = closest(name, fields)
+    return f"{prefix}{close}" if close else None
 
 
 def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
@@ -392,135 +404,6 @@ def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
     for name, tp in typing.get_type_hints(cls).items():
         out += _dotted_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
     return out
-
-
-# ---------------------------------------------------------------------------
-# validation
-
-
-def validate(cfg: Config) -> Config:
-    """Cross-field checks; raises ConfigError with the first problem found."""
-    m, a, t = cfg.model, cfg.model.nsa, cfg.train
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"config: {msg}")
-
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "v_head_dim", "d_ff"):
-        need(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
-    need(
-        m.n_heads % m.n_kv_heads == 0,
-        f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
-    )
-    need(m.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {m.head_dim}")
-    for key in ("l", "d", "lp", "n", "w", "cmp_mlp_hidden", "gate_hidden", "query_chunk"):
-        need(getattr(a, key) > 0, f"model.nsa.{key} must be positive, got {getattr(a, key)}")
-    need(a.l % a.d == 0, f"model.nsa.d ({a.d}) must divide model.nsa.l ({a.l})")
-    need(a.lp % a.d == 0, f"model.nsa.d ({a.d}) must divide model.nsa.lp ({a.lp})")
-    need(a.n >= 3, f"model.nsa.n must be >= 3 (block 0, the current and the previous block are forced), got {a.n}")
-    need(len(a.branches) > 0, "model.nsa.branches must name at least one of cmp, slc, win")
-    for b in a.branches:
-        need(b in BRANCHES, f"model.nsa.branches has {b!r}; use a subset of cmp, slc, win")
-    need(len(set(a.branches)) == len(a.branches), f"model.nsa.branches repeats a branch: {list(a.branches)}")
-    need(
-        len(a.gate_bias_init) in (0, 3),
-        f"model.nsa.gate_bias_init must be empty or three numbers [cmp, slc, win], got {list(a.gate_bias_init)}",
-    )
-    need(
-        1 <= m.scan_unroll <= m.n_layers,
-        f"model.scan_unroll must be in 1..model.n_layers ({m.n_layers}), got {m.scan_unroll}",
-    )
-    need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
-    need(
-        a.compressed_kernel != "cudnn" or m.head_dim == m.v_head_dim,
-        f"model.nsa.compressed_kernel=cudnn needs model.head_dim = model.v_head_dim (cuDNN's fused attention), "
-        f"got {m.head_dim} and {m.v_head_dim}; use compressed_kernel=auto",
-    )
-    need(
-        a.compressed_kernel != "cudnn" or m.dtype == "bfloat16",
-        f"model.nsa.compressed_kernel=cudnn needs model.dtype=bfloat16 (cuDNN's fused attention takes 16-bit "
-        f"inputs), got {m.dtype}; use compressed_kernel=auto",
-    )
-
-    for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):
-        need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
-    need(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
-    most = t.steps - max(t.warmup, 1)  # updates after the one at the peak
-    need(
-        t.decay_steps == 0 or 0 < t.decay_steps <= most,  # 0 (off) also where the run ends inside the warm-up
-        f"train.decay_steps must lie in [0, train.steps - max(train.warmup, 1)] = [0, {most}], got {t.decay_steps}",
-    )
-    need(t.scorer_distill >= 0, f"train.scorer_distill must be >= 0 (0 disables it), got {t.scorer_distill}")
-    need(t.rope_positions >= 0, f"train.rope_positions must be >= 0 (0 disables it), got {t.rope_positions}")
-    for key in ("dense_selection_steps", "scorer_distill_steps"):
-        need(getattr(t, key) >= 0, f"train.{key} must be >= 0 (0: see docs/NSA.md), got {getattr(t, key)}")
-    for key in ("dense_selection_steps", "scorer_distill_steps"):
-        need(
-            not (getattr(t, key) and cfg.parallel.strategy == "pmap"),
-            f"train.{key} needs a strategy other than parallel.strategy=pmap (dp, gspmd, zero1, fsdp)",
-        )
-    need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
-    need(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
-    need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
-    need(
-        cfg.data.needle_answer_weight > 0,
-        f"data.needle_answer_weight must be positive (1: the key weighs as text), got {cfg.data.needle_answer_weight}",
-    )
-    need(0.0 <= cfg.data.val_fraction < 1.0, f"data.val_fraction must lie in [0, 1), got {cfg.data.val_fraction}")
-    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
-    n_dev = cfg.parallel.num_devices
-    need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
-    check_context(cfg, need)
-    need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
-    need(
-        cfg.checkpoint.save_minutes >= 0,
-        f"checkpoint.save_minutes must be >= 0 (0: save by steps only), got {cfg.checkpoint.save_minutes}",
-    )
-    need(cfg.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep must be positive, got {cfg.checkpoint.max_to_keep}")
-    e = cfg.eval
-    for name in e.suites:
-        need(name in EVAL_SUITES, f"eval.suites has {name!r}; use a subset of {', '.join(EVAL_SUITES)}")
-    need(all(L > 0 for L in e.lengths), f"eval.lengths must be positive, got {list(e.lengths)}")
-    need(all(0 <= d <= 1 for d in e.depths) and e.depths, f"eval.depths must lie in [0, 1], got {list(e.depths)}")
-    need(e.samples > 0 and e.rows > 0, f"eval.samples and eval.rows must be positive, got {e.samples}, {e.rows}")
-    o = cfg.ops
-    need(o.stall_seconds >= 0, f"ops.stall_seconds must be >= 0 (0 disables the watchdog), got {o.stall_seconds}")
-    need(o.max_skips >= 0, f"ops.max_skips must be >= 0 (0 = never halt on skips), got {o.max_skips}")
-    need(
-        o.init_timeout_s > 0 and o.peer_timeout_s > 0,
-        f"ops.init_timeout_s and ops.peer_timeout_s must be positive, got {o.init_timeout_s}, {o.peer_timeout_s}",
-    )
-    return cfg
-
-
-# The strategies whose step splits a sequence over `seq` (train/strategies.make_context_grad_fn).
-CONTEXT_STRATEGIES = ("dp", "zero1")
-
-
-def check_context(cfg: Config, need) -> None:
-    """parallel.context: a positive degree, on the strategy and the model that run under it, with a
-    sequence long enough for its chunks (nsa/context.py)."""
-    C, a = cfg.parallel.context, cfg.model.nsa
-    need(C >= 1, f"parallel.context must be >= 1 (1: no context parallelism), got {C}")
-    if C == 1:
-        return
-    need(
-        cfg.parallel.strategy in CONTEXT_STRATEGIES,
-        f"parallel.context={C} runs with parallel.strategy=dp or zero1 (their shard_map step); "
-        f"got {cfg.parallel.strategy}: set parallel.strategy=dp or parallel.context=1",
-    )
-    need(
-        not cfg.train.scorer_distill,
-        f"parallel.context={C}: train.scorer_distill's dense target is not split over devices; "
-        "set train.scorer_distill=0 or parallel.context=1",
-    )
-    need(
-        a.compressed_kernel != "cudnn",
-        f"parallel.context={C}: the compressed branch through cuDNN takes no query offset; "
-        "set model.nsa.compressed_kernel=auto (its flash kernels) or parallel.context=1",
-    )
-    problem = split_problem(cfg.train.seq_len, C, a.l, a.lp)
-    need(problem is None, problem or "")
 
 
 # ---------------------------------------------------------------------------

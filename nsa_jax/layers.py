@@ -24,17 +24,44 @@ class RMSNorm(nn.Module):
         return (x * scale).astype(self.dtype)
 
 
-def rope(x_BxTxHxD: jax.Array, positions_T: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary position embedding (rotate-half form) at absolute positions."""
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """RoPE's inverse frequencies [head_dim / 2] (fp32): theta ** (-2i / head_dim), rescaled by band
+    when `scaling` (a config.RopeScaling) is llama3's: wavelengths longer than original_max_len /
+    low_freq_factor divided by `factor`, shorter than original_max_len / high_freq_factor kept,
+    and the band between interpolated (the rule Llama 3.x models were trained with)."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None or scaling.kind == "none":
+        return inv.astype(np.float32)
+    old, low, high, factor = scaling.original_max_len, scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    middle = (wavelen >= old / high) & (wavelen <= old / low)
+    scaled = np.where(middle, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return scaled.astype(np.float32)
+
+
+def rope(
+    x_BxTxHxD: jax.Array, positions_T: jax.Array, theta: float = 10000.0, inv_freq: np.ndarray | None = None
+) -> jax.Array:
+    """Rotary position embedding (rotate-half form) at absolute positions; `inv_freq` (rope_inv_freq)
+    replaces theta's plain frequencies."""
     D = x_BxTxHxD.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
-    ang_TxD2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    inv_freq = rope_inv_freq(D, theta) if inv_freq is None else inv_freq
+    ang_TxD2 = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
     cos = jnp.cos(ang_TxD2)[None, :, None, :]
     sin = jnp.sin(ang_TxD2)[None, :, None, :]
     x = x_BxTxHxD.astype(jnp.float32)
     x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxHxD.dtype)
+
+
+def rope_rows(y_BxTxHxD: jax.Array, pos_B: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """RoPE with row b's tokens at positions pos_B[b] + 0..T-1."""
+    T = y_BxTxHxD.shape[1]
+    positions = lambda tb: tb + jnp.arange(T, dtype=jnp.int32)
+    return jax.vmap(lambda yb, tb: rope(yb[None], positions(tb), inv_freq=inv_freq)[0])(y_BxTxHxD, pos_B)
 
 
 class DenseParams(nn.Module):

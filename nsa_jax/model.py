@@ -1,6 +1,6 @@
 """The decoder-only NSA language model.
 
-tokens[B, T] -> embedding -> L x (pre-RMSNorm NSA attention + pre-RMSNorm SwiGLU)
+tokens[B, T] -> embedding -> L x (pre-RMSNorm NSA attention (or dense, model.attention) + pre-RMSNorm SwiGLU)
 -> final RMSNorm -> LM head -> fp32 logits[B, T, V]. Layers are scanned
 (`nn.scan`), so the compiled program does not grow with depth; each block can
 be rematerialised (`remat`).
@@ -23,6 +23,7 @@ from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import KernelPlan
 from nsa_jax.layers import RMSNorm, SwiGLU
 from nsa_jax.nsa.context import SeqShard
+from nsa_jax.nsa.dense import DenseAttention
 from nsa_jax.nsa.layer import MODES, NSAAttention
 
 _REMAT_POLICIES = {
@@ -53,7 +54,10 @@ class Block(nn.Module):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="attn_norm")(x_BxTxD)
-        attn = NSAAttention(cfg, self.mode, self.kernels, self.shard, name="attn")
+        if cfg.attention == "dense":
+            attn = DenseAttention(cfg, self.mode, self.kernels, name="attn")
+        else:
+            attn = NSAAttention(cfg, self.mode, self.kernels, self.shard, name="attn")
         x_BxTxD = x_BxTxD + attn(h, layer=layer, pos_B=pos_B, rope_positions_T=rope_positions_T)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="mlp_norm")(x_BxTxD)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5

@@ -24,6 +24,7 @@ LAYERS = (
         (
             "nsa_jax",
             "nsa_jax.config",
+            "nsa_jax.config_checks",
             "nsa_jax.config_text",
             "nsa_jax.runbook_env",
             "nsa_jax.seq_layout",
@@ -35,6 +36,7 @@ LAYERS = (
     ("data", ("nsa_jax.data",)),
     ("kernels", ("nsa_jax.kernels",)),
     ("model", ("nsa_jax.layers", "nsa_jax.nsa", "nsa_jax.model", "nsa_jax.info")),
+    ("pretrained", ("nsa_jax.pretrained",)),
     (
         "train step",
         tuple(f"nsa_jax.train.{m}" for m in ("step", "strategies", "optimizer", "state", "schedule", "positions")),

@@ -22,6 +22,9 @@ Per layer and row:
     block i completes, at t = i*d + l - 1, and read only from then on.
   * `pos` [B]: tokens already in the cache = the position of the next token.
 
+Under dense attention (model.attention=dense, nsa/dense.py) only the ring is used: R is the
+dense window, or S with none, and the other arrays have no slots.
+
 Entries beyond a row's position may hold stale values (a right-padded
 prefill); they are overwritten before any query can see them, and every read
 masks by position.
@@ -51,6 +54,7 @@ class CacheSizes:
     Tc: int
     l: int
     max_len: int
+    raw: bool = True  # the selection branch's S raw slots are allocated (not under dense attention)
 
 
 def cache_sizes(cfg: ModelConfig, max_len: int) -> CacheSizes:
@@ -61,6 +65,8 @@ def cache_sizes(cfg: ModelConfig, max_len: int) -> CacheSizes:
     # At least one compressed slot so shapes stay non-empty; it is never visible
     # before a block completes, and none completes when S < l.
     Tc = max(1, num_compressed(S, a.l, a.d))
+    if cfg.attention == "dense":  # the ring alone (nsa/dense.py): as long as the window or the cache
+        return CacheSizes(S=S, R=min(cfg.dense_window or S, S), Tc=0, l=0, max_len=max_len, raw=False)
     return CacheSizes(S=S, R=min(a.w, S), Tc=Tc, l=a.l, max_len=max_len)
 
 
@@ -75,10 +81,6 @@ class NSACache:
     kcmp_LxBxTcxKxDk: jax.Array
     vcmp_LxBxTcxKxDv: jax.Array
     pos_B: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.kslc_LxBxSxKxDk.shape[2]
 
     def variables(self) -> dict:
         """The model's `cache` collection: {"pos": [B], "layers": {"attn": {name: [L, B, ...]}}}."""
@@ -114,8 +116,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> NSACache:
         return jnp.zeros((L, batch, n, K, D), dt)
 
     return NSACache(
-        kslc_LxBxSxKxDk=zeros(z.S, Dk),
-        vslc_LxBxSxKxDv=zeros(z.S, Dv),
+        kslc_LxBxSxKxDk=zeros(z.S if z.raw else 0, Dk),
+        vslc_LxBxSxKxDv=zeros(z.S if z.raw else 0, Dv),
         kwin_LxBxRxKxDk=zeros(z.R, Dk),
         vwin_LxBxRxKxDv=zeros(z.R, Dv),
         ktail_LxBxlxKxDk=zeros(z.l, Dk),

@@ -28,7 +28,7 @@ import numpy as np
 from nsa_jax.config import BRANCHES, ModelConfig
 from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, selection_attention, window_attention
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
-from nsa_jax.layers import DenseParams, fused_dense, rope
+from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
 from nsa_jax.nsa.compression import Compressor
 from nsa_jax.nsa.context import SeqShard
 from nsa_jax.nsa.distill import score_distill_kl
@@ -212,24 +212,32 @@ class NSAAttention(nn.Module):
         # the window and causality stay at the indices.
         rope_T = positions_T if rope_positions_T is None else rope_positions_T
 
+        inv_freq = rope_inv_freq(Dk, cfg.rope_theta, cfg.rope_scaling)
+
         def roped(y):
             # Decode: each row sits at its own position.
-            return rope_rows(y, pos_B, cfg.rope_theta) if decode else rope(y, rope_T, cfg.rope_theta)
+            return rope_rows(y, pos_B, inv_freq) if decode else rope(y, rope_T, inv_freq=inv_freq)
 
         # Every projection of x with one matmul for x's gradient (fused_dense; the parameters
         # stay one Dense each).
+        bias = cfg.qkv_bias
         qk_parts = [
-            DenseParams(h * Dk, kernel_init=init, name=n)
+            DenseParams(h * Dk, use_bias=bias, kernel_init=init, name=n)
             for n, h in (("q", H), ("k_cmp", K), ("k_slc", K), ("k_win", K))
         ]
-        v_parts = [DenseParams(K * Dv, kernel_init=init, name=n) for n in ("v_cmp", "v_slc", "v_win")]
+        v_parts = [DenseParams(K * Dv, use_bias=bias, kernel_init=init, name=n) for n in ("v_cmp", "v_slc", "v_win")]
         gate_fc1 = DenseParams(a.gate_hidden, use_bias=True, kernel_init=init, name="gate_fc1")
+        # Qwen3's per-head norms, one for the queries and one shared by the branches' keys.
+        norms = [RMSNorm(cfg.norm_eps, dtype=dtype, name=n) for n in ("q_norm", "k_norm")] if cfg.qk_norm else None
         # Each part of the layer under a named scope: compiled programs name it in their ops'
         # metadata, so a profile (benchmarks/profile_step.py) or the compiled program's traffic
         # (benchmarks/gpu_aot.py --traffic) sums time and bytes per part.
         with jax.named_scope("nsa_qkv"):
             *qk, v_cmp, v_slc, v_win, gh = fused_dense(x_BxTxD, [*qk_parts, *v_parts, gate_fc1], dtype)
-            q, k_cmp, k_slc, k_win = (roped(y.reshape(B, T, -1, Dk)) for y in qk)
+            qk = [y.reshape(B, T, -1, Dk) for y in qk]
+            if norms:
+                qk = [norms[min(i, 1)](y) for i, y in enumerate(qk)]
+            q, k_cmp, k_slc, k_win = (roped(y) for y in qk)
             v_cmp, v_slc, v_win = (v.reshape(B, T, K, Dv) for v in (v_cmp, v_slc, v_win))
 
         gate_fc2 = nn.Dense(
@@ -289,7 +297,8 @@ class NSAAttention(nn.Module):
                     # k_cmp projection and phi only, never the residual stream below (as DSA
                     # detaches its indexer's input), so it cannot pull on what the LM loss learns.
                     (k_scorer,) = fused_dense(jax.lax.stop_gradient(x_BxTxD), [qk_parts[1]], dtype)
-                    kc_scorer = cmp_k(roped(k_scorer.reshape(B, T, K, Dk)))
+                    k_scorer = k_scorer.reshape(B, T, K, Dk)
+                    kc_scorer = cmp_k(roped(norms[1](k_scorer) if norms else k_scorer))
                     kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
                     self.sow("losses", "scorer_kl", kl)
         if "win" in a.branches:
@@ -371,12 +380,6 @@ def _missing_cache(name: str):
         f"NSA prefill/decode found no cache variable {name!r}: pass variables "
         "{'params': ..., 'cache': nsa_jax.inference.init_cache(...).variables()} with mutable=['cache']"
     )
-
-
-def rope_rows(y_BxTxHxD: jax.Array, pos_B: jax.Array, theta: float) -> jax.Array:
-    """RoPE with row b's tokens at positions pos_B[b] + 0..T-1."""
-    T = y_BxTxHxD.shape[1]
-    return jax.vmap(lambda yb, tb: rope(yb[None], tb + jnp.arange(T, dtype=jnp.int32), theta)[0])(y_BxTxHxD, pos_B)
 
 
 def ring_positions(last_B: jax.Array, size: int) -> jax.Array:

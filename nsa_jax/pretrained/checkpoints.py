@@ -1,0 +1,222 @@
+"""Pretrained checkpoints on disk, read one tensor at a time: a HF folder or a GGUF file.
+
+`open_checkpoint(path)` gives a `Checkpoint` whatever the format: `.hf_config` (the model's
+config in HF's keys), `.tensor(name)` (one tensor by its HF name, fp32, torch's [out, in]
+layout), `.names`, and the tokenizer it carries (`.tokenizer_json`, `.special_ids`).
+Tensors are memory-mapped and converted one at a time, so a caller that copies each into
+its place never holds a second full copy of the model.
+
+HF folder: config.json, model.safetensors or shards listed by model.safetensors.index.json
+(F32, F16, BF16), tokenizer.json (+ tokenizer_config.json for BOS/EOS). GGUF: the `gguf`
+package reads the file; quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) are dequantized
+on read, and q/k rows go back from llama.cpp's interleaved RoPE pairs to HF's halves.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from nsa_jax.pretrained import PretrainedError
+from nsa_jax.pretrained.tokenizer import gguf_tokenizer_json
+
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+# GGUF tensor types this importer dequantizes (gguf.quants does the arithmetic).
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# HF name -> GGUF name, per layer ({i}) and global.
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "blk.{i}.attn_q.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}
+# GGUF metadata key (after "<arch>.") -> HF config key.
+GGUF_CONFIG = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "context_length": "max_position_embeddings",
+    "vocab_size": "vocab_size",
+    "attention.sliding_window": "sliding_window",
+}
+
+
+class Checkpoint:
+    """One checkpoint's config, tensors by HF name and tokenizer (subclasses per format)."""
+
+    path: pathlib.Path
+    hf_config: dict
+    names: set[str]
+    tokenizer_json: str | None = None  # the tokenizers library's JSON text
+    special_ids: dict  # {"bos": id | None, "eos": id | None, "add_bos": bool}
+
+    def tensor(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def fp32_bytes(self) -> int:
+        """What the model's tensors take as fp32."""
+        return sum(4 * int(np.prod(self.shape(n))) for n in self.names)
+
+
+def open_checkpoint(path: str | pathlib.Path) -> Checkpoint:
+    """A HF folder (config.json + safetensors) or a .gguf file; PretrainedError when it is neither."""
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise PretrainedError(f"{p} does not exist; pass a HF model folder (config.json + *.safetensors) or a .gguf")
+    if p.is_file():
+        if _magic(p) == b"GGUF":
+            return GGUFCheckpoint(p)
+        raise PretrainedError(f"{p} is not a GGUF file (no GGUF magic); pass a .gguf file or a HF model folder")
+    if not (p / "config.json").is_file():
+        raise PretrainedError(f"{p} has no config.json; a HF model folder holds config.json and *.safetensors")
+    return SafetensorsCheckpoint(p)
+
+
+def _magic(p: pathlib.Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read(4)
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """A HF folder: one model.safetensors, or shards named by model.safetensors.index.json."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.hf_config = json.loads((path / "config.json").read_text())
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(q.name for q in path.glob("*.safetensors"))
+        if not files:
+            raise PretrainedError(f"{path} has no *.safetensors files; save the model with safe_serialization=True")
+        self._where: dict[str, tuple[pathlib.Path, dict, int]] = {}
+        for name in files:
+            header, start = _safetensors_header(path / name)
+            for key, info in header.items():
+                if key != "__metadata__":
+                    self._where[key] = (path / name, info, start)
+        self.names = set(self._where)
+        tok = path / "tokenizer.json"
+        self.tokenizer_json = tok.read_text() if tok.is_file() else None
+        self.special_ids = _hf_special_ids(path, self.hf_config, self.tokenizer_json)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name][1]["shape"])
+
+    def tensor(self, name: str) -> np.ndarray:
+        file, info, start = self._where[name]
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise PretrainedError(
+                f"{file.name}: tensor {name} is {info['dtype']}; supported: {', '.join(SAFETENSORS_DTYPES)}"
+            )
+        begin, end = info["data_offsets"]
+        dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+        raw = np.memmap(file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+        return raw.view(dtype).reshape(info["shape"]).astype(np.float32)
+
+
+def _safetensors_header(file: pathlib.Path) -> tuple[dict, int]:
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def _hf_special_ids(path: pathlib.Path, hf: dict, tokenizer_json: str | None) -> dict:
+    """BOS/EOS as the model defines them: tokenizer_config.json's tokens, else config.json's ids."""
+    ids = {"bos": hf.get("bos_token_id"), "eos": hf.get("eos_token_id"), "add_bos": False}
+    tc_file = path / "tokenizer_config.json"
+    if tc_file.is_file() and tokenizer_json:
+        tc = json.loads(tc_file.read_text())
+        vocab = {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
+        for key in ("bos", "eos"):
+            token = tc.get(f"{key}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if token in vocab:
+                ids[key] = vocab[token]
+        ids["add_bos"] = bool(tc.get("add_bos_token", False))
+    if isinstance(ids["eos"], list):  # several end tokens (Llama 3 instruct): the first ends generation
+        ids["eos"] = ids["eos"][0]
+    return ids
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file of the llama, mistral, qwen2 or qwen3 architecture."""
+
+    def __init__(self, path: pathlib.Path):
+        import gguf  # noqa: PLC0415 - the GGUF reader loads only for a GGUF checkpoint
+
+        self._gguf = gguf
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one line
+            raise PretrainedError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        fields = {k: _field_value(f) for k, f in self._reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+        arch = fields.get("general.architecture", "?")
+        self.arch = arch
+        self.hf_config = {"model_type": arch, "architectures": [f"gguf:{arch}"]}
+        for key, hf_key in GGUF_CONFIG.items():
+            if f"{arch}.{key}" in fields:
+                self.hf_config[hf_key] = fields[f"{arch}.{key}"]
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        gguf_to_hf = {}
+        for i in range(int(self.hf_config.get("num_hidden_layers", 0))):
+            for hf_name, g_name in GGUF_NAMES.items():
+                gguf_to_hf[g_name.format(i=i)] = hf_name.format(i=i)
+        self._hf_to_gguf = {hf: g for g, hf in gguf_to_hf.items() if g in self._tensors}
+        for hf_name, g_name in GGUF_NAMES.items():
+            if "{i}" not in hf_name and g_name in self._tensors:
+                self._hf_to_gguf[hf_name] = g_name
+        self.names = set(self._hf_to_gguf)
+        self.hf_config["tie_word_embeddings"] = "output.weight" not in self._tensors
+        if "vocab_size" not in self.hf_config and "token_embd.weight" in self._tensors:
+            self.hf_config["vocab_size"] = int(self._tensors["token_embd.weight"].shape[-1])
+        self.tokenizer_json, self.special_ids = gguf_tokenizer_json(self._reader.fields, _field_value)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self._tensors[self._hf_to_gguf[name]].shape))
+
+    def tensor(self, name: str) -> np.ndarray:
+        t = self._tensors[self._hf_to_gguf[name]]
+        kind = t.tensor_type.name
+        if kind not in GGUF_TYPES:
+            raise PretrainedError(f"{self.path.name}: tensor {t.name} is GGUF type {kind}; supported: {GGUF_TYPES}")
+        x = np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(self.shape(name))
+        # llama.cpp stores q and k rows with each RoPE pair interleaved; HF (and this project) rotates halves.
+        if self.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.hf_config["num_attention_heads"] if "q_proj" in name else self.hf_config["num_key_value_heads"]
+            x = x.reshape(heads, x.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(x.shape)
+        return x
+
+
+def _field_value(field):
+    """A GGUF metadata field's value (a scalar, a string, or a list of them)."""
+    return field.contents()

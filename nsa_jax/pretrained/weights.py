@@ -1,0 +1,115 @@
+"""A checkpoint's tensors as the model's parameters: dense as it was, or NSA started from it.
+
+`dense_params(ckpt, cfg)` lays the HF-named tensors out as NSALM's scanned parameters
+(fp32 numpy, [L, ...] per layer stack; torch's [out, in] Linear weights transposed to
+Dense's [in, out]), filling each stack in place one layer's tensor at a time. Every tensor
+is checked against the shape the config implies: a missing one or a wrong shape is a
+PretrainedError naming it.
+
+`nsa_params(dense, cfg, rng)` is the NSA model started from a dense one (docs/PRETRAINED.md
+"From dense to NSA"): queries, output, MLP, norms and embeddings copied; each branch's keys
+and values (k_cmp/k_slc/k_win, v_*) the dense k and v; the gates' last layer has a zero
+kernel, so every gate starts at sigmoid(model.nsa.gate_bias_init) whatever the token; the
+compressors and the gate's first layer keep their initialisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from nsa_jax.config import ModelConfig
+from nsa_jax.model import init_params
+from nsa_jax.pretrained import PretrainedError
+from nsa_jax.pretrained.checkpoints import Checkpoint
+
+LAYER = "model.layers.{i}."
+# (project path inside a layer, HF name after "model.layers.{i}.", transpose)
+LAYER_TENSORS = (
+    (("attn_norm", "scale"), "input_layernorm.weight", False),
+    (("mlp_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("attn", "q", "kernel"), "self_attn.q_proj.weight", True),
+    (("attn", "k", "kernel"), "self_attn.k_proj.weight", True),
+    (("attn", "v", "kernel"), "self_attn.v_proj.weight", True),
+    (("attn", "o", "kernel"), "self_attn.o_proj.weight", True),
+    (("mlp", "w1", "kernel"), "mlp.gate_proj.weight", True),
+    (("mlp", "w3", "kernel"), "mlp.up_proj.weight", True),
+    (("mlp", "w2", "kernel"), "mlp.down_proj.weight", True),
+)
+BIASES = tuple((("attn", n, "bias"), f"self_attn.{n}_proj.bias", False) for n in "qkv")
+QK_NORMS = tuple((("attn", f"{n}_norm", "scale"), f"self_attn.{n}_norm.weight", False) for n in "qk")
+
+
+def _put(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def dense_params(ckpt: Checkpoint, cfg: ModelConfig) -> dict:
+    """NSALM(cfg) parameters (cfg.attention == "dense", scanned layers) from `ckpt`'s tensors."""
+    want = jax.tree.map(lambda s: s.shape, _shapes(cfg))
+
+    def read(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        if name not in ckpt.names:
+            raise PretrainedError(f"{ckpt.path.name}: tensor {name} is missing")
+        got = ckpt.shape(name)
+        expect = shape[::-1] if transpose else shape
+        if tuple(got) != tuple(expect):
+            raise PretrainedError(
+                f"{ckpt.path.name}: tensor {name} has shape {list(got)}; the config implies {list(expect)}"
+            )
+        x = ckpt.tensor(name)
+        return x.T if transpose else x
+
+    params: dict = {}
+    table = LAYER_TENSORS + (BIASES if cfg.qkv_bias else ()) + (QK_NORMS if cfg.qk_norm else ())
+    for path, hf_name, transpose in table:
+        full = ("layers", *path)
+        shape = _get(want, full)
+        stack = np.empty(shape, np.float32)
+        for i in range(cfg.n_layers):
+            stack[i] = read(LAYER.format(i=i) + hf_name, shape[1:], transpose)
+        _put(params, full, stack)
+    _put(params, ("embed", "embedding"), read("model.embed_tokens.weight", _get(want, ("embed", "embedding")), False))
+    _put(params, ("final_norm", "scale"), read("model.norm.weight", _get(want, ("final_norm", "scale")), False))
+    if not cfg.tie_embeddings:
+        _put(params, ("lm_head", "kernel"), read("lm_head.weight", _get(want, ("lm_head", "kernel")), True))
+    return params
+
+
+def _shapes(cfg: ModelConfig):
+    from nsa_jax.info import param_shapes  # noqa: PLC0415 - shapes of the model, traced only when needed
+
+    return param_shapes(dataclasses.replace(cfg, scan_layers=True))
+
+
+def nsa_params(dense: dict, cfg: ModelConfig, rng: jax.Array) -> dict:
+    """NSALM(cfg) parameters (cfg.attention == "nsa") started from `dense` (dense_params' layout)."""
+    params = jax.tree.map(
+        np.asarray, jax.jit(lambda k: init_params(dataclasses.replace(cfg, scan_layers=True), k))(rng)
+    )
+    params = jax.tree.map(lambda x: np.array(x, np.float32), params)
+    for top in ("embed", "final_norm", "lm_head"):
+        if top in dense:
+            params[top] = dense[top]
+    layers, dense_layers = params["layers"], dense["layers"]
+    for name in ("attn_norm", "mlp_norm", "mlp"):
+        layers[name] = dense_layers[name]
+    attn, dense_attn = layers["attn"], dense_layers["attn"]
+    for name in ("q", "o", "q_norm", "k_norm"):
+        if name in dense_attn:
+            attn[name] = dense_attn[name]
+    for branch in ("cmp", "slc", "win"):
+        attn[f"k_{branch}"] = dict(dense_attn["k"])
+        attn[f"v_{branch}"] = dict(dense_attn["v"])
+    attn["gate_fc2"]["kernel"] = np.zeros_like(attn["gate_fc2"]["kernel"])
+    return params
