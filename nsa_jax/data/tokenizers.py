@@ -12,6 +12,7 @@ or a path to a tokenizer.json file.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 from typing import Any, Sequence
@@ -56,8 +57,13 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+# Beside a tokenizer.json: the ids a pretrained model defines as BOS/EOS (launch.convert writes it).
+SPECIALS_FILE = "special_tokens.json"
+
+
 class HFTokenizer:
-    """A `tokenizers` JSON file. EOS/PAD come from the vocabulary when present, else new ids."""
+    """A `tokenizers` JSON file. EOS/PAD: a pretrained model's own (SPECIALS_FILE beside the file), else
+    from the vocabulary when present, else new ids."""
 
     def __init__(self, path: str):
         self.name = str(path)
@@ -65,11 +71,18 @@ class HFTokenizer:
         base = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         extra = base
-        self.eos_id = next((vocab[n] for n in EOS_NAMES if n in vocab), None)
+        specials = pathlib.Path(path).with_name(SPECIALS_FILE)
+        own = json.loads(specials.read_text()) if specials.is_file() else {}
+        self.bos_id = own.get("bos")
+        self.eos_id = own.get("eos")
+        if self.eos_id is None:
+            self.eos_id = next((vocab[n] for n in EOS_NAMES if n in vocab), None)
         if self.eos_id is None:
             # No EOS in the file: give it the first id past the vocabulary.
             self.eos_id, extra = extra, extra + 1
-        self.pad_id = next((vocab[n] for n in PAD_NAMES if n in vocab), None)
+        self.pad_id = own.get("pad")
+        if self.pad_id is None:
+            self.pad_id = next((vocab[n] for n in PAD_NAMES if n in vocab), None)
         if self.pad_id is None:
             self.pad_id, extra = extra, extra + 1
         self.vocab_size = extra

@@ -36,6 +36,8 @@ def gguf_tokenizer_json(fields: dict, value: Callable) -> tuple[str | None, dict
         return value(fields[f"tokenizer.ggml.{key}"]) if f"tokenizer.ggml.{key}" in fields else default
 
     special = {"bos": get("bos_token_id"), "eos": get("eos_token_id"), "add_bos": bool(get("add_bos_token", False))}
+    if get("padding_token_id") is not None:
+        special["pad"] = get("padding_token_id")
     kind = get("model")
     if kind is None:
         return None, special

@@ -1,0 +1,155 @@
+"""A pretrained dense checkpoint -> a model folder the project's commands read (docs/PRETRAINED.md).
+
+    python -m launch.convert SRC OUT [--attention dense|nsa] [--set KEY=VALUE ...] [--seed N]
+
+SRC: a HF model folder (config.json + safetensors) or a GGUF file of a Llama-family model
+(llama: Llama 2/3.x and SmolLM2, mistral, qwen2, qwen3). OUT, a new or empty folder, gets
+config.yaml + params.msgpack (what `launch.generate --ckpt OUT` and `launch.evaluate --ckpt
+OUT` read), tokenizer.json and special_tokens.json (the checkpoint's own tokenizer, BOS and
+EOS; config.yaml's data.tokenizer names it). `--attention dense`: the model as it was;
+`nsa` (default): NSA started from it (nsa_jax/pretrained/weights.py nsa_params), its NSA
+hyper-parameters from `--set model.nsa.KEY=VALUE`. Bad input is one `error:` line, exit 2,
+and nothing written: OUT is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+from launch.cli import Parser, UsageError, run_main
+from nsa_jax.config import Config, ConfigError, from_dict, load_config, replace, validate
+from nsa_jax.config import to_dict as config_dict
+from nsa_jax.data.tokenizers import SPECIALS_FILE
+from nsa_jax.pretrained import PretrainedError
+
+# Host memory the conversion may take, per byte of the model's fp32 parameters (the parameters,
+# the copy written out, and a tensor in flight).
+HOST_BYTES_PER_PARAM_BYTE = 1.3
+# The NSA model's gate start (sigmoid of the biases [cmp, slc, win]), unless --set says otherwise:
+# docs/PRETRAINED.md "From dense to NSA" has the step-0 figures behind it.
+NSA_GATE_BIAS = (-4.0, 4.0, 4.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m launch.convert", description=__doc__.split("\n\n")[0], in_process=True)
+    p.add_argument("src", help="a HF model folder (config.json + *.safetensors) or a .gguf file")
+    p.add_argument("out", help="a new or empty folder for the converted model")
+    p.add_argument("--attention", choices=("dense", "nsa"), default="nsa", help="dense: as it was; nsa: NSA from it")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override (model.nsa.w=1024, train.seq_len=4096, ...); repeatable",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the NSA parts that start random (compressors, gates)")
+    return p
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where it cannot be read."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_out(out: pathlib.Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"OUT {out} is not an empty folder; name a new folder (nothing was written)")
+    if not out.parent.is_dir():
+        raise UsageError(f"OUT {out}: its parent folder {out.parent} does not exist")
+
+
+def converted_config(ckpt, attention: str, overrides: list[str], out: pathlib.Path):
+    """The run config of the converted model: its ModelConfig, its tokenizer, a seq_len it was trained to."""
+    from nsa_jax.pretrained.families import model_config  # noqa: PLC0415 - jax loads after the flag checks
+
+    model = config_dict(model_config(ckpt.hf_config))
+    if attention == "nsa":
+        model["attention"] = "nsa"
+        model["dense_window"] = 0  # NSA's own window is model.nsa.w
+        model["nsa"]["gate_bias_init"] = list(NSA_GATE_BIAS)
+    seq_len = min(2048, int(ckpt.hf_config.get("max_position_embeddings") or 2048))
+    base = config_dict(load_config(None))
+    base["model"] = model
+    base["train"]["seq_len"] = seq_len
+    base["train"]["out_dir"] = str(out)
+    base["data"]["tokenizer"] = str((out / "tokenizer.json").absolute())
+    base["data"]["dataset"] = "text"  # a pretrained model learnt text; data.path names the files to continue on
+    cfg = validate(from_dict(Config, base))
+    return replace(cfg, overrides) if overrides else cfg
+
+
+def run(args) -> int:
+    out = pathlib.Path(args.out)
+    check_out(out)
+    from nsa_jax.pretrained.checkpoints import open_checkpoint  # noqa: PLC0415 - jax loads after the flag checks
+
+    t0 = time.monotonic()
+    try:
+        ckpt = open_checkpoint(args.src)
+        cfg = converted_config(ckpt, args.attention, args.overrides, out)
+    except (PretrainedError, ConfigError) as e:
+        raise UsageError(str(e).removeprefix("config: ")) from None
+    if ckpt.tokenizer_json is None:
+        raise UsageError(f"{args.src} carries no tokenizer (tokenizer.json, or a GGUF vocabulary); nothing was written")
+    need, have = HOST_BYTES_PER_PARAM_BYTE * ckpt.fp32_bytes, available_host_bytes()
+    if have is not None and need > have:
+        raise UsageError(
+            f"{args.src}: converting needs about {need / 2**30:.1f} GiB of host memory "
+            f"({ckpt.fp32_bytes / 2**30:.1f} GiB of fp32 parameters); {have / 2**30:.1f} GiB is available"
+        )
+    print(
+        f"convert: {args.src}: {ckpt.hf_config.get('model_type')}, {cfg.model.n_layers} layers, "
+        f"d_model {cfg.model.d_model}, {cfg.model.n_heads} heads over {cfg.model.n_kv_heads}, "
+        f"vocab {cfg.model.vocab_size} -> {args.attention}",
+        flush=True,
+    )
+    tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")
+    try:
+        write_model(ckpt, cfg, args.attention, args.seed, tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    except PretrainedError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"convert: wrote {out} (config.yaml, params.msgpack, tokenizer.json) in {time.monotonic() - t0:.0f}s")
+    print(f"  try: python -m launch.generate --ckpt {out} --prompt 'def fibonacci(n):' --temperature 0")
+    return 0
+
+
+def write_model(ckpt, cfg, attention: str, seed: int, folder: pathlib.Path) -> None:
+    import jax  # noqa: PLC0415 - after the checks above, which need no backend
+
+    from launch.generate import write_inference_dir  # noqa: PLC0415
+    from nsa_jax.pretrained.weights import dense_params, nsa_params  # noqa: PLC0415
+
+    dense_cfg = replace(cfg, ["model.attention=dense", "model.nsa.gate_bias_init=[]"])
+    params = dense_params(ckpt, dense_cfg.model)
+    if attention == "nsa":
+        params = nsa_params(params, cfg.model, jax.random.PRNGKey(seed))
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text(ckpt.tokenizer_json)
+    (folder / SPECIALS_FILE).write_text(json.dumps(ckpt.special_ids) + "\n")
+    write_inference_dir(folder, cfg, params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
