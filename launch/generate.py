@@ -36,10 +36,8 @@ import json
 import pathlib
 import sys
 
-import flax.serialization
 import jax
 import numpy as np
-import yaml
 
 from launch.cli import Parser, UsageError, run_main
 from nsa_jax.config import ConfigError, load_config, replace
@@ -51,10 +49,8 @@ from nsa_jax.inference.progress import Progress
 from nsa_jax.info import param_shapes
 from nsa_jax.model import init_params
 from nsa_jax.rundir.checkpoint import load_for_inference
+from nsa_jax.rundir.model_dir import CONFIG_FILE, PARAMS_FILE, mismatched_leaf, read_params, write_model_dir
 from nsa_jax.words import count
-
-PARAMS_FILE = "params.msgpack"
-CONFIG_FILE = "config.yaml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,12 +105,8 @@ def _check_sampling(args) -> None:
 
 
 def write_inference_dir(path, cfg, params) -> None:
-    """Writes `config.yaml` + `params.msgpack`: the directory format this command reads directly."""
-    path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    host = jax.tree.map(np.asarray, params)
-    (path / PARAMS_FILE).write_bytes(flax.serialization.msgpack_serialize(host))
+    """Writes `config.yaml` + `params.msgpack`: the model folder this command reads directly (rundir/model_dir.py)."""
+    write_model_dir(path, cfg, params)
 
 
 def _load_dir(path: pathlib.Path, args):
@@ -124,10 +116,7 @@ def _load_dir(path: pathlib.Path, args):
         cfg = load_config(args.config, args.overrides)
     else:
         raise UsageError(f"--ckpt {path} has no {CONFIG_FILE}; pass --config NAME")
-    params = flax.serialization.msgpack_restore((path / PARAMS_FILE).read_bytes())
-    if set(params) == {"params"}:
-        params = params["params"]
-    return cfg, params
+    return cfg, read_params(path)
 
 
 def load_model(args):
@@ -156,12 +145,9 @@ def check_params(cfg, params) -> dict:
         params = stack_layers(cfg.model, params)
     except ValueError as e:
         raise UsageError(f"checkpoint params: {e}") from None
-    want = param_shapes(inference_config(cfg.model))
-    got_flat = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(params)}
-    for k, v in jax.tree_util.tree_leaves_with_path(want):
-        name = jax.tree_util.keystr(k)
-        if tuple(got_flat.get(name, ())) != tuple(v.shape):
-            raise UsageError(f"checkpoint params do not match the config at {name}: {got_flat.get(name)} vs {v.shape}")
+    problem = mismatched_leaf(params, param_shapes(inference_config(cfg.model)))
+    if problem:
+        raise UsageError(f"checkpoint params do not match the config: {problem}")
     return params
 
 

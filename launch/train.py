@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pathlib
 import shlex
 import sys
 import threading
@@ -79,7 +80,14 @@ DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "ns
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m launch.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
+    p.add_argument(
+        "--config", help="config name in configs/ or a YAML path (default: --init-from's config.yaml, else a100_pcie)"
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="FOLDER",
+        help="train.init_from: start from a model folder's parameters (python -m launch.convert writes one)",
+    )
     p.add_argument("--dataset", help="data.dataset (synthetic, fineweb_edu, jsonl, text, tokenized, kv_recall)")
     p.add_argument("--data-path", help="data.path: a folder of parquet / jsonl / txt files")
     p.add_argument("--tokenizer", help="data.tokenizer: byte, gpt2, or a tokenizer.json path")
@@ -122,7 +130,18 @@ _FLAG_KEYS = {
     "steps": "train.steps",
     "out_dir": "train.out_dir",
     "loader_timeout": "data.loader_timeout",
+    "init_from": "train.init_from",
 }
+
+
+def config_source(args: argparse.Namespace) -> tuple[str, bool]:
+    """(the config to load, whether the project saved it): --config, else --init-from's own
+    config.yaml (a converted model's shape and tokenizer), else a100_pcie."""
+    if args.config is not None:
+        return args.config, False
+    if args.init_from is not None and (pathlib.Path(args.init_from) / rf.MODEL_CONFIG_FILE).is_file():
+        return str(pathlib.Path(args.init_from) / rf.MODEL_CONFIG_FILE), True
+    return "a100_pcie", False
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
@@ -243,7 +262,9 @@ def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         env_sets, applied = env_overrides(os.environ)
-        cfg = load_config(args.config, env_sets + flag_overrides(args))
+        name, saved = config_source(args)
+        cfg = load_config(name, env_sets + flag_overrides(args), saved=saved)
+        resume.check_init_from(cfg)
         cfg, vocab_note = fit_vocab_to_tokenizer(cfg)
         # Data problems are found before the out dir is locked or touched (nsa_jax/data/check.py).
         data_check = check_data(cfg)

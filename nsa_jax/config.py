@@ -23,7 +23,8 @@ import types
 import typing
 from typing import Any, Literal
 
-from nsa_jax.config_checks import BRANCHES, validate
+# The valid names the checks hold a config to, read by the rest of the project from here.
+from nsa_jax.config_checks import BRANCHES, CONTEXT_STRATEGIES, EVAL_SUITES, validate  # noqa: F401
 
 # ConfigError is defined with the text it is first raised on; callers import it from here.
 from nsa_jax.config_text import ConfigError, apply_overrides, closest, read_yaml
@@ -166,6 +167,9 @@ class TrainConfig:
     # of a row of N (docs/LONG_CONTEXT.md). Only RoPE moves: blocks, window and causality
     # stay at the token indices; evaluation uses 0..L-1.
     rope_positions: int = 0
+    # A model folder (launch.convert's OUT; nsa_jax/rundir/model_dir.py) whose parameters start a
+    # fresh run instead of a random initialisation; a resume restores the run's own checkpoint.
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

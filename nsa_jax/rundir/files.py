@@ -42,6 +42,9 @@ ANOMALY_FILE = ".anomaly_type"
 HEARTBEAT_GLOB = "heartbeat_rank*.jsonl"
 STACKDUMP_GLOB = "stackdump_*.txt"
 CHECKPOINT_DIR = "checkpoints"
+# A model folder (rundir/model_dir.py): a model's config and parameters without a run around them.
+MODEL_CONFIG_FILE = "config.yaml"
+MODEL_PARAMS_FILE = "params.msgpack"
 CORRUPT_DIR = "checkpoints_corrupt"
 PREVIOUS_DIR = "previous"
 # Files of a run, besides the globbed heartbeats and stack dumps and the tb/ folder.

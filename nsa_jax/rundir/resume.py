@@ -39,6 +39,8 @@ import shutil
 import time
 from typing import Any
 
+import yaml
+
 from nsa_jax.config import Config, ConfigError, from_dict, to_dict, upgrade_saved, validate
 from nsa_jax.rundir import files as rf
 from nsa_jax.words import count
@@ -433,3 +435,24 @@ def _check_resumable(out: pathlib.Path, steps: list[int], cfg: Config) -> None:
                 "--overwrite-checkpoints to delete them and start over"
             )
         return
+
+
+def check_init_from(cfg) -> None:
+    """ConfigError unless train.init_from (if set) is a model folder whose tokenizer is the run's."""
+    src = cfg.train.init_from
+    if not src:
+        return
+    if not (pathlib.Path(src) / rf.MODEL_PARAMS_FILE).is_file():
+        raise ConfigError(
+            f"config: train.init_from {src} is not a model folder (no {rf.MODEL_PARAMS_FILE}); "
+            "make one with python -m launch.convert SRC OUT"
+        )
+    cfg_file = pathlib.Path(src) / rf.MODEL_CONFIG_FILE
+    if cfg_file.is_file():
+        theirs = (yaml.safe_load(cfg_file.read_text()) or {}).get("data", {}).get("tokenizer")
+        if theirs is not None and theirs != cfg.data.tokenizer:
+            raise ConfigError(
+                f"config: train.init_from {src} reads text with the tokenizer {theirs}, but data.tokenizer is "
+                f"{cfg.data.tokenizer}: token ids would mean other words; set data.tokenizer={theirs} "
+                "(and prepare tokenized data with it)"
+            )

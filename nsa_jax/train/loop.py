@@ -53,6 +53,7 @@ from nsa_jax.ops.preemption import PreemptionGuard
 from nsa_jax.progress_text import fmt_duration
 from nsa_jax.rundir import resume
 from nsa_jax.rundir.files import HALT_FILE, write_halt
+from nsa_jax.rundir.model_dir import initial_params
 from nsa_jax.train import metrics, progress, schedule
 from nsa_jax.train import step as S
 from nsa_jax.train.boot import boot, compile_step
@@ -143,7 +144,12 @@ class Trainer:
         self.say("compile: tracing and compiling the train step (cached programs load in seconds)")
         self._doing("compile: compiling the train step")
         guard = getattr(self, "_preempt", None)
-        init = None if self.state is not None else functools.partial(S.create_state, self.plan)
+        init = None
+        if self.state is None:
+            start = initial_params(self.cfg)  # train.init_from's, or None: random
+            if start is not None:
+                self.say(f"init: parameters from {self.cfg.train.init_from} (train.init_from)")
+            init = functools.partial(S.create_state, self.plan, params=start)
         out = compile_step(self.train_step, abstract, batch, init, lambda: guard is not None and guard.requested)
         if out is None:
             return None

@@ -27,10 +27,13 @@ class TrainState:
     rng: jax.Array  # key for stochastic parts of the step; advanced every step
 
 
-def init_state(cfg: Config, rng: jax.Array | None = None) -> TrainState:
-    """A fresh state from `train.seed` (or `rng`); call under jit to place it directly."""
+def init_state(cfg: Config, rng: jax.Array | None = None, params: Any = None) -> TrainState:
+    """A fresh state from `train.seed` (or `rng`), or around given `params` (train.init_from);
+    call under jit to place it directly."""
     rng = jax.random.PRNGKey(cfg.train.seed) if rng is None else rng
     init_rng, state_rng = jax.random.split(rng)
-    params = init_params(cfg.model, init_rng, min(cfg.train.seq_len, 2 * cfg.model.nsa.lp))
+    if params is None:
+        params = init_params(cfg.model, init_rng, min(cfg.train.seq_len, 2 * cfg.model.nsa.lp))
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     opt_state = make_optimizer(cfg.train).init(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng)

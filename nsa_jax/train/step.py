@@ -109,10 +109,13 @@ def state_shardings(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> Tr
     return as_plan(plan, mesh).state
 
 
-def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> TrainState:
-    """A fresh TrainState, initialised directly into the strategy's device buffers."""
+def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None, params=None) -> TrainState:
+    """A fresh TrainState, initialised directly into the strategy's device buffers; around
+    `params` (host arrays of the model's layout: train.init_from) when given."""
     plan = as_plan(plan, mesh)
-    return jax.jit(functools.partial(init_state, plan.cfg), out_shardings=plan.state)()
+    if params is None:
+        return jax.jit(functools.partial(init_state, plan.cfg), out_shardings=plan.state)()
+    return jax.jit(lambda p: init_state(plan.cfg, params=p), out_shardings=plan.state)(params)
 
 
 # ---------------------------------------------------------------------------

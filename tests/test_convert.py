@@ -1,0 +1,121 @@
+"""launch.convert and train.init_from: a pretrained checkpoint becomes a model folder the commands read.
+
+The tiny Llama 2 of tests/golden/pretrained/ (with a byte-level tokenizer written here) is
+converted dense and NSA. Dense: the folder's parameters give transformers' logits (the
+golden). NSA: with every block selected (T <= n * lp) and the selection gate started at
+sigmoid(9), the converted model's logits are the dense model's up to the other gates'
+1e-4 share. Bad input: one `error:` line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+
+from launch.convert import main as convert
+from nsa_jax.config import load_config
+from nsa_jax.model import NSALM
+from nsa_jax.rundir import model_dir
+from nsa_jax.rundir.resume import check_init_from
+
+from helpers import cpu_env, run_module
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "pretrained"
+
+
+def _hf_folder(tmp_path: pathlib.Path, family: str = "llama2") -> pathlib.Path:
+    """The golden tiny model with a tokenizer.json of its 256 ids (a word-level vocabulary)."""
+    src = tmp_path / family
+    shutil.copytree(GOLDEN / family, src)
+    vocab = {f"w{i}": i for i in range(255)} | {"</s>": 255}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    (src / "tokenizer.json").write_text(tok.to_str())
+    return src
+
+
+def _logits(folder: pathlib.Path, ids) -> np.ndarray:
+    cfg = load_config(str(folder / model_dir.CONFIG_FILE), saved=True)
+    params = model_dir.read_params(folder)
+    return np.asarray(NSALM(cfg.model).apply({"params": params}, jnp.asarray(ids)))
+
+
+def test_converted_folders_give_the_dense_logits(tmp_path, capsys):
+    src = _hf_folder(tmp_path)
+    golden = np.load(src / "golden.npz")
+    assert convert([str(src), str(tmp_path / "dense"), "--attention", "dense"]) == 0
+    assert convert([str(src), str(tmp_path / "nsa"), "--set", "model.nsa.w=16"]) == 0
+    dense = _logits(tmp_path / "dense", golden["input_ids"])
+    np.testing.assert_allclose(dense, golden["logits"], rtol=1e-5, atol=2e-5)
+    nsa = _logits(tmp_path / "nsa", golden["input_ids"])
+    assert np.abs(nsa - dense).max() < 5e-3 * np.abs(dense).max()
+    saved = load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), saved=True)
+    assert saved.model.attention == "nsa" and saved.model.nsa.w == 16
+    assert json.loads((tmp_path / "nsa" / "special_tokens.json").read_text())["eos"] == 2
+    assert saved.data.tokenizer == str((tmp_path / "nsa" / "tokenizer.json").absolute())
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    src = _hf_folder(tmp_path)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    bare = tmp_path / "bare"
+    shutil.copytree(GOLDEN / "llama2", bare)  # no tokenizer
+    cases = [
+        ([str(tmp_path / "missing"), str(tmp_path / "o1")], "does not exist"),
+        ([str(tmp_path), str(tmp_path / "o2")], "no config.json"),
+        ([str(src), str(taken)], "not an empty folder"),
+        ([str(bare), str(tmp_path / "o3")], "carries no tokenizer"),
+        ([str(src), str(tmp_path / "o4"), "--set", "model.nsa.l=33"], "model.nsa.d"),
+    ]
+    for argv, words in cases:
+        assert convert(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+    assert (taken / "keep.txt").read_text() == "mine" and sorted(p.name for p in taken.iterdir()) == ["keep.txt"]
+    assert not any(tmp_path.glob("o*")) and not any(tmp_path.glob(".o*"))
+
+
+def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
+    src = _hf_folder(tmp_path)
+    assert convert([str(src), str(tmp_path / "nsa")]) == 0
+    cfg = load_config(
+        str(tmp_path / "nsa" / model_dir.CONFIG_FILE), [f"train.init_from={tmp_path / 'nsa'}"], saved=True
+    )
+    check_init_from(cfg)
+    from nsa_jax.train import step
+
+    state = step.create_state(cfg, step.make_mesh(cfg, jax.devices()[:1]), params=model_dir.initial_params(cfg))
+    want = model_dir.read_params(tmp_path / "nsa")
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    with pytest.raises(Exception, match="reads text with the tokenizer .* but data.tokenizer is byte"):
+        check_init_from(load_config(None, [f"train.init_from={tmp_path / 'nsa'}"]))
+    with pytest.raises(Exception, match="is not a model folder"):
+        check_init_from(load_config(None, [f"train.init_from={tmp_path}"]))
+    narrower = [f"train.init_from={tmp_path / 'nsa'}", "model.d_ff=64"]
+    with pytest.raises(Exception, match="w1.*has shape"):
+        model_dir.initial_params(load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), narrower, saved=True))
+
+
+@pytest.mark.slow
+def test_launch_train_continues_a_converted_model(tmp_path):
+    src = _hf_folder(tmp_path)
+    assert convert([str(src), str(tmp_path / "nsa")]) == 0
+    run = tmp_path / "run"
+    args = ["--init-from", str(tmp_path / "nsa"), "--dataset", "synthetic", "--steps", "2", "--out-dir", str(run)]
+    sets = ["train.seq_len=64", "train.global_batch=2", "train.warmup=1", "train.log_every=1", "train.eval_every=100"]
+    proc = run_module("launch.train", *args, *[a for s in sets for a in ("--set", s)], env=cpu_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"init: parameters from {tmp_path / 'nsa'}" in proc.stdout
+    rows = (run / "training.csv").read_text().splitlines()
+    assert len(rows) == 3
