@@ -400,22 +400,25 @@ def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():
     assert schedule.lr_change_on_resume({**cfg.__dict__, "log_every": 1}, cfg, 30, lr_at) is None
 
 
-def _stopping_trainer(lead: bool = True) -> SimpleNamespace:
+def _stopping_trainer(lead: bool = True, processes: int = 1) -> SimpleNamespace:
     """What Trainer's stop methods read, for a run between steps 5 and 6 (step 6 not dispatched)."""
     said: list[str] = []
     t = SimpleNamespace(
         lead=lead,
         summary={"steps_done": 5, "halted": None},
-        cfg=SimpleNamespace(checkpoint=SimpleNamespace(enabled=True)),
+        cfg=SimpleNamespace(checkpoint=SimpleNamespace(enabled=True), train=SimpleNamespace(steps=20)),
         _stop_said=None,
         _stop_lock=threading.Lock(),
         _dispatched=5,
-        _preempt=SimpleNamespace(signal_name="SIGINT"),
+        _posted_after=None,
+        _preempt=SimpleNamespace(signal_name="SIGINT", agrees_late=processes > 1, posted_stop=False),
         art=SimpleNamespace(event=lambda *a, **k: None),
         said=said,
         say=said.append,
     )
     t._one_at_a_time = lambda: False
+    t._stop_step = lambda: loop.Trainer._stop_step(t)
+    t._last_step_note = lambda: ""
     return t
 
 
@@ -446,3 +449,32 @@ def test_a_stop_is_said_once_whichever_says_it_first():
     assert t.said == [progress.signal_stop_line("SIGINT", 6, True, True)]
     # "interrupted:" is launch.train's outcome line alone.
     assert not t.said[0].startswith("interrupted") and "stopping after step 6" in t.said[0]
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_with_several_processes_the_stop_is_announced_at_the_step_they_agree_on(one_at_a_time):
+    """launch.spawn: processes read the agreed stop flag one boundary after it is posted. A signal while step 11
+    runs is posted before step 12 and read before step 13: the run stops after step 12, said once."""
+
+    def trainer():
+        t = _stopping_trainer(processes=2)
+        t._dispatched, t.summary["steps_done"] = 11, 10
+        t._one_at_a_time = lambda: one_at_a_time
+        return t
+
+    t = trainer()  # nothing posted yet: the next boundary posts the flag, step 12 runs, the one after reads it
+    assert "the run stops after step 12" in loop.Trainer._stop_announcement(t, "SIGINT")
+    loop.Trainer._stopped_by_signal(t, 12)  # what the loop says when the processes agree
+    assert t.said == []
+    # Posted at the boundary after step 10 (step 11 dispatched since): the stop comes when step 11 ends.
+    t = trainer()
+    t._posted_after = 10
+    line = loop.Trainer._stop_announcement(t, "SIGINT")
+    assert ("when step 11 ends" if one_at_a_time else "after step 11") in line
+    loop.Trainer._stopped_by_signal(t, 11)
+    assert t.said == []
+    # The last step in flight: the run ends there anyway.
+    t = trainer()
+    t._dispatched = 20
+    line = loop.Trainer._stop_announcement(t, "SIGINT")
+    assert ("when step 20 ends" if one_at_a_time else "after step 20") in line
