@@ -400,6 +400,23 @@ def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():
     assert schedule.lr_change_on_resume({**cfg.__dict__, "log_every": 1}, cfg, 30, lr_at) is None
 
 
+def test_a_resume_that_ends_inside_the_warm_up_says_so():
+    # cpu_tiny's 20-step warm-up; 6 steps resumed to 10: the LR only rises, no cosine is reached.
+    cfg = load_config("cpu_tiny", ["train.steps=10"]).train
+
+    def lr_at(step, train):
+        return float(O.learning_rate(step, train))
+
+    lrs = [lr_at(s, cfg) for s in range(cfg.steps)]
+    assert all(a < b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < cfg.lr  # the schedule itself: warm-up only
+    line = schedule.lr_change_on_resume({**cfg.__dict__, "steps": 6}, cfg, 6, lr_at)
+    assert (
+        f"warm-up (20 steps) ends past the last step: the LR rises to {lrs[-1]:.2e} at step 10 and never decays" in line
+    )
+    assert "cosine" not in line and "set train.warmup below 10" in line
+    assert f"step 6 trained at lr {lr_at(5, cfg):.2e}, step 7 trains at {lrs[6]:.2e}" in line
+
+
 def _stopping_trainer(lead: bool = True, processes: int = 1) -> SimpleNamespace:
     """What Trainer's stop methods read, for a run between steps 5 and 6 (step 6 not dispatched)."""
     said: list[str] = []
