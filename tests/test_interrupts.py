@@ -378,7 +378,10 @@ def test_gpu_settings_on_a_cpu_sized_config_get_the_fix_not_a_smaller_config():
     assert "cpu_tiny" not in long_tiny and long_tiny.endswith("; fewer --steps take less, or run it on a GPU")
     # A config sized for a GPU is still told to train a small one on a CPU.
     gpu = load_config("a100_pcie", [])
-    assert progress.gpu_config_warning(gpu, "cpu").startswith("warning: this config is meant for a GPU")
+    warning = progress.gpu_config_warning(gpu, "cpu")
+    assert warning.startswith("warning: this config is meant for a GPU") and "\n" not in warning
+    # The alarm XLA prints while such a config compiles on a CPU for minutes is named and explained.
+    assert '"Very slow compile?" alarm after 2 minutes is expected' in warning
     assert "(--config cpu_tiny)" in progress.cpu_projection(gpu, 50_000, 120.0, "cpu")
     assert progress.gpu_config_warning(tiny, "gpu") is None
     assert progress.gpu_config_warning(load_config("cpu_tiny", ["model.nsa.attention_impl=auto"]), "cpu") is None
