@@ -13,6 +13,8 @@ the multi-process paths and for emulating several hosts on one machine.
   seconds (a peer left alone would wait in a collective forever), and spawn exits
   with the first failing child's status (128 + N for a child killed by signal N).
   If spawn itself dies, the children get SIGTERM (Linux parent-death signal).
+- After a SIGINT or SIGTERM it forwarded, spawn exits 0 when every child exited 0 (launch.train
+  saves and exits 0 on SIGTERM), else with the first non-zero child status (130 after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -152,9 +154,8 @@ class Spawner:
             t.join(timeout=5.0)
         if first_failure is not None:
             return first_failure[1]
-        if self._signalled is not None:
-            return 128 + self._signalled
-        return 0
+        # After a forwarded stop signal: the children's own answer (0 when each saved and exited 0).
+        return next((s for s in (exit_status(p.returncode) for p in self.procs) if s), 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,7 +43,8 @@ same from the files later). Writes
                                         accuracy by length, or where and why it stopped
   --archive FILE.tgz                    OUT without checkpoints, TensorBoard files and heartbeats
 Exit status: 0 every run finished (or was cut by --deadline), 1 a stage or an evaluation
-failed, 2 bad input (one `error:` line; OUT is not touched), 130 Ctrl-C, 143 SIGTERM.
+failed, 2 bad input (one `error:` line; OUT is not touched), 130 Ctrl-C; after SIGTERM 0 when every
+stage it reached saved and exited 0 (as launch.train does), 143 otherwise.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class Runner:
         self.procs: set[subprocess.Popen] = set()
         self.signals: list[tuple[int, int]] = []  # (signal, processes it was passed to)
         self.results: dict[str, str] = {}  # run dir -> "ok", "deadline", "skipped", "failed", "interrupted"
+        self.stop_statuses: list[int] = []  # exit status of each process a signal stopped
         self.lines: list[str] = []  # summary lines, in the order the runs ended
         self.env = rf.child_env()
 
@@ -211,6 +213,9 @@ class Runner:
 
     def stopped(self, run: Run, rc: int, why: str, where: str, t0: float) -> str:
         what = {"deadline": "at the deadline", "interrupted": "by a signal"}.get(why, "failed")
+        if why == "interrupted":
+            with self.lock:
+                self.stop_statuses.append(rc)
         line = f"{run.variant} seed {run.seed}: stopped rc={rc} after {int(time.monotonic() - t0)} s ({what}, {where})"
         if not why:
             line += f"; see {run.log}"
@@ -261,6 +266,15 @@ class Runner:
             result = "failed"
         with self.lock:
             self.results[str(run.dir)] = result
+
+    def exit_status(self) -> int:
+        """130 after Ctrl-C; after SIGTERM 0 when every process it stopped exited 0 (launch.train saves and
+        exits 0), 143 otherwise; else 1 when a run failed, 0 when none did."""
+        if signal.SIGINT in [s for s, _ in self.signals]:
+            return EXIT_SIGINT
+        if self.signals and any(self.stop_statuses):
+            return EXIT_SIGTERM
+        return EXIT_FAILED if "failed" in self.results.values() else 0
 
     def run_all(self) -> None:
         pending, running, told = deque(self.runs), [], 0
@@ -458,9 +472,7 @@ def run(args) -> int:
     unfinished = [r for r in runs if runner.results.get(str(r.dir)) != "ok"]
     if unfinished:
         print(f"{count(len(unfinished), 'run')} not finished; to go on with them: the same command with --resume")
-    if runner.signals:
-        return EXIT_SIGINT if signal.SIGINT in [s for s, _ in runner.signals] else EXIT_SIGTERM
-    return EXIT_FAILED if "failed" in runner.results.values() else 0
+    return runner.exit_status()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -198,6 +198,14 @@ def lock_out_dir(out_dir: str, spec: dist.DistSpec | None) -> None:
         lock.acquire(out_dir, command=" ".join([os.path.basename(sys.executable), *sys.argv]))
 
 
+def refused(out_dir: str | None, status: int = rf.EXIT_USAGE) -> int:
+    """`status` for a run refused before training: the lock file it created goes, and the out dir too
+    when it created it and nothing else is in it, so the folder is left as it was."""
+    if out_dir is not None:
+        lock.discard_created(out_dir)
+    return status
+
+
 def compile_cache_dir(flag: str | None, environ: dict[str, str]) -> str | None:
     """The persistent compilation cache folder: --compile-cache, else NSA_COMPILE_CACHE, else
     JAX_COMPILATION_CACHE_DIR, else DEFAULT_CACHE; None when switched off ('off', '0', '')."""
@@ -260,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    locked: str | None = None  # the out dir once this process has locked it
     try:
         env_sets, applied = env_overrides(os.environ)
         name, saved = config_source(args)
@@ -276,6 +285,7 @@ def _main(argv: list[str] | None = None) -> int:
                     print(note, file=sys.stderr, flush=True)
         # Before anything is read, moved or written in the folder, and before XLA starts.
         lock_out_dir(cfg.train.out_dir, spec)
+        locked = cfg.train.out_dir
         # Processes other than 0 change the folder only once they have joined process 0 (which holds the lock).
         joined_later = spec is not None and spec.process_id != 0
         plan = prepare_out_dir(
@@ -287,7 +297,7 @@ def _main(argv: list[str] | None = None) -> int:
         )
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return rf.EXIT_USAGE
+        return refused(locked)
     # Decided before XLA starts: nothing to compile for a finished or halted run.
     if plan.action in ("finished", "halted"):
         print(plan.message, flush=True)
@@ -305,7 +315,7 @@ def _main(argv: list[str] | None = None) -> int:
             dist.initialize(spec, init_timeout_s=cfg.ops.init_timeout_s, peer_timeout_s=cfg.ops.peer_timeout_s)
         except Exception as e:  # noqa: BLE001 - jax raises several kinds; one line says it
             print(f"error: jax.distributed did not start ({spec.describe()}): {e}".splitlines()[0], file=sys.stderr)
-            return rf.EXIT_FAILED
+            return refused(cfg.train.out_dir, rf.EXIT_FAILED)
         if joined_later:
             try:
                 apply_out_dir_plan(plan)
@@ -323,12 +333,12 @@ def _main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, applied_env=applied, eval_off=data_check.no_val)
     except (ConfigError, ValueError, TimeoutError, OSError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
-        return rf.EXIT_USAGE
+        return refused(cfg.train.out_dir)
     try:
         summary = trainer.run()
     except WontFitError as e:
         print(f"error: {e}", file=sys.stderr)
-        return rf.EXIT_USAGE
+        return refused(cfg.train.out_dir)
     if summary.get("halted") in ("checkpoint_failed", "output_failed"):
         print(f"error: {summary['error']}", file=sys.stderr)
         return rf.EXIT_CHECKPOINT_FAILED

@@ -88,6 +88,13 @@ def learning_options(cfg: Config) -> str:
     return " ".join(pairs)
 
 
+def _sequence_line(cfg: Config) -> str:
+    """The config's own training length and context degree."""
+    T, C = cfg.train.seq_len, cfg.parallel.context
+    where = f"each sequence split over {C} devices, {-(-T // C):,} tokens each" if C > 1 else "each on one device"
+    return f"sequence: T={T:,} (train.seq_len), parallel.context={C} ({where})"
+
+
 def describe(cfg: Config) -> str:
     """The text `launch.info` prints."""
     m, a = cfg.model, cfg.model.nsa
@@ -99,6 +106,7 @@ def describe(cfg: Config) -> str:
         f"nsa: l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} phi={a.cmp_phi} branches={','.join(a.branches)} "
         f"attention_impl={a.attention_impl}",
         f"nsa learning options: {learning_options(cfg) or 'none'}",
+        _sequence_line(cfg),
         f"parameters: {counts['total']:,} total",
     ]
     for part, n in counts.items():

@@ -166,6 +166,19 @@ def as_f32(*xs):
     return [np.asarray(x.astype(jnp.float32)) for x in xs]
 
 
+def scaled_atol(want, tol: float) -> float:
+    """`tol` times the largest |want| (at least 1): fp32 rounding grows with the magnitude of the values
+    compared (another summation order moves a value near 4 by a few 1e-6), so an absolute tolerance on
+    values of order > 1 scales with them; never tighter than `tol`."""
+    want = np.asarray(want)
+    return tol * max(1.0, float(np.max(np.abs(want)))) if want.size else tol
+
+
+def assert_close(got, want, tol: float, err_msg: str = "") -> None:
+    """got == want within `scaled_atol(want, tol)` everywhere (fp32 values against another computation's)."""
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=scaled_atol(want, tol), err_msg=err_msg)
+
+
 def check_all(results, reference, dtype):
     """(o, dq, dk, dv) of a kernel against a float64 reference: fp32 within 1e-5 (relative to the largest
     reference value), otherwise a relative RMS error below 5e-3."""
@@ -173,8 +186,7 @@ def check_all(results, reference, dtype):
         assert got.shape == want.shape, name
         assert np.all(np.isfinite(got)), name
         if dtype == jnp.float32:
-            tol = 1e-5 * max(1.0, float(np.max(np.abs(want))))
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=tol, err_msg=name)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=scaled_atol(want, 1e-5), err_msg=name)
         else:
             err = float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
             assert err < 5e-3, f"{name}: relative RMS error {err:.2e}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -11,6 +12,8 @@ import yaml
 from nsa_jax.config import ConfigError, load_config, to_dict
 from nsa_jax.info import describe, keys_per_query, learning_options, parameter_counts
 from nsa_jax.rundir.resume import config_from_dict, resume_conflicts
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_shipped_configs_load():
@@ -257,3 +260,12 @@ def test_info_cli():
         text=True,
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: config: model.nsa.n")
+
+
+@pytest.mark.parametrize("name", ["a100_pcie_256k", "cpu_tiny"])
+def test_info_names_the_configs_own_length_and_context_degree(name):
+    raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())  # the file itself, not the loader
+    T, C = raw["train"]["seq_len"], raw.get("parallel", {}).get("context", 1)
+    text = describe(load_config(name, []))
+    assert f"sequence: T={T:,} (train.seq_len), parallel.context={C} " in text
+    assert (f"split over {C} devices, {T // C:,} tokens each" in text) == (C > 1)

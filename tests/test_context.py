@@ -238,6 +238,29 @@ def test_context_that_does_not_divide_the_devices_is_one_line():
         S.make_mesh(cfg, jax.devices()[:1] * 3)
 
 
+def test_too_few_cpu_devices_for_the_context_degree_name_the_host_device_flag():
+    # One CPU device and parallel.context=2: no parallel.num_devices helps; the host-device flag does.
+    with pytest.raises(ValueError) as e:
+        S.make_mesh(cfg_of(64, 2, 0), jax.devices()[:1])
+    msg = str(e.value)
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2" in msg and "num_devices" not in msg, msg
+    # More devices asked for than the test process's two: the same flag, with the number asked for.
+    with pytest.raises(ValueError, match=r"num_devices is 4 but only 2 devices are visible; .*_device_count=4 "):
+        S.make_mesh(cfg_of(64, 2, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_context_degree_one_cpu_device_cannot_run_leaves_the_out_dir_as_it_was(tmp_path, existed):
+    out = tmp_path / "cp"
+    if existed:
+        out.mkdir()
+    r = run_module(*LAUNCH_TRAIN[2:], "--out-dir", str(out), "--set", "parallel.context=2", env=cpu_env(devices=1))
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert "--xla_force_host_platform_device_count=2" in r.stderr
+    assert out.is_dir() == existed and (not existed or not any(out.iterdir()))
+
+
 # ---------------------------------------------------------------------------
 # four devices, and resume across degrees (subprocesses)
 

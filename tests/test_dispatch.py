@@ -14,6 +14,8 @@ from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, reso
 from nsa_jax.kernels.plan import substitutions
 from nsa_jax.kernels.xla import num_compressed
 
+from helpers import assert_close
+
 
 @pytest.mark.parametrize(
     "impl,backend,expected",
@@ -161,7 +163,7 @@ def test_compressed_attention_dispatch_matches_reference(impl):
     q, kc, vc = (x.astype(jnp.float32) for x in (q, kc, vc))
     vis = compressed_visible(l, d, tc)
     o_ref = reference_attention(q, kc, vc, None, vis)[0]
-    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, atol=1e-5 if impl != "cudnn" else 2e-2)
+    assert_close(np.asarray(o, np.float32), o_ref, 1e-5 if impl != "cudnn" else 2e-2)
     p_BxKxTxTc = reference_group_probs(q, kc, vis)
     n_blocks = -(-T // lp)
     want = np.zeros((1, T, K, n_blocks))
@@ -170,7 +172,7 @@ def test_compressed_attention_dispatch_matches_reference(impl):
             if i * d < (j + 1) * lp and i * d + l > j * lp:  # token i's span overlaps block j
                 want[:, :, :, j] += p_BxKxTxTc[:, :, :, i].transpose(0, 2, 1)
     assert scores.shape == want.shape
-    np.testing.assert_allclose(np.asarray(scores), want, atol=1e-5 if impl != "cudnn" else 1e-4)
+    assert_close(scores, want, 1e-5 if impl != "cudnn" else 1e-4)
 
 
 def test_compressed_attention_without_tokens_is_zero():

@@ -56,3 +56,13 @@ def test_current_docs_stay_short(doc):
     # A current doc says what holds now; history goes to docs/lab/ (docs/lab/README.md).
     n = len(doc.read_text().splitlines())
     assert n <= 300, f"{doc.name} has {n} lines; move what is history to docs/lab/"
+
+
+def test_the_readme_says_which_checkpoints_a_run_deletes():
+    """Where the README says when checkpoints are deleted, it names the pruning with the code's default."""
+    from nsa_jax.config import CheckpointConfig
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    promise = text[text.index("checkpoints are deleted only by") :][:200]
+    assert f"`checkpoint.max_to_keep` steps, default {CheckpointConfig().max_to_keep})" in promise, promise
+    assert "--overwrite-checkpoints" in promise

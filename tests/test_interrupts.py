@@ -378,7 +378,10 @@ def test_gpu_settings_on_a_cpu_sized_config_get_the_fix_not_a_smaller_config():
     assert "cpu_tiny" not in long_tiny and long_tiny.endswith("; fewer --steps take less, or run it on a GPU")
     # A config sized for a GPU is still told to train a small one on a CPU.
     gpu = load_config("a100_pcie", [])
-    assert progress.gpu_config_warning(gpu, "cpu").startswith("warning: this config is meant for a GPU")
+    warning = progress.gpu_config_warning(gpu, "cpu")
+    assert warning.startswith("warning: this config is meant for a GPU") and "\n" not in warning
+    # The alarm XLA prints while such a config compiles on a CPU for minutes is named and explained.
+    assert '"Very slow compile?" alarm after 2 minutes is expected' in warning
     assert "(--config cpu_tiny)" in progress.cpu_projection(gpu, 50_000, 120.0, "cpu")
     assert progress.gpu_config_warning(tiny, "gpu") is None
     assert progress.gpu_config_warning(load_config("cpu_tiny", ["model.nsa.attention_impl=auto"]), "cpu") is None
@@ -400,22 +403,42 @@ def test_raising_steps_on_resume_says_what_happens_to_the_learning_rate():
     assert schedule.lr_change_on_resume({**cfg.__dict__, "log_every": 1}, cfg, 30, lr_at) is None
 
 
-def _stopping_trainer(lead: bool = True) -> SimpleNamespace:
+def test_a_resume_that_ends_inside_the_warm_up_says_so():
+    # cpu_tiny's 20-step warm-up; 6 steps resumed to 10: the LR only rises, no cosine is reached.
+    cfg = load_config("cpu_tiny", ["train.steps=10"]).train
+
+    def lr_at(step, train):
+        return float(O.learning_rate(step, train))
+
+    lrs = [lr_at(s, cfg) for s in range(cfg.steps)]
+    assert all(a < b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < cfg.lr  # the schedule itself: warm-up only
+    line = schedule.lr_change_on_resume({**cfg.__dict__, "steps": 6}, cfg, 6, lr_at)
+    assert (
+        f"warm-up (20 steps) ends past the last step: the LR rises to {lrs[-1]:.2e} at step 10 and never decays" in line
+    )
+    assert "cosine" not in line and "set train.warmup below 10" in line
+    assert f"step 6 trained at lr {lr_at(5, cfg):.2e}, step 7 trains at {lrs[6]:.2e}" in line
+
+
+def _stopping_trainer(lead: bool = True, processes: int = 1) -> SimpleNamespace:
     """What Trainer's stop methods read, for a run between steps 5 and 6 (step 6 not dispatched)."""
     said: list[str] = []
     t = SimpleNamespace(
         lead=lead,
         summary={"steps_done": 5, "halted": None},
-        cfg=SimpleNamespace(checkpoint=SimpleNamespace(enabled=True)),
+        cfg=SimpleNamespace(checkpoint=SimpleNamespace(enabled=True), train=SimpleNamespace(steps=20)),
         _stop_said=None,
         _stop_lock=threading.Lock(),
         _dispatched=5,
-        _preempt=SimpleNamespace(signal_name="SIGINT"),
+        _posted_after=None,
+        _preempt=SimpleNamespace(signal_name="SIGINT", agrees_late=processes > 1, posted_stop=False),
         art=SimpleNamespace(event=lambda *a, **k: None),
         said=said,
         say=said.append,
     )
     t._one_at_a_time = lambda: False
+    t._stop_step = lambda: loop.Trainer._stop_step(t)
+    t._last_step_note = lambda: ""
     return t
 
 
@@ -446,3 +469,32 @@ def test_a_stop_is_said_once_whichever_says_it_first():
     assert t.said == [progress.signal_stop_line("SIGINT", 6, True, True)]
     # "interrupted:" is launch.train's outcome line alone.
     assert not t.said[0].startswith("interrupted") and "stopping after step 6" in t.said[0]
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_with_several_processes_the_stop_is_announced_at_the_step_they_agree_on(one_at_a_time):
+    """launch.spawn: processes read the agreed stop flag one boundary after it is posted. A signal while step 11
+    runs is posted before step 12 and read before step 13: the run stops after step 12, said once."""
+
+    def trainer():
+        t = _stopping_trainer(processes=2)
+        t._dispatched, t.summary["steps_done"] = 11, 10
+        t._one_at_a_time = lambda: one_at_a_time
+        return t
+
+    t = trainer()  # nothing posted yet: the next boundary posts the flag, step 12 runs, the one after reads it
+    assert "the run stops after step 12" in loop.Trainer._stop_announcement(t, "SIGINT")
+    loop.Trainer._stopped_by_signal(t, 12)  # what the loop says when the processes agree
+    assert t.said == []
+    # Posted at the boundary after step 10 (step 11 dispatched since): the stop comes when step 11 ends.
+    t = trainer()
+    t._posted_after = 10
+    line = loop.Trainer._stop_announcement(t, "SIGINT")
+    assert ("when step 11 ends" if one_at_a_time else "after step 11") in line
+    loop.Trainer._stopped_by_signal(t, 11)
+    assert t.said == []
+    # The last step in flight: the run ends there anyway.
+    t = trainer()
+    t._dispatched = 20
+    line = loop.Trainer._stop_announcement(t, "SIGINT")
+    assert ("when step 20 ends" if one_at_a_time else "after step 20") in line

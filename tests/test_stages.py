@@ -286,6 +286,28 @@ def test_a_signal_reaches_the_running_stages_once_and_nothing_new_starts(tmp_pat
     assert runner.signals == [(signal.SIGTERM, 2)]
     summary = (tmp_path / "o" / "r" / "summary.txt").read_text()
     assert summary.count("(by a signal, stage 1/2)") == 2
+    assert runner.exit_status() == 143  # the stages did not save: killed by the signal
+
+
+@pytest.mark.parametrize("stage_exit, status", [(0, 0), (3, 143)])
+def test_after_sigterm_the_status_is_0_when_every_stopped_stage_exited_0(tmp_path, monkeypatch, stage_exit, status):
+    # As launch.train: SIGTERM -> save, exit 0. The command then exits 0 too (a scheduler's stop is no failure).
+    stage = (
+        f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit({stage_exit})); time.sleep(60)"
+    )
+    runner = fake_runner(tmp_path, monkeypatch, [stage, "pass"], seeds=(1,))
+    started = tmp_path / "started.txt"
+
+    def stop_when_it_runs():
+        while not started.exists():
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.5)  # its handler is installed
+        runner.on_signal(signal.SIGTERM, None)
+
+    threading.Thread(target=stop_when_it_runs, daemon=True).start()
+    runner.run_all()
+    assert runner.stop_statuses == [stage_exit]
+    assert runner.exit_status() == status
 
 
 def test_a_bad_runbook_variable_is_named_before_anything_runs(tmp_path, capsys, monkeypatch):

@@ -88,6 +88,7 @@ class PreemptionGuard:
         self._installed = False
         self._posted = None
         self._reduce = None
+        self.posted_stop = False  # a stop flag was posted to the other processes (read at the next boundary)
 
     def install(self) -> None:
         # Signal handlers and the wakeup fd belong to the main thread.
@@ -184,6 +185,11 @@ class PreemptionGuard:
             pass
         self._exit(128 + signum)
 
+    @property
+    def agrees_late(self) -> bool:
+        """Several processes: a stop is agreed one step boundary after the boundary that posts it."""
+        return self.mesh is not None and jax.process_count() > 1
+
     def stop_requested(self) -> bool:
 
         if jax.process_count() == 1 or self.mesh is None:
@@ -192,7 +198,9 @@ class PreemptionGuard:
         if self._posted is not None:
             agreed = bool(np.asarray(self._posted.addressable_data(0)))
         if not agreed:
-            self._posted = self._post(self.requested)
+            flag = self.requested
+            self._posted = self._post(flag)
+            self.posted_stop = self.posted_stop or flag
         return agreed
 
     def _post(self, flag: bool):

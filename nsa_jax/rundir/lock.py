@@ -38,6 +38,7 @@ from nsa_jax.rundir import resume
 LOCK_FILE = ".lock"
 
 _held: dict[str, int] = {}  # lock file path -> the open descriptor holding it (closed at exit)
+_created: dict[str, bool] = {}  # lock file path this process created -> whether it created the folder too
 
 
 class OutDirLocked(ConfigError):
@@ -91,8 +92,10 @@ def acquire(out_dir: str | os.PathLike, command: str = "") -> bool:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         try:
+            new_dir = not out.exists()
             out.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            _created[key] = new_dir
         except OSError:
             resume.check_writable(out)  # raises OutDirError naming the cause
             raise
@@ -103,6 +106,7 @@ def acquire(out_dir: str | os.PathLike, command: str = "") -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        _created.pop(key, None)
         raise _refusal(out) from None
     except OSError as e:
         os.close(fd)
@@ -127,7 +131,28 @@ def acquire(out_dir: str | os.PathLike, command: str = "") -> bool:
     return True
 
 
+def discard_created(out_dir: str | os.PathLike) -> None:
+    """A run refused after it locked `out_dir` (a bad setting found once jax started): the lock file this
+    process created goes, and the folder too when this process created it and nothing else is in it, so
+    the refusal leaves no new folder behind. The lock is released with it (the process is ending)."""
+    out = pathlib.Path(out_dir)
+    key = os.path.realpath(out / LOCK_FILE)
+    if key not in _created:
+        return
+    new_dir = _created.pop(key)
+    fd = _held.pop(key, None)
+    try:
+        os.unlink(key)
+        if new_dir:
+            out.rmdir()  # only when empty: what the refused attempt wrote stays
+    except OSError:
+        pass
+    if fd is not None:
+        os.close(fd)
+
+
 def release_all() -> None:
     """Drops every lock this process holds (tests; a trainer keeps its lock until it exits)."""
+    _created.clear()
     while _held:
         os.close(_held.popitem()[1])

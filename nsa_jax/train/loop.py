@@ -116,6 +116,7 @@ class Trainer:
         # The step a stop signal's line named (the guard's announcement or the loop's); None: not said yet.
         self._stop_said: int | None = None
         self._stop_lock = threading.Lock()
+        self._posted_after: int | None = None  # several processes: the step after which the stop flag was posted
         # Held-out metrics and eval.suites; what they read and compile is built at the first evaluation.
         self.evaluation = RunEvaluation(self.cfg, self.mesh, self.plan.kernel_fallback)
 
@@ -285,7 +286,11 @@ class Trainer:
             return True
         if self.saves.outputs_failed(step):
             return True
-        if self._preempt.stop_requested():
+        with self._stop_lock:  # the stop announcement reads whether the flag was posted, and after which step
+            stop = self._preempt.stop_requested()
+            if self._posted_after is None and self._preempt.posted_stop:
+                self._posted_after = self._dispatched
+        if stop:
             self._stopped_by_signal(self._dispatched)
             return True
         return False
@@ -356,14 +361,23 @@ class Trainer:
         with self._stop_lock:
             if self._stop_said is not None:
                 return ""
-            self._stop_said = self._dispatched  # the step the run stops after
+            # The step the run stops after (before its first step: the start, as the loop says it).
+            self._stop_said = stop = self._dispatched if summary is None else self._stop_step()
         if summary is None:
             what = "the run stops before its first step"
-        elif self._one_at_a_time() and self._dispatched > summary["steps_done"]:
-            what = f"the run stops when step {self._dispatched} ends{self._last_step_note()}"
+        elif self._one_at_a_time() and stop == self._dispatched > summary["steps_done"]:
+            what = f"the run stops when step {stop} ends{self._last_step_note()}"
         else:
-            what = f"the run stops after step {self._dispatched}"
+            what = f"the run stops after step {stop}"
         return progress.stop_announcement(name, what, saves=self.cfg.checkpoint.enabled and summary is not None)
+
+    def _stop_step(self) -> int:
+        """The step a stop signal seen now ends the run after (under `_stop_lock`): the step in flight; with several
+        processes, the step dispatched after the boundary that posts the flag (they read it one boundary later)."""
+        if not self._preempt.agrees_late:
+            return self._dispatched
+        posted_after = self._dispatched if self._posted_after is None else self._posted_after
+        return min(posted_after + 1, self.cfg.train.steps)
 
     def _kept_note(self) -> str:
         """What a second stop signal leaves behind (the guard's helper thread)."""

@@ -64,6 +64,11 @@ def _cpu_fixes(cfg: Config) -> str:
     return " ".join(_CPU_FIX[s] for s in gpu_settings(cfg))
 
 
+# XLA's SlowCompilationAlarm (xla/service/slow_operation_alarm.cc): an ERROR log line of its own, after a fixed
+# 2 minutes of one compile, that no XLA flag sets (TF_CPP_MIN_LOG_LEVEL=3 would hide every other error too).
+SLOW_COMPILE_ALARM, SLOW_COMPILE_ALARM_MIN = "Very slow compile?", 2
+
+
 def gpu_config_warning(cfg: Config, backend: str) -> str | None:
     """The boot warning for a config with settings meant for a GPU that runs on a CPU; None otherwise."""
     if backend != "cpu" or not gpu_settings(cfg):
@@ -75,8 +80,9 @@ def gpu_config_warning(cfg: Config, backend: str) -> str | None:
             f"for the CPU path run the same command with {_cpu_fixes(cfg)}"
         )
     return (
-        f"warning: this config is meant for a GPU ({settings}) and runs on a CPU here: "
-        "expect minutes per step; the projected time follows the first step"
+        f"warning: this config is meant for a GPU ({settings}) and runs on a CPU here: expect minutes per step "
+        f'and a compile of minutes (XLA\'s "{SLOW_COMPILE_ALARM}" alarm after {SLOW_COMPILE_ALARM_MIN} minutes is '
+        "expected: nothing to report); the projected time follows the first step"
     )
 
 

@@ -85,12 +85,20 @@ def lr_change_on_resume(
     old = dataclasses.replace(now, **{k: saved_train[k] for k in changed})
     last, nxt = lr_at(step - 1, old), lr_at(step, now)
     what = ", ".join(f"train.{k} {saved_train[k]} -> {getattr(now, k)}" for k in changed)
-    if now.decay_steps:
+    advice = "to continue at the peak and decay only at the end (staged training), set train.decay_steps"
+    if now.warmup >= now.steps:  # the run ends inside its warm-up: no cosine at all
+        end = lr_at(now.steps - 1, now)
+        shape = (
+            f"its warm-up ({count(now.warmup, 'step')}) ends past the last step: the LR rises to {end:.2e} "
+            f"at step {now.steps} and never decays"
+        )
+        advice = f"for a decay within the run, set train.warmup below {now.steps}"
+    elif now.decay_steps:
         shape = f"held at {now.lr:.2e} until the last {count(now.decay_steps, 'step')}, then a cosine"
+        shape += f" to {now.min_lr:.2e} at step {now.steps}"
     else:
-        shape = "a cosine from the end of the warm-up"
+        shape = f"a cosine from the end of the warm-up to {now.min_lr:.2e} at step {now.steps}"
     return (
-        f"resume: {what}: the LR schedule is recomputed for the new settings ({shape} to {now.min_lr:.2e} "
-        f"at step {now.steps}); step {step} trained at lr {last:.2e}, step {step + 1} trains at {nxt:.2e}; "
-        "to continue at the peak and decay only at the end (staged training), set train.decay_steps"
+        f"resume: {what}: the LR schedule is recomputed for the new settings ({shape}); "
+        f"step {step} trained at lr {last:.2e}, step {step + 1} trains at {nxt:.2e}; {advice}"
     )

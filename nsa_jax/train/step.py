@@ -46,6 +46,7 @@ from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.positions import random_rope_positions
 from nsa_jax.train.state import TrainState, init_state
 from nsa_jax.train.strategies import ShardingPlan, make_plan, process_rows
+from nsa_jax.words import count
 
 AXIS = strategies.AXIS
 
@@ -60,6 +61,7 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     `seq` has parallel.context devices, neighbours in device order (on one host where the
     processes hold consecutive devices); `data` the rest.
     """
+    visible = len(devices) if devices is not None else len(jax.devices())
     if devices is None:
         devices = jax.devices()
         n = cfg.parallel.num_devices
@@ -67,15 +69,27 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
             if jax.process_count() > 1:
                 raise ValueError("parallel.num_devices must be 0 (all devices) in a multi-process run")
             if n > len(devices):
-                raise ValueError(f"parallel.num_devices is {n} but only {len(devices)} devices are visible")
+                seen = count(len(devices), "device is", "devices are")
+                raise ValueError(f"parallel.num_devices is {n} but only {seen} visible{_more_devices(devices, n)}")
             devices = devices[:n]
     C = cfg.parallel.context
     if len(devices) % C:
+        fixes = [f"parallel.context to a divisor of {len(devices)}"]
+        if visible >= C:
+            fixes.append(f"parallel.num_devices to a multiple of {C} (of the {visible} visible)")
         raise ValueError(
             f"parallel.context={C} must divide the run's {len(devices)} device(s) (data x seq); set "
-            f"parallel.context to a divisor of {len(devices)} or parallel.num_devices to a multiple of {C}"
+            + " or ".join(fixes)
+            + (_more_devices(devices, -(-visible // C) * C) if visible % C else "")
         )
     return Mesh(np.asarray(devices).reshape(len(devices) // C, C), (AXIS, SEQ))
+
+
+def _more_devices(devices: list, want: int) -> str:
+    """Where one CPU process sees fewer than `want` devices: the flag that gives it more (read when jax starts)."""
+    if devices[0].platform != "cpu" or jax.process_count() > 1:
+        return ""
+    return f"; on a CPU, run it with XLA_FLAGS=--xla_force_host_platform_device_count={want} (read when jax starts)"
 
 
 def as_plan(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> ShardingPlan:
