@@ -33,7 +33,7 @@ from nsa_jax.pretrained import PretrainedError
 HOST_BYTES_PER_PARAM_BYTE = 1.3
 # The NSA model's gate start (sigmoid of the biases [cmp, slc, win]), unless --set says otherwise:
 # docs/PRETRAINED.md "From dense to NSA" has the step-0 figures behind it.
-NSA_GATE_BIAS = (-9.0, 9.0, -9.0)
+NSA_GATE_BIAS = (-6.0, 6.0, -6.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
