@@ -20,6 +20,8 @@ Options:
                       ranges) are written, so every shard mixes sources
   --overwrite         replace a prepared folder (only its manifest, shard and temp files)
   --strict            stop at the first bad file or record instead of skipping it
+  --text-suffixes .py,.rst  files ending so are plain text too (one document each): source
+                      code and docs, such as the Python standard library's
 
 Bad data: an empty file, a corrupt or text-less parquet file, a jsonl file without a
 `text` field is skipped whole; a jsonl line that is not JSON or has no `text` string
@@ -78,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="order in which input chunks are written (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier prepared folder at --output")
     p.add_argument("--strict", action="store_true", help="stop at the first bad file or record")
+    p.add_argument(
+        "--text-suffixes",
+        type=lambda v: tuple(x if x.startswith(".") else f".{x}" for x in v.split(",") if x),
+        default=(),
+        metavar=".py,.rst",
+        help="files ending so are plain text too, one document each (source code, docs)",
+    )
     return p
 
 
@@ -277,7 +286,7 @@ def run(args: argparse.Namespace, out_stream: TextIO | None = None, err_stream: 
     except ValueError as e:  # phrased for the config key; here it is the flag
         raise PrepareError(str(e).replace("data.tokenizer", "--tokenizer")) from None
     out = pathlib.Path(args.output).expanduser()
-    files = sources.find_input_files(args.input, exclude=str(out))
+    files = sources.find_input_files(args.input, exclude=str(out), text_suffixes=args.text_suffixes)
     created = prepare_output(out, args.overwrite)
     try:
         return _prepare(args, tokenizer, out, files, out_stream, err_stream)

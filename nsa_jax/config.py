@@ -170,6 +170,9 @@ class TrainConfig:
     # A model folder (launch.convert's OUT; nsa_jax/rundir/model_dir.py) whose parameters start a
     # fresh run instead of a random initialisation; a resume restores the run's own checkpoint.
     init_from: str = ""
+    # Parameter names that train (any part of a parameter's path: gate_fc1, gate_fc2, cmp_k, cmp_v,
+    # q, mlp, ...); the others stay as they are. Empty: every parameter trains.
+    trainable: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,6 +296,20 @@ def test_weight_decay_skips_norms_biases_embeddings():
         np.testing.assert_array_equal(new[path[0]][path[1]], 1.0)
 
 
+def test_trainable_freezes_every_other_parameter_and_clips_by_the_trained_ones_alone():
+    params = {"layers": {"attn": {"gate_fc2": {"kernel": jnp.ones((2, 3))}, "q": {"kernel": jnp.ones((2, 3))}}}}
+    grads = {
+        "layers": {"attn": {"gate_fc2": {"kernel": jnp.full((2, 3), 0.1)}, "q": {"kernel": jnp.full((2, 3), 100.0)}}}
+    }
+    t = dataclasses.replace(tiny_cfg().train, weight_decay=0.5, grad_clip=1.0, trainable=("gate_fc2",))
+    tx = O.make_optimizer(t)
+    direction, _ = tx.update(grads, tx.init(params), params)
+    new = O.apply_lr(params, direction, 0.1)
+    np.testing.assert_array_equal(new["layers"]["attn"]["q"]["kernel"], 1.0)  # frozen: not even decayed
+    # Adam's first step is the gradient's sign (norm 0.245 < 1: no clip from the frozen 100s), plus decay.
+    np.testing.assert_allclose(new["layers"]["attn"]["gate_fc2"]["kernel"], 1 - 0.1 * (1 + 0.5), rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # progress line
 

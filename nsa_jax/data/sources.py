@@ -178,26 +178,30 @@ def list_files(path: str, dataset: str) -> list[str]:
     return files
 
 
-def find_input_files(paths: Sequence[str], exclude: str | None = None) -> list[tuple[str, str]]:
+def find_input_files(
+    paths: Sequence[str], exclude: str | None = None, text_suffixes: Sequence[str] = ()
+) -> list[tuple[str, str]]:
     """(dataset, path) of every .parquet/.jsonl/.json/.txt file under `paths`, in a fixed order.
 
     `paths` are directories (searched recursively), files or globs; files under
-    `exclude` (an output directory inside an input one) are left out. Raises ValueError
-    naming the input when a path does not exist, a named file has another extension, or
-    nothing at all is found.
+    `exclude` (an output directory inside an input one) are left out; files ending in one
+    of `text_suffixes` (".py", ".rst": source code, docs) are plain text too, one document
+    each. Raises ValueError naming the input when a path does not exist, a named file has
+    another extension, or nothing at all is found.
     """
-    kind_of = {e: kind for kind, exts in EXTENSIONS.items() for e in exts}
+    kind_of = {e: kind for kind, exts in EXTENSIONS.items() for e in exts} | {e: "text" for e in text_suffixes}
+    suffixes = (*ALL_EXTENSIONS, *text_suffixes)
     skip_root = pathlib.Path(exclude).expanduser().resolve() if exclude else None
 
     def kind(f: pathlib.Path) -> str | None:
-        return next((kind_of[e] for e in ALL_EXTENSIONS if f.name.endswith(e)), None)
+        return next((kind_of[e] for e in suffixes if f.name.endswith(e)), None)
 
     found: dict[str, str] = {}
     for path in paths:
         p = pathlib.Path(path).expanduser()
         if p.is_file():
             if kind(p) is None:
-                raise ValueError(f"input {path} is not a {'/'.join(ALL_EXTENSIONS)} file; pass data files or folders")
+                raise ValueError(f"input {path} is not a {'/'.join(suffixes)} file; pass data files or folders")
             cands = [p]
         elif p.is_dir():
             if _is_prepared_dir(p):
@@ -216,7 +220,7 @@ def find_input_files(paths: Sequence[str], exclude: str | None = None) -> list[t
         if not cands:
             held = _describe_dir(p) if p.is_dir() else ""
             raise ValueError(
-                f"input {path} has no {'/'.join('*' + e for e in ALL_EXTENSIONS)} files{held}; "
+                f"input {path} has no {'/'.join('*' + e for e in suffixes)} files{held}; "
                 "point --input at the data files"
             )
         for f in cands:

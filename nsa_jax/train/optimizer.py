@@ -56,20 +56,34 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def frozen_mask(cfg: TrainConfig):
+    """params -> True for the leaves that do not train: with train.trainable, those whose path names
+    none of its entries (a converted model's new parts train first: gate_fc1, gate_fc2, cmp_k, cmp_v)."""
+
+    def frozen(path, _leaf) -> bool:
+        names = {getattr(p, "key", str(p)) for p in path}
+        return not names.intersection(cfg.trainable)
+
+    return lambda params: jax.tree_util.tree_map_with_path(frozen, params)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Update direction: clip_by_global_norm(grad_clip) (none when 0) -> Adam -> masked decay.
+    """Update direction: clip_by_global_norm(grad_clip) (none when 0) -> Adam -> masked decay; with
+    train.trainable, the frozen leaves' gradients and directions are zero (before the clip's norm and
+    after the decay).
 
     The learning rate is not inside the chain: the train step scales the direction
     by -learning_rate(state.step) (`apply_lr`), so the LR is a function of the
     train state's own step counter, which also advances over skipped updates.
     """
-    parts = []
+    freeze = [optax.masked(optax.set_to_zero(), frozen_mask(cfg))] if cfg.trainable else []
+    parts = list(freeze)
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
     parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=jnp.float32))
     if cfg.weight_decay > 0:
         parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    return optax.chain(*parts, *freeze)
 
 
 def apply_lr(params, direction, lr):
