@@ -4,7 +4,7 @@
 
 SRC: a HF model folder (config.json + safetensors) or a GGUF file of a Llama-family model
 (llama: Llama 2/3.x and SmolLM2, mistral, qwen2, qwen3). OUT, a new or empty folder, gets
-config.yaml + params.msgpack (what `launch.generate --ckpt OUT` and `launch.evaluate --ckpt
+config.yaml + params.safetensors (what `launch.generate --ckpt OUT` and `launch.evaluate --ckpt
 OUT` read), tokenizer.json and special_tokens.json (the checkpoint's own tokenizer, BOS and
 EOS; config.yaml's data.tokenizer names it). `--attention dense`: the model as it was;
 `nsa` (default): NSA started from it (nsa_jax/pretrained/weights.py nsa_params), its NSA
@@ -126,7 +126,7 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"convert: wrote {out} (config.yaml, params.msgpack, tokenizer.json) in {time.monotonic() - t0:.0f}s")
+    print(f"convert: wrote {out} (config.yaml, params.safetensors, tokenizer.json) in {time.monotonic() - t0:.0f}s")
     print(f"  try: python -m launch.generate --ckpt {out} --prompt 'def fibonacci(n):' --temperature 0")
     return 0
 

@@ -7,7 +7,7 @@
     python -m launch.evaluate --random-init --config cpu_tiny --lengths 512 --out /tmp/ev
 
 Weights: the formats `launch.generate` reads (a training checkpoint, a directory
-with config.yaml + params.msgpack, or `--random-init --config X`). Held-out text: the
+with config.yaml + params.safetensors, or `--random-init --config X`). Held-out text: the
 run's validation split (its data config, through the data pipelines), or `--text`
 files. Lengths may exceed the training length. Every L is compiled first; one whose
 compiled forward needs more than the device's memory (or `--device-memory`) is

@@ -6,8 +6,8 @@
     python -m launch.generate --random-init --config cpu_tiny --prompt "Hello"
 
 Weights: a training checkpoint (`nsa_jax.rundir.checkpoint.load_for_inference(path)
--> (Config, params)`); a directory holding `config.yaml` + `params.msgpack`
-(flax.serialization) is read directly; `--random-init` uses freshly initialised
+-> (Config, params)`); a model folder (`config.yaml` + `params.safetensors`,
+nsa_jax/rundir/model_dir.py) is read directly; `--random-init` uses freshly initialised
 params of `--config` (smoke tests). `--config`/`--set` give the config when the
 checkpoint carries none, or with `--random-init`.
 
@@ -49,7 +49,7 @@ from nsa_jax.inference.progress import Progress
 from nsa_jax.info import param_shapes
 from nsa_jax.model import init_params
 from nsa_jax.rundir.checkpoint import load_for_inference
-from nsa_jax.rundir.model_dir import CONFIG_FILE, PARAMS_FILE, mismatched_leaf, read_params, write_model_dir
+from nsa_jax.rundir.model_dir import CONFIG_FILE, is_model_dir, mismatched_leaf, read_params, write_model_dir
 from nsa_jax.words import count
 
 
@@ -105,7 +105,7 @@ def _check_sampling(args) -> None:
 
 
 def write_inference_dir(path, cfg, params) -> None:
-    """Writes `config.yaml` + `params.msgpack`: the model folder this command reads directly (rundir/model_dir.py)."""
+    """Writes `config.yaml` + `params.safetensors`: the model folder this command reads (rundir/model_dir.py)."""
     write_model_dir(path, cfg, params)
 
 
@@ -120,7 +120,7 @@ def _load_dir(path: pathlib.Path, args):
 
 
 def load_model(args):
-    """(Config, params) from --random-init, a params.msgpack directory, or nsa_jax.rundir.checkpoint."""
+    """(Config, params) from --random-init, a model folder, or nsa_jax.rundir.checkpoint."""
     if args.random_init:
         if args.config is None:
             raise UsageError("--random-init needs --config NAME")
@@ -131,7 +131,7 @@ def load_model(args):
     path = pathlib.Path(args.ckpt)
     if not path.exists():
         raise UsageError(f"--ckpt {path} does not exist")
-    if path.is_dir() and (path / PARAMS_FILE).is_file():
+    if path.is_dir() and is_model_dir(path):
         return _load_dir(path, args)
     cfg, params = load_for_inference(str(path))
     if args.overrides:

@@ -27,6 +27,7 @@ from nsa_jax.pretrained.tokenizer import gguf_tokenizer_json
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 # GGUF tensor types this importer dequantizes (gguf.quants does the arithmetic).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+DEQUANT_ROWS = 4096
 # HF name -> GGUF name, per layer ({i}) and global.
 GGUF_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -209,7 +210,16 @@ class GGUFCheckpoint(Checkpoint):
         kind = t.tensor_type.name
         if kind not in GGUF_TYPES:
             raise PretrainedError(f"{self.path.name}: tensor {t.name} is GGUF type {kind}; supported: {GGUF_TYPES}")
-        x = np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(self.shape(name))
+        x = np.empty(self.shape(name), np.float32)
+        if kind in ("F32", "F16", "BF16"):
+            x[...] = self._gguf.quants.dequantize(t.data, t.tensor_type).reshape(x.shape)
+        else:  # [rows, bytes a row]: a few thousand rows at a time, as dequantizing keeps several temporaries
+            rows = x.reshape(t.data.shape[0], -1)
+            for start in range(0, rows.shape[0], DEQUANT_ROWS):
+                part = t.data[start : start + DEQUANT_ROWS]
+                rows[start : start + len(part)] = self._gguf.quants.dequantize(part, t.tensor_type).reshape(
+                    len(part), -1
+                )
         # llama.cpp stores q and k rows with each RoPE pair interleaved; HF (and this project) rotates halves.
         if self.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.hf_config["num_attention_heads"] if "q_proj" in name else self.hf_config["num_key_value_heads"]

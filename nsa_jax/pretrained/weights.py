@@ -10,7 +10,8 @@ PretrainedError naming it.
 "From dense to NSA"): queries, output, MLP, norms and embeddings copied; each branch's keys
 and values (k_cmp/k_slc/k_win, v_*) the dense k and v; the gates' last layer has a zero
 kernel, so every gate starts at sigmoid(model.nsa.gate_bias_init) whatever the token; the
-compressors and the gate's first layer keep their initialisation.
+compressors and the gate's first layer keep their initialisation (docs/PRETRAINED.md has
+the step-0 losses behind launch.convert's gate start).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from nsa_jax.config import ModelConfig
+from nsa_jax.config import BRANCHES, ModelConfig
 from nsa_jax.model import init_params
 from nsa_jax.pretrained import PretrainedError
 from nsa_jax.pretrained.checkpoints import Checkpoint
@@ -93,23 +94,23 @@ def _shapes(cfg: ModelConfig):
 
 
 def nsa_params(dense: dict, cfg: ModelConfig, rng: jax.Array) -> dict:
-    """NSALM(cfg) parameters (cfg.attention == "nsa") started from `dense` (dense_params' layout)."""
-    params = jax.tree.map(
-        np.asarray, jax.jit(lambda k: init_params(dataclasses.replace(cfg, scan_layers=True), k))(rng)
-    )
-    params = jax.tree.map(lambda x: np.array(x, np.float32), params)
-    for top in ("embed", "final_norm", "lm_head"):
-        if top in dense:
-            params[top] = dense[top]
-    layers, dense_layers = params["layers"], dense["layers"]
-    for name in ("attn_norm", "mlp_norm", "mlp"):
-        layers[name] = dense_layers[name]
-    attn, dense_attn = layers["attn"], dense_layers["attn"]
-    for name in ("q", "o", "q_norm", "k_norm"):
-        if name in dense_attn:
-            attn[name] = dense_attn[name]
-    for branch in ("cmp", "slc", "win"):
-        attn[f"k_{branch}"] = dict(dense_attn["k"])
-        attn[f"v_{branch}"] = dict(dense_attn["v"])
+    """NSALM(cfg) parameters (cfg.attention == "nsa") started from `dense` (dense_params' layout).
+
+    The dense arrays are shared, not copied (the branches' keys and values are the same array
+    three times until the first update); only the new parts are initialised, in one program
+    that returns just them, so the host never holds a random copy of the whole model.
+    """
+    dense_attn = dense["layers"]["attn"]
+    copied = {"q", "o", "q_norm", "k_norm", "k", "v"}
+
+    def new_parts(key):
+        attn = init_params(dataclasses.replace(cfg, scan_layers=True), key)["layers"]["attn"]
+        return {name: value for name, value in attn.items() if name not in copied and name[2:] not in BRANCHES}
+
+    attn = jax.tree.map(lambda x: np.array(x, np.float32), jax.jit(new_parts)(rng))
     attn["gate_fc2"]["kernel"] = np.zeros_like(attn["gate_fc2"]["kernel"])
-    return params
+    attn.update({name: dense_attn[name] for name in ("q", "o", "q_norm", "k_norm") if name in dense_attn})
+    for branch in BRANCHES:
+        attn[f"k_{branch}"], attn[f"v_{branch}"] = dense_attn["k"], dense_attn["v"]
+    layers = {name: value for name, value in dense["layers"].items() if name != "attn"} | {"attn": attn}
+    return {name: value for name, value in dense.items() if name != "layers"} | {"layers": layers}

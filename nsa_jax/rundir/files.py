@@ -44,7 +44,8 @@ STACKDUMP_GLOB = "stackdump_*.txt"
 CHECKPOINT_DIR = "checkpoints"
 # A model folder (rundir/model_dir.py): a model's config and parameters without a run around them.
 MODEL_CONFIG_FILE = "config.yaml"
-MODEL_PARAMS_FILE = "params.msgpack"
+MODEL_PARAMS_FILE = "params.safetensors"
+MODEL_PARAMS_FILES = (MODEL_PARAMS_FILE, "params.msgpack")  # the one written; an earlier version's, still read
 CORRUPT_DIR = "checkpoints_corrupt"
 PREVIOUS_DIR = "previous"
 # Files of a run, besides the globbed heartbeats and stack dumps and the tb/ folder.

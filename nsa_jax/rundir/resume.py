@@ -442,7 +442,7 @@ def check_init_from(cfg) -> None:
     src = cfg.train.init_from
     if not src:
         return
-    if not (pathlib.Path(src) / rf.MODEL_PARAMS_FILE).is_file():
+    if not any((pathlib.Path(src) / name).is_file() for name in rf.MODEL_PARAMS_FILES):
         raise ConfigError(
             f"config: train.init_from {src} is not a model folder (no {rf.MODEL_PARAMS_FILE}); "
             "make one with python -m launch.convert SRC OUT"
