@@ -1,15 +1,33 @@
-"""`python -m launch.evaluate`: long-context evaluation of a checkpoint (needle, loss by position, kv_recall).
+"""`python -m launch.evaluate`: long-context evaluation of a checkpoint (needle, loss by position, kv_recall,
+passkey, text).
 
     python -m launch.evaluate --ckpt OUT [--config NAME] [--set KEY=VALUE ...]
-        [--suites needle,loss-by-position,kv_recall] [--lengths 1024,2048,4096]
+        [--suites needle,loss-by-position,kv_recall,passkey,text] [--lengths 1024,2048,4096]
         [--depths 0,0.1,...,1] [--samples 2] [--rows 4] [--batch-size 2]
         [--text FILE ...] [--out DIR] [--device-memory BYTES] [--seed S]
     python -m launch.evaluate --random-init --config cpu_tiny --lengths 512 --out /tmp/ev
+    python -m launch.evaluate --ckpt smollm2-dense --suites text,passkey --text FILE ... --lengths 1024,2048
+
+Suites (default: the first three, which training's eval.suites also runs):
+  - needle: a pass key at each of --depths of a held-out row of L + 1 tokens, asked for at the
+    end; greedy exact match and the answer's log-probability per L x depth (needle.png);
+  - loss-by-position: mean loss per log-spaced bucket of positions of --rows held-out rows;
+  - kv_recall: accuracy by distance on rows of the key-value recall task;
+  - passkey: the needle test for a pretrained model: a row of exactly L tokens of the text
+    ("The pass key is 51234. Remember it. 51234 is the pass key." at each depth, "What is
+    the pass key? The pass key is" and the key at the end), read whole by the model; the key
+    retrieved when its greedy answer is every digit (one teacher-forced forward); accuracy per
+    L x depth and per L over --samples keys (passkey.png);
+  - text: the --text files' text with the model's own tokenizer (required; a text shorter
+    than the longest L is refused): the mean next-token loss and perplexity of its first L
+    tokens (the L - 1 predictions of a forward over them) and of all its non-overlapping
+    L-token windows, with their count.
 
 Weights: the formats `launch.generate` reads (a training checkpoint, a directory
 with config.yaml + params.safetensors, or `--random-init --config X`). Held-out text: the
 run's validation split (its data config, through the data pipelines), or `--text`
-files. Lengths may exceed the training length. Every L is compiled first; one whose
+files (the text suite, and passkey's filler for a pretrained model: --text). Lengths may exceed
+the training length. Every L is compiled first; one whose
 compiled forward needs more than the device's memory (or `--device-memory`) is
 refused with one `error:` line naming both figures. The summary is printed.
 Suites and scoring: nsa_jax/evaluation.
@@ -17,7 +35,7 @@ Suites and scoring: nsa_jax/evaluation.
 Kept as it goes: the lengths run shortest first, and each (suite, L) is written to
 `<out>/evaluation.json` as soon as it is done, the whole file each time (a temporary
 file renamed over it: a stop or a crash leaves the previous file or the new one,
-never less; nsa_jax/evaluation/results.py). The PNGs (needle.png: L x depth heatmap;
+never less; nsa_jax/evaluation/results.py). The PNGs (needle.png, passkey.png: L x depth heatmaps;
 loss_by_position.png; kv_recall.png) are drawn from the file at the end. The same
 command run again skips the cells the file holds, saying so in one line, and adds
 the rest; lengths or suites added to the command are added to the file. Results
@@ -43,7 +61,7 @@ waits for a write in progress quits at once.
 
 Before the suites run, one `note:` line on stderr names the lengths beyond the
 training length (train.seq_len: positions never trained), and one says when the
-checkpoint was trained on synthetic data where a suite reads text (needle, --text).
+checkpoint was trained on synthetic data where a suite reads text (needle, passkey, --text).
 The progress bar (stderr) is redrawn every few seconds, so its clock moves while a
 long forward or a compile runs.
 """
@@ -64,12 +82,12 @@ from tqdm import tqdm
 
 from launch.cli import Parser, UsageError, run_main
 from launch.generate import check_params, load_model
-from nsa_jax.config import ConfigError
+from nsa_jax.config import EVAL_SUITES, ConfigError
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import min_row_len
 from nsa_jax.evaluation.results import Mismatch, Results, describe, make_settings, weights_digest
 from nsa_jax.evaluation.scorer import ModelScorer
-from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, SUITES, Settings, TextRows, cell, cell_batches
+from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, GRID_SUITES, SUITES, Settings, TextRows, cell, cell_batches
 from nsa_jax.evaluation.timing import CostModel, Rates
 from nsa_jax.inference.notes import synthetic_note, times, trained_positions
 from nsa_jax.ops.memory import WontFitError
@@ -121,13 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-init", action="store_true", help="random params of --config instead of a checkpoint")
     p.add_argument("--config", default=None, help="config name in configs/ or a YAML path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--suites", type=_suites, default=list(SUITES), help=f"comma-separated, of {', '.join(SUITES)}")
+    p.add_argument(
+        "--suites",
+        type=_suites,
+        default=list(EVAL_SUITES),
+        help=f"comma-separated, of {', '.join(SUITES)} (default: {','.join(EVAL_SUITES)}; text needs --text)",
+    )
     p.add_argument("--lengths", type=_ints, default=[1024, 2048], help="row lengths L (tokens the model reads)")
-    p.add_argument("--depths", type=_fractions, default=list(DEFAULT_DEPTHS), help="needle depths in [0, 1]")
-    p.add_argument("--samples", type=int, default=2, help="needles (haystacks and pass keys) per L x depth cell")
+    p.add_argument(
+        "--depths", type=_fractions, default=list(DEFAULT_DEPTHS), help="needle and passkey depths in [0, 1]"
+    )
+    p.add_argument(
+        "--samples", type=int, default=2, help="needle / passkey rows (haystacks and pass keys) per L x depth cell"
+    )
     p.add_argument("--rows", type=int, default=4, help="rows per L for loss-by-position and kv_recall")
     p.add_argument("--batch-size", type=int, default=2, help="rows per forward")
-    p.add_argument("--text", nargs="+", default=[], metavar="FILE", help="held-out text files (default: val split)")
+    p.add_argument(
+        "--text",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="held-out text files (default: val split); the text suite's text",
+    )
     p.add_argument("--out", default=None, help="folder for evaluation.json and the PNGs")
     p.add_argument("--device-memory", type=int, default=None, help="bytes per device (default: the device's own)")
     p.add_argument("--seed", type=int, default=0)
@@ -158,7 +191,7 @@ def notes(args, cfg) -> list[str]:
             f"note: {which} {verb} beyond {trained_positions(cfg)}, so expect lower scores there (docs/LONG_CONTEXT.md)"
         )
     why = []
-    if "needle" in args.suites:
+    if set(GRID_SUITES) & set(args.suites):
         why.append("the needle rows' text and question are new to it, so expect needle accuracy near 0")
     if args.text:
         why.append("the --text files are text it never learned")
@@ -187,9 +220,9 @@ def _redrawn(bar, every: float = REFRESH_S):
 
 def summary_lines(results: dict) -> list[str]:
     lines = []
-    if "needle" in results:
-        r = results["needle"]
-        lines.append(f"needle accuracy ({r['samples']} per cell), depths {', '.join(f'{d:g}' for d in r['depths'])}:")
+    for suite in (s for s in GRID_SUITES if s in results):
+        r = results[suite]
+        lines.append(f"{suite} accuracy ({r['samples']} per cell), depths {', '.join(f'{d:g}' for d in r['depths'])}:")
         for L, acc, lp in zip(r["lengths"], r["accuracy"], r["logprob"]):
             mean_acc, mean_lp = sum(acc) / len(acc), sum(lp) / len(lp)
             cells = " ".join(f"{a:.2f}" for a in acc)
@@ -203,6 +236,12 @@ def summary_lines(results: dict) -> list[str]:
         for L, r in results["kv_recall"]["by_length"].items():
             by = ", ".join(f"<{hi}: {a:.2f}" for (_, hi), a in zip(r["edges"], r["accuracy"]))
             lines.append(f"kv_recall L={L}: {r['mean']:.3f} ({by})")
+    for L, r in results.get("text", {}).get("by_length", {}).items():
+        first, win = r["first"], r["windows"]
+        lines.append(
+            f"text L={L}: first {L} tokens loss {first['loss']:.4f} ppl {first['ppl']:.2f} | "
+            f"{win['count']} window{'s' if win['count'] != 1 else ''} loss {win['loss']:.4f} ppl {win['ppl']:.2f}"
+        )
     return lines
 
 
@@ -260,7 +299,7 @@ class Evaluation:
         self.todo = [(s, L) for L in lengths for s in args.suites if not results.done(s, L)]
         self.batches_at: dict[int, int] = {}  # batches to run at each length
         for s, L in self.todo:
-            self.batches_at[L] = self.batches_at.get(L, 0) + cell_batches(s, settings, args.batch_size)
+            self.batches_at[L] = self.batches_at.get(L, 0) + cell_batches(s, settings, args.batch_size, L)
         self.done_at = dict.fromkeys(self.batches_at, 0)  # batches run at each length
         n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
         cost = CostModel(cfg.model, n_params, jax.default_backend())
@@ -342,7 +381,7 @@ class Evaluation:
             for i, L in enumerate(lengths, 1):
                 self.probe(timed, L)
                 cells = [s for s, n in self.todo if n == L]
-                sizes = ", ".join(f"{s} {cell_batches(s, self.settings, args.batch_size)}" for s in cells)
+                sizes = ", ".join(f"{s} {cell_batches(s, self.settings, args.batch_size, L)}" for s in cells)
                 rows = f"{args.batch_size} row{'s' if args.batch_size > 1 else ''}"
                 what = f"length {i} of {len(lengths)}, batches of {rows}: {sizes}"
                 if self.rates.measured:
@@ -398,8 +437,11 @@ def _prepare(args, argv: list[str]) -> Evaluation:
         need = min_row_len(make_tokenizer(cfg.data))
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    if "needle" in args.suites and min(args.lengths) < need:
-        raise UsageError(f"--lengths {min(args.lengths)} is too short for a needle row; use L >= {need}")
+    for suite in (s for s in GRID_SUITES if s in args.suites):
+        if min(args.lengths) < need:
+            raise UsageError(f"--lengths {min(args.lengths)} is too short for a {suite} row; use L >= {need}")
+    if "text" in args.suites:
+        _check_text(args, text)
     params = check_params(cfg, params)
     settings = Settings(cfg, text, tuple(args.depths), args.samples, args.rows, args.seed)
     digest = weights_digest(params)
@@ -411,6 +453,20 @@ def _prepare(args, argv: list[str]) -> Evaluation:
     except Mismatch as e:
         raise UsageError(str(e)) from None
     return Evaluation(args, argv, cfg, params, settings, results)
+
+
+def _check_text(args, text: TextRows) -> None:
+    """The text suite's text: given, and at least as long as every L (UsageError, one line)."""
+    if text.text_tokens is None:
+        raise UsageError("--suites text needs --text FILE [FILE ...]: the text whose loss it measures")
+    n, L = len(text.text_tokens), max(args.lengths)
+    if n < L:
+        files = " ".join(args.text)
+        verb = "holds" if len(args.text) == 1 else "hold together"
+        raise UsageError(
+            f"--text {files} {verb} {n:,} tokens (the model's tokenizer), fewer than L={L:,}; "
+            f"drop L={L:,} from --lengths or give a longer text"
+        )
 
 
 def _finish(ev: Evaluation, seconds: float) -> None:
@@ -427,7 +483,8 @@ def _finish(ev: Evaluation, seconds: float) -> None:
         from nsa_jax.report.plots import evaluation_figures, save_figures  # noqa: PLC0415 - matplotlib: only for --out
 
         paths = save_figures(evaluation_figures(doc), results.path.parent)
-        print(f"{results.path} holds {describe(results.cells)}; figures: {', '.join(p.name for p in paths.values())}")
+        figures = ", ".join(p.name for p in paths.values()) or "none (the text suite draws none)"
+        print(f"{results.path} holds {describe(results.cells)}; figures: {figures}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,8 +5,8 @@ plots and launch.stages read) and `meta`:
 
   - `settings`: what makes two cells comparable (`make_settings`): a digest of the
     weights (another checkpoint, or another step of the same run, differs), the
-    config, the needle depths and samples, the rows, the seed and the text (the files'
-    digests, or the run's validation split);
+    config, the depths and samples of needle and passkey, the rows, the seed and the text
+    (the files' digests, or the run's validation split; the `text` suite's text too);
   - `pending`: the [suite, L] cells the latest command asked for and has not finished
     ([] once it did: launch.stages reads this, `unfinished`);
   - `seconds` {suite: {L: seconds}}, `compiled_bytes` {L: bytes per device}, `ckpt` (the path given).
@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from nsa_jax.evaluation.suites import SUITES, Settings, assemble
+from nsa_jax.evaluation.suites import GRID_SUITES, SUITES, Settings, assemble
 
 RESULTS_FILE = "evaluation.json"
 
@@ -117,12 +117,13 @@ def write_whole(path: pathlib.Path, text: str) -> None:
 def read_cells(doc: dict) -> dict[Cell, dict]:
     """The (suite, L) cells of an evaluation.json document."""
     cells: dict[Cell, dict] = {}
-    needle = doc.get("needle")
-    if needle:
-        for L, acc, lp in zip(needle["lengths"], needle["accuracy"], needle["logprob"]):
-            cells["needle", int(L)] = {"accuracy": acc, "logprob": lp}
+    for suite in GRID_SUITES:
+        grid = doc.get(suite)
+        if grid:
+            for L, acc, lp in zip(grid["lengths"], grid["accuracy"], grid["logprob"]):
+                cells[suite, int(L)] = {"accuracy": acc, "logprob": lp}
     for suite in SUITES:
-        if suite != "needle" and suite in doc:
+        if suite not in GRID_SUITES and suite in doc:
             for L, r in doc[suite]["by_length"].items():
                 cells[suite, int(L)] = r
     return cells

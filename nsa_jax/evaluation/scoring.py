@@ -10,7 +10,8 @@ greedy (argmax) prediction equals that target. From them:
   - loss by position: mean nll per log-spaced bucket of target positions
     [0, 1), [1, 2), [2, 4), ..., [2^k, L);
   - kv_recall by distance: accuracy of the answers per log-spaced bucket of the
-    distance from the queried pair's key to the query's key.
+    distance from the queried pair's key to the query's key;
+  - text loss: the mean nll and perplexity of the first window of a text and of all its windows.
 """
 
 from __future__ import annotations
@@ -78,3 +79,21 @@ def kv_by_distance(hit_BxT: np.ndarray, pair_key_pos_BxQ: np.ndarray, query_key_
         "answers": [n[i] for i in keep],
         "mean": float(correct_BxQ.mean()),
     }
+
+
+def _loss_ppl(nll: np.ndarray) -> dict:
+    loss = float(np.mean(nll))
+    return {"loss": loss, "ppl": float(np.exp(loss))}
+
+
+def text_loss(nll_WxT: np.ndarray) -> dict:
+    """{'first': {'loss', 'ppl'}, 'windows': {'loss', 'ppl', 'count'}} of the nll of W windows of a text, in order.
+
+    Window w's row holds the predictions of its tokens 1..T (each from the tokens before it in the
+    window). 'first': the mean over window 0's; 'windows': the mean over every prediction of every
+    window (the windows are equally long, so also the mean of their means), and W. ppl = exp(loss).
+    """
+    nll_WxT = np.asarray(nll_WxT, np.float64)
+    if nll_WxT.ndim != 2 or nll_WxT.size == 0:
+        raise ValueError(f"text_loss needs [windows, predictions] with at least one of each, got {nll_WxT.shape}")
+    return {"first": _loss_ppl(nll_WxT[0]), "windows": {**_loss_ppl(nll_WxT), "count": len(nll_WxT)}}

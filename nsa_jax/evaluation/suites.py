@@ -11,8 +11,27 @@ Suites (SUITES), each returning a JSON-ready dict:
     using held-out row s as its haystack and its own pass key (the same at every depth,
     so depths compare like with like); accuracy = mean exact match, and mean answer
     log-probability;
+  - `passkey`: the needle grid for a pretrained model: the same pass-key rows (data/needle.py),
+    but a row holds exactly L tokens, question and answer included, and the model reads all
+    of them (`needle`'s row holds L + 1 and the model reads the first L); accuracy per L x
+    depth and per L;
   - `kv_recall`: rows of data/kv_recall.py at length L (the model's vocabulary, window
-    and the config's kv_* settings), accuracy by query - pair distance.
+    and the config's kv_* settings), accuracy by query - pair distance;
+  - `text`: the text files' tokens (`TextRows.text_tokens`) cut into non-overlapping windows of
+    L tokens; the mean next-token loss and perplexity of the first window (the first L tokens)
+    and of all of them (scoring.text_loss).
+
+`needle` and `passkey` are scored by greedy exact match read from one teacher-forced forward:
+greedy decoding after the question emits the answer's tokens a_1..a_k exactly when the argmax
+after the question is a_1 and, a_1..a_i fed back, the argmax after them is a_(i+1): the
+argmax of the forward over the row at the answer positions, every one of which must be the
+answer token. (A tokenizer that could spell the digits as other tokens would count that spelling
+a miss; digits are one token each in SmolLM2's and in the byte tokenizer.)
+
+`passkey` and `text` score rows of exactly L tokens (`_run_exact`): the scorer gets each
+row with one padding token appended, so its forward reads the L tokens (the forward at L
+the other suites compile), and the last prediction (of the padding) is dropped: L - 1
+predictions of tokens 1..L-1.
 
 A suite is scored one length at a time: `cell(scorer, suite, L, settings)` is the result
 of one (suite, L) pair, the unit launch.evaluate keeps as soon as it is done;
@@ -40,7 +59,11 @@ from nsa_jax.data.needle import answer_mask, make_needle_row, passkey
 from nsa_jax.evaluation import scoring
 from nsa_jax.rundir.files import long_eval_column
 
-SUITES = EVAL_SUITES
+# `passkey` and `text` are launch.evaluate's (for a pretrained model); training's eval.suites take EVAL_SUITES.
+SUITES = (*EVAL_SUITES, "passkey", "text")
+GRID_SUITES = ("needle", "passkey")  # the L x depth grid of pass-key rows
+# Tokens of a grid suite's row beyond L: needle's holds L + 1 (the model reads L), passkey's L (it reads them all).
+ROW_EXTRA = {"needle": 1, "passkey": 0}
 DEFAULT_DEPTHS = tuple(i / 10 for i in range(11))
 
 Rows = Callable[[int, int], np.ndarray]
@@ -52,16 +75,23 @@ def _noop(n: int) -> None:
 
 
 class TextRows:
-    """Held-out text rows [n, L + 1]: files given (read whole, joined, cut in order) or the run's `val` split."""
+    """Held-out text rows [n, L + 1]: files given (read whole, joined, cut in order) or the run's `val` split.
+
+    With files, `text_tokens` is their text with the model's tokenizer: each file encoded on
+    its own, joined with the tokens of a blank line between two files (the `text` suite);
+    the rows are cut from it with a blank line after the last file too.
+    """
 
     def __init__(self, cfg: Config, files: Sequence[str] = ()):
         self.cfg = cfg
         self.tokens: np.ndarray | None = None
+        self.text_tokens: np.ndarray | None = None
         if files:
             tok = make_tokenizer(cfg.data)
             parts = [np.asarray(tok.encode(pathlib.Path(f).read_text(encoding="utf-8")), np.int32) for f in files]
             sep = np.asarray(tok.encode("\n\n"), np.int32)
-            self.tokens = np.concatenate([x for p in parts for x in (p, sep)])
+            self.text_tokens = np.concatenate([x for i, p in enumerate(parts) for x in ((sep, p) if i else (p,))])
+            self.tokens = np.concatenate([self.text_tokens, sep])
             if len(self.tokens) < 2:
                 raise ValueError(f"the text files {', '.join(files)} hold no text")
         self._cache: dict[tuple[int, int], np.ndarray] = {}
@@ -108,6 +138,23 @@ def _run_rows(scorer, rows_NxT1: np.ndarray, advance: Advance) -> tuple[np.ndarr
     return np.concatenate(nll), np.concatenate(hit)
 
 
+def _run_exact(scorer, rows_NxL: np.ndarray, advance: Advance) -> tuple[np.ndarray, np.ndarray]:
+    """(nll, hit) [N, L - 1] of rows of exactly L tokens: the predictions of tokens 1..L-1 from a forward over all L.
+
+    The scorer reads a row's first L tokens and predicts the next of each; it gets every row with one
+    padding token (0) appended, whose prediction (after the row's last token) is dropped.
+    """
+    pad_Nx1 = np.zeros((len(rows_NxL), 1), np.int32)
+    nll, hit = _run_rows(scorer, np.concatenate([np.asarray(rows_NxL, np.int32), pad_Nx1], axis=1), advance)
+    return nll[:, :-1], hit[:, :-1]
+
+
+def text_windows(tokens_N: np.ndarray, L: int) -> np.ndarray:
+    """int32 [N // L, L]: the non-overlapping windows of L tokens, in order (the tail shorter than L left out)."""
+    n = len(tokens_N) // L
+    return np.asarray(tokens_N[: n * L], np.int32).reshape(n, L)
+
+
 def batches(n_rows: int, batch: int) -> int:
     return -(-n_rows // batch)
 
@@ -127,32 +174,48 @@ class Settings:
     def tokenizer(self) -> Any:
         return make_tokenizer(self.cfg.data)
 
-    def rows_of(self, suite: str) -> int:
+    def text_tokens(self) -> np.ndarray:
+        """The `text` suite's tokens: the text files' (TextRows.text_tokens); ValueError without files."""
+        tokens = getattr(self.text, "text_tokens", None)
+        if tokens is None:
+            raise ValueError("the text suite needs text files (--text FILE ...)")
+        return tokens
+
+    def rows_of(self, suite: str, L: int) -> int:
         """Rows one (suite, L) cell scores."""
-        return len(self.depths) * self.samples if suite == "needle" else self.rows
+        if suite in GRID_SUITES:
+            return len(self.depths) * self.samples
+        if suite == "text":
+            return len(self.text_tokens()) // L
+        return self.rows
 
 
-def cell_batches(suite: str, settings: Settings, B: int) -> int:
+def cell_batches(suite: str, settings: Settings, B: int, L: int) -> int:
     """Scorer calls of one (suite, L) cell with `B` rows a call."""
-    return batches(settings.rows_of(suite), B)
+    return batches(settings.rows_of(suite, L), B)
 
 
-def needle_rows(text: Rows, tokenizer: Any, L: int, depths: Sequence[float], samples: int, seed: int):
-    """The rows of one length, depth-major: [(depth index, sample, NeedleRow)]."""
+def needle_rows(
+    text: Rows, tokenizer: Any, L: int, depths: Sequence[float], samples: int, seed: int, extra: int = 1
+) -> list:
+    """The rows of one length, depth-major: [(depth index, sample, NeedleRow)], each of L + `extra` tokens.
+
+    `extra` = ROW_EXTRA[suite]: 1 for `needle` (the model reads L of them), 0 for `passkey`.
+    """
     hay = text(L, samples)
     keys = [passkey(np.random.default_rng([seed, L, s])) for s in range(samples)]
     return [
-        (d, s, make_needle_row(hay[s], L, depth, keys[s], tokenizer))
+        (d, s, make_needle_row(hay[s], L + extra - 1, depth, keys[s], tokenizer))
         for d, depth in enumerate(depths)
         for s in range(samples)
     ]
 
 
-def _needle_cell(scorer, L: int, st: Settings, advance: Advance) -> dict:
+def _grid_cell(scorer, L: int, st: Settings, advance: Advance, suite: str = "needle") -> dict:
     """{'accuracy' [depth], 'logprob' [depth]}: mean exact match and answer log-probability per depth."""
-    built = needle_rows(st.text, st.tokenizer, L, st.depths, st.samples, st.seed)
+    built = needle_rows(st.text, st.tokenizer, L, st.depths, st.samples, st.seed, ROW_EXTRA[suite])
     tokens = np.stack([r.tokens_T1 for _, _, r in built])
-    nll, hit = _run_rows(scorer, tokens, advance)
+    nll, hit = (_run_exact if suite == "passkey" else _run_rows)(scorer, tokens, advance)
     lp_N, exact_N = scoring.answer_scores(nll, hit, np.stack([answer_mask(r) for _, _, r in built]))
     d_N = np.array([d for d, _, _ in built])
     acc = [float(exact_N[d_N == d].mean()) for d in range(len(st.depths))]
@@ -182,7 +245,25 @@ def _kv_cell(scorer, L: int, st: Settings, advance: Advance) -> dict:
     return scoring.kv_by_distance(hit, kv.pair_key_pos_BxQ, kv.query_key_pos_BxQ, L)
 
 
-_CELLS = {"needle": _needle_cell, "loss-by-position": _loss_cell, "kv_recall": _kv_cell}
+def _text_cell(scorer, L: int, st: Settings, advance: Advance) -> dict:
+    """{'first': {'loss', 'ppl'}, 'windows': {'loss', 'ppl', 'count'}, 'tokens'} of the text at L.
+
+    scoring.text_loss of the windows' L - 1 predictions each; 'tokens': the text's length in tokens.
+    """
+    tokens = st.text_tokens()
+    if len(tokens) < L:
+        raise ValueError(f"the text holds {len(tokens):,} tokens, fewer than L={L:,}")
+    nll, _ = _run_exact(scorer, text_windows(tokens, L), advance)
+    return {**scoring.text_loss(nll), "tokens": len(tokens)}
+
+
+_CELLS = {
+    "needle": _grid_cell,
+    "passkey": functools.partial(_grid_cell, suite="passkey"),
+    "loss-by-position": _loss_cell,
+    "kv_recall": _kv_cell,
+    "text": _text_cell,
+}
 
 
 def cell(scorer, suite: str, L: int, settings: Settings, advance: Advance = _noop) -> dict:
@@ -198,7 +279,9 @@ def cell(scorer, suite: str, L: int, settings: Settings, advance: Advance = _noo
 def assemble(cells: dict[tuple[str, int], dict], settings: Settings) -> dict:
     """{suite: result} of the (suite, L) cells given, lengths ascending:
 
-    needle: {'lengths', 'depths', 'samples', 'accuracy' [L][depth], 'logprob' [L][depth]};
+    needle, passkey: {'lengths', 'depths', 'samples', 'accuracy' [L][depth], 'logprob' [L][depth]}, and
+    for passkey 'accuracy_by_length' [L] (the mean over its depths: every depth has `samples` rows);
+    text: {'by_length': {str(L): cell}};
     loss-by-position and kv_recall: {'rows', 'by_length': {str(L): cell}}.
     """
     out: dict[str, Any] = {}
@@ -206,7 +289,7 @@ def assemble(cells: dict[tuple[str, int], dict], settings: Settings) -> dict:
         lengths = sorted(L for s, L in cells if s == suite)
         if not lengths:
             continue
-        if suite == "needle":
+        if suite in GRID_SUITES:
             out[suite] = {
                 "lengths": lengths,
                 "depths": list(settings.depths),
@@ -214,6 +297,10 @@ def assemble(cells: dict[tuple[str, int], dict], settings: Settings) -> dict:
                 "accuracy": [cells[suite, L]["accuracy"] for L in lengths],
                 "logprob": [cells[suite, L]["logprob"] for L in lengths],
             }
+            if suite == "passkey":
+                out[suite]["accuracy_by_length"] = [float(np.mean(cells[suite, L]["accuracy"])) for L in lengths]
+        elif suite == "text":
+            out[suite] = {"by_length": {str(L): cells[suite, L] for L in lengths}}
         else:
             out[suite] = {"rows": settings.rows, "by_length": {str(L): cells[suite, L] for L in lengths}}
     return out

@@ -296,7 +296,17 @@ def kv_recall_figure(result: dict) -> Figure:
     return fig
 
 
-_EVAL_FIGURES = {"needle": needle_figure, "loss-by-position": loss_by_position_figure, "kv_recall": kv_recall_figure}
+def passkey_figure(result: dict) -> Figure:
+    """needle_figure of the passkey suite (the same grid: L x depth)."""
+    return needle_figure(result, "passkey retrieval")
+
+
+_EVAL_FIGURES = {
+    "needle": needle_figure,
+    "loss-by-position": loss_by_position_figure,
+    "kv_recall": kv_recall_figure,
+    "passkey": passkey_figure,
+}
 
 
 def evaluation_figures(results: dict) -> dict[str, Figure]:
