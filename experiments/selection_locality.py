@@ -17,7 +17,7 @@ an H200 (docs/PERFORMANCE.md "Which tiling"), four positions per program lost to
 under random selections and won with runs of 8 positions sharing a selection
 (loads 0.25 at P=4); where a trained model lies between is what this prints.
 
-    python -m experiments.selection_locality --ckpt RUN/checkpoints/STEP [--length L] \\
+    python -m experiments.selection_locality --ckpt RUN/checkpoints/STEP|MODEL_FOLDER [--length L] \\
         [--rows 4] [--text FILE ...] [--json OUT]
 """
 
@@ -33,7 +33,7 @@ from nsa_jax.evaluation.suites import TextRows
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.kernels.reference import random_block_indices
 from nsa_jax.model import NSALM, per_layer
-from nsa_jax.rundir.checkpoint import load_for_inference
+from nsa_jax.rundir.model_dir import load_model
 from nsa_jax.rundir.resume import CheckpointError
 
 POSITIONS = (2, 4, 8)
@@ -66,14 +66,24 @@ def same_set_share(idx_BxTxKxN: np.ndarray) -> float:
     return float(np.mean(np.all(s[:, 1:] == s[:, :-1], axis=-1)))
 
 
+def union_size(idx_BxTxKxN: np.ndarray, positions: int) -> float:
+    """The mean number of distinct blocks selected by `positions` consecutive queries (aligned
+    groups, whole ones only) of one KV head: what one program of the packed kernel loads."""
+    B, T, K, N = idx_BxTxKxN.shape
+    whole = T - T % positions
+    groups = idx_BxTxKxN[:, :whole].reshape(B, whole // positions, positions, K, N).transpose(0, 1, 3, 2, 4)
+    return float(_distinct_valid(groups.reshape(-1, positions * N)).mean())
+
+
 def locality(idx_BxTxKxN: np.ndarray) -> dict[str, float]:
     """The module docstring's figures for one layer's selections."""
     out = {f"loads_p{p}": tile_loads(idx_BxTxKxN, p) for p in POSITIONS}
+    out |= {f"union_p{p}": union_size(idx_BxTxKxN, p) for p in (1, *POSITIONS)}
     return out | {"same_set": same_set_share(idx_BxTxKxN)}
 
 
 def measure(path: str, length: int | None, rows: int, text: list[str]) -> dict:
-    cfg, params = load_for_inference(path)
+    cfg, params = load_model(path)
     a = cfg.model.nsa
     if "slc" not in a.branches:
         raise SystemExit(f"error: {path}: the model has no selection branch (model.nsa.branches={a.branches})")
@@ -95,10 +105,20 @@ def print_report(res: dict) -> None:
         f"{res['checkpoint']}: L={res['length']}, lp={res['lp']}, n={res['n']}, {res['rows']} rows. K/V block loads "
         "of a program of P positions relative to one per position (1.00 shares nothing, 1/P all)"
     )
-    print("  " + f"{'layer':>6}" + "".join(f"{f'P={p}':>8}" for p in POSITIONS) + f"{'same set':>10}")
+    sizes = (1, *POSITIONS)
+    print(
+        "  "
+        + f"{'layer':>6}"
+        + "".join(f"{f'P={p}':>8}" for p in POSITIONS)
+        + f"{'same set':>10}"
+        + "".join(f"{f'|U{p}|':>8}" for p in sizes)
+        + "   (|UP|: distinct blocks of P positions, one KV head)"
+    )
     named = [(str(i), r) for i, r in enumerate(res["layers"])] + [("random", res["random"])]
     for name, r in named:
-        print("  " + f"{name:>6}" + "".join(f"{r[f'loads_p{p}']:8.2f}" for p in POSITIONS) + f"{r['same_set']:10.2f}")
+        loads = "".join(f"{r[f'loads_p{p}']:8.2f}" for p in POSITIONS)
+        unions = "".join(f"{r[f'union_p{p}']:8.1f}" for p in sizes)
+        print("  " + f"{name:>6}" + loads + f"{r['same_set']:10.2f}" + unions)
 
 
 def main(argv: list[str] | None = None) -> None:

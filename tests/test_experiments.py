@@ -206,7 +206,27 @@ def test_selection_locality_counts_the_blocks_a_program_of_p_positions_loads():
     # The same set regardless of slot order; t and t - 1 compared per KV head.
     same = np.array([[[[0, 2, -1]], [[2, 0, -1]], [[0, 1, -1]], [[1, 0, -1]]]])
     assert same_set_share(same) == pytest.approx(2 / 3)
-    assert set(locality(idx)) == {"loads_p2", "loads_p4", "loads_p8", "same_set"}
+    figures = locality(idx)
+    assert set(figures) == {
+        "loads_p2",
+        "loads_p4",
+        "loads_p8",
+        "same_set",
+        "union_p1",
+        "union_p2",
+        "union_p4",
+        "union_p8",
+    }
+    # The union of P positions, counted by Python sets over whole aligned groups.
+    for p in (1, 2, 4, 8):
+        whole = 45 - 45 % p
+        sizes = [
+            len({int(i) for t in range(g, g + p) for i in idx[b, t, k] if i >= 0})
+            for b in range(2)
+            for k in range(2)
+            for g in range(0, whole, p)
+        ]
+        assert figures[f"union_p{p}"] == pytest.approx(np.mean(sizes)), p
 
 
 @pytest.mark.slow

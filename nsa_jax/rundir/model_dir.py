@@ -23,7 +23,8 @@ import jax
 import numpy as np
 import yaml
 
-from nsa_jax.config import ConfigError
+from nsa_jax.config import ConfigError, load_config
+from nsa_jax.rundir.checkpoint import load_for_inference
 from nsa_jax.rundir.files import MODEL_CONFIG_FILE as CONFIG_FILE
 from nsa_jax.rundir.files import MODEL_PARAMS_FILE as PARAMS_FILE
 from nsa_jax.rundir.files import MODEL_PARAMS_FILES
@@ -117,3 +118,11 @@ def initial_params(cfg) -> dict | None:
     if problem:
         raise ConfigError(f"config: train.init_from {cfg.train.init_from}: {problem}")
     return params
+
+
+def load_model(path: str | pathlib.Path):
+    """(Config, params) of a model folder or of the newest readable checkpoint at `path` (an out_dir,
+    its checkpoints/, or one step)."""
+    if is_model_dir(path):
+        return load_config(str(pathlib.Path(path) / CONFIG_FILE), saved=True), read_params(path)
+    return load_for_inference(path)
