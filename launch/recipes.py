@@ -4,7 +4,7 @@ A recipe file (paths in it are relative to the repository root, where every proc
   env:       {VARIABLE: value} for every process started, unless the environment sets it
   train:     config, dataset, data_path, set: [KEY=VALUE ...]: launch.train's flags, every stage
   variants:  {NAME: [KEY=VALUE ...]}: model variants, run side by side
-  evaluate:  suites, lengths, samples, text: launch.evaluate's flags after the last stage
+  evaluate:  suites, lengths, samples, rows, text: launch.evaluate's flags after the last stage
   recipes:   {NAME: [{steps: N, set: [KEY=VALUE ...]}, ...]}: `steps` is train.steps at the
              stage's end (it counts on over the stages), `set` the stage's --set items
 `load_recipe_file` checks the layout; `stages` loads every stage's whole configuration, so
@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 
 from launch.cli import UsageError
-from nsa_jax.config import CONFIG_DIR, EVAL_SUITES, ConfigError, load_config
+from nsa_jax.config import CONFIG_DIR, ConfigError, load_config
+from nsa_jax.evaluation.suites import SUITES
 from nsa_jax.runbook_env import env_overrides
 
 ROOT = CONFIG_DIR.parent
@@ -30,7 +31,7 @@ RECIPE_DIR = CONFIG_DIR / "recipes"
 
 _FILE_KEYS = {"env", "train", "variants", "evaluate", "recipes"}
 _TRAIN_KEYS = {"config", "dataset", "data_path", "set"}
-_EVAL_KEYS = {"suites", "lengths", "samples", "text"}
+_EVAL_KEYS = {"suites", "lengths", "samples", "rows", "text"}
 _STAGE_KEYS = {"steps", "set"}
 
 
@@ -49,7 +50,7 @@ class RecipeFile:
     data: dict[str, str]  # {"--dataset": ..., "--data-path": ...}, those the file gives
     overrides: tuple[str, ...]  # the --set items of every stage
     variants: dict[str, tuple[str, ...]]
-    evaluate: dict  # suites, lengths, samples, text
+    evaluate: dict  # suites, lengths, samples, rows, text
     recipes: dict[str, list]  # as read; `stages` checks them
 
     def child_env(self) -> dict[str, str]:
@@ -105,22 +106,21 @@ def _comma_list(value, where: str) -> list[str]:
 
 
 def check_evaluate(ev: dict, where: str) -> dict:
-    """{suites, lengths, samples, text} with their types checked; UsageError naming `where`."""
+    """{suites, lengths, samples, rows, text} with their types checked; UsageError naming `where`."""
     suites = _comma_list(ev.get("suites", ["needle"]), f"{where}: suites")
-    bad = [s for s in suites if s not in EVAL_SUITES]
+    bad = [s for s in suites if s not in SUITES]
     if bad or not suites:
-        raise UsageError(
-            f"{where}: unknown suite {bad[0] if bad else '(none)'!r}; choose from {', '.join(EVAL_SUITES)}"
-        )
+        raise UsageError(f"{where}: unknown suite {bad[0] if bad else '(none)'!r}; choose from {', '.join(SUITES)}")
     try:
         lengths = [int(x) for x in _comma_list(ev.get("lengths", []), f"{where}: lengths")]
     except ValueError:
         raise UsageError(f"{where}: lengths must be positive integers, got {ev.get('lengths')!r}") from None
     if not lengths or min(lengths) < 1:
         raise UsageError(f"{where}: lengths must be positive integers, got {ev.get('lengths')!r}")
-    samples = ev.get("samples", 16)
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-        raise UsageError(f"{where}: samples must be a positive integer, got {samples!r}")
+    samples, rows = ev.get("samples", 16), ev.get("rows", 4)
+    for name, value in (("samples", samples), ("rows", rows)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{where}: {name} must be a positive integer, got {value!r}")
     text = ev.get("text", [])
     if isinstance(text, str):
         text = [text]
@@ -129,7 +129,7 @@ def check_evaluate(ev: dict, where: str) -> dict:
     missing = [t for t in text if not (ROOT / t).is_file()]
     if missing:
         raise UsageError(f"{where}: text file {missing[0]} not found (paths are relative to {ROOT})")
-    return {"suites": suites, "lengths": lengths, "samples": samples, "text": text}
+    return {"suites": suites, "lengths": lengths, "samples": samples, "rows": rows, "text": text}
 
 
 def load_recipe_file(name: str) -> RecipeFile:

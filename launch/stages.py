@@ -15,7 +15,7 @@ A recipe file (paths in it are relative to the repository root, where every proc
   train:     config, dataset, data_path, set: [KEY=VALUE ...]: launch.train's flags, every stage
   variants:  {NAME: [KEY=VALUE ...]}: model variants, run side by side (--variants picks;
              default: all, in the file's order)
-  evaluate:  suites, lengths, samples, text: launch.evaluate's flags after the last stage
+  evaluate:  suites, lengths, samples, rows, text: launch.evaluate's flags after the last stage
   recipes:   {NAME: [{steps: N, set: [KEY=VALUE ...]}, ...]}: `steps` is train.steps at the
              stage's end (it counts on over the stages), `set` the stage's --set items
 Every stage's whole configuration is loaded before anything starts: a bad key or value is
@@ -117,6 +117,7 @@ def evaluate_command(ev: dict, run: Run) -> list[str]:
         "launch.evaluate",
         *("--ckpt", str(run.dir), "--suites", ",".join(ev["suites"])),
         *("--lengths", ",".join(map(str, ev["lengths"])), "--samples", str(ev["samples"])),
+        *("--rows", str(ev["rows"])),
         *text,
         *("--out", str(run.dir / "eval")),
     ]

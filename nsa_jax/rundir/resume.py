@@ -450,9 +450,17 @@ def check_init_from(cfg) -> None:
     cfg_file = pathlib.Path(src) / rf.MODEL_CONFIG_FILE
     if cfg_file.is_file():
         theirs = (yaml.safe_load(cfg_file.read_text()) or {}).get("data", {}).get("tokenizer")
-        if theirs is not None and theirs != cfg.data.tokenizer:
+        if theirs is not None and not _same_tokenizer(theirs, cfg.data.tokenizer):
             raise ConfigError(
                 f"config: train.init_from {src} reads text with the tokenizer {theirs}, but data.tokenizer is "
                 f"{cfg.data.tokenizer}: token ids would mean other words; set data.tokenizer={theirs} "
                 "(and prepare tokenized data with it)"
             )
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+    """The same tokenizer spec, or two tokenizer files with the same bytes (a converted model's copy)."""
+    if a == b:
+        return True
+    fa, fb = pathlib.Path(a), pathlib.Path(b)
+    return fa.is_file() and fb.is_file() and fa.read_bytes() == fb.read_bytes()
