@@ -37,6 +37,7 @@ from benchmarks.common import fmt_mib, log, parse_ints, short_error, write_json
 from launch.cli import Parser, UsageError
 from nsa_jax import config
 from nsa_jax.config import ConfigError, load_config
+from nsa_jax.mesh import make_mesh
 from nsa_jax.tools import aot, xla_dump
 from nsa_jax.train import step as S
 
@@ -130,7 +131,7 @@ def run_cpu(opts, cfg) -> list[dict]:
     T = opts.seq_len
     for C in opts.contexts:
         c = _one_sequence(cfg, C, T)
-        plan = S.make_plan(c, S.make_mesh(c, jax.devices()[:C]))
+        plan = S.make_plan(c, make_mesh(c, jax.devices()[:C]))
         state = S.create_state(plan)
         step = S.make_train_step(plan)
         tokens = np.random.default_rng(0).integers(0, c.model.vocab_size, (1, 1, T + 1)).astype(np.int32)

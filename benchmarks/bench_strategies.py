@@ -47,6 +47,7 @@ import numpy as np
 
 from benchmarks.common import MiB, add_config_args, config_meta, fmt, log, print_header, short_error, write_json
 from nsa_jax.config import load_config
+from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.train import step as S
 from nsa_jax.train import strategies
@@ -210,7 +211,7 @@ def grad_bytes_per_device(plan: strategies.ShardingPlan) -> int:
 
 
 def measure(cfg, steps: int, warmup: int) -> dict:
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     plan = strategies.make_plan(cfg, mesh)
     device0 = mesh.devices.flat[0]
     state = S.create_state(plan)
@@ -221,7 +222,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     }
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32)
-    batch = S.put_batch(tokens, mesh)
+    batch = put_batch(tokens, mesh)
     t0 = time.perf_counter()
     lowered = S.make_train_step(plan).lower(state, batch)
     compiled, partitioned = compile_with_partitioned_hlo(lowered)

@@ -38,6 +38,7 @@ import numpy as np
 
 from benchmarks.common import add_config_args, print_header, write_json
 from nsa_jax.config import load_config
+from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.tools.hlo_traffic import parse_module
 from nsa_jax.tools.parts import part_of
@@ -210,13 +211,13 @@ def short_op(op_name: str, width: int = 90) -> str:
 
 
 def train_step_program(cfg):
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     plan = make_plan(cfg, mesh)
     state = S.create_state(plan)
     train_step = S.make_train_step(plan)
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
     rng = np.random.default_rng(0)
-    tokens = S.put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)
+    tokens = put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)
     compiled = train_step.lower(state, tokens).compile()
     box = {"state": state}
 

@@ -30,6 +30,7 @@ from flax.traverse_util import flatten_dict
 from benchmarks.common import add_config_args
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
+from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM
 from nsa_jax.train import step as S
 
@@ -97,7 +98,7 @@ def main() -> None:
         cfg = load_config(args.config, [*args.overrides, f"train.steps={at[-1]}", f"train.seed={args.seed}"])
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     state, train_step = S.create_state(cfg, mesh), S.make_train_step(cfg, mesh)
     ds = make_dataset(cfg, "train")
     tokens = jnp.asarray(np.asarray(next(make_dataset(cfg, "val")))[:, :-1])
@@ -115,7 +116,7 @@ def main() -> None:
     report(0)
     for step in range(1, at[-1] + 1):
         batch = np.stack([next(ds) for _ in range(cfg.train.accumulate)])
-        state, _ = train_step(state, S.put_batch(batch, mesh))
+        state, _ = train_step(state, put_batch(batch, mesh))
         if step in at:
             report(step)
 

@@ -47,6 +47,7 @@ from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
 from nsa_jax.data.targets import loss_weights
+from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM, cross_entropy, per_layer
 from nsa_jax.train import step as S
 
@@ -134,7 +135,7 @@ def run_one(base_name: str, base_overrides: list[str], variant: str, seed: int, 
     common = [*base_overrides, f"train.steps={args.steps}", f"train.seed={seed}"]
     cfg = load_config(base_name, [*common, *extra])
     data_cfg = load_config(base_name, common)  # the rows: independent of the variant
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     state = S.create_state(cfg, mesh)
     train_step = S.make_train_step(cfg, mesh)
     ds = make_dataset(data_cfg, "train")
@@ -145,7 +146,7 @@ def run_one(base_name: str, base_overrides: list[str], variant: str, seed: int, 
     curve, losses = [evaluate(state.params, 0)], []
     for step in range(1, cfg.train.steps + 1):
         tokens = np.stack([next(ds) for _ in range(cfg.train.accumulate)])
-        state, metrics = train_step(state, S.put_batch(tokens, mesh))
+        state, metrics = train_step(state, put_batch(tokens, mesh))
         losses.append(float(metrics["loss"]))
         if step % args.eval_every == 0 or step == cfg.train.steps:
             ev = evaluate(state.params, step)

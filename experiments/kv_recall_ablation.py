@@ -33,6 +33,7 @@ from benchmarks.common import add_config_args
 from nsa_jax.config import load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
+from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM
 from nsa_jax.train import step as S
 
@@ -49,7 +50,7 @@ def score(apply, params, val_batches: list[np.ndarray], vocab_size: int) -> floa
 def train_and_score(cfg, eval_batches: int, eval_every: int, label: str, data_cfg=None) -> dict:
     """Trains `cfg`'s model on the rows of `data_cfg` (default cfg) and scores it every eval_every steps."""
     data_cfg = cfg if data_cfg is None else data_cfg
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     state = S.create_state(cfg, mesh)
     train_step = S.make_train_step(cfg, mesh)
     ds = make_dataset(data_cfg, "train")
@@ -61,7 +62,7 @@ def train_and_score(cfg, eval_batches: int, eval_every: int, label: str, data_cf
     losses, curve = [], []
     for step in range(1, cfg.train.steps + 1):
         tokens = np.stack([next(ds) for _ in range(cfg.train.accumulate)])
-        state, metrics = train_step(state, S.put_batch(tokens, mesh))
+        state, metrics = train_step(state, put_batch(tokens, mesh))
         losses.append(float(metrics["loss"]))
         if step % eval_every == 0 or step == cfg.train.steps:
             acc = score(apply, state.params, val_batches, cfg.model.vocab_size)

@@ -32,6 +32,7 @@ from benchmarks.common import add_config_args
 from experiments.compare import make_evaluator, pair_positions
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
+from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM
 from nsa_jax.nsa import layer as nsa_layer
 from nsa_jax.train import step as S
@@ -95,7 +96,7 @@ def main() -> None:
         raise SystemExit(f"error: {e}") from None
     if cfg.data.dataset != "kv_recall" or "slc" not in cfg.model.nsa.branches or not cfg.model.scan_layers:
         raise SystemExit("error: needs data.dataset=kv_recall, a selection branch and model.scan_layers=true")
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     state, train_step = S.create_state(cfg, mesh), S.make_train_step(cfg, mesh)
     ds, val = make_dataset(cfg, "train"), make_dataset(cfg, "val")
     val_batches = [np.asarray(next(val)) for _ in range(args.eval_batches)]
@@ -103,7 +104,7 @@ def main() -> None:
     t0 = time.time()
     for step in range(1, args.steps + 1):
         tokens = np.stack([next(ds) for _ in range(cfg.train.accumulate)])
-        state, _ = train_step(state, S.put_batch(tokens, mesh))
+        state, _ = train_step(state, put_batch(tokens, mesh))
         if step % max(args.steps // 4, 1) == 0 or step == args.steps:
             ev = evaluate(state.params, step)
             took = time.time() - t0

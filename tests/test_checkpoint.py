@@ -28,6 +28,7 @@ import pytest
 
 from launch.train import prepare_out_dir
 from nsa_jax.config import ConfigError, load_config
+from nsa_jax.mesh import make_mesh, replicated
 from nsa_jax.ops import preemption
 from nsa_jax.rundir import checkpoint as C
 from nsa_jax.rundir import checksums, resume
@@ -315,7 +316,7 @@ def _largest_file(d: pathlib.Path) -> pathlib.Path:
 
 def _restore(env, out, warnings):
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
-    ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out, warn=warnings.append)
+    ck = C.Checkpointer(make_plan(cfg, make_mesh(cfg, jax.devices())), out, warn=warnings.append)
     try:
         return ck.restore_latest()
     finally:
@@ -427,7 +428,7 @@ def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
     for s in resume.complete_steps(resume.checkpoint_dir(out)):
         _truncate_state(resume.checkpoint_dir(out) / str(s))
     cfg = cfg_of(env, **{"train.out_dir": str(out)})
-    ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out, warn=lambda m: None)
+    ck = C.Checkpointer(make_plan(cfg, make_mesh(cfg, jax.devices())), out, warn=lambda m: None)
     try:
         with pytest.raises(resume.CheckpointError, match="no checkpoint in .* reads back"):
             ck.restore_latest()
@@ -441,7 +442,7 @@ def test_no_readable_checkpoint_is_a_clear_error(env, reference, tmp_path):
 def test_resume_with_another_model_is_refused(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     cfg = cfg_of(env, **{"train.out_dir": str(out), "model.d_model": 96})
-    ck = C.Checkpointer(make_plan(cfg, S.make_mesh(cfg, jax.devices())), out)
+    ck = C.Checkpointer(make_plan(cfg, make_mesh(cfg, jax.devices())), out)
     try:
         with pytest.raises(resume.CheckpointError, match="model.d_model 64 -> 96"):
             ck.restore_latest()
@@ -587,11 +588,11 @@ def test_save_returns_after_the_copy_off_the_device(tmp_path):
     """The loop donates the state to the next step right after save() returns: the
     background write must not see the donated (overwritten) buffers."""
     cfg = load_config("cpu_tiny", SETS[:6] + [f"train.out_dir={tmp_path}"])
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     bump = jax.jit(
         lambda s: s.replace(step=s.step + 1, params=jax.tree.map(lambda p: p * 2.0 + 1.0, s.params)),
         donate_argnums=0,
-        out_shardings=S.replicated(mesh),
+        out_shardings=replicated(mesh),
     )
     state = bump(S.create_state(cfg, mesh))
     expect = jax.device_get(state.params)

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.evaluation.heldout import make_context_eval_fn, make_eval_fn
 from nsa_jax.kernels import plan_kernels
+from nsa_jax.mesh import SEQ, make_mesh
 from nsa_jax.nsa import context as CX
 from nsa_jax.seq_layout import device_order, natural_slots
 from nsa_jax.train import step as S
@@ -57,7 +58,7 @@ def rel(a, b) -> float:
 
 
 def grads_loss_stats(cfg, tokens):
-    plan = S.make_plan(cfg, S.make_mesh(cfg))
+    plan = S.make_plan(cfg, make_mesh(cfg))
     params = S.create_state(plan).params
     out = jax.jit(S.make_grad_fn(plan))(params, jax.device_put(tokens, plan.batch))
     return jax.device_get(out)
@@ -86,13 +87,13 @@ def test_device_order_puts_an_early_and_a_late_chunk_on_every_device(C):
 def test_gather_positions_and_halo_inside_shard_map():
     C, S_, B = 2, 8, 1
     shard = CX.SeqShard(C, S_, 2 * C * S_)
-    mesh = Mesh(np.asarray(jax.devices()[:C]), (CX.SEQ,))
+    mesh = Mesh(np.asarray(jax.devices()[:C]), (SEQ,))
     x_natural = jnp.arange(2 * C * S_, dtype=jnp.float32).reshape(B, -1, 1, 1) + 1
 
     def local(x):
         return shard.positions()[None], shard.gather(x), shard.prev_tails(x, 3)
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=P(None, CX.SEQ), out_specs=(P(None, CX.SEQ),) * 3, check_vma=False)
+    f = jax.shard_map(local, mesh=mesh, in_specs=P(None, SEQ), out_specs=(P(None, SEQ),) * 3, check_vma=False)
     pos, gathered, tails = f(shard.lay_out(x_natural, 1))
     assert np.asarray(pos).reshape(-1).tolist() == np.asarray(shard.lay_out(jnp.arange(2 * C * S_), 0)).tolist()
     # Every device holds the whole sequence in position order.
@@ -158,7 +159,7 @@ def test_zero1_under_context_parallelism_steps_as_dp_with_the_moments_split(toke
         ("dp C=2", cfg_of(RAGGED_T, 2, 2, *extra)),
         ("zero1 C=2", cfg_of(RAGGED_T, 2, 2, "parallel.strategy=zero1", *extra)),
     ):
-        plan = S.make_plan(cfg, S.make_mesh(cfg))
+        plan = S.make_plan(cfg, make_mesh(cfg))
         state = S.create_state(plan)
         step = S.make_train_step(plan)
         for batch in (tokens_ragged, tokens_ragged[::-1]):
@@ -192,7 +193,7 @@ def test_loss_weights_and_heldout_sums_under_two_devices():
     assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
     assert max(rel(a, b) for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1))) < GRAD_TOL
 
-    plan2 = S.make_plan(c2, S.make_mesh(c2))
+    plan2 = S.make_plan(c2, make_mesh(c2))
     params = S.create_state(plan2).params
     want = jax.jit(make_eval_fn(c1))(jax.device_get(params), rows[0])
     got = jax.jit(make_context_eval_fn(c2, plan2.mesh))(params, jax.device_put(rows[0], plan2.replicated))
@@ -235,18 +236,18 @@ def test_bad_context_settings_are_one_line(overrides, words):
 def test_context_that_does_not_divide_the_devices_is_one_line():
     cfg = cfg_of(64, 2, 0)
     with pytest.raises(ValueError, match=r"parallel.context=2 must divide the run's 3 device\(s\)"):
-        S.make_mesh(cfg, jax.devices()[:1] * 3)
+        make_mesh(cfg, jax.devices()[:1] * 3)
 
 
 def test_too_few_cpu_devices_for_the_context_degree_name_the_host_device_flag():
     # One CPU device and parallel.context=2: no parallel.num_devices helps; the host-device flag does.
     with pytest.raises(ValueError) as e:
-        S.make_mesh(cfg_of(64, 2, 0), jax.devices()[:1])
+        make_mesh(cfg_of(64, 2, 0), jax.devices()[:1])
     msg = str(e.value)
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=2" in msg and "num_devices" not in msg, msg
     # More devices asked for than the test process's two: the same flag, with the number asked for.
     with pytest.raises(ValueError, match=r"num_devices is 4 but only 2 devices are visible; .*_device_count=4 "):
-        S.make_mesh(cfg_of(64, 2, 4))
+        make_mesh(cfg_of(64, 2, 4))
 
 
 @pytest.mark.slow

@@ -92,9 +92,10 @@ def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
         str(tmp_path / "nsa" / model_dir.CONFIG_FILE), [f"train.init_from={tmp_path / 'nsa'}"], saved=True
     )
     check_init_from(cfg)
+    from nsa_jax.mesh import make_mesh
     from nsa_jax.train import step
 
-    state = step.create_state(cfg, step.make_mesh(cfg, jax.devices()[:1]), params=model_dir.initial_params(cfg))
+    state = step.create_state(cfg, make_mesh(cfg, jax.devices()[:1]), params=model_dir.initial_params(cfg))
     want = model_dir.read_params(tmp_path / "nsa")
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), b)

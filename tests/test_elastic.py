@@ -54,8 +54,8 @@ TINY = [
 DRIVER = r"""
 import hashlib, json, os, sys
 import numpy as np
+from nsa_jax.mesh import put_batch
 from nsa_jax.train import loop
-from nsa_jax.train import step as S
 
 def _next_batch(self):
     import jax
@@ -65,7 +65,7 @@ def _next_batch(self):
     hashes = [[hashlib.sha1(np.ascontiguousarray(r).tobytes()).hexdigest()[:16] for r in mb] for mb in micro]
     with open(f"{os.environ['ROWS_LOG']}.{jax.process_index()}", "a") as f:
         f.write(json.dumps({"step": rec[0], "micro": hashes}) + "\n")
-    return S.put_batch(np.stack(micro), self.mesh)
+    return put_batch(np.stack(micro), self.mesh)
 
 loop.Trainer._next_batch = _next_batch
 

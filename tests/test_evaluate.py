@@ -16,6 +16,7 @@ import pytest
 from nsa_jax.config import load_config
 from nsa_jax.data import kv_recall, make_dataset
 from nsa_jax.evaluation.heldout import Evaluator
+from nsa_jax.mesh import DATA, make_mesh
 from nsa_jax.model import NSALM
 from nsa_jax.train import step as S
 from nsa_jax.train.state import init_state
@@ -52,8 +53,8 @@ def reference_metrics(cfg, params, batches, masks=None):
 @pytest.mark.slow
 def test_evaluator_matches_host_reference_on_two_devices():
     cfg = load_config(None, TINY + ["model.vocab_size=64"])
-    mesh = S.make_mesh(cfg)
-    assert mesh.shape[S.AXIS] == 2
+    mesh = make_mesh(cfg)
+    assert mesh.shape[DATA] == 2
     params = init_state(cfg).params
     ev = Evaluator(cfg, mesh)
     val = make_dataset(cfg, "val")
@@ -80,7 +81,7 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
         TINY
         + ["model.vocab_size=32", "data.dataset=kv_recall", "data.kv_pairs=3", "data.kv_queries=3", "train.seq_len=40"],
     )
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     params = init_state(cfg).params
     kbs = [make_dataset(cfg, "val").kv_batch_at(i) for i in range(3)]
     batches = [kb.tokens_BxT1 for kb in kbs]

@@ -25,6 +25,7 @@ LAYERS = (
             "nsa_jax",
             "nsa_jax.config",
             "nsa_jax.config_checks",
+            "nsa_jax.mesh",
             "nsa_jax.config_text",
             "nsa_jax.runbook_env",
             "nsa_jax.seq_layout",

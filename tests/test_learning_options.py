@@ -18,6 +18,7 @@ from reference import nsa_layer_ref
 from experiments.compare import pair_positions
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data.kv_recall import make_kv_batch, pair_len
+from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.nsa.distill import score_distill_kl
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.train import schedule
@@ -121,7 +122,7 @@ def test_dense_warmup_and_distill_steps_train_each_phase_model():
     assert schedule.dense_selection_model(cfg).nsa.n == 6
     phases = schedule.phases(cfg)
     assert [(p.start, p.model.nsa.n, p.distill) for p in phases] == [(0, 6, 0.5), (2, 3, 0.5), (3, 3, 0.0)]
-    mesh = S.make_mesh(cfg)
+    mesh = make_mesh(cfg)
     state = S.create_state(cfg, mesh)
     step = S.make_train_step(cfg, mesh)
     rng = np.random.default_rng(0)
@@ -131,7 +132,7 @@ def test_dense_warmup_and_distill_steps_train_each_phase_model():
         params = jax.device_get(state.params)
         want = {k: f(params, jnp.asarray(tokens[0])) for k, f in plain_loss.items()}
         assert abs(float(want["dense"][0]) - float(want["sparse"][0])) > 1e-5  # n changes the loss
-        state, metrics = step(state, S.put_batch(tokens, mesh))
+        state, metrics = step(state, put_batch(tokens, mesh))
         loss, stats = want[phase]
         assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5), i
         # The KL tells the phases with and without the distillation apart (a small part of the loss).
@@ -295,11 +296,11 @@ def test_phases_on_two_devices_match_one_device(strategy):
 
     def losses(strategy, devices):
         cfg = load_config(None, [*overrides, f"parallel.strategy={strategy}"])
-        mesh = S.make_mesh(cfg, jax.devices()[:devices])
+        mesh = make_mesh(cfg, jax.devices()[:devices])
         state, step = S.create_state(cfg, mesh), S.make_train_step(cfg, mesh)
         out = []
         for b in batches:
-            state, m = step(state, S.put_batch(b, mesh))
+            state, m = step(state, put_batch(b, mesh))
             out.append((float(m["loss"]), float(m["distill_kl"])))
         return np.asarray(out)
 

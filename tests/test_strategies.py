@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import load_config
+from nsa_jax.mesh import DATA, put_batch
 from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.rundir import checkpoint as C
 from nsa_jax.train import step as S
@@ -50,7 +51,7 @@ def cfg_for(strategy: str, reduce_dtype: str = "float32"):
 
 
 def mesh_of(n: int):
-    return jax.sharding.Mesh(np.asarray(jax.devices()[:n]), (S.AXIS,))
+    return jax.sharding.Mesh(np.asarray(jax.devices()[:n]), (DATA,))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def run(host_state, batches):
             state = jax.device_put(host_state, S.state_shardings(cfg, mesh))
             metrics = []
             for tokens in batches:
-                state, m = step(state, S.put_batch(tokens, mesh))
+                state, m = step(state, put_batch(tokens, mesh))
                 metrics.append(jax.device_get(m))
             _RUNS[key] = (cfg, mesh, state, metrics)
         return _RUNS[key]
@@ -196,7 +197,7 @@ def test_state_is_placed_as_the_strategy_says(run, strategy, params_sharded, opt
             assert leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), leaf.ndim), leaf.shape
             want = list(leaf.shape)
             if spec != P():
-                want[list(spec).index(S.AXIS)] //= 2
+                want[list(spec).index(DATA)] //= 2
             assert all(s.data.shape == tuple(want) for s in leaf.addressable_shards)
         # Nearly every byte lives in leaves with an even axis: half of it per device.
         frac = _sharded_fraction(tree)

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from nsa_jax.config import load_config
+from nsa_jax.mesh import batch_sharding, make_mesh, put_batch, replicated
 from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.progress_text import fmt_duration
 from nsa_jax.train import optimizer as O
@@ -55,7 +56,7 @@ def compiled_step(n_dev: int, *extra: str):
     key = (n_dev, extra)
     if key not in _STEPS:
         cfg = tiny_cfg(*extra)
-        mesh = S.make_mesh(cfg, jax.devices()[:n_dev])
+        mesh = make_mesh(cfg, jax.devices()[:n_dev])
         _STEPS[key] = (cfg, mesh, S.make_train_step(cfg, mesh))
     return _STEPS[key]
 
@@ -81,11 +82,11 @@ def batches():
 def run_steps(n_dev, host_state, tokens_list, *extra, accumulate=1):
     """Runs len(tokens_list) steps; each item is [B, T+1], split into `accumulate` micro-batches."""
     cfg, mesh, step = compiled_step(n_dev, *extra)
-    state = jax.device_put(host_state, S.replicated(mesh))
+    state = jax.device_put(host_state, replicated(mesh))
     metrics = []
     for tokens in tokens_list:
         tokens_AxbxT1 = tokens.reshape(accumulate, tokens.shape[0] // accumulate, T + 1)
-        state, m = step(state, S.put_batch(tokens_AxbxT1, mesh))
+        state, m = step(state, put_batch(tokens_AxbxT1, mesh))
         metrics.append(jax.device_get(m))
     return jax.device_get(state), metrics
 
@@ -183,8 +184,8 @@ def test_lr_reaches_floor_at_last_optimizer_step_with_accumulation(host_state, b
 @pytest.mark.slow
 def test_state_is_donated(host_state, batches):
     cfg, mesh, step = compiled_step(2)
-    state = jax.device_put(host_state, S.replicated(mesh))
-    new_state, _ = step(state, S.put_batch(batches[0][None], mesh))
+    state = jax.device_put(host_state, replicated(mesh))
+    new_state, _ = step(state, put_batch(batches[0][None], mesh))
     jax.block_until_ready(new_state)
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
 
@@ -209,9 +210,9 @@ def test_non_finite_step_is_skipped(host_state, batches):
 
 def test_bf16_compute_keeps_fp32_master_weights_and_moments():
     cfg = tiny_cfg("model.dtype=bfloat16", "parallel.grad_reduce_dtype=bfloat16")
-    mesh = S.make_mesh(cfg, jax.devices()[:2])
+    mesh = make_mesh(cfg, jax.devices()[:2])
     state = jax.eval_shape(lambda: init_state(cfg))
-    batch = jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32, sharding=S.batch_sharding(mesh))
+    batch = jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32, sharding=batch_sharding(mesh))
     new_state, metrics = jax.eval_shape(S.make_train_step(cfg, mesh), state, batch)
     assert {x.dtype for x in jax.tree.leaves(new_state.params)} == {jnp.dtype(jnp.float32)}
     floats = [x for x in jax.tree.leaves(new_state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -223,16 +224,16 @@ def test_bf16_compute_keeps_fp32_master_weights_and_moments():
 
 def test_aux_stats_can_be_switched_off():
     cfg = tiny_cfg("logging.aux_stats=false")
-    mesh = S.make_mesh(cfg, jax.devices()[:1])
+    mesh = make_mesh(cfg, jax.devices()[:1])
     state = jax.eval_shape(lambda: init_state(cfg))
-    batch = jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32, sharding=S.batch_sharding(mesh))
+    batch = jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32, sharding=batch_sharding(mesh))
     _, metrics = jax.eval_shape(S.make_train_step(cfg, mesh), state, batch)
     assert set(metrics) == {"loss", "grad_norm", "lr", "skipped"}
 
 
 def test_batch_must_divide_over_devices():
     cfg = tiny_cfg("train.global_batch=3")
-    mesh = S.make_mesh(cfg, jax.devices()[:2])
+    mesh = make_mesh(cfg, jax.devices()[:2])
     with pytest.raises(ValueError, match=r"train.global_batch \(3\) must be divisible .* devices .* \(2\)"):
         S.make_train_step(cfg, mesh)
 

@@ -33,11 +33,9 @@ from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.targets import answer_mask, loss_weights
 from nsa_jax.kernels import plan_kernels
+from nsa_jax.mesh import DATA, SEQ, process_rows
 from nsa_jax.model import NSALM, cross_entropy, token_nll
-from nsa_jax.nsa.context import SEQ, seq_shard
-from nsa_jax.train.strategies import process_rows
-
-AXIS = "data"
+from nsa_jax.nsa.context import seq_shard
 
 
 def make_eval_fn(cfg: Config, kernel_fallback: frozenset = frozenset()):
@@ -73,7 +71,7 @@ def make_context_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = f
     (nsa/context.py), every device scoring its own tokens; padded targets weigh nothing."""
     shard = seq_shard(cfg)
     plan = plan_kernels(cfg.model.nsa, shard.seq_len, mesh.devices.flat[0].platform, kernel_fallback, shard.size)
-    rows = NamedSharding(mesh, P(AXIS, SEQ))
+    rows = NamedSharding(mesh, P(DATA, SEQ))
 
     def local(params, inputs_bxL, targets_bxL, weight_bxL, answer_bxL):
         logits_bxLxV = NSALM(cfg.model, kernels=plan, shard=shard).apply({"params": params}, inputs_bxL)
@@ -84,7 +82,7 @@ def make_context_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = f
             "correct": jnp.sum(hit).astype(jnp.float32),
             "scored": jnp.sum(answer_bxL).astype(jnp.float32),
         }
-        return jax.tree.map(lambda x: jax.lax.psum(x, (AXIS, SEQ)), sums)
+        return jax.tree.map(lambda x: jax.lax.psum(x, (DATA, SEQ)), sums)
 
     def eval_fn(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
@@ -94,7 +92,7 @@ def make_context_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = f
         answer_BxT = jnp.zeros(targets_BxT.shape, bool) if answer_BxT is None else answer_BxT
         parts = [inputs_BxT, targets_BxT, weight_BxT.astype(jnp.float32), answer_BxT]
         parts = [jax.lax.with_sharding_constraint(shard.lay_out(x, 1), rows) for x in parts]
-        spec = P(AXIS, SEQ)
+        spec = P(DATA, SEQ)
         fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec, spec, spec, spec), out_specs=P(), check_vma=False)
         return fn(params, *parts)
 
@@ -106,7 +104,7 @@ class Evaluator:
 
     def __init__(self, cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
         self.cfg = cfg
-        self.sharding = NamedSharding(mesh, P(AXIS))
+        self.sharding = NamedSharding(mesh, P(DATA))
         self.groups = process_rows(mesh)[1]
         fn = (
             make_eval_fn(cfg, kernel_fallback)

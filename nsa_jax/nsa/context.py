@@ -39,9 +39,8 @@ import numpy as np
 from jax import lax
 
 from nsa_jax.config import Config
+from nsa_jax.mesh import SEQ
 from nsa_jax.seq_layout import chunk_len, device_order, natural_slots
-
-SEQ = "seq"
 
 
 def _permute_chunks(x: jax.Array, axis: int, n_chunks: int, perm: np.ndarray) -> jax.Array:

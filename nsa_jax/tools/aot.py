@@ -47,11 +47,12 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax import config
 from nsa_jax.config import Config, ModelConfig
 from nsa_jax.kernels import plan_kernels
-from nsa_jax.nsa.context import SEQ, SeqShard
+from nsa_jax.mesh import SEQ, make_mesh
+from nsa_jax.nsa.context import SeqShard
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.seq_layout import chunk_len
-from nsa_jax.train.step import make_mesh, make_train_step
+from nsa_jax.train.step import make_train_step
 from nsa_jax.train.strategies import make_plan, per_device_batch
 from nsa_jax.words import count
 

@@ -33,6 +33,7 @@ from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.kernels.plan import FALLBACKS, substitutions
+from nsa_jax.mesh import DATA, make_mesh, process_rows
 from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.rundir import resume
 from nsa_jax.train import optimizer as O
@@ -41,7 +42,7 @@ from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
 from nsa_jax.train.progress import gpu_config_warning
 from nsa_jax.train.state import TrainState
-from nsa_jax.train.strategies import ShardingPlan, make_plan, process_rows
+from nsa_jax.train.strategies import ShardingPlan, make_plan
 from nsa_jax.words import count
 
 Say = Callable[[str], None]
@@ -90,11 +91,11 @@ def boot(
     it does); `say` prints a line, `doing` names what runs (the progress thread).
     """
     state, data_state = resume_from
-    mesh = S.make_mesh(cfg, devices)
+    mesh = make_mesh(cfg, devices)
     # A checkpoint saved on another device count: the same rows per step, split anew into micro-batches.
     elastic = None
     if state is None and data_state is None:
-        cfg, elastic = resume.elastic_batch(cfg, mesh.shape[S.AXIS])
+        cfg, elastic = resume.elastic_batch(cfg, mesh.shape[DATA])
     # Strategy, shardings and the batch split, derived and checked once for the run.
     plan = make_plan(cfg, mesh)
     tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
@@ -205,7 +206,7 @@ def _first_batch(
     cfg: Config, data: BatchStream, art: RunArtifacts, say: Say, rows: tuple[int, int]
 ) -> tuple[Config, BatchStream, np.ndarray]:
     """(cfg, data stream, the first batch) under data.loader_timeout; synthetic data instead when allowed
-    (`rows`: this process's row group, train.strategies.process_rows)."""
+    (`rows`: this process's row group, mesh.process_rows)."""
     art.event("loader_start", 0, f"dataset {cfg.data.dataset}")
     try:
         first = first_batch_with_timeout(data, cfg.data.loader_timeout)

@@ -47,6 +47,7 @@ import numpy as np
 from nsa_jax.config import Config
 from nsa_jax.evaluation.heldout import format_eval
 from nsa_jax.evaluation.training import RunEvaluation
+from nsa_jax.mesh import put_batch
 from nsa_jax.ops.health import Health, halt_requested
 from nsa_jax.ops.memory import check_fits, compiled_memory, describe
 from nsa_jax.ops.preemption import PreemptionGuard
@@ -133,7 +134,7 @@ class Trainer:
     def _next_batch(self) -> jax.Array:
         """A micro-batches of this process's rows, placed as the global [A, B, T + 1] array."""
         rows = [self._next_tokens() for _ in range(self.cfg.train.accumulate)]
-        return S.put_batch(np.stack(rows), self.mesh)
+        return put_batch(np.stack(rows), self.mesh)
 
     # -- run ------------------------------------------------------------------
 

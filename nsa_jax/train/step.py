@@ -29,67 +29,21 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from nsa_jax.config import Config
 from nsa_jax.data.targets import loss_weights
 from nsa_jax.kernels import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer, token_nll
-from nsa_jax.nsa.context import SEQ, SeqShard
+from nsa_jax.nsa.context import SeqShard
 from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.train.positions import random_rope_positions
 from nsa_jax.train.state import TrainState, init_state
-from nsa_jax.train.strategies import ShardingPlan, make_plan, process_rows
-from nsa_jax.words import count
-
-AXIS = strategies.AXIS
-
-
-# ---------------------------------------------------------------------------
-# mesh and placement
-
-
-def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
-    """The (data, seq) mesh over `devices` (default: parallel.num_devices of jax.devices()).
-
-    `seq` has parallel.context devices, neighbours in device order (on one host where the
-    processes hold consecutive devices); `data` the rest.
-    """
-    visible = len(devices) if devices is not None else len(jax.devices())
-    if devices is None:
-        devices = jax.devices()
-        n = cfg.parallel.num_devices
-        if n:
-            if jax.process_count() > 1:
-                raise ValueError("parallel.num_devices must be 0 (all devices) in a multi-process run")
-            if n > len(devices):
-                seen = count(len(devices), "device is", "devices are")
-                raise ValueError(f"parallel.num_devices is {n} but only {seen} visible{_more_devices(devices, n)}")
-            devices = devices[:n]
-    C = cfg.parallel.context
-    if len(devices) % C:
-        fixes = [f"parallel.context to a divisor of {len(devices)}"]
-        if visible >= C:
-            fixes.append(f"parallel.num_devices to a multiple of {C} (of the {visible} visible)")
-        raise ValueError(
-            f"parallel.context={C} must divide the run's {len(devices)} device(s) (data x seq); set "
-            + " or ".join(fixes)
-            + (_more_devices(devices, -(-visible // C) * C) if visible % C else "")
-        )
-    return Mesh(np.asarray(devices).reshape(len(devices) // C, C), (AXIS, SEQ))
-
-
-def _more_devices(devices: list, want: int) -> str:
-    """Where one CPU process sees fewer than `want` devices: the flag that gives it more (read when jax starts)."""
-    if devices[0].platform != "cpu" or jax.process_count() > 1:
-        return ""
-    return f"; on a CPU, run it with XLA_FLAGS=--xla_force_host_platform_device_count={want} (read when jax starts)"
+from nsa_jax.train.strategies import ShardingPlan, make_plan
 
 
 def as_plan(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> ShardingPlan:
@@ -99,23 +53,6 @@ def as_plan(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> ShardingPl
     if mesh is None:
         raise TypeError("a Config needs its mesh: pass (cfg, mesh) or a ShardingPlan from make_plan")
     return make_plan(plan, mesh)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """tokens_AxBxT1 sharded on B."""
-    return NamedSharding(mesh, P(None, AXIS))
-
-
-def put_batch(tokens_AxbxT1: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's rows [A, B / row groups, T + 1] -> the global sharded array [A, B, T + 1]
-    (row groups: process_rows)."""
-    A, b, T1 = tokens_AxbxT1.shape
-    global_shape = (A, b * process_rows(mesh)[1], T1)
-    return jax.make_array_from_process_local_data(batch_sharding(mesh), tokens_AxbxT1, global_shape)
 
 
 def state_shardings(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> TrainState:

@@ -71,10 +71,10 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan, plan_kernels
-from nsa_jax.nsa.context import SEQ, SeqShard, seq_shard
+from nsa_jax.mesh import DATA, SEQ
+from nsa_jax.nsa.context import SeqShard, seq_shard
 from nsa_jax.train.state import TrainState, init_state
 
-AXIS = "data"
 STRATEGIES = ("dp", "pmap", "gspmd", "zero1", "fsdp")
 
 # (params, tokens_BxT1) -> (mean loss, stats) of one micro-batch
@@ -92,7 +92,7 @@ def check_strategy(cfg: Config) -> str:
 # placement
 
 
-def data_spec(shape: tuple[int, ...], n_shards: int, axes: str | tuple[str, ...] = AXIS) -> P:
+def data_spec(shape: tuple[int, ...], n_shards: int, axes: str | tuple[str, ...] = DATA) -> P:
     """`axes` (default `data`) on the largest axis of `shape` that n_shards divides (the first of
     equals); P() if none."""
     if n_shards <= 1:
@@ -109,8 +109,8 @@ def shard_axes(mesh: Mesh) -> tuple[str | tuple[str, ...], int]:
     parallelism `data` and `seq` together (every device of the mesh holds one slice)."""
     context = dict(mesh.shape).get(SEQ, 1)
     if context > 1:
-        return (AXIS, SEQ), mesh.shape[AXIS] * context
-    return AXIS, mesh.shape[AXIS]
+        return (DATA, SEQ), mesh.shape[DATA] * context
+    return DATA, mesh.shape[DATA]
 
 
 def sharded_over_mesh(tree: Any, mesh: Mesh) -> Any:
@@ -163,21 +163,6 @@ def per_device_batch(cfg: Config, n_devices: int) -> int:
     return B // n_devices
 
 
-def process_rows(mesh: Mesh) -> tuple[int, int]:
-    """(index, count) of the rows this process reads among those of every process: processes whose
-    devices hold the same `data` coordinates (a sequence split over `seq` across processes) read
-    the same rows; (process_index, process_count) when each process has its own data coordinates."""
-    data_of = {}
-    axis = mesh.axis_names.index(AXIS)
-    for index, device in np.ndenumerate(mesh.devices):
-        data_of.setdefault(device.process_index, set()).add(index[axis])
-    groups = sorted({tuple(sorted(v)) for v in data_of.values()})
-    flat = [d for g in groups for d in g]
-    if len(flat) != len(set(flat)):
-        raise ValueError(f"the mesh's data axis is split unevenly over the processes: {data_of}")
-    return groups.index(tuple(sorted(data_of[jax.process_index()]))), len(groups)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardingPlan:
     """Where everything of one run lives under parallel.strategy on `mesh`; see make_plan."""
@@ -223,7 +208,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
     `kernel_fallback` is set by the run's boot once the kernel guard has run (train/boot.py).
     """
     strategy = check_strategy(cfg)
-    n_devices = mesh.shape[AXIS]
+    n_devices = mesh.shape[DATA]
     context = dict(mesh.shape).get(SEQ, 1)
     if context != cfg.parallel.context:
         raise ValueError(f"parallel.context is {cfg.parallel.context} but the mesh's `seq` axis has {context} devices")
@@ -237,7 +222,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
         state_shapes=shapes,
         state=state_shardings(cfg, mesh, shapes),
         grads=grad_shardings(cfg, mesh, shapes.params),
-        batch=NamedSharding(mesh, P(None, AXIS)),
+        batch=NamedSharding(mesh, P(None, DATA)),
         replicated=NamedSharding(mesh, P()),
         shard=seq_shard(cfg),
     )
@@ -279,13 +264,13 @@ def make_dp_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
     def local(params, tokens_AxbxT1):
         grads, loss, stats = local_sums(value_and_grad, params, tokens_AxbxT1)
         n = tokens_AxbxT1.shape[0] * n_devices  # every micro-batch on every device has the same size
-        grads = jax.tree.map(lambda g: lax.psum((g / n).astype(reduce_dtype), AXIS).astype(jnp.float32), grads)
-        loss = lax.psum(loss, AXIS) / n
-        stats = jax.tree.map(lambda s: lax.psum(s, AXIS) / n, stats)
+        grads = jax.tree.map(lambda g: lax.psum((g / n).astype(reduce_dtype), DATA).astype(jnp.float32), grads)
+        loss = lax.psum(loss, DATA) / n
+        stats = jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)
         return grads, loss, stats
 
     return jax.shard_map(
-        local, mesh=plan.mesh, in_specs=(P(), P(None, AXIS)), out_specs=(P(), P(), P()), check_vma=False
+        local, mesh=plan.mesh, in_specs=(P(), P(None, DATA)), out_specs=(P(), P(), P()), check_vma=False
     )
 
 
@@ -320,7 +305,7 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
     Tp = shard.seq_len
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
-    spec_rows = P(None, AXIS, SEQ)
+    spec_rows = P(None, DATA, SEQ)
     grad_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1)
 
     def local(params, inputs_AxbxL, targets_AxbxL, weights_AxbxL, rope_Ax1xL, denom_Ax1):
@@ -351,11 +336,11 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
             if dims:  # the leaf's sharded axis, over the mesh axes shard_axes chose
                 g = lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
             else:
-                g = lax.psum(g, (AXIS, SEQ))
+                g = lax.psum(g, (DATA, SEQ))
             return g.astype(jnp.float32)
 
         grads = jax.tree.map(reduce, grads, grad_specs)
-        return grads, lax.psum(total, AXIS) / n, jax.tree.map(lambda s: lax.psum(s, AXIS) / n, stats)
+        return grads, lax.psum(total, DATA) / n, jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)
 
     def lay_out(x_AxDxbxT):
         """[A, D, b, T] -> [A, B, T'] padded, in device order, placed on (data, seq)."""
@@ -374,7 +359,7 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), spec_rows, spec_rows, spec_rows, None if rope is None else spec_rows, P(None, AXIS)),
+            in_specs=(P(), spec_rows, spec_rows, spec_rows, None if rope is None else spec_rows, P(None, DATA)),
             out_specs=(grad_specs, P(), P()),
             check_vma=False,
         )
@@ -397,8 +382,8 @@ def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
     mesh, n_devices = plan.mesh, plan.n_devices
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-    per_group = jax.vmap(functools.partial(local_sums, value_and_grad), in_axes=(None, 1), spmd_axis_name=AXIS)
-    rows_sharding = NamedSharding(mesh, P(AXIS))
+    per_group = jax.vmap(functools.partial(local_sums, value_and_grad), in_axes=(None, 1), spmd_axis_name=DATA)
+    rows_sharding = NamedSharding(mesh, P(DATA))
     full = NamedSharding(mesh, P())
 
     def grad_fn(params, tokens_AxBxT1):
@@ -409,7 +394,7 @@ def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
         # all-gathers per micro-batch).
         params = lax.with_sharding_constraint(params, jax.tree.map(lambda _: full, params))
         tokens_AxDxbxT1 = lax.with_sharding_constraint(
-            tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1), NamedSharding(mesh, P(None, AXIS))
+            tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1), NamedSharding(mesh, P(None, DATA))
         )
         grads_DxS, loss_D, stats_D = per_group(params, tokens_AxDxbxT1)
         n = A * n_devices
@@ -444,15 +429,15 @@ def make_pmap_step(plan: ShardingPlan, loss_fn: LossFn, update_fn: Callable) -> 
     def per_device(state: TrainState, tokens_AxbxT1: jax.Array):
         grads, loss, stats = local_sums(value_and_grad, state.params, tokens_AxbxT1)
         A = tokens_AxbxT1.shape[0]
-        grads = jax.tree.map(lambda g: lax.pmean((g / A).astype(reduce_dtype), AXIS).astype(jnp.float32), grads)
-        loss = lax.pmean(loss / A, AXIS)
-        stats = jax.tree.map(lambda s: lax.pmean(s / A, AXIS), stats)
+        grads = jax.tree.map(lambda g: lax.pmean((g / A).astype(reduce_dtype), DATA).astype(jnp.float32), grads)
+        loss = lax.pmean(loss / A, DATA)
+        stats = jax.tree.map(lambda s: lax.pmean(s / A, DATA), stats)
         return update_fn(state, grads, loss, stats)
 
     # axis_size and devices given explicitly: traced inside a jit, pmap cannot infer
     # them from the (global) argument shapes in a multi-process run.
     pmapped = jax.pmap(
-        per_device, AXIS, in_axes=(None, 1), out_axes=None, devices=list(plan.mesh.devices.flat), axis_size=n_devices
+        per_device, DATA, in_axes=(None, 1), out_axes=None, devices=list(plan.mesh.devices.flat), axis_size=n_devices
     )
 
     def step(state: TrainState, tokens_AxBxT1: jax.Array):
