@@ -1,13 +1,13 @@
-"""The pure, jitted train step, data-parallel over a 1-D `data` mesh (evaluation: nsa_jax/evaluation/heldout.py).
+"""The pure, jitted train step over the (data, seq) mesh (nsa_jax/mesh.py; evaluation: evaluation/heldout.py).
 
 A batch tokens_AxBxT1 holds A micro-batches, each of B = train.global_batch
 sequences of T + 1 tokens, sharded over `data` on its B axis, so each device holds
-A x (B / devices) rows.
+A x (B / devices) rows (under context parallelism the devices of `seq` share a row).
 
 One optimizer step:
   per device, over its A micro-batches: loss, grads and aux statistics, summed locally
-  -> one reduction over `data` of the summed gradient in parallel.grad_reduce_dtype
-     (the bf16 "compression" of the runbooks), back to fp32 after
+  -> the strategy's reduction of the summed gradient (strategies.py) in
+     parallel.grad_reduce_dtype (the bf16 "compression" of the runbooks), fp32 after
   -> global grad norm, clip + Adam + masked decay, LR of state.step, where the
      reduced gradient lives.
 

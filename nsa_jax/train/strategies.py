@@ -1,7 +1,7 @@
 """Data-parallel strategies: where each part of the train state lives, and how gradients are reduced.
 
-Owns, for every `parallel.strategy`, the shardings of the TrainState on the 1-D
-`data` mesh (`state_shardings`), where the reduced gradient lives (`grad_shardings`),
+Owns, for every `parallel.strategy`, the shardings of the TrainState on the (data, seq)
+mesh (nsa_jax/mesh.py; `state_shardings`), where the reduced gradient lives (`grad_shardings`),
 the `ShardingPlan` that holds all of them for one run (`make_plan`: built once from
 cfg and mesh, then handed to everything that places or steps the state), and the
 function from a batch to the mean gradient (`make_dp_grad_fn`,
