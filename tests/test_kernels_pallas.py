@@ -37,12 +37,8 @@ from nsa_jax.kernels.compressed_pallas import (
 )
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.pallas_common import SMEM_BUDGET_BYTES
-from nsa_jax.kernels.selection_pallas import (
-    SelectionBlockSizes,
-    _stable_positions,
-    reverse_index,
-    selection_attention_pallas,
-)
+from nsa_jax.kernels.reverse_index import reverse_index, stable_positions
+from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.tools import aot
 
@@ -141,7 +137,7 @@ def test_selection_uneven_head_dims():
 @pytest.mark.parametrize("scan_elems", [1 << 22, 64], ids=["one-chunk", "many-chunks"])
 @pytest.mark.parametrize("t,bs", [(37, 16), (203, 4)], ids=["one-digit", "two-digits"])
 def test_reverse_index_segments_cover_every_entry(scan_elems, t, bs):
-    # 3 blocks sort in one counting pass; 51 in two (digits of 15 and 4: _stable_positions).
+    # 3 blocks sort in one counting pass; 51 in two (digits of 15 and 4: stable_positions).
     rng = np.random.default_rng(11)
     b, kvh, n, seg = 2, 2, 4, 5
     idx = random_block_indices(rng, b, t, kvh, n, bs)
@@ -169,13 +165,13 @@ def test_reverse_index_segments_cover_every_entry(scan_elems, t, bs):
 
 
 @pytest.mark.parametrize("n,num_keys", [(4, 51), (16, 2049)])
-def test_stable_positions_are_a_stable_sort_by_key(n, num_keys):
+def teststable_positions_are_a_stable_sort_by_key(n, num_keys):
     # The two-digit counting sort against numpy's stable argsort, with chunked scans (scan_elems small).
     rng = np.random.default_rng(n * 7 + num_keys)
     b, kvh, t = 2, 2, 97
     key = rng.integers(0, num_keys, size=(b, kvh, t, n)).astype(np.int32)
     key[0, 0, :5] = num_keys - 1  # the largest key (unused slots) in runs
-    pos = np.asarray(_stable_positions(jnp.asarray(key), num_keys, 512))
+    pos = np.asarray(stable_positions(jnp.asarray(key), num_keys, 512))
     flat = key.reshape(b, kvh, t * n)
     order = np.argsort(flat, axis=-1, kind="stable")  # order[j]: the entry at sorted slot j
     want = np.empty_like(order)

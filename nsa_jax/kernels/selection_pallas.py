@@ -1,117 +1,27 @@
-"""Pallas (Triton backend) kernels for NSA selection attention.
+"""Pallas (Triton backend) kernels for NSA selection attention: `selection_attention_pallas`.
 
-This module owns the fused GPU path of the selection branch:
-``selection_attention_pallas`` (forward + backward under ``jax.custom_vjp``)
-and its reverse index. Padding, compiler parameters, argument checks and the
-softmax math on a loaded tile are shared with the other kernels through
-``pallas_common``.
+Contract (docs/NSA.md "Selection branch"): query t of head h attends to every position
+p <= t inside the blocks idx[b, t, h // G, :] (block j covers [j*bs, (j+1)*bs)); -1 marks
+an unused slot. Softmax and accumulation in fp32; the output has q's dtype; a row that sees
+no key returns 0. With `q_offset` row r stands at position r + q_offset over the whole
+sequence's keys (context parallelism).
 
-Contract (see docs "Selection branch"): query ``t`` of head ``h`` attends to
-every position ``p <= t`` inside the blocks ``idx[b, t, h // G, :]`` (block
-``j`` covers ``[j*bs, (j+1)*bs)``); ``-1`` marks an unused slot. Softmax and
-accumulation run in fp32; the output has the dtype of ``q``. A row that sees
-no key returns 0.
-
-Kernel layout
--------------
-* Group-centric forward and dq: one program per (query position, batch, KV
-  head) holds the G query heads that share the KV head's selection, padded
-  to ``Gp = max(16, next_pow2(G))`` rows because the matrix units need at
-  least 16 rows. It walks the n slots once, loading each selected K/V block
-  of ``bs`` rows a single time for all G heads (online softmax in the
-  forward; the log-sum-exp, base 2, is kept for the backward). Grid axis 0
-  is the query position so neighbouring programs, which select mostly the
-  same blocks, run close together and share K/V through L2.
-* The query rows of a group are gathered straight from ``q[B, T*H, D]`` (a
-  free reshape), and each program stores its rows of o and dQ straight into
-  ``[B, T*H, D]`` the same way, so q, dO, o and dQ are never transposed or
-  padded in memory. A padded row repeats a real row (same query, head,
-  blocks and statistics), computes its values and stores them again.
-* Several positions per program (``SelectionBlockSizes.positions = P > 1``;
-  kernels.SELECTION_KERNELS says which the layer runs): with G < 16 the rows
-  above are mostly padding (production G = 6: 10 of 16 rows wasted). A
-  program then holds P consecutive positions x G heads (row r = head r % G
-  of position r // G, padded to ``Rp = max(16, next_pow2(P*G))``: G = 6,
-  P = 2 fills 12 of 16) and walks the union of their selections: the P*n
-  (position, slot) entries in order, skipping (``lax.cond``, no tile load)
-  an entry whose block an earlier entry already brought, and masking each
-  row to the blocks its own position selected. When neighbours share most
-  blocks the union is close to n blocks and each K/V tile feeds P*G rows;
-  when they do not (random selections) the walk grows towards P*n tiles.
-  Forward and dQ share this walk; the log-sum-exp and delta are stored per
-  program (``T/P * Rp`` rows), which the dK/dV kernel indexes by
-  (t // P, t % P, g). The -1-padded block ids ``[P, next_pow2(n)]`` are the
-  only extra input.
-* On an H200 (docs/PERFORMANCE.md) the walk is bound by loading K/V tiles,
-  not by the padded rows: one position with one warp per program is the
-  fastest tiling for random selections, four positions when runs of 8
-  queries share a selection. A key-centric forward (per block, the rows
-  that chose it in full tiles, merged exactly over two passes with atomic
-  adds) and dQ added with atomics from the dK/dV kernel were both slower
-  at every T and were removed (measured at commit 3a09e79).
-
-dK/dV strategy: reverse index, not atomics
-------------------------------------------
-Every selected block receives gradient from every query that picked it.
-Two ways to collect that without a TxT matrix:
-
-1. Atomic adds from the query-centric programs. Block 0 and the recent
-   blocks are picked by (almost) every query, so thousands of programs would
-   hammer the same ``bs x D`` tiles: heavy contention, ``T*n*bs*(Dk+Dv)``
-   fp32 atomics in total, and a run-to-run non-deterministic sum order.
-   (In jax 0.10.2 the primitive is ``jax.experimental.pallas.triton.atomic_add``
-   -- there is no ``pl.atomic_add`` -- and it runs in interpret mode only
-   unmasked, and it rejects bf16 buffers.)
-2. A reverse index: the ``T*n`` (query, slot) entries of each (batch, KV
-   head) grouped by block id, ascending t within a block, give per block the
-   list of queries that selected it (CSR form, O(T*n) int32). A key-centric
-   kernel then loads the K/V block once and streams the queries that chose it.
-   The index is a counting sort (``reverse_index``) in two digits of the block
-   id, each pass placing entries by their digit's exclusive-cumsum offsets
-   plus their rank among equal digits from cumulative counts; no comparison
-   sort, integer arithmetic only, so it is exact and deterministic, and its
-   counters grow as T^1.5 rather than T x T / lp.
-
-We use (2): no atomics, bitwise deterministic, and the inner loop gathers
-``rows_dkv`` flattened (query, head) rows per step, so its matmuls are
-``bs x rows`` instead of 16-row slivers. The one hazard is load imbalance:
-block 0 is picked by all T queries while the average block is picked by
-about ``n*bs`` of them. Each block's list is therefore cut into segments of
-at most ``dkv_segment`` entries, one program per segment (at most
-``ceil(T*n/S) + T/bs`` programs, a static bound); the partial dK/dV tiles
-(fp32, O(T*D) memory) are summed per block by a small deterministic
-reduction kernel, which also writes dK/dV in the input layout.
-
-Shared memory (A100)
---------------------
-Every tiling must fit an A100 block's 163 KiB of shared memory
-(``pallas_common.SMEM_BUDGET_BYTES``). ``smem_estimates`` computes each
-kernel's need from lp, the padded head dims, the dtype, ``rows_dkv`` and
-``num_stages`` at trace time; ``rows_dkv=None`` is halved from 64 until the
-dK/dV kernel fits, and a configuration that still does not fit (lp = 512 at
-head dim 128, say) is refused with one error naming the kernel and the knobs.
-
-Query offset
-------------
-With ``q_offset`` (``pallas_common``, "Query offset") query row ``r`` stands
-at position ``r + q_offset``: q, dO, o, dQ and idx ``[B, Tq, K, n]`` are
-indexed by row, and the causal test ``p <= t`` inside the selected blocks
-takes the row's position. k and v hold the whole sequence (``Tk`` keys, idx's
-block ids are blocks of it), and dK/dV cover all of it: the reverse index
-lists rows, and a block that no row selected gets zeros. The kernels read the
-offset from their first input; the Python int 0 adds none.
-
-All kernels are plain ``pl.pallas_call``s with explicit Triton
-``CompilerParams`` so they lower through Triton (A100 and newer), not
-Mosaic GPU. ``interpret=True`` runs the same kernels on CPU for testing.
+Layout: the forward and dQ are group-centric, one program per (query position, batch, KV
+head) holding the G heads that share a selection (padded to 16 rows), or P consecutive
+positions walking the union of their blocks (`SelectionBlockSizes.positions`); grid axis 0
+is the position, so neighbours that select the same blocks share them through L2. dK/dV is
+key-centric over a reverse index (kernels/reverse_index.py: the queries that chose each
+block, in segments), with a deterministic per-block reduction of the segments' partial
+tiles: no atomics. Every tiling is sized to an A100's 163 KiB of shared memory
+(`smem_estimates`, `fit_block_sizes`). Explicit Triton CompilerParams; interpret=True runs
+the same kernels on a CPU. The design, its alternatives and the measurements behind them:
+docs/lab/2026-11-28-selection-kernel-design.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +49,7 @@ from nsa_jax.kernels.pallas_common import (
     split_offset,
     validate_selection,
 )
+from nsa_jax.kernels.reverse_index import reverse_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,153 +468,6 @@ def _multi_idx(idx_BxTxKxN, d: _Dims):
     """Block ids for P-position programs: T padded to T/P * P, slots to a power of two, with -1."""
     idx = pad_axis(idx_BxTxKxN, 1, d.programs * d.positions, value=-1)
     return pad_axis(idx, 3, next_pow2(d.slots), value=-1)
-
-
-def _ranks_within_key(key_BxKxTxN, num_keys: int, chunk_elems: int = 1 << 22):
-    """rank [B, K, T, n]: entries before (t, s) in (query, slot) order with the same key; counts [B, K, num_keys].
-
-    A counting sort's placement, without a comparison sort. Across queries: a
-    scan over chunks of C query positions scatter-adds each query's key counts
-    into [B, K, C, num_keys] (integer adds: exact in any order), and an
-    inclusive cumsum along the chunk plus the running total of the earlier
-    chunks gives, for each query, how many earlier queries hold each key. Within
-    a query: an n x n comparison of its own slots (n is small), which keeps
-    duplicate keys in one row (several unused slots) in slot order. The work is
-    O(T * num_keys + T * n^2) int32, memory O(C * num_keys) with
-    ``C * num_keys * B * K <= chunk_elems``.
-    """
-    b, kvh, t, n = key_BxKxTxN.shape
-    c = max(1, min(t, chunk_elems // max(1, b * kvh * num_keys)))
-    num_chunks = pl.cdiv(t, c)
-    # Padded queries take key num_keys: counted in no bucket (dropped by the scatter).
-    key = pad_axis(key_BxKxTxN, 2, num_chunks * c, value=num_keys)
-    s_N = jnp.arange(n)
-    earlier_NxN = s_N[None, :] < s_N[:, None]  # [s, s']: slot s' comes before slot s
-    in_row = jnp.sum((key[..., :, None] == key[..., None, :]) & earlier_NxN, axis=-1, dtype=jnp.int32)
-    key_PxBxKxCxN = jnp.moveaxis(key.reshape(b, kvh, num_chunks, c, n), 2, 0)
-    b_i = jnp.arange(b)[:, None, None, None]
-    k_i = jnp.arange(kvh)[None, :, None, None]
-    c_i = jnp.arange(c)[None, None, :, None]
-
-    def step(total_BxKxM, key_BxKxCxN):
-        cnt_BxKxCxM = jnp.zeros((b, kvh, c, num_keys), jnp.int32).at[b_i, k_i, c_i, key_BxKxCxN].add(1, mode="drop")
-        before_BxKxCxM = jnp.cumsum(cnt_BxKxCxM, axis=2) - cnt_BxKxCxM + total_BxKxM[:, :, None, :]
-        key_c = jnp.minimum(key_BxKxCxN, num_keys - 1)  # padded entries: any in-bounds bucket, dropped later
-        rank_BxKxCxN = jnp.take_along_axis(before_BxKxCxM, key_c, axis=3)
-        return total_BxKxM + jnp.sum(cnt_BxKxCxM, axis=2), rank_BxKxCxN
-
-    counts_BxKxM, rank_PxBxKxCxN = lax.scan(step, jnp.zeros((b, kvh, num_keys), jnp.int32), key_PxBxKxCxN)
-    rank = jnp.moveaxis(rank_PxBxKxCxN, 0, 2).reshape(b, kvh, num_chunks * c, n)[:, :, :t]
-    return rank + in_row[:, :, :t], counts_BxKxM
-
-
-def _stable_positions(key_BxKxTxN, num_keys: int, scan_elems: int) -> jax.Array:
-    """[B, K, T*n]: where each (t, s) entry lands in a stable sort of the entries by key (keys in [0, num_keys)).
-
-    A least-significant-digit radix sort in two counting passes, key = hi * R1 + lo:
-    entries stably by lo in (t, s) order (``_ranks_within_key`` over the rows of n slots:
-    T x R1 counters in all), then the result stably by hi (one entry a row: T n x R2
-    counters), so equal keys keep (t, s) order. One pass over the whole key would count
-    T x num_keys: with num_keys = T / lp + 1 that grows as T^2 (41 GiB moved at T = 256k
-    for the a100_pcie layer). R1 = sqrt(n num_keys) balances the two passes: about
-    2 T sqrt(n T / lp) counters, 5.6x fewer than one pass at T = 64k and 11x at 256k.
-    """
-    b, kvh, t, n = key_BxKxTxN.shape
-    entries = t * n
-    r_lo = min(num_keys, max(1, math.isqrt(n * num_keys - 1) + 1))  # ceil(sqrt(n num_keys))
-    r_hi = pl.cdiv(num_keys, r_lo)
-    b_i, k_i = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
-
-    def placed(digit_BxKxE, rank_BxKxE, counts_BxKxR):
-        starts_BxKxR = jnp.cumsum(counts_BxKxR, axis=-1) - counts_BxKxR
-        return jnp.take_along_axis(starts_BxKxR, digit_BxKxE, axis=-1) + rank_BxKxE
-
-    lo_BxKxTxN = key_BxKxTxN % r_lo
-    rank_lo, counts_lo = _ranks_within_key(lo_BxKxTxN, r_lo, scan_elems)
-    pos1_BxKxE = placed(lo_BxKxTxN.reshape(b, kvh, entries), rank_lo.reshape(b, kvh, entries), counts_lo)
-    if r_hi == 1:
-        return pos1_BxKxE
-    # The high digits in pass-1 order (pos1 is a permutation of [0, T*n) per (b, k)).
-    hi_sorted_BxKxE = (
-        jnp.zeros((b, kvh, entries), jnp.int32)
-        .at[b_i, k_i, pos1_BxKxE]
-        .set((key_BxKxTxN // r_lo).reshape(b, kvh, entries), unique_indices=True)
-    )
-    rank_hi, counts_hi = _ranks_within_key(hi_sorted_BxKxE[..., None], r_hi, scan_elems)
-    pos2_BxKxE = placed(hi_sorted_BxKxE, rank_hi[..., 0], counts_hi)
-    # Entry e sits at pos1[e] after pass 1, and that slot moves to pos2[pos1[e]].
-    return jnp.take_along_axis(pos2_BxKxE, pos1_BxKxE, axis=-1)
-
-
-class ReverseIndex(NamedTuple):
-    """A selection's CSR reverse index, cut into work segments (``reverse_index``); all int32."""
-
-    qlist: jax.Array  # [B, K, T*n]
-    seg_blk: jax.Array  # [B, K, P]
-    seg_lo: jax.Array  # [B, K, P]
-    seg_hi: jax.Array  # [B, K, P]
-    blk_first: jax.Array  # [B, K, NB]
-    blk_count: jax.Array  # [B, K, NB]
-
-
-def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int = 1 << 22) -> ReverseIndex:
-    """CSR reverse index of a selection, cut into work segments (no comparison sort).
-
-    Returns a ``ReverseIndex`` (all int32):
-      qlist [B, K, T*n]: query positions grouped by the block they selected,
-        ascending t within a block (what a stable sort by block id gives);
-        unused slots (-1, or ids outside [0, num_blocks)) fill the tail.
-      seg_blk, seg_lo, seg_hi [B, K, P]: segment p covers entries
-        ``qlist[seg_lo:seg_hi]`` of block ``seg_blk`` (``num_blocks`` and an
-        empty range for the unused tail); ``P = ceil(T*n/segment) + NB``.
-      blk_first, blk_count [B, K, NB]: each block's segments are
-        ``seg_first .. seg_first + blk_count - 1``.
-
-    Built as a counting sort of the entries by block id (``_stable_positions``: two
-    counting passes, one per digit of the id, holding at most ``scan_elems``
-    counters at a time), then the per-block counts' exclusive cumsum as the
-    segments' offsets. A comparison sort of the T*n entries (what XLA emits for
-    argsort) costs O(E log^2 E) on a GPU and was the largest non-kernel op of the
-    backward.
-    """
-    b, t, kvh, n = idx_BxTxKxN.shape
-    entries = t * n
-    idx_BxKxTxN = idx_BxTxKxN.transpose(0, 2, 1, 3)
-    live = (idx_BxKxTxN >= 0) & (idx_BxKxTxN < num_blocks)
-    key_BxKxTxN = jnp.where(live, idx_BxKxTxN, num_blocks).astype(jnp.int32)
-    pos_BxKxE = _stable_positions(key_BxKxTxN, num_blocks + 1, scan_elems)
-    b_i, k_i = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
-    counts_BxKxM = (
-        jnp.zeros((b, kvh, num_blocks + 1), jnp.int32).at[b_i, k_i, key_BxKxTxN.reshape(b, kvh, entries)].add(1)
-    )
-    t_E = jnp.repeat(jnp.arange(t, dtype=jnp.int32), n)
-    # pos is a permutation of [0, T*n) per (b, k): every element is written once.
-    qlist = (
-        jnp.zeros((b, kvh, entries), jnp.int32)
-        .at[jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None], pos_BxKxE]
-        .set(jnp.broadcast_to(t_E, pos_BxKxE.shape), unique_indices=True)
-    )
-
-    def per_row(counts_M):
-        counts = counts_M[:num_blocks]
-        starts = jnp.cumsum(counts) - counts
-        nseg = (counts + segment - 1) // segment
-        seg_end = jnp.cumsum(nseg)
-        seg_first = seg_end - nseg
-        num_segments = pl.cdiv(entries, segment) + num_blocks
-        p = jnp.arange(num_segments, dtype=jnp.int32)
-        blk = jnp.searchsorted(seg_end, p, side="right").astype(jnp.int32)
-        used = blk < num_blocks
-        blk_c = jnp.minimum(blk, num_blocks - 1)
-        lo = starts[blk_c] + (p - seg_first[blk_c]) * segment
-        hi = jnp.minimum(lo + segment, starts[blk_c] + counts[blk_c])
-        lo = jnp.where(used, lo, 0)
-        hi = jnp.where(used, hi, 0)
-        return blk, lo.astype(jnp.int32), hi.astype(jnp.int32), seg_first.astype(jnp.int32), nseg.astype(jnp.int32)
-
-    per_bk = jax.vmap(jax.vmap(per_row))
-    seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(counts_BxKxM)
-    return ReverseIndex(qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count)
 
 
 def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
