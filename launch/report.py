@@ -30,10 +30,10 @@ import sys
 from typing import Sequence
 
 from launch.cli import Parser
-from nsa_jax.report import criteria as C
-from nsa_jax.report import reading as R
-from nsa_jax.report import text as T
+from nsa_jax.report.criteria import GO, Entry, Summary, Thresholds, rank_entries, summarize
 from nsa_jax.report.plots import comparison_figures, run_figures, save_figures
+from nsa_jax.report.reading import RunPathError, load_run, resolve_run_dir
+from nsa_jax.report.text import format_summary, format_table, markdown_summary, markdown_table, warning_lines
 
 _THRESHOLD_HELP = {
     "min_toks_per_s": "throughput: lowest window tok/s, total tokens / total step time (runbook: 39 on 2xA100)",
@@ -58,7 +58,7 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
         help="ranking: means within P%% of the better one tie; the lower pstdev wins (default 1)",
     )
     g = p.add_argument_group("thresholds")
-    for f in dataclasses.fields(C.Thresholds):
+    for f in dataclasses.fields(Thresholds):
         g.add_argument(
             "--" + f.name.replace("_", "-"),
             type=float,
@@ -68,8 +68,8 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
         )
 
 
-def thresholds_from_args(args: argparse.Namespace) -> C.Thresholds:
-    return C.Thresholds(**{f.name: getattr(args, f.name) for f in dataclasses.fields(C.Thresholds)})
+def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
+    return Thresholds(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Thresholds)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,13 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def write_run_report(summary: C.Summary, out_dir: pathlib.Path) -> tuple[pathlib.Path, int]:
+def write_run_report(summary: Summary, out_dir: pathlib.Path) -> tuple[pathlib.Path, int]:
     """PNGs and report.md of one run; returns the page and the number of plots."""
     figs, skipped = run_figures(summary.run, summary)
     paths = save_figures(figs, out_dir)
     page = out_dir / "report.md"
     images = {k: p.name for k, p in paths.items()}
-    page.write_text(T.markdown_summary(summary, images, skipped) + "\n")
+    page.write_text(markdown_summary(summary, images, skipped) + "\n")
     return page, len(paths)
 
 
@@ -111,29 +111,29 @@ def default_comparison_dir(dirs: Sequence[pathlib.Path]) -> pathlib.Path:
     return common / "comparison"
 
 
-def comparison_text(entries: Sequence[C.Entry], last: int, tie_pct: float) -> str:
+def comparison_text(entries: Sequence[Entry], last: int, tie_pct: float) -> str:
     """Each run's summary, then the ranked table."""
     lines = []
     for e in entries:
-        lines += [f"== {e.label}: {e.status}", T.format_summary(e.summary) if e.summary else "no artifacts", ""]
-    lines.append(T.format_table(C.rank_entries(entries, tie_pct), last, tie_pct))
+        lines += [f"== {e.label}: {e.status}", format_summary(e.summary) if e.summary else "no artifacts", ""]
+    lines.append(format_table(rank_entries(entries, tie_pct), last, tie_pct))
     return "\n".join(lines)
 
 
-def write_comparison(entries: Sequence[C.Entry], out_dir: pathlib.Path, last: int, tie_pct: float) -> pathlib.Path:
+def write_comparison(entries: Sequence[Entry], out_dir: pathlib.Path, last: int, tie_pct: float) -> pathlib.Path:
     """Overlaid PNGs and comparison.md (ranked table, then each run's criteria)."""
     runs = [e.summary.run for e in entries if e.summary is not None]
     figs, skipped = comparison_figures(runs)
     paths = save_figures(figs, out_dir)
-    ranked = C.rank_entries(entries, tie_pct)
-    lines = ["# Run comparison", "", T.markdown_table(ranked, last, tie_pct), ""]
+    ranked = rank_entries(entries, tie_pct)
+    lines = ["# Run comparison", "", markdown_table(ranked, last, tie_pct), ""]
     for name, p in paths.items():
         lines += [f"## {name.replace('_', ' ')}", "", f"![{name}]({p.name})", ""]
     if skipped:
         lines += ["Plots not drawn: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()), ""]
     for _, e in ranked:
         if e.summary is not None:
-            lines += [T.markdown_summary(e.summary, {}, {}, level=2), ""]
+            lines += [markdown_summary(e.summary, {}, {}, level=2), ""]
         else:
             lines += [f"## Run report: {e.label}", "", f"- {e.status}; no artifacts", ""]
     page = out_dir / "comparison.md"
@@ -147,23 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --last must be at least 1", file=sys.stderr)
         return 2
     try:
-        dirs = [R.resolve_run_dir(p, require_run=True) for p in args.runs]
-    except R.RunPathError as e:
+        dirs = [resolve_run_dir(p, require_run=True) for p in args.runs]
+    except RunPathError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     th = thresholds_from_args(args)
-    summaries = [C.summarize(R.load_run(d, label), args.last, th) for d, label in zip(dirs, labels_for(dirs))]
+    summaries = [summarize(load_run(d, label), args.last, th) for d, label in zip(dirs, labels_for(dirs))]
     for s in summaries:
-        for line in T.warning_lines(s):
+        for line in warning_lines(s):
             print(line, file=sys.stderr)
     try:
         if len(summaries) == 1:
             s = summaries[0]
-            print(T.format_summary(s))
+            print(format_summary(s))
             page, n = write_run_report(s, pathlib.Path(args.out) if args.out else dirs[0] / "report")
             print(f"report: {page} ({n} plots)")
         else:
-            entries = [C.Entry(s.run.label, s) for s in summaries]
+            entries = [Entry(s.run.label, s) for s in summaries]
             print(comparison_text(entries, args.last, args.tie_pct))
             out = pathlib.Path(args.out) if args.out else default_comparison_dir(dirs)
             out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: cannot write the report: {e}", file=sys.stderr)
         return 2
-    if args.strict and any(s.verdict != C.GO for s in summaries):
+    if args.strict and any(s.verdict != GO for s in summaries):
         return 1
     return 0
 

@@ -24,9 +24,9 @@ import sys
 
 from launch.cli import Parser
 from launch.report import add_report_args, comparison_text, thresholds_from_args, write_comparison
-from nsa_jax.report import criteria as C
-from nsa_jax.report import reading as R
-from nsa_jax.report import text as T
+from nsa_jax.report.criteria import Entry, summarize
+from nsa_jax.report.reading import load_run
+from nsa_jax.report.text import warning_lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +109,7 @@ def print_comparison(entries, last: int, tie_pct: float) -> None:
     print()
     print(comparison_text(entries, last, tie_pct))
     for e in entries:
-        for line in T.warning_lines(e.summary) if e.summary else ():
+        for line in warning_lines(e.summary) if e.summary else ():
             print(line, file=sys.stderr)
 
 
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         status, err, failed = results.get(name, ("not run", "", True))
         out = root / name
-        summary = C.summarize(R.load_run(out, name), args.last, th) if out.is_dir() else None
-        entries.append(C.Entry(name, summary, failed=failed, status=status, error=err))
+        summary = summarize(load_run(out, name), args.last, th) if out.is_dir() else None
+        entries.append(Entry(name, summary, failed=failed, status=status, error=err))
     print_comparison(entries, args.last, args.tie_pct)
     try:
         print(f"report: {write_comparison(entries, root / 'comparison', args.last, args.tie_pct)}")

@@ -31,7 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 # The dispatch module, called through its attributes: what a test monkeypatches is what runs.
-from nsa_jax import kernels as K
+from nsa_jax.kernels import (
+    CUDNN_CMP,
+    compressed_attention,
+    plan_kernels,
+    resolve_impl,
+    selection_attention,
+    selection_kernel_fits,
+    window_attention,
+)
 from nsa_jax.kernels.xla import num_compressed, select_blocks
 from nsa_jax.seq_layout import chunk_len
 
@@ -72,20 +80,20 @@ def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[s
         def cmp(impl, q, kc, vc, q_offset):
             impl = plan.cmp if impl == "pallas" else impl
             kw = dict(l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n, num_blocks=num_blocks)
-            o, idx = K.compressed_attention(q, kc, vc, q_offset=q_offset, **kw, **run)
+            o, idx = compressed_attention(q, kc, vc, q_offset=q_offset, **kw, **run)
             return o, (idx if select_n is not None else None)
 
         return _KERNELS["cmp-cudnn" if plan.cmp == "cudnn" else "cmp"], cmp
     if branch == "win":
 
         def win(impl, q, k, v, q_offset):
-            return K.window_attention(q, k, v, nsa.w, impl=impl, q_offset=q_offset, **run), None
+            return window_attention(q, k, v, nsa.w, impl=impl, q_offset=q_offset, **run), None
 
         return _KERNELS["win"], win
 
     def slc(impl, q, k, v, idx, q_offset):
         kernel = plan.slc if impl == "pallas" else "xla"
-        return K.selection_attention(q, k, v, idx, nsa.lp, kernel=kernel, q_offset=q_offset, **run), None
+        return selection_attention(q, k, v, idx, nsa.lp, kernel=kernel, q_offset=q_offset, **run), None
 
     return _KERNELS[plan.slc], slc
 
@@ -192,14 +200,14 @@ def guard_kernels(
     """
     a = cfg.nsa
     backend = jax.default_backend()
-    if a.attention_impl != "auto" or not (force or K.resolve_impl("auto", backend) == "pallas"):
+    if a.attention_impl != "auto" or not (force or resolve_impl("auto", backend) == "pallas"):
         return {}
     rows = None
     if context > 1:  # one device's chunk of queries over the whole padded sequence
         rows = chunk_len(seq, context, a.l, a.lp)
         seq = 2 * context * rows
     # What `auto` runs on this backend's GPU path (forced on a CPU: the interpreted kernels).
-    plan = K.plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend, context=context)
+    plan = plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend, context=context)
     failed = {}
 
     def broken(branch: str, plan) -> str | None:
@@ -215,13 +223,13 @@ def guard_kernels(
         return None
 
     for branch in a.branches:
-        if branch == "slc" and not K.selection_kernel_fits(a.lp):
+        if branch == "slc" and not selection_kernel_fits(a.lp):
             continue  # auto already runs it on XLA
         why = broken(branch, plan)
         if why and branch == "cmp" and plan.cmp == "cudnn":
             # cuDNN's attention (a card or cuDNN without it): the branch's own flash kernels, if they pass.
             warn(f"warning: kernel guard: {why}; the cmp branch runs its flash kernels")
-            failed[K.CUDNN_CMP] = why
+            failed[CUDNN_CMP] = why
             why = broken(branch, dataclasses.replace(plan, cmp="pallas"))
         if why:
             failed[branch] = why

@@ -36,12 +36,12 @@ from nsa_jax.kernels.plan import FALLBACKS, substitutions
 from nsa_jax.mesh import DATA, make_mesh, process_rows
 from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.rundir import resume
-from nsa_jax.train import optimizer as O
 from nsa_jax.train import schedule
-from nsa_jax.train import step as S
 from nsa_jax.train.artifacts import RunArtifacts
+from nsa_jax.train.optimizer import learning_rate
 from nsa_jax.train.progress import gpu_config_warning
 from nsa_jax.train.state import TrainState
+from nsa_jax.train.step import make_train_step
 from nsa_jax.train.strategies import ShardingPlan, make_plan
 from nsa_jax.words import count
 
@@ -103,7 +103,7 @@ def boot(
     fallback = _guard_kernels(cfg, cfg.train.global_batch // plan.n_devices, say)
     if fallback:  # the kernel plan of every phase runs the failed branches on XLA (cmp-cudnn: on its flash kernels)
         plan = dataclasses.replace(plan, kernel_fallback=frozenset(fallback))
-    train_step = S.make_train_step(plan)
+    train_step = make_train_step(plan)
     # Opening the stream validates the data settings before any artifact is written.
     doing("boot: opening the data stream")
     data = make_dataset(cfg, "train", *process_rows(mesh))
@@ -181,7 +181,7 @@ def _lr_change(cfg: Config, restored: ckpt.Restored) -> str | None:
         return None
 
     def lr_at(step: int, train) -> float:
-        return float(O.learning_rate(step, train))
+        return float(learning_rate(step, train))
 
     return schedule.lr_change_on_resume(saved, cfg.train, restored.step, lr_at)
 

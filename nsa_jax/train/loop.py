@@ -56,10 +56,10 @@ from nsa_jax.rundir import resume
 from nsa_jax.rundir.files import HALT_FILE, write_halt
 from nsa_jax.rundir.model_dir import initial_params
 from nsa_jax.train import metrics, progress, schedule
-from nsa_jax.train import step as S
 from nsa_jax.train.boot import boot, compile_step
 from nsa_jax.train.saves import RunSaves
 from nsa_jax.train.state import TrainState
+from nsa_jax.train.step import create_state
 from nsa_jax.words import count
 
 # Steps at least this long run one at a time: the next step is dispatched once the one in
@@ -151,7 +151,7 @@ class Trainer:
             start = initial_params(self.cfg)  # train.init_from's, or None: random
             if start is not None:
                 self.say(f"init: parameters from {self.cfg.train.init_from} (train.init_from)")
-            init = functools.partial(S.create_state, self.plan, params=start)
+            init = functools.partial(create_state, self.plan, params=start)
         out = compile_step(self.train_step, abstract, batch, init, lambda: guard is not None and guard.requested)
         if out is None:
             return None
