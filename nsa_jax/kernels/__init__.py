@@ -14,9 +14,12 @@ is not a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from nsa_jax.config import NSAConfig
 from nsa_jax.kernels.block_scores_pallas import compressed_attention_scores_pallas, compressed_attention_select_pallas
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
@@ -38,6 +41,7 @@ from nsa_jax.kernels.xla import (
 )
 
 __all__ = [
+    "BranchCalls",
     "COMPRESSED_KERNELS",
     "CUDNN_CMP",
     "SELECTION_KERNELS",
@@ -156,3 +160,38 @@ def compressed_attention(
             q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk, q_offset=q_offset, num_blocks=num_blocks
         )
     return o, (scores if select_n is None else select_blocks(scores, lp, select_n, t_T))
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchCalls:
+    """The three branches bound to a kernel plan and the NSA hyper-parameters: the one place their
+    calls are spelled (the layer's paths, dense attention and the kernel guard all call these).
+
+    Each takes `q_offset` (queries that start past position 0 over the whole sequence's keys) and
+    an `impl` that overrides the plan's ("xla": the reference the guard compares against).
+    """
+
+    nsa: NSAConfig
+    plan: KernelPlan
+
+    def _run(self) -> dict:
+        return {"interpret": self.plan.interpret, "query_chunk": self.nsa.query_chunk}
+
+    def compressed(self, q, kc, vc, *, t_T=None, q_offset=0, num_blocks=None, impl=None):
+        """(o [B, T, H, Dv], the selected blocks [B, T, K, n], or None without a selection branch)."""
+        a = self.nsa
+        select_n = a.n if "slc" in a.branches else None
+        o, idx = compressed_attention(
+            q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T, impl=impl or self.plan.cmp,
+            q_offset=q_offset, num_blocks=num_blocks, **self._run(),
+        )  # fmt: skip
+        return o, (idx if select_n is not None else None)
+
+    def selection(self, q, k, v, idx, *, q_offset=0, impl=None):
+        kernel = "xla" if impl == "xla" else self.plan.slc
+        return selection_attention(q, k, v, idx, self.nsa.lp, kernel=kernel, q_offset=q_offset, **self._run())
+
+    def window(self, q, k, v, *, window=None, q_offset=0, impl=None):
+        """`window`: keys a query sees (default model.nsa.w; dense attention passes its own)."""
+        w = self.nsa.w if window is None else window
+        return window_attention(q, k, v, w, impl=impl or self.plan.win, q_offset=q_offset, **self._run())

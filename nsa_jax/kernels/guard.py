@@ -33,12 +33,10 @@ import numpy as np
 # The dispatch module, called through its attributes: what a test monkeypatches is what runs.
 from nsa_jax.kernels import (
     CUDNN_CMP,
-    compressed_attention,
+    BranchCalls,
     plan_kernels,
     resolve_impl,
-    selection_attention,
     selection_kernel_fits,
-    window_attention,
 )
 from nsa_jax.kernels.xla import num_compressed, select_blocks
 from nsa_jax.seq_layout import chunk_len
@@ -73,27 +71,23 @@ def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[s
     the queries start among the keys (context parallelism; 0 otherwise); `num_blocks`: the selection
     blocks of the keys (the compressed branch, under an offset).
     """
-    run = {"interpret": plan.interpret}
+    calls = BranchCalls(nsa, plan)
+    reference = lambda impl: None if impl == "pallas" else impl  # noqa: E731 - "xla": the reference
     if branch == "cmp":
-        select_n = nsa.n if "slc" in nsa.branches else None
 
         def cmp(impl, q, kc, vc, q_offset):
-            impl = plan.cmp if impl == "pallas" else impl
-            kw = dict(l=nsa.l, d=nsa.d, lp=nsa.lp, impl=impl, select_n=select_n, num_blocks=num_blocks)
-            o, idx = compressed_attention(q, kc, vc, q_offset=q_offset, **kw, **run)
-            return o, (idx if select_n is not None else None)
+            return calls.compressed(q, kc, vc, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
 
         return _KERNELS["cmp-cudnn" if plan.cmp == "cudnn" else "cmp"], cmp
     if branch == "win":
 
         def win(impl, q, k, v, q_offset):
-            return window_attention(q, k, v, nsa.w, impl=impl, q_offset=q_offset, **run), None
+            return calls.window(q, k, v, q_offset=q_offset, impl=reference(impl)), None
 
         return _KERNELS["win"], win
 
     def slc(impl, q, k, v, idx, q_offset):
-        kernel = plan.slc if impl == "pallas" else "xla"
-        return selection_attention(q, k, v, idx, nsa.lp, kernel=kernel, q_offset=q_offset, **run), None
+        return calls.selection(q, k, v, idx, q_offset=q_offset, impl=reference(impl)), None
 
     return _KERNELS[plan.slc], slc
 

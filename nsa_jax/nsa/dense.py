@@ -3,7 +3,7 @@
 x[B, T, D] -> q, k, v projections (biases with model.qkv_bias, per-head RMSNorm of q and k
 with model.qk_norm), RoPE (model.rope_scaling), softmax attention over every earlier key
 (or the last model.dense_window keys) -> the output projection. The attention itself is the
-window branch's (kernels.window_attention) with the window as long as the sequence, so it
+window branch's (kernels.BranchCalls.window) with the window as long as the sequence, so it
 runs the same kernels as NSA's window branch on every backend.
 
 Parameter names are those launch.convert maps a checkpoint's onto: q, k, v, o (and q_norm,
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
-from nsa_jax.kernels import KernelPlan, plan_kernels, window_attention
+from nsa_jax.kernels import BranchCalls, KernelPlan, plan_kernels
 from nsa_jax.kernels.xla import masked_softmax_attend
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
 from nsa_jax.nsa.layer import check_mode, ring_positions
@@ -76,9 +76,7 @@ class DenseAttention(nn.Module):
             o = self._decode(q[:, 0], k[:, 0], v[:, 0], layer, pos_B)[:, None]
         else:
             plan = self.kernels or plan_kernels(cfg.nsa, T, jax.default_backend())
-            o = window_attention(
-                q, k, v, dense_window(cfg), impl=plan.win, interpret=plan.interpret, query_chunk=cfg.nsa.query_chunk
-            )
+            o = BranchCalls(cfg.nsa, plan).window(q, k, v, window=dense_window(cfg))
             if self.mode == "prefill":
                 self._fill(k, v, layer, pos_B)
         return out_proj(o.astype(dtype).reshape(B, T, H * Dv))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import BRANCHES, ModelConfig
-from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, selection_attention, window_attention
+from nsa_jax.kernels import BranchCalls, KernelPlan, plan_kernels
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
 from nsa_jax.nsa.compression import Compressor
@@ -206,7 +206,7 @@ class NSAAttention(nn.Module):
             plan = self.kernels
         else:
             plan = plan_kernels(a, T if shard is None else shard.seq_len, jax.default_backend())
-        run_kw = {"interpret": plan.interpret, "query_chunk": a.query_chunk}
+        calls = BranchCalls(a, plan)
 
         # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,
         # the window and causality stay at the indices.
@@ -264,7 +264,7 @@ class NSAAttention(nn.Module):
             if self.is_mutable_collection("losses"):
                 raise ValueError("train.scorer_distill does not run under context parallelism (parallel.context > 1)")
             outputs, idx, own = sharded_branches(
-                a, plan, run_kw, shard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor
+                a, calls, shard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor
             )
             if "slc" in a.branches:
                 self.sow("intermediates", "block_idx", idx)
@@ -283,15 +283,11 @@ class NSAAttention(nn.Module):
                 vc = compressor("cmp_v")(v_cmp)
             # Block indices straight from the compressed branch: on the Pallas path one kernel
             # scores and selects, with no probability or block-score tensor.
-            select_n = a.n if "slc" in a.branches else None
-            t_T = positions_T - positions_T[0]
-            o_cmp, idx = compressed_attention(
-                q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T, impl=plan.cmp, **run_kw
-            )
+            o_cmp, idx = calls.compressed(q, kc, vc, t_T=positions_T - positions_T[0])
         outputs = {"cmp": o_cmp}
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
-                outputs["slc"] = selection_attention(q, k_slc, v_slc, idx, a.lp, kernel=plan.slc, **run_kw)
+                outputs["slc"] = calls.selection(q, k_slc, v_slc, idx)
                 if self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
                     # The scorer's keys again, from a detached layer input: the KL trains the
                     # k_cmp projection and phi only, never the residual stream below (as DSA
@@ -303,7 +299,7 @@ class NSAAttention(nn.Module):
                     self.sow("losses", "scorer_kl", kl)
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):
-                outputs["win"] = window_attention(q, k_win, v_win, a.w, impl=plan.win, **run_kw)
+                outputs["win"] = calls.window(q, k_win, v_win)
 
         if self.mode == "prefill":
             fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
@@ -316,9 +312,7 @@ class NSAAttention(nn.Module):
         return gated_output(g_BxTxHx3, outputs, a.branches, out_proj, dtype)
 
 
-def sharded_branches(
-    a, plan: KernelPlan, run_kw: dict, shard: SeqShard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor
-):
+def sharded_branches(a, calls: BranchCalls, shard: SeqShard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor):
     """The three branches of this device's 2S queries under context parallelism (nsa/context.py).
 
     Returns (outputs per branch [B, 2S, H, Dv], the selected blocks [B, 2S, K, n] or None,
@@ -335,37 +329,21 @@ def sharded_branches(
         full["slc"] = shard.gather(k_slc), shard.gather(v_slc)
     if "win" in a.branches:
         full["win"] = shard.gather(k_win), shard.gather(v_win)
-    select_n = a.n if "slc" in a.branches else None
     parts = {name: [] for name in BRANCHES}  # the compressed branch always runs: it selects the blocks
     idx_parts = []
     for c, off in enumerate(shard.offsets()):
         q_c = q[:, c * S : (c + 1) * S]
         with jax.named_scope("nsa_cmp"):
             t_S = off + jnp.arange(S, dtype=jnp.int32)
-            o_cmp, idx = compressed_attention(
-                q_c,
-                kc,
-                vc,
-                l=a.l,
-                d=a.d,
-                lp=lp,
-                select_n=select_n,
-                t_T=t_S,
-                impl=plan.cmp,
-                q_offset=off,
-                num_blocks=shard.seq_len // lp,
-                **run_kw,
-            )
+            o_cmp, idx = calls.compressed(q_c, kc, vc, t_T=t_S, q_offset=off, num_blocks=shard.seq_len // lp)
         parts["cmp"].append(o_cmp)
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
-                parts["slc"].append(
-                    selection_attention(q_c, *full["slc"], idx, lp, kernel=plan.slc, q_offset=off, **run_kw)
-                )
+                parts["slc"].append(calls.selection(q_c, *full["slc"], idx, q_offset=off))
             idx_parts.append(idx)
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):
-                parts["win"].append(window_attention(q_c, *full["win"], a.w, impl=plan.win, q_offset=off, **run_kw))
+                parts["win"].append(calls.window(q_c, *full["win"], q_offset=off))
     outputs = {name: jnp.concatenate(x, axis=1) for name, x in parts.items() if x}
     idx = jnp.concatenate(idx_parts, axis=1) if idx_parts else None
     return outputs, idx, {"kc": (kc_own, vc_own), "real_Tc": real_Tc}
