@@ -249,6 +249,15 @@ def local_sums(value_and_grad: Callable, params, tokens_AxbxT1: jax.Array):
     return sums
 
 
+def reduce_grads(grads, n: int, dtype, over_devices: Callable, places=None):
+    """Every strategy's gradient reduction: each leaf's sum over this device's micro-batches, divided
+    by `n` (the micro-batches of the whole step), cast to parallel.grad_reduce_dtype (bf16 halves
+    the bytes on the wire), reduced by `over_devices(leaf, place)`, back in fp32. `places`: a tree
+    of each leaf's destination (a spec or sharding) passed to `over_devices`; None for every leaf."""
+    places = jax.tree.map(lambda _: None, grads) if places is None else places
+    return jax.tree.map(lambda g, at: over_devices((g / n).astype(dtype), at).astype(jnp.float32), grads, places)
+
+
 def make_dp_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
     """dp: shard_map, local accumulation, one explicit psum of the summed grads in grad_reduce_dtype.
 
@@ -264,7 +273,7 @@ def make_dp_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
     def local(params, tokens_AxbxT1):
         grads, loss, stats = local_sums(value_and_grad, params, tokens_AxbxT1)
         n = tokens_AxbxT1.shape[0] * n_devices  # every micro-batch on every device has the same size
-        grads = jax.tree.map(lambda g: lax.psum((g / n).astype(reduce_dtype), DATA).astype(jnp.float32), grads)
+        grads = reduce_grads(grads, n, reduce_dtype, lambda g, _: lax.psum(g, DATA))
         loss = lax.psum(loss, DATA) / n
         stats = jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)
         return grads, loss, stats
@@ -330,16 +339,13 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
         (grads, total, stats), _ = lax.scan(micro, zeros, xs)
         n = inputs_AxbxL.shape[0] * n_devices
 
-        def reduce(g, spec):  # the mean over every device: whole (dp), or this device's slice (zero1)
-            g = (g / n).astype(reduce_dtype)
+        def over_devices(g, spec):  # over every device: whole (dp), or into this device's slice (zero1)
             dims = [i for i, axes in enumerate(spec) if axes is not None]
             if dims:  # the leaf's sharded axis, over the mesh axes shard_axes chose
-                g = lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
-            else:
-                g = lax.psum(g, (DATA, SEQ))
-            return g.astype(jnp.float32)
+                return lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
+            return lax.psum(g, (DATA, SEQ))
 
-        grads = jax.tree.map(reduce, grads, grad_specs)
+        grads = reduce_grads(grads, n, reduce_dtype, over_devices, grad_specs)
         return grads, lax.psum(total, DATA) / n, jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)
 
     def lay_out(x_AxDxbxT):
@@ -399,11 +405,11 @@ def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
         grads_DxS, loss_D, stats_D = per_group(params, tokens_AxDxbxT1)
         n = A * n_devices
 
-        def reduce(g_DxS, sharding):
-            g_DxS = lax.with_sharding_constraint(g_DxS / n, rows_sharding)
-            return lax.with_sharding_constraint(_sum_rows(g_DxS, reduce_dtype), sharding).astype(jnp.float32)
+        def over_devices(g_DxS, sharding):  # the device axis made explicit: summed where the strategy places it
+            g_DxS = lax.with_sharding_constraint(g_DxS, rows_sharding)
+            return lax.with_sharding_constraint(_sum_rows(g_DxS, reduce_dtype), sharding)
 
-        grads = jax.tree.map(reduce, grads_DxS, plan.grads)
+        grads = reduce_grads(grads_DxS, n, reduce_dtype, over_devices, plan.grads)
         loss = jnp.sum(loss_D) / n
         stats = jax.tree.map(lambda s: jnp.sum(s, axis=0) / n, stats_D)
         return grads, loss, stats
@@ -429,7 +435,7 @@ def make_pmap_step(plan: ShardingPlan, loss_fn: LossFn, update_fn: Callable) -> 
     def per_device(state: TrainState, tokens_AxbxT1: jax.Array):
         grads, loss, stats = local_sums(value_and_grad, state.params, tokens_AxbxT1)
         A = tokens_AxbxT1.shape[0]
-        grads = jax.tree.map(lambda g: lax.pmean((g / A).astype(reduce_dtype), DATA).astype(jnp.float32), grads)
+        grads = reduce_grads(grads, A * n_devices, reduce_dtype, lambda g, _: lax.psum(g, DATA))
         loss = lax.pmean(loss / A, DATA)
         stats = jax.tree.map(lambda s: lax.pmean(s / A, DATA), stats)
         return update_fn(state, grads, loss, stats)
