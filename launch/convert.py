@@ -80,7 +80,8 @@ def converted_config(ckpt, attention: str, overrides: list[str], out: pathlib.Pa
         model["attention"] = "nsa"
         model["dense_window"] = 0  # NSA's own window is model.nsa.w
         model["nsa"]["gate_bias_init"] = list(NSA_GATE_BIAS)
-    seq_len = min(2048, int(ckpt.hf_config.get("max_position_embeddings") or 2048))
+    # The length the model was trained to (what the notes of generate and evaluate measure against), at most 8k.
+    seq_len = min(8192, int(ckpt.hf_config.get("max_position_embeddings") or 2048))
     base = config_dict(load_config(None))
     base["model"] = model
     base["train"]["seq_len"] = seq_len

@@ -120,3 +120,14 @@ def test_launch_train_continues_a_converted_model(tmp_path):
     assert f"init: parameters from {tmp_path / 'nsa'}" in proc.stdout
     rows = (run / "training.csv").read_text().splitlines()
     assert len(rows) == 3
+
+
+def test_a_model_larger_than_the_host_is_refused_with_both_figures(tmp_path, capsys, monkeypatch):
+    import launch.convert
+
+    src = _hf_folder(tmp_path)
+    monkeypatch.setattr(launch.convert, "available_host_bytes", lambda: 1000)
+    assert convert([str(src), str(tmp_path / "out")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "converting needs about" in err and "GiB of fp32 parameters" in err and "0.0 GiB is available" in err
+    assert not (tmp_path / "out").exists()

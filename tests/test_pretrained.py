@@ -135,3 +135,68 @@ def test_the_gguf_vocabulary_tokenizes_as_transformers():
     ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, "<i4")
     assert len(ids) == meta["num_ids"]
     np.testing.assert_array_equal(ids, np.load(GOLDEN / "tokenizer_1mb.npz")["ids"])
+
+
+def _permute_for_llama_cpp(w_OxI: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's layout of q/k rows: each head's halves [x0..x(D/2-1) | y0..] interleaved as pairs."""
+    return w_OxI.reshape(heads, 2, w_OxI.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w_OxI.shape)
+
+
+def _write_gguf(path, hf_folder, kind=None):
+    """The golden tiny Llama 2 as a GGUF file as llama.cpp's converter lays it out (q/k rows permuted,
+    ggml's reversed shapes), every tensor F32, or `kind` (a GGMLQuantizationType) for the matrices."""
+    import gguf
+
+    hf = json.loads((hf_folder / "config.json").read_text())
+    ckpt = open_checkpoint(hf_folder)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_context_length(hf["max_position_embeddings"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    names["lm_head.weight"] = "output.weight"
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q"}
+    per_layer |= {"self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output"}
+    per_layer |= {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(hf["num_hidden_layers"]):
+        for hf_part, g_part in per_layer.items():
+            names[f"model.layers.{i}.{hf_part}.weight"] = f"blk.{i}.{g_part}.weight"
+    for hf_name, g_name in names.items():
+        x = ckpt.tensor(hf_name)
+        if hf_name.endswith("q_proj.weight"):
+            x = _permute_for_llama_cpp(x, hf["num_attention_heads"])
+        if hf_name.endswith("k_proj.weight"):
+            x = _permute_for_llama_cpp(x, hf["num_key_value_heads"])
+        if kind is not None and x.ndim == 2:
+            w.add_tensor(g_name, gguf.quants.quantize(x, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(g_name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_file_imports_as_its_hf_folder(tmp_path):
+    """The same weights through the GGUF path (llama.cpp's q/k layout undone) give transformers' logits."""
+    import gguf
+
+    _write_gguf(tmp_path / "m.gguf", GOLDEN / "llama2")
+    _, cfg, params = _load(tmp_path / "m.gguf")
+    golden = np.load(GOLDEN / "llama2" / "golden.npz")
+    logits = NSALM(cfg).apply({"params": params}, jnp.asarray(golden["input_ids"]))
+    np.testing.assert_allclose(np.asarray(logits), golden["logits"], rtol=1e-5, atol=2e-5)
+    # Q8_0 matrices: dequantized on read, close to the fp32 model (8-bit blocks of 32).
+    _write_gguf(tmp_path / "q8.gguf", GOLDEN / "llama2", gguf.GGMLQuantizationType.Q8_0)
+    _, cfg8, params8 = _load(tmp_path / "q8.gguf")
+    q8 = np.asarray(NSALM(cfg8).apply({"params": params8}, jnp.asarray(golden["input_ids"])))
+    assert 1e-5 < np.abs(q8 - golden["logits"]).max() < 0.05 * np.abs(golden["logits"]).max()
+    # A tensor type the importer does not dequantize is named.
+    _write_gguf(tmp_path / "fp4.gguf", GOLDEN / "llama2", gguf.GGMLQuantizationType.MXFP4)
+    with pytest.raises(PretrainedError, match="GGUF type MXFP4; supported"):
+        _load(tmp_path / "fp4.gguf")
