@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -524,6 +525,11 @@ def test_projections_from_a_shorter_length_and_from_the_first_batch():
     assert query_keys(tiny, 4096, "cpu") == (4096 - a.l) // a.d + 1 + a.n * a.lp + a.query_chunk + a.w - 1
     gpu = load_config("a100_pcie").model
     assert query_keys(gpu, 4096, "gpu") == keys_per_query(gpu, 4096)["nsa_total"]
+    # Dense attention (a pretrained model as imported): every earlier key, or a window of them.
+    dense = dataclasses.replace(tiny, attention="dense")
+    assert query_keys(dense, 4096, "cpu") == a.query_chunk + 4096 - 1  # a chunk of queries against every key
+    assert query_keys(dataclasses.replace(gpu, attention="dense"), 4096, "gpu") == 4097 / 2
+    assert query_keys(dataclasses.replace(dense, dense_window=100), 4096, "cpu") == a.query_chunk + 99
     cost = CostModel(tiny, 1_000_000, "cpu")
     assert cost.dense == 2 * (1_000_000 - tiny.vocab_size * tiny.d_model)
     assert cost(100_000) / cost(256) > 3 * 100_000 / 256

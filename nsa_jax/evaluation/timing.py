@@ -35,6 +35,11 @@ from nsa_jax.progress_text import fmt_seconds
 def query_keys(cfg: ModelConfig, L: int, backend: str) -> float:
     """Keys one query reads on average in a row of L tokens, as the implementation on `backend` computes them."""
     a = cfg.nsa
+    if cfg.attention == "dense":  # the window branch's kernel over a window as long as the row (nsa/dense.py)
+        w = min(cfg.dense_window or L, L)
+        if plan_kernels(a, L, backend).win != "xla":
+            return (w + 1) / 2 if w == L else float(w)  # causal: the mean over positions; a window: about w
+        return float(min(a.query_chunk, L) + w - 1)
     if plan_kernels(a, L, backend).cmp != "xla":
         return keys_per_query(cfg, L)["nsa_total"]
     keys = float(max(1, num_compressed(L, a.l, a.d)))  # every compressed token, masked, for every query
