@@ -7,9 +7,10 @@ Tensors are memory-mapped and converted one at a time, so a caller that copies e
 its place never holds a second full copy of the model.
 
 HF folder: config.json, model.safetensors or shards listed by model.safetensors.index.json
-(F32, F16, BF16), tokenizer.json (+ tokenizer_config.json for BOS/EOS). GGUF: the `gguf`
-package reads the file; quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) are dequantized
-on read, and q/k rows go back from llama.cpp's interleaved RoPE pairs to HF's halves.
+(F32, F16, BF16), tokenizer.json (+ tokenizer_config.json for BOS/EOS). GGUF: gguf_file.py
+reads the header and maps the tensors; quantized ones (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) are
+dequantized on read by the `gguf` package, and q/k rows go back from llama.cpp's interleaved
+RoPE pairs to HF's halves.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import json
 import pathlib
 import struct
 
+import gguf
 import ml_dtypes
 import numpy as np
 
 from nsa_jax.pretrained import PretrainedError
+from nsa_jax.pretrained.gguf_file import FLOATS, GGUFFile
 from nsa_jax.pretrained.tokenizer import gguf_tokenizer_json
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -169,64 +172,51 @@ def _hf_special_ids(path: pathlib.Path, hf: dict, tokenizer_json: str | None) ->
 
 
 class GGUFCheckpoint(Checkpoint):
-    """A GGUF file of the llama, mistral, qwen2 or qwen3 architecture."""
+    """A GGUF file of the llama, mistral, qwen2 or qwen3 architecture (gguf_file.py reads it)."""
 
     def __init__(self, path: pathlib.Path):
-        import gguf  # noqa: PLC0415 - the GGUF reader loads only for a GGUF checkpoint
-
-        self._gguf = gguf
         self.path = path
-        try:
-            self._reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one line
-            raise PretrainedError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        fields = {k: _field_value(f) for k, f in self._reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-        arch = fields.get("general.architecture", "?")
+        self._file = GGUFFile(path)
+        meta = self._file.metadata
+        arch = meta.get("general.architecture", "?")
         self.arch = arch
         self.hf_config = {"model_type": arch, "architectures": [f"gguf:{arch}"]}
         for key, hf_key in GGUF_CONFIG.items():
-            if f"{arch}.{key}" in fields:
-                self.hf_config[hf_key] = fields[f"{arch}.{key}"]
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        gguf_to_hf = {}
-        for i in range(int(self.hf_config.get("num_hidden_layers", 0))):
-            for hf_name, g_name in GGUF_NAMES.items():
-                gguf_to_hf[g_name.format(i=i)] = hf_name.format(i=i)
-        self._hf_to_gguf = {hf: g for g, hf in gguf_to_hf.items() if g in self._tensors}
+            if f"{arch}.{key}" in meta:
+                self.hf_config[hf_key] = meta[f"{arch}.{key}"]
+        tensors = self._file.tensors
+        self._hf_to_gguf = {}
         for hf_name, g_name in GGUF_NAMES.items():
-            if "{i}" not in hf_name and g_name in self._tensors:
-                self._hf_to_gguf[hf_name] = g_name
+            layers = range(int(self.hf_config.get("num_hidden_layers", 0))) if "{i}" in hf_name else [None]
+            for i in layers:
+                if g_name.format(i=i) in tensors:
+                    self._hf_to_gguf[hf_name.format(i=i)] = g_name.format(i=i)
         self.names = set(self._hf_to_gguf)
-        self.hf_config["tie_word_embeddings"] = "output.weight" not in self._tensors
-        if "vocab_size" not in self.hf_config and "token_embd.weight" in self._tensors:
-            self.hf_config["vocab_size"] = int(self._tensors["token_embd.weight"].shape[-1])
-        self.tokenizer_json, self.special_ids = gguf_tokenizer_json(self._reader.fields, _field_value)
+        self.hf_config["tie_word_embeddings"] = "output.weight" not in tensors
+        if "vocab_size" not in self.hf_config and "token_embd.weight" in tensors:
+            self.hf_config["vocab_size"] = int(tensors["token_embd.weight"][0][0])
+        self.tokenizer_json, self.special_ids = gguf_tokenizer_json(meta)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self._tensors[self._hf_to_gguf[name]].shape))
+        return self._file.tensors[self._hf_to_gguf[name]][0]
 
     def tensor(self, name: str) -> np.ndarray:
-        t = self._tensors[self._hf_to_gguf[name]]
-        kind = t.tensor_type.name
+        g_name = self._hf_to_gguf[name]
+        shape, kind = self._file.tensors[g_name]
         if kind not in GGUF_TYPES:
-            raise PretrainedError(f"{self.path.name}: tensor {t.name} is GGUF type {kind}; supported: {GGUF_TYPES}")
-        x = np.empty(self.shape(name), np.float32)
-        if kind in ("F32", "F16", "BF16"):
-            x[...] = self._gguf.quants.dequantize(t.data, t.tensor_type).reshape(x.shape)
+            raise PretrainedError(f"{self.path.name}: tensor {g_name} is GGUF type {kind}; supported: {GGUF_TYPES}")
+        raw = self._file.raw(g_name)
+        x = np.empty(shape, np.float32)
+        if kind in FLOATS:
+            x[...] = raw
         else:  # [rows, bytes a row]: a few thousand rows at a time, as dequantizing keeps several temporaries
-            rows = x.reshape(t.data.shape[0], -1)
+            qtype = gguf.GGMLQuantizationType[kind]
+            rows = x.reshape(raw.shape[0], -1)
             for start in range(0, rows.shape[0], DEQUANT_ROWS):
-                part = t.data[start : start + DEQUANT_ROWS]
-                rows[start : start + len(part)] = self._gguf.quants.dequantize(part, t.tensor_type).reshape(
-                    len(part), -1
-                )
+                part = np.asarray(raw[start : start + DEQUANT_ROWS])
+                rows[start : start + len(part)] = gguf.quants.dequantize(part, qtype).reshape(len(part), -1)
         # llama.cpp stores q and k rows with each RoPE pair interleaved; HF (and this project) rotates halves.
         if self.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.hf_config["num_attention_heads"] if "q_proj" in name else self.hf_config["num_key_value_heads"]
             x = x.reshape(heads, x.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(x.shape)
         return x
-
-
-def _field_value(field):
-    """A GGUF metadata field's value (a scalar, a string, or a list of them)."""
-    return field.contents()

@@ -9,8 +9,6 @@ control tokens are special added tokens, so they stay whole in text. Other token
 
 from __future__ import annotations
 
-from typing import Callable
-
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
@@ -29,11 +27,12 @@ def _byte_alphabet() -> dict[int, str]:
     return {b: chr(c) for b, c in chars.items()}
 
 
-def gguf_tokenizer_json(fields: dict, value: Callable) -> tuple[str | None, dict]:
-    """(tokenizers JSON text or None when the file has no vocabulary, {"bos", "eos", "add_bos"})."""
+def gguf_tokenizer_json(metadata: dict) -> tuple[str | None, dict]:
+    """(tokenizers JSON text or None when the file has no vocabulary, {"bos", "eos", ["pad",] "add_bos"})
+    from a GGUF file's metadata (gguf_file.GGUFFile.metadata)."""
 
     def get(key, default=None):
-        return value(fields[f"tokenizer.ggml.{key}"]) if f"tokenizer.ggml.{key}" in fields else default
+        return metadata.get(f"tokenizer.ggml.{key}", default)
 
     special = {"bos": get("bos_token_id"), "eos": get("eos_token_id"), "add_bos": bool(get("add_bos_token", False))}
     if get("padding_token_id") is not None:
