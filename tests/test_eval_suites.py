@@ -42,6 +42,8 @@ def test_text_loss_by_hand():
     r = scoring.text_loss(np.array([[1.0, 3.0], [2.0, 6.0]]))
     assert r["first"] == {"loss": 2.0, "ppl": pytest.approx(np.exp(2.0))}
     assert r["windows"] == {"loss": 3.0, "ppl": pytest.approx(np.exp(3.0)), "count": 2}
+    # By position over the windows: position 0 (1 and 2) then position 1 (3 and 6).
+    assert r["by_position"]["loss"] == [1.5, 4.5] and r["by_position"]["mean"] == 3.0
     with pytest.raises(ValueError, match="at least one of each"):
         scoring.text_loss(np.zeros((0, 4)))
 

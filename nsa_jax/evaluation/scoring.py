@@ -87,13 +87,17 @@ def _loss_ppl(nll: np.ndarray) -> dict:
 
 
 def text_loss(nll_WxT: np.ndarray) -> dict:
-    """{'first': {'loss', 'ppl'}, 'windows': {'loss', 'ppl', 'count'}} of the nll of W windows of a text, in order.
+    """{'first': {'loss', 'ppl'}, 'windows': {'loss', 'ppl', 'count'}, 'by_position'} of the nll of W
+    windows of a text, in order.
 
     Window w's row holds the predictions of its tokens 1..T (each from the tokens before it in the
     window). 'first': the mean over window 0's; 'windows': the mean over every prediction of every
     window (the windows are equally long, so also the mean of their means), and W. ppl = exp(loss).
+    'by_position': loss_by_position over the windows (how the loss falls with the context a
+    prediction had).
     """
     nll_WxT = np.asarray(nll_WxT, np.float64)
     if nll_WxT.ndim != 2 or nll_WxT.size == 0:
         raise ValueError(f"text_loss needs [windows, predictions] with at least one of each, got {nll_WxT.shape}")
-    return {"first": _loss_ppl(nll_WxT[0]), "windows": {**_loss_ppl(nll_WxT), "count": len(nll_WxT)}}
+    windows = {**_loss_ppl(nll_WxT), "count": len(nll_WxT)}
+    return {"first": _loss_ppl(nll_WxT[0]), "windows": windows, "by_position": loss_by_position(nll_WxT)}
