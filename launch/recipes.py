@@ -1,6 +1,7 @@
 """Recipe files of `launch.stages`: configs/recipes/FILE.yaml read, its layout checked, its stages loaded.
 
 A recipe file (paths in it are relative to the repository root, where every process runs):
+  requires:  [PATH ...]: files the recipe's set-up makes (its header says how); missing: one line
   env:       {VARIABLE: value} for every process started, unless the environment sets it
   train:     config, dataset, data_path, set: [KEY=VALUE ...]: launch.train's flags, every stage
   variants:  {NAME: [KEY=VALUE ...]}: model variants, run side by side
@@ -29,7 +30,7 @@ from nsa_jax.runbook_env import env_overrides
 ROOT = CONFIG_DIR.parent
 RECIPE_DIR = CONFIG_DIR / "recipes"
 
-_FILE_KEYS = {"env", "train", "variants", "evaluate", "recipes"}
+_FILE_KEYS = {"env", "train", "variants", "evaluate", "recipes", "requires"}
 _TRAIN_KEYS = {"config", "dataset", "data_path", "set"}
 _EVAL_KEYS = {"suites", "lengths", "samples", "rows", "text"}
 _STAGE_KEYS = {"steps", "set"}
@@ -132,6 +133,10 @@ def check_evaluate(ev: dict, where: str) -> dict:
     return {"suites": suites, "lengths": lengths, "samples": samples, "rows": rows, "text": text}
 
 
+class MissingSetup(UsageError):
+    """A recipe file's `requires` path is missing: its set-up commands have not been run."""
+
+
 def load_recipe_file(name: str) -> RecipeFile:
     """The recipe file `name` read and its layout checked (the stages: `stages`); UsageError when it is bad."""
     path = recipe_path(name)
@@ -141,6 +146,13 @@ def load_recipe_file(name: str) -> RecipeFile:
         raise UsageError(f"--recipe: cannot read {path}: {str(e).splitlines()[0]}") from None
     where = str(path)
     data = _mapping(data, where, _FILE_KEYS)
+    # Files the recipe's set-up makes (a converted model, prepared data): checked before anything else.
+    requires = data.get("requires") or []
+    if not isinstance(requires, list) or not all(isinstance(r, str) for r in requires):
+        raise UsageError(f"{where}: requires must be a list of paths, got {requires!r}")
+    missing = [r for r in requires if not (ROOT / r).exists()]
+    if missing:
+        raise MissingSetup(f"{where}: needs {missing[0]}, which its set-up makes: run the commands at its top")
     env = {str(k): str(v) for k, v in _mapping(data.get("env"), f"{where}: env").items()}
     train = _mapping(data.get("train"), f"{where}: train", _TRAIN_KEYS)
     if not isinstance(train.get("config"), str):

@@ -11,6 +11,7 @@ After the last stage `python -m launch.evaluate` scores the run. The needle reci
         --variants nsa --parallel 16 --deadline 480 --eval-suites needle --eval-lengths 1024
 
 A recipe file (paths in it are relative to the repository root, where every process runs):
+  requires:  [PATH ...]: files the recipe's set-up makes (its header says how); missing: one line
   env:       {VARIABLE: value} for every process started, unless the environment sets it
   train:     config, dataset, data_path, set: [KEY=VALUE ...]: launch.train's flags, every stage
   variants:  {NAME: [KEY=VALUE ...]}: model variants, run side by side (--variants picks;

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from launch import recipe_results, stages
-from launch.recipes import RECIPE_DIR, load_recipe_file
+from launch.recipes import RECIPE_DIR, MissingSetup, load_recipe_file
 
 from helpers import cpu_env, run_module
 
@@ -69,7 +69,12 @@ def test_every_shipped_recipe_loads_and_runs_its_stages_in_order(capsys):
     files = sorted(RECIPE_DIR.glob("*.yaml"))
     assert files
     for path in files:
-        rf = load_recipe_file(path.stem)
+        try:
+            rf = load_recipe_file(path.stem)
+        except MissingSetup as e:  # a recipe whose set-up (a converted model, prepared data) was not run here
+            assert "needs artifacts/" in str(e) and "run the commands at its top" in str(e)
+            assert stages.main(["--recipe", f"{path.stem}:x", "--seeds", "1", "--out", "/nonexistent/out"]) == 2
+            continue
         spec = f"{path.stem}:{','.join(rf.recipes)}"
         assert stages.main(["--recipe", spec, "--seeds", "3,4", "--out", "/nonexistent/out", "--dry-run"]) == 0
         text = capsys.readouterr().out
