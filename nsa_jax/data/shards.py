@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import struct
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -256,8 +257,8 @@ def hold_out_tail(
     """
     out = pathlib.Path(out_dir)
     last = train[-1]
-    tokens = np.load(out / last["tokens_file"])
-    ends = np.load(out / last["docs_file"]).astype(np.int64)
+    tokens = load_npy(out / last["tokens_file"], None)
+    ends = load_npy(out / last["docs_file"], None).astype(np.int64)
     n = int(min(n_tokens, len(tokens) - 1))
     if n < 1:
         raise ValueError(f"{last['tokens_file']} has {count(len(tokens), 'token')}: too few to hold out")
@@ -335,10 +336,22 @@ def check_manifest_fits(cfg: Any, m: dict[str, Any]) -> None:
         )
 
 
+# numpy reads a .npy header with ast.literal_eval, and CPython 3.11's AST conversion keeps its
+# recursion counter in one global: two threads parsing at once (the loader's workers and the main
+# thread) can fail with "SystemError: AST constructor recursion depth mismatch". One header at a time.
+_NPY_HEADER_LOCK = threading.Lock()
+
+
+def load_npy(path: pathlib.Path, mmap_mode: str | None = "r") -> np.ndarray:
+    """np.load of a shard file (memory-mapped by default), its header read under the module's lock."""
+    with _NPY_HEADER_LOCK:
+        return np.load(path, mmap_mode=mmap_mode)
+
+
 def npy_length(path: pathlib.Path, dtype: np.dtype | None = None) -> int:
     """Length of a 1-D .npy file from its header (ValueError when it is missing, not .npy or another dtype)."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, _NPY_HEADER_LOCK:
             version = np.lib.format.read_magic(f)
             read_header = (
                 np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0

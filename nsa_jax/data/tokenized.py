@@ -73,8 +73,8 @@ class ShardChunkReader:
 
     def _load(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
         s = self.shards[shard]
-        tokens = np.load(self.root / s["tokens_file"], mmap_mode="r")
-        ends = np.load(self.root / s["docs_file"], mmap_mode="r")
+        tokens = fmt.load_npy(self.root / s["tokens_file"])
+        ends = fmt.load_npy(self.root / s["docs_file"])
         return tokens, ends
 
     def __call__(self, chunk: tuple[int, int, int], rng: np.random.Generator) -> np.ndarray:
@@ -137,7 +137,7 @@ class TokenizedDataset(GlobalRowStream):
                 n_docs = fmt.npy_length(self.root / s["docs_file"], np.dtype(np.int64))
             except ValueError as e:
                 raise ValueError(f"data.path {path}: shard {e}; {redo}") from None
-            ends = np.load(self.root / s["docs_file"], mmap_mode="r")
+            ends = fmt.load_npy(self.root / s["docs_file"])
             last = int(ends[-1]) if n_docs else 0
             if (n_tokens, n_docs) != (s["tokens"], s["documents"]) or last != n_tokens:
                 raise ValueError(
