@@ -42,3 +42,15 @@ def run_main(build_parser, run, argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def add_overrides(p: argparse.ArgumentParser, example: str = "model.n_layers=2") -> None:
+    """The `--set KEY=VALUE` flag every launcher takes (repeatable), collected in `args.overrides`."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"dotted config override, e.g. --set {example} (repeatable)",
+    )

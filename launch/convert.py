@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 
-from launch.cli import Parser, UsageError, run_main
+from launch.cli import Parser, UsageError, add_overrides, run_main
 from nsa_jax.config import Config, ConfigError, from_dict, load_config, replace, validate
 from nsa_jax.config import to_dict as config_dict
 from nsa_jax.data.tokenizers import SPECIALS_FILE
@@ -41,14 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="a HF model folder (config.json + *.safetensors) or a .gguf file")
     p.add_argument("out", help="a new or empty folder for the converted model")
     p.add_argument("--attention", choices=("dense", "nsa"), default="nsa", help="dense: as it was; nsa: NSA from it")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config override (model.nsa.w=1024, train.seq_len=4096, ...); repeatable",
-    )
+    add_overrides(p, "model.nsa.w=1024")
     p.add_argument("--seed", type=int, default=0, help="seed of the NSA parts that start random (compressors, gates)")
     return p
 

@@ -80,7 +80,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from launch.cli import Parser, UsageError, run_main
+from launch.cli import Parser, UsageError, add_overrides, run_main
 from launch.generate import check_params, load_model
 from nsa_jax.config import EVAL_SUITES, ConfigError
 from nsa_jax.data import make_tokenizer
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", help="checkpoint path (the formats launch.generate reads)")
     p.add_argument("--random-init", action="store_true", help="random params of --config instead of a checkpoint")
     p.add_argument("--config", default=None, help="config name in configs/ or a YAML path")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_overrides(p)
     p.add_argument(
         "--suites",
         type=_suites,

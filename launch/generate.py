@@ -39,7 +39,7 @@ import sys
 import jax
 import numpy as np
 
-from launch.cli import Parser, UsageError, run_main
+from launch.cli import Parser, UsageError, add_overrides, run_main
 from nsa_jax.config import ConfigError, load_config, replace
 from nsa_jax.data.tokenizers import make_tokenizer
 from nsa_jax.inference import generate, stack_layers
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", help="checkpoint path (see module docstring for the formats)")
     p.add_argument("--random-init", action="store_true", help="random params of --config instead of a checkpoint")
     p.add_argument("--config", default=None, help="config name in configs/ or a YAML path")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_overrides(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (streamed completion)")
     src.add_argument("--prompt-file", default=None, help="file with one prompt per line (batched)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch.cli import add_overrides
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.info import describe
 from nsa_jax.tools import aot
@@ -64,7 +65,7 @@ def describe_fit(r: dict, cfg, description: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.info", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_overrides(parser)
     parser.add_argument("--target", default=None, help="GPU card to check the step against: a100-40, a100-80, h100")
     parser.add_argument(
         "--devices",

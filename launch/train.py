@@ -61,7 +61,7 @@ import shlex
 import sys
 import threading
 
-from launch.cli import Parser
+from launch.cli import Parser, add_overrides
 from nsa_jax.config import Config, ConfigError, load_config
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.check import check_data, repeat_note
@@ -97,14 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-on-fail", action="store_true", help="fall back to synthetic data on a loader timeout")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="model.dtype bfloat16 | float32")
     p.add_argument("--ddp", type=int, choices=(0, 1), help="0: one device only (parallel.num_devices=1); 1: all")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted config override, e.g. --set model.n_layers=2 (repeatable)",
-    )
+    add_overrides(p)
     p.add_argument("--overwrite", action="store_true", help="replace the artifacts of an earlier run in the out dir")
     p.add_argument(
         "--overwrite-checkpoints",

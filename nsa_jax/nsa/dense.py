@@ -20,9 +20,8 @@ import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import BranchCalls, KernelPlan, plan_kernels
-from nsa_jax.kernels.xla import masked_softmax_attend
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
-from nsa_jax.nsa.layer import check_mode, ring_positions
+from nsa_jax.nsa.layer import check_mode, gather_rows, ring_attend, ring_positions
 
 # A window longer than any sequence: every earlier key is visible.
 UNBOUNDED = 1 << 30
@@ -87,13 +86,10 @@ class DenseAttention(nn.Module):
     def _fill(self, k_BxPxKxD, v_BxPxKxD, layer, lengths_B) -> None:
         """The ring holds each row's last R positions of its prompt (R: the cache's ring length)."""
         ring = self._ring()
-        R = ring["kwin"].value.shape[2]
-        pos_BxR = ring_positions(lengths_B.astype(jnp.int32) - 1, R)
+        pos_BxR = ring_positions(lengths_B.astype(jnp.int32) - 1, ring["kwin"].value.shape[2])
         for name, x in (("kwin", k_BxPxKxD), ("vwin", v_BxPxKxD)):
-            got = jnp.take_along_axis(x, jnp.clip(pos_BxR, 0, x.shape[1] - 1)[:, :, None, None], axis=1)
-            got = jnp.where((pos_BxR >= 0)[:, :, None, None], got, jnp.zeros((), got.dtype))
             cache = ring[name].value
-            ring[name].value = cache.at[layer].set(got.astype(cache.dtype))
+            ring[name].value = cache.at[layer].set(gather_rows(x, pos_BxR).astype(cache.dtype))
 
     def _decode(self, q_BxHxDk, k_BxKxDk, v_BxKxDv, layer, t_B) -> jax.Array:
         """Writes position t_B[b] of each row into the ring, then attends over the ring: [B, H, Dv]."""
@@ -106,12 +102,8 @@ class DenseAttention(nn.Module):
         for name, x in (("kwin", k_BxKxDk), ("vwin", v_BxKxDv)):
             cache = ring[name].value
             ring[name].value = cache.at[layer, b_B, t_B % R].set(x.astype(cache.dtype))
-        wp_BxR = ring_positions(t_B, R)
-        vis = ((wp_BxR >= 0) & (wp_BxR > t_B[:, None] - dense_window(self.cfg)))[:, None, None, :]
-        kw, vw = ring["kwin"].value[layer], ring["vwin"].value[layer]
         qg = q_BxHxDk.reshape(B, K, H // K, Dk)
-        s = jnp.einsum("bkgd,brkd->bkgr", qg, kw, preferred_element_type=jnp.float32) * Dk**-0.5
-        o = masked_softmax_attend(s, vis, vw, "bkgr,brkd->bkgd")
+        o = ring_attend(qg, ring["kwin"].value[layer], ring["vwin"].value[layer], t_B, dense_window(self.cfg))
         return o.reshape(B, H, -1).astype(q_BxHxDk.dtype)
 
 

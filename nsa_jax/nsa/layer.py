@@ -377,7 +377,7 @@ def compressed_visible(t_B: jax.Array, Tc: int, l: int, d: int) -> jax.Array:
     return end_Tc[None, :] <= t_B[:, None]
 
 
-def _gather_rows(x_BxTxKxD: jax.Array, pos_BxN: jax.Array) -> jax.Array:
+def gather_rows(x_BxTxKxD: jax.Array, pos_BxN: jax.Array) -> jax.Array:
     """x[b, pos[b, j]] -> [B, N, K, D], zero where pos < 0."""
     g = jnp.take_along_axis(x_BxTxKxD, jnp.maximum(pos_BxN, 0)[:, :, None, None], axis=1)
     return jnp.where((pos_BxN >= 0)[:, :, None, None], g, jnp.zeros((), g.dtype))
@@ -407,9 +407,9 @@ def fill_cache(cfg: ModelConfig, cache: dict, layer: jax.Array, lengths_B: jax.A
     win_pos = ring_positions(lengths_B - 1, R)
     tail_pos = ring_positions(lengths_B - 1, a.l)
     for name in ("kwin", "vwin"):
-        put(name, _gather_rows(kv[name], win_pos), R)
+        put(name, gather_rows(kv[name], win_pos), R)
     for name, src in (("ktail", "kcmp"), ("vtail", "vcmp")):
-        put(name, _gather_rows(kv[src], tail_pos), a.l)
+        put(name, gather_rows(kv[src], tail_pos), a.l)
     for name, x in (("kcmp", kc), ("vcmp", vc)):
         Tp = min(x.shape[1], Tc)
         done = compressed_visible(lengths_B - 1, Tp, a.l, a.d)[:, :, None, None]
@@ -522,11 +522,17 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
         outputs["slc"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
 
     if "win" in a.branches:
-        wp_BxR = ring_positions(t_B, R)
-        # Ring slots hold positions in (t - R, t]; R <= w, so only never-written slots are masked.
-        vis = ((wp_BxR >= 0) & (wp_BxR > t_B[:, None] - a.w))[:, None, None, :]
-        kw, vw = cache["kwin"].value[layer], cache["vwin"].value[layer]
-        s = jnp.einsum("bkgd,brkd->bkgr", qg_BxKxGxDk, kw, preferred_element_type=jnp.float32) * scale
-        o = masked_softmax_attend(s, vis, vw, "bkgr,brkd->bkgd")
+        o = ring_attend(qg_BxKxGxDk, cache["kwin"].value[layer], cache["vwin"].value[layer], t_B, a.w)
         outputs["win"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
     return outputs
+
+
+def ring_attend(qg_BxKxGxDk, kw_BxRxKxDk, vw_BxRxKxDv, t_B, window: int) -> jax.Array:
+    """One decode query per row over a ring of the last R keys (the window branch's, and dense
+    attention's): [B, K, G, Dv] fp32. Ring slots hold positions in (t - R, t]; with R <= window
+    only never-written slots and those older than the window are masked."""
+    wp_BxR = ring_positions(t_B, kw_BxRxKxDk.shape[1])
+    vis = ((wp_BxR >= 0) & (wp_BxR > t_B[:, None] - window))[:, None, None, :]
+    scale = qg_BxKxGxDk.shape[-1] ** -0.5
+    s = jnp.einsum("bkgd,brkd->bkgr", qg_BxKxGxDk, kw_BxRxKxDk, preferred_element_type=jnp.float32) * scale
+    return masked_softmax_attend(s, vis, vw_BxRxKxDv, "bkgr,brkd->bkgd")
