@@ -15,8 +15,8 @@ from nsa_jax.seq_layout import split_problem
 BRANCHES = ("cmp", "slc", "win")
 # Long-context suites (nsa_jax/evaluation, `python -m launch.evaluate`).
 EVAL_SUITES = ("needle", "loss-by-position", "kv_recall")
-# The strategies whose step splits a sequence over `seq` (train/strategies.make_context_grad_fn).
-CONTEXT_STRATEGIES = ("dp", "zero1")
+# The strategies whose step splits a sequence over `seq` (train/strategies.make_mapped_grad_fn).
+CONTEXT_STRATEGIES = ("dp", "zero1", "fsdp")
 
 
 def validate(cfg):
@@ -147,7 +147,7 @@ def check_context(cfg, need) -> None:
         return
     need(
         cfg.parallel.strategy in CONTEXT_STRATEGIES,
-        f"parallel.context={C} runs with parallel.strategy=dp or zero1 (their shard_map step); "
+        f"parallel.context={C} runs with parallel.strategy=dp, zero1 or fsdp (their shard_map step); "
         f"got {cfg.parallel.strategy}: set parallel.strategy=dp or parallel.context=1",
     )
     need(

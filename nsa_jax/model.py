@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import KernelPlan
 from nsa_jax.layers import RMSNorm, SwiGLU
-from nsa_jax.nsa.context import SeqShard
+from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.nsa.dense import DenseAttention
 from nsa_jax.nsa.layer import MODES, NSAAttention
 
@@ -41,7 +41,7 @@ class Block(nn.Module):
     cfg: ModelConfig
     mode: str = "train"
     kernels: KernelPlan | None = None
-    shard: SeqShard | None = None
+    layout: SeqLayout | None = None
 
     @nn.compact
     def __call__(
@@ -57,7 +57,7 @@ class Block(nn.Module):
         if cfg.attention == "dense":
             attn = DenseAttention(cfg, self.mode, self.kernels, name="attn")
         else:
-            attn = NSAAttention(cfg, self.mode, self.kernels, self.shard, name="attn")
+            attn = NSAAttention(cfg, self.mode, self.kernels, self.layout, name="attn")
         x_BxTxD = x_BxTxD + attn(h, layer=layer, pos_B=pos_B, rope_positions_T=rope_positions_T)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="mlp_norm")(x_BxTxD)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
@@ -73,7 +73,7 @@ class NSALM(nn.Module):
     right-padded prompts, row b of length lengths_B[b]; writes the cache.
     "decode": tokens [B, 1], row b at position cache["pos"][b]; updates the cache.
     `kernels`: what each NSA branch runs (kernels.plan_kernels; None: each layer's
-    default, the config's plan on jax's backend). `shard` (train, inside shard_map):
+    default, the config's plan on jax's backend). `layout` (train, inside shard_map):
     tokens_BxT are this device's 2S tokens of sequences split over the `seq` mesh axis
     (context parallelism, nsa/context.py); rope_positions_T, if given, are theirs too.
     """
@@ -81,7 +81,7 @@ class NSALM(nn.Module):
     cfg: ModelConfig
     mode: str = "train"
     kernels: KernelPlan | None = None
-    shard: SeqShard | None = None
+    layout: SeqLayout | None = None
 
     @nn.compact
     def __call__(
@@ -130,10 +130,12 @@ class NSALM(nn.Module):
                 length=cfg.n_layers,
                 unroll=cfg.scan_unroll,
             )
-            x, _ = stack(cfg, "train", self.kernels, self.shard, name="layers")(x, None, None, rope_positions_T)
+            x, _ = stack(cfg, "train", self.kernels, self.layout, name="layers")(x, None, None, rope_positions_T)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, "train", self.kernels, self.shard, name=f"layer_{i}")(x, None, None, rope_positions_T)
+                x, _ = block(cfg, "train", self.kernels, self.layout, name=f"layer_{i}")(
+                    x, None, None, rope_positions_T
+                )
         x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             return embed.attend(x.astype(jnp.float32))

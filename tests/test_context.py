@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import ConfigError, load_config
-from nsa_jax.evaluation.heldout import make_context_eval_fn, make_eval_fn
+from nsa_jax.evaluation.heldout import make_eval_fn
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.mesh import SEQ, make_mesh
 from nsa_jax.nsa import context as CX
@@ -75,8 +75,8 @@ def test_device_order_puts_an_early_and_a_late_chunk_on_every_device(C):
     for i in range(C):
         assert order[2 * i : 2 * i + 2].tolist() == [i, 2 * C - 1 - i]
     assert order[natural_slots(C)].tolist() == list(range(2 * C))
-    shard = CX.SeqShard(C, 4, 8 * C - 3)
-    laid = np.asarray(shard.lay_out(jnp.arange(1, 8 * C - 2), 0))  # positions + 1; padding 0
+    layout = CX.SeqLayout(C, 4, 8 * C - 3)
+    laid = np.asarray(layout.lay_out(jnp.arange(1, 8 * C - 2), 0))  # positions + 1; padding 0
     for i in range(C):
         held = laid[8 * i : 8 * i + 8]
         for c, part in zip((i, 2 * C - 1 - i), (held[:4], held[4:])):
@@ -86,16 +86,16 @@ def test_device_order_puts_an_early_and_a_late_chunk_on_every_device(C):
 
 def test_gather_positions_and_halo_inside_shard_map():
     C, S_, B = 2, 8, 1
-    shard = CX.SeqShard(C, S_, 2 * C * S_)
+    layout = CX.SeqLayout(C, S_, 2 * C * S_)
     mesh = Mesh(np.asarray(jax.devices()[:C]), (SEQ,))
     x_natural = jnp.arange(2 * C * S_, dtype=jnp.float32).reshape(B, -1, 1, 1) + 1
 
     def local(x):
-        return shard.positions()[None], shard.gather(x), shard.prev_tails(x, 3)
+        return layout.positions()[None], layout.gather(x), layout.prev_tails(x, 3)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=P(None, SEQ), out_specs=(P(None, SEQ),) * 3, check_vma=False)
-    pos, gathered, tails = f(shard.lay_out(x_natural, 1))
-    assert np.asarray(pos).reshape(-1).tolist() == np.asarray(shard.lay_out(jnp.arange(2 * C * S_), 0)).tolist()
+    pos, gathered, tails = f(layout.lay_out(x_natural, 1))
+    assert np.asarray(pos).reshape(-1).tolist() == np.asarray(layout.lay_out(jnp.arange(2 * C * S_), 0)).tolist()
     # Every device holds the whole sequence in position order.
     np.testing.assert_array_equal(np.asarray(gathered).reshape(C, -1), np.tile(np.asarray(x_natural).ravel(), (C, 1)))
     # Each chunk's halo: the 3 tokens before it (chunk 0: zeros).
@@ -195,8 +195,8 @@ def test_loss_weights_and_heldout_sums_under_two_devices():
 
     plan2 = S.make_plan(c2, make_mesh(c2))
     params = S.create_state(plan2).params
-    want = jax.jit(make_eval_fn(c1))(jax.device_get(params), rows[0])
-    got = jax.jit(make_context_eval_fn(c2, plan2.mesh))(params, jax.device_put(rows[0], plan2.replicated))
+    want = jax.jit(make_eval_fn(c1, make_mesh(c1)))(jax.device_get(params), rows[0])
+    got = jax.jit(make_eval_fn(c2, plan2.mesh))(params, jax.device_put(rows[0], plan2.replicated))
     assert float(want["scored"]) > 0
     for k in want:
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-6, err_msg=k)
@@ -221,7 +221,7 @@ def test_plan_names_the_context_and_keeps_cudnn_off():
     [
         (["parallel.context=0"], "parallel.context must be >= 1"),
         (["parallel.context=2", "parallel.strategy=pmap"], "runs with parallel.strategy=dp"),
-        (["parallel.context=2", "parallel.strategy=fsdp"], "runs with parallel.strategy=dp or zero1"),
+        (["parallel.context=2", "parallel.strategy=gspmd"], "runs with parallel.strategy=dp, zero1 or fsdp"),
         (["parallel.context=2", "train.scorer_distill=1.0"], "set train.scorer_distill=0"),
         (["parallel.context=4", "train.seq_len=40"], "set train.seq_len to at least 49"),
         (["parallel.context=2", "model.dtype=bfloat16", "model.nsa.compressed_kernel=cudnn"], "takes no query offset"),
@@ -271,6 +271,8 @@ import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 sys.path.insert(0, "tests")
 from test_context import cfg_of, grads_loss_stats, rel
+from nsa_jax.mesh import make_mesh
+from nsa_jax.train import step as S
 rng = np.random.default_rng(1)
 out = {}
 # One reference on one device: loss and gradients do not depend on the data split (equal rows per
@@ -278,12 +280,18 @@ out = {}
 for T in (100,):  # ragged: padded to 128 over 4 devices, as over 2 x 2
     tokens = rng.integers(0, 40, size=(2, 2, T + 1)).astype(np.int32)
     g1, l1, s1 = grads_loss_stats(cfg_of(T, 1, 1), tokens)
-    for C, D in ((4, 1), (2, 2)):
-        g, l, s = grads_loss_stats(cfg_of(T, C, C * D), tokens)
-        out[f"T{T}-C{C}xD{D}"] = {
+    for C, D, strategy in ((4, 1, "dp"), (2, 2, "dp"), (2, 2, "fsdp")):
+        cfg = cfg_of(T, C, C * D, f"parallel.strategy={strategy}")
+        g, l, s = grads_loss_stats(cfg, tokens)
+        out[f"T{T}-C{C}xD{D}-{strategy}"] = {
             "loss": abs(float(l - l1)) / float(l1),
             "grad": max(rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1))),
             "stats": max(float(np.max(np.abs(np.asarray(s[k]) - np.asarray(s1[k])))) for k in s1) if D == 1 else 0.0,
+            # leaves whose parameters live in quarters (fsdp: split over data and seq together)
+            "quartered": sum(
+                x.addressable_shards[0].data.size * 4 == x.size
+                for x in jax.tree.leaves(S.create_state(S.make_plan(cfg, make_mesh(cfg))).params)
+            ),
         }
 print("RESULT", json.dumps(out))
 """
@@ -299,9 +307,11 @@ def test_four_devices_equal_one_with_data_and_seq():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.split("RESULT", 1)[1])
-    assert set(result) == {"T100-C4xD1", "T100-C2xD2"}
+    assert set(result) == {"T100-C4xD1-dp", "T100-C2xD2-dp", "T100-C2xD2-fsdp"}
     for case, err in result.items():
         assert err["loss"] < LOSS_TOL and err["grad"] < GRAD_TOL and err["stats"] < 1e-5, (case, err)
+    assert result["T100-C2xD2-dp"]["quartered"] == 0
+    assert result["T100-C2xD2-fsdp"]["quartered"] >= 8  # every weight matrix of the layer and the MLP
 
 
 RUN = [
@@ -360,6 +370,35 @@ def test_a_checkpoint_of_two_devices_resumes_at_one_and_four(tmp_path):
     r = run_module("launch.evaluate", *args, env=one)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (ev / "evaluation.json").exists()
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_between_fsdp_with_context_and_dp_on_one_device_per_row(tmp_path):
+    """A dp run at C = 1 (2 devices) for 9 steps is the reference. Its step-3 checkpoint resumed under
+    fsdp at C = 2 (data 2 x seq 2: parameters and moments in quarters) gives steps 4-6, and that run's
+    step-6 checkpoint resumed under dp at C = 1 gives steps 7-9, as the reference does."""
+    env = cpu_env(devices=4)
+    dp1 = ["parallel.context=1", "parallel.num_devices=2"]
+    fsdp2 = ["parallel.context=2", "parallel.strategy=fsdp"]
+
+    def train(out, steps, extra):
+        args = ["--steps", str(steps), "--out-dir", str(out), *set_flags([*RUN, *extra])]
+        r = run_module(*LAUNCH_TRAIN[2:], *args, env=env)
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+        return r
+
+    ref, cross = tmp_path / "ref", tmp_path / "cross"
+    train(ref, 3, dp1)
+    shutil.copytree(ref, cross)
+    train(ref, 9, dp1)
+    want = _losses(ref)
+    r = train(cross, 6, fsdp2)
+    assert "x 2 on the seq axis" in r.stdout
+    train(cross, 9, dp1)
+    got = _losses(cross)
+    assert set(got) == set(range(1, 10))
+    for step in range(4, 10):
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from nsa_jax.data import kv_recall, make_dataset
 from nsa_jax.evaluation.heldout import Evaluator
 from nsa_jax.mesh import DATA, make_mesh
 from nsa_jax.model import NSALM
-from nsa_jax.train import step as S
+from nsa_jax.train.loss import loss_and_stats
 from nsa_jax.train.state import init_state
 
 from helpers import TINY_NSA
@@ -101,7 +101,7 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
     assert 0 < want < scored, "pick another seed: the check needs some hits and some misses"
 
     class AlwaysGuess:
-        def __init__(self, model_cfg, kernels=None):  # NSALM(cfg.model, kernels=plan)
+        def __init__(self, model_cfg, kernels=None, layout=None):  # NSALM(cfg.model, kernels=, layout=)
             self.V = model_cfg.vocab_size
 
         def apply(self, variables, inputs_BxT):
@@ -129,8 +129,8 @@ def test_kv_recall_training_loss_counts_the_answers_only():
     answers, _, _ = reference_metrics(cfg, params, [kb.tokens_BxT1], [kb.answer_mask_BxT])
     every, _, _ = reference_metrics(cfg, params, [kb.tokens_BxT1])
     assert abs(answers - every) > 1e-3  # the two losses differ, so the check below can tell them apart
-    loss, _ = jax.jit(lambda p, t: S.loss_and_stats(p, t, cfg=cfg))(params, kb.tokens_BxT1)
+    loss, _ = jax.jit(lambda p, t: loss_and_stats(p, t, cfg=cfg))(params, kb.tokens_BxT1)
     assert abs(float(loss) - answers) < 1e-5 * answers
     off = load_config(None, [*kv, "data.kv_loss_mask=false"])
-    loss_all, _ = jax.jit(lambda p, t: S.loss_and_stats(p, t, cfg=off))(params, kb.tokens_BxT1)
+    loss_all, _ = jax.jit(lambda p, t: loss_and_stats(p, t, cfg=off))(params, kb.tokens_BxT1)
     assert abs(float(loss_all) - every) < 1e-5 * every

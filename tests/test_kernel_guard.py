@@ -20,6 +20,7 @@ from nsa_jax.config import load_config
 from nsa_jax.evaluation.heldout import make_eval_fn
 from nsa_jax.evaluation.scorer import make_score_fn
 from nsa_jax.kernels.guard import guard_kernels
+from nsa_jax.mesh import make_mesh
 from nsa_jax.model import init_params
 
 # A small auto model: G = 2, lp = 16, n = 3, window 32; T = 64 runs the block-sparse selection kernel.
@@ -140,9 +141,10 @@ def test_evaluation_runs_the_branches_the_guard_moved_to_xla_there_too(monkeypat
     monkeypatch.setattr(K, "selection_attention_blocksparse_pallas", broken)
     monkeypatch.setattr(K, "selection_attention_pallas", broken)
     tokens = jnp.arange(2 * (SEQ + 1), dtype=jnp.int32).reshape(2, SEQ + 1) % model.vocab_size
-    for fn in (make_eval_fn(cfg, frozenset({"slc"})), make_score_fn(model, frozenset({"slc"}))):
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    for fn in (make_eval_fn(cfg, mesh, frozenset({"slc"})), make_score_fn(model, frozenset({"slc"}))):
         jax.tree.map(lambda x: x.block_until_ready(), fn(params, tokens))  # the selection on XLA: no error
-    for fn in (make_eval_fn(cfg), make_score_fn(model)):
+    for fn in (make_eval_fn(cfg, mesh), make_score_fn(model)):
         with pytest.raises(RuntimeError, match="the kernel the guard rejected ran"):
             fn(params, tokens)
 

@@ -23,6 +23,7 @@ from nsa_jax.nsa.distill import score_distill_kl
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.train import schedule
 from nsa_jax.train import step as S
+from nsa_jax.train.loss import loss_and_stats
 from nsa_jax.train.positions import ROPE_PIECES, random_rope_positions
 
 from helpers import rel_err, tiny_model_cfg
@@ -126,7 +127,7 @@ def test_dense_warmup_and_distill_steps_train_each_phase_model():
     state = S.create_state(cfg, mesh)
     step = S.make_train_step(cfg, mesh)
     rng = np.random.default_rng(0)
-    plain_loss = {k: jax.jit(functools.partial(S.loss_and_stats, cfg=c)) for k, c in models.items()}
+    plain_loss = {k: jax.jit(functools.partial(loss_and_stats, cfg=c)) for k, c in models.items()}
     for i, phase in enumerate(["dense", "dense", "sparse", "plain", "plain"]):
         tokens = rng.integers(0, 32, size=(1, 2, 49), dtype=np.int32)
         params = jax.device_get(state.params)
@@ -264,8 +265,8 @@ def test_score_distill_adds_to_the_loss_and_is_off_by_default():
 
     params = init_params(cfg_off.model, jax.random.PRNGKey(0), 64)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 65), 0, 64)
-    loss_off, stats_off = jax.jit(functools.partial(S.loss_and_stats, cfg=cfg_off))(params, tokens)
-    loss_on, stats_on = jax.jit(functools.partial(S.loss_and_stats, cfg=cfg_on))(params, tokens)
+    loss_off, stats_off = jax.jit(functools.partial(loss_and_stats, cfg=cfg_off))(params, tokens)
+    loss_on, stats_on = jax.jit(functools.partial(loss_and_stats, cfg=cfg_on))(params, tokens)
     assert "distill_kl" not in stats_off
     np.testing.assert_allclose(float(stats_on["ce"]), float(loss_off), rtol=1e-6)
     assert float(stats_on["distill_kl"]) > 0
@@ -359,11 +360,11 @@ def test_rope_positions_reach_every_layer_of_the_loss():
 
     params = init_params(cfg.model, jax.random.PRNGKey(0), 32)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 32)
-    loss_off, _ = S.loss_and_stats(params, tokens, cfg=cfg)
+    loss_off, _ = loss_and_stats(params, tokens, cfg=cfg)
     shifted = NSALM(cfg.model).apply({"params": params}, tokens[:, :-1], rope_positions_T=jnp.arange(32) + 1000)
     np.testing.assert_allclose(float(cross_entropy(shifted, tokens[:, 1:])), float(loss_off), rtol=1e-5)
     cfg_on = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, rope_positions=512))
-    loss_on, _ = S.loss_and_stats(params, tokens, cfg=cfg_on)
+    loss_on, _ = loss_and_stats(params, tokens, cfg=cfg_on)
     assert abs(float(loss_on) - float(loss_off)) > 1e-3
     with pytest.raises(ValueError, match="rope_positions_T is for training"):
         NSALM(cfg.model, mode="prefill").apply({"params": params}, tokens[:, :-1], rope_positions_T=jnp.arange(32))

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import load_config
-from nsa_jax.mesh import DATA, put_batch
+from nsa_jax.mesh import DATA, make_mesh, put_batch
 from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.rundir import checkpoint as C
 from nsa_jax.train import step as S
@@ -51,7 +51,7 @@ def cfg_for(strategy: str, reduce_dtype: str = "float32"):
 
 
 def mesh_of(n: int):
-    return jax.sharding.Mesh(np.asarray(jax.devices()[:n]), (DATA,))
+    return make_mesh(cfg_for("dp"), jax.devices()[:n])
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,18 @@ Owns which rows are evaluated and what is measured on them:
     and `needle` the retrieval accuracy (argmax at the answer positions of
     targets.answer_mask: kv_recall's values, the needle's pass key).
 
-The jitted function is plain jit over a batch sharded on the `data` axis: it takes
-the parameters in whatever sharding the training strategy keeps them, and XLA
-inserts what the layout needs. Under context parallelism (parallel.context > 1) the
-rows are laid out over `seq` as the train step lays them out and the model runs
-inside shard_map, each device scoring its tokens (a row need not fit one device).
+The jitted function lays the rows out as the train step does (nsa_jax/rows.py) and
+scores them inside one shard_map over (data, seq): each device its rows, and under
+context parallelism its positions of them (a row need not fit one device). It takes
+the parameters in whatever sharding the training strategy keeps them (jit gathers
+them whole for the shard_map).
 `dispatch` returns device arrays without waiting, so an evaluation overlaps the next
 train step; `finish` reads them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -31,70 +32,47 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
-from nsa_jax.data.targets import answer_mask, loss_weights
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.mesh import DATA, SEQ, process_rows
-from nsa_jax.model import NSALM, cross_entropy, token_nll
-from nsa_jax.nsa.context import seq_shard
+from nsa_jax.model import NSALM, token_nll
+from nsa_jax.nsa.context import seq_layout
+from nsa_jax.rows import Rows, lay_out_rows, rows_spec
 
 
-def make_eval_fn(cfg: Config, kernel_fallback: frozenset = frozenset()):
+def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
     """(params, tokens_BxT1) -> {'loss_sum', 'tokens', 'correct', 'scored'}: sums over the batch.
 
-    `correct`/`scored` count the answer positions (targets.answer_mask; zero for datasets without answers).
-    Sums, not means, so batches of any split add up exactly. `kernel_fallback`: the NSA branches the
-    run's kernel guard moved to XLA (kernels/guard.py), moved here too.
+    `correct`/`scored` count the answer positions (targets.answer_mask; zero for datasets without
+    answers). Sums, not means, so batches of any split add up exactly. The rows are laid out as
+    the train step lays them out (rows.lay_out_rows) and scored inside one shard_map over
+    (data, seq): each device scores its rows, or under context parallelism its positions of them
+    (padded targets weigh nothing). `kernel_fallback`: the NSA branches the run's kernel guard
+    moved to XLA (kernels/guard.py), moved here too.
     """
+    layout = seq_layout(cfg)
+    context = 1 if layout is None else layout.context
 
-    def eval_fn(params, tokens_BxT1):
-        inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-        plan = plan_kernels(cfg.model.nsa, inputs_BxT.shape[1], jax.default_backend(), kernel_fallback)
-        logits_BxTxV = NSALM(cfg.model, kernels=plan).apply({"params": params}, inputs_BxT)
-        # The training loss's weights (all targets alike, kv_recall's answers, the needle's weighted key).
-        weight_BxT = loss_weights(tokens_BxT1, cfg)
-        n_tokens = jnp.asarray(targets_BxT.size if weight_BxT is None else weight_BxT.sum(), jnp.float32)
-        out = {"loss_sum": cross_entropy(logits_BxTxV, targets_BxT, weight_BxT) * n_tokens, "tokens": n_tokens}
-        answer_BxT = answer_mask(tokens_BxT1, cfg)  # answer accuracy: kv_recall's values, the pass key
-        if answer_BxT is None:
-            out["correct"] = out["scored"] = jnp.zeros((), jnp.float32)
-            return out
-        hit_BxT = (logits_BxTxV.argmax(-1) == targets_BxT) & answer_BxT
-        out["correct"] = hit_BxT.sum().astype(jnp.float32)
-        out["scored"] = answer_BxT.sum().astype(jnp.float32)
-        return out
-
-    return eval_fn
-
-
-def make_context_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
-    """make_eval_fn's sums under context parallelism: each row padded and split over `seq`
-    (nsa/context.py), every device scoring its own tokens; padded targets weigh nothing."""
-    shard = seq_shard(cfg)
-    plan = plan_kernels(cfg.model.nsa, shard.seq_len, mesh.devices.flat[0].platform, kernel_fallback, shard.size)
-    rows = NamedSharding(mesh, P(DATA, SEQ))
-
-    def local(params, inputs_bxL, targets_bxL, weight_bxL, answer_bxL):
-        logits_bxLxV = NSALM(cfg.model, kernels=plan, shard=shard).apply({"params": params}, inputs_bxL)
-        hit = (logits_bxLxV.argmax(-1) == targets_bxL) & answer_bxL
+    def local(params, rows: Rows, plan):
+        logits_bxLxV = NSALM(cfg.model, kernels=plan, layout=layout).apply({"params": params}, rows.inputs)
+        hit = (logits_bxLxV.argmax(-1) == rows.targets) & rows.answers
         sums = {
-            "loss_sum": jnp.sum(token_nll(logits_bxLxV, targets_bxL) * weight_bxL),
-            "tokens": jnp.sum(weight_bxL),
+            "loss_sum": jnp.sum(token_nll(logits_bxLxV, rows.targets) * rows.weights),
+            "tokens": jnp.sum(rows.weights),
             "correct": jnp.sum(hit).astype(jnp.float32),
-            "scored": jnp.sum(answer_bxL).astype(jnp.float32),
+            "scored": jnp.sum(rows.answers).astype(jnp.float32),
         }
         return jax.tree.map(lambda x: jax.lax.psum(x, (DATA, SEQ)), sums)
 
     def eval_fn(params, tokens_BxT1):
-        inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-        weight_BxT = loss_weights(tokens_BxT1, cfg)
-        weight_BxT = jnp.ones(targets_BxT.shape, jnp.float32) if weight_BxT is None else weight_BxT
-        answer_BxT = answer_mask(tokens_BxT1, cfg)
-        answer_BxT = jnp.zeros(targets_BxT.shape, bool) if answer_BxT is None else answer_BxT
-        parts = [inputs_BxT, targets_BxT, weight_BxT.astype(jnp.float32), answer_BxT]
-        parts = [jax.lax.with_sharding_constraint(shard.lay_out(x, 1), rows) for x in parts]
-        spec = P(DATA, SEQ)
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec, spec, spec, spec), out_specs=P(), check_vma=False)
-        return fn(params, *parts)
+        rows = lay_out_rows(tokens_BxT1, cfg, layout, answers=True)
+        seq_len = rows.inputs.shape[-1]  # T' under context parallelism
+        plan = plan_kernels(cfg.model.nsa, seq_len, mesh.devices.flat[0].platform, kernel_fallback, context)
+        specs = rows_spec(rows, 0)
+        rows = jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), rows, specs)
+        fn = jax.shard_map(
+            functools.partial(local, plan=plan), mesh=mesh, in_specs=(P(), specs), out_specs=P(), check_vma=False
+        )
+        return fn(params, rows)
 
     return eval_fn
 
@@ -106,12 +84,7 @@ class Evaluator:
         self.cfg = cfg
         self.sharding = NamedSharding(mesh, P(DATA))
         self.groups = process_rows(mesh)[1]
-        fn = (
-            make_eval_fn(cfg, kernel_fallback)
-            if cfg.parallel.context == 1
-            else make_context_eval_fn(cfg, mesh, kernel_fallback)
-        )
-        self.fn = jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
+        self.fn = jax.jit(make_eval_fn(cfg, mesh, kernel_fallback), out_shardings=NamedSharding(mesh, P()))
         val = make_dataset(cfg, "val", *process_rows(mesh))
         try:
             rows = [next(val) for _ in range(cfg.train.eval_batches)]

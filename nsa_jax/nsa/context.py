@@ -61,14 +61,16 @@ def pad_to(x: jax.Array, length: int, axis: int, value=0) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class SeqShard:
+class SeqLayout:
     """One device's part of a sequence split over the `seq` axis; its methods run inside shard_map.
 
-    size: C (devices on the axis); chunk: S (tokens per chunk, 2 chunks per device);
+    context: C (devices on the axis); chunk: S (tokens per chunk, 2 chunks per device);
     real_len: T, the tokens before the padding (T' = 2 C S >= T).
+    The layer reads a sequence through `pieces`, `gather` and `compress`, the methods it
+    shares with WholeSequence (one device, the whole sequence).
     """
 
-    size: int
+    context: int
     chunk: int
     real_len: int
     axis: str = SEQ
@@ -76,22 +78,26 @@ class SeqShard:
     @property
     def seq_len(self) -> int:
         """T' = 2 C S: the padded length every device's positions and gathered keys span."""
-        return 2 * self.size * self.chunk
+        return 2 * self.context * self.chunk
 
     def lay_out(self, x: jax.Array, axis: int, value=0) -> jax.Array:
         """Outside shard_map: x with its length-T axis `axis` padded to T' (with `value`) and in device
         order, ready to be split over `seq` (device i's 2S tokens are the i-th run of 2S)."""
-        return to_device_order(pad_to(x, self.seq_len, axis, value), self.size, axis)
+        return to_device_order(pad_to(x, self.seq_len, axis, value), self.context, axis)
 
     def chunk_ids(self) -> jax.Array:
         """[2] int32: the chunks this device holds (i and 2C-1-i), traced."""
         i = lax.axis_index(self.axis)
-        return jnp.stack([i, 2 * self.size - 1 - i]).astype(jnp.int32)
+        return jnp.stack([i, 2 * self.context - 1 - i]).astype(jnp.int32)
 
     def offsets(self) -> list[jax.Array]:
         """The global position of each local chunk's first token (traced int32 scalars)."""
         ids = self.chunk_ids()
         return [ids[c] * self.chunk for c in range(2)]
+
+    def pieces(self) -> list[tuple[int, int, jax.Array]]:
+        """(first local row, rows, global position of the first row) of each run of consecutive positions."""
+        return [(c * self.chunk, self.chunk, off) for c, off in enumerate(self.offsets())]
 
     def positions(self) -> jax.Array:
         """[2S] int32: the global positions of this device's tokens."""
@@ -103,7 +109,7 @@ class SeqShard:
         return self.positions() < self.real_len
 
     def _natural(self, gathered: jax.Array, axis: int) -> jax.Array:
-        return _permute_chunks(gathered, axis, 2 * self.size, natural_slots(self.size))
+        return _permute_chunks(gathered, axis, 2 * self.context, natural_slots(self.context))
 
     def gather(self, x_BxLxR: jax.Array) -> jax.Array:
         """[B, 2S, ...] local tokens -> [B, T', ...] the whole sequence in position order (all-gather)."""
@@ -118,7 +124,7 @@ class SeqShard:
         B, S = x_BxLxR.shape[0], self.chunk
         tails = x_BxLxR.reshape(B, 2, S, *x_BxLxR.shape[2:])[:, :, S - n :]
         gathered = lax.all_gather(tails, self.axis, axis=1, tiled=True)  # [B, 2C, n, ...] device order
-        natural = jnp.take(gathered, jnp.asarray(natural_slots(self.size)), axis=1)
+        natural = jnp.take(gathered, jnp.asarray(natural_slots(self.context)), axis=1)
         # Slot c of `before` holds the tail of chunk c - 1 (slot 0: zeros, nothing precedes chunk 0).
         before = jnp.concatenate([jnp.zeros_like(natural[:, :1]), natural[:, :-1]], axis=1)
         return jnp.take(before, self.chunk_ids(), axis=1)
@@ -146,9 +152,33 @@ class SeqShard:
         return self.gather(own)[:, junk:], own, real.reshape(-1)
 
 
-def seq_shard(cfg: Config, seq_len: int | None = None) -> SeqShard | None:
+@dataclasses.dataclass(frozen=True)
+class WholeSequence:
+    """SeqLayout's reading methods for a device that holds whole sequences of `seq_len` tokens
+    (no context parallelism): one piece at position 0, nothing gathered, every token real."""
+
+    seq_len: int
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        return [(0, self.seq_len, 0)]
+
+    def positions(self) -> jax.Array:
+        return jnp.arange(self.seq_len, dtype=jnp.int32)
+
+    def real(self) -> None:
+        return None
+
+    def gather(self, x_BxLxR: jax.Array) -> jax.Array:
+        return x_BxLxR
+
+    def compress_chunks(self, x_BxLxKxD: jax.Array, compressor, l: int, d: int):
+        compressed = compressor(x_BxLxKxD)
+        return compressed, compressed, None
+
+
+def seq_layout(cfg: Config, seq_len: int | None = None) -> SeqLayout | None:
     """The layout of cfg's sequences (of `seq_len`, default train.seq_len) over parallel.context
     devices; None without context parallelism."""
     C, a = cfg.parallel.context, cfg.model.nsa
     T = cfg.train.seq_len if seq_len is None else seq_len
-    return None if C == 1 else SeqShard(C, chunk_len(T, C, a.l, a.lp), T)
+    return None if C == 1 else SeqLayout(C, chunk_len(T, C, a.l, a.lp), T)

@@ -30,7 +30,7 @@ from nsa_jax.kernels import BranchCalls, KernelPlan, plan_kernels
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
 from nsa_jax.nsa.compression import Compressor
-from nsa_jax.nsa.context import SeqShard
+from nsa_jax.nsa.context import SeqLayout, WholeSequence
 from nsa_jax.nsa.distill import score_distill_kl
 
 MODES = ("train", "prefill", "decode")
@@ -168,7 +168,7 @@ class NSAAttention(nn.Module):
     row b sits at position pos_B[b]). Prefill and decode need `layer` (index
     into the cache's layer axis) and `pos_B`. `kernels`: what each branch runs
     (kernels.plan_kernels); None: the plan of the config at this T on jax's backend.
-    `shard` (train mode, inside shard_map): x holds this device's 2S tokens of a
+    `layout` (train mode, inside shard_map): x holds this device's 2S tokens of a
     sequence split over the `seq` axis (nsa/context.py); the branches see the whole
     sequence through its collectives, at the tokens' global positions.
     """
@@ -176,7 +176,7 @@ class NSAAttention(nn.Module):
     cfg: ModelConfig
     mode: str = "train"
     kernels: KernelPlan | None = None
-    shard: SeqShard | None = None
+    layout: SeqLayout | None = None
 
     @nn.compact
     def __call__(
@@ -194,18 +194,17 @@ class NSAAttention(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        shard = self.shard
-        if shard is not None:
+        if self.layout is not None:
             if self.mode != "train":
-                raise ValueError("context parallelism (shard) is for training; prefill and decode run on one device")
-            positions_T = shard.positions()
+                raise ValueError("context parallelism (layout) is for training; prefill and decode run on one device")
+            positions_T = self.layout.positions()
         positions_T = jnp.arange(T, dtype=jnp.int32) if positions_T is None else positions_T
         check_mode(self.mode, T, layer, pos_B)
         decode = self.mode == "decode"
         if self.kernels is not None:
             plan = self.kernels
         else:
-            plan = plan_kernels(a, T if shard is None else shard.seq_len, jax.default_backend())
+            plan = plan_kernels(a, T if self.layout is None else self.layout.seq_len, jax.default_backend())
         calls = BranchCalls(a, plan)
 
         # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,
@@ -260,82 +259,67 @@ class NSAAttention(nn.Module):
             )
             return gated_output(g_BxTxHx3, {k: x[:, None] for k, x in outputs.items()}, a.branches, out_proj, dtype)
 
-        if shard is not None:
-            if self.is_mutable_collection("losses"):
-                raise ValueError("train.scorer_distill does not run under context parallelism (parallel.context > 1)")
-            outputs, idx, own = sharded_branches(
-                a, calls, shard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor
-            )
-            if "slc" in a.branches:
-                self.sow("intermediates", "block_idx", idx)
-                with jax.named_scope("nsa_stats"):
-                    stat_sums = aux_stat_sums(
-                        g_BxTxHx3, idx, *own["kc"], k_slc, v_slc, a.lp, a.w, positions_T, shard.real(), own["real_Tc"]
-                    )
-                self.sow("aux", "stat_sums", stat_sums)
-            self.sow("intermediates", "gates", g_BxTxHx3)
-            return gated_output(g_BxTxHx3, outputs, a.branches, out_proj, dtype)
-
-        with jax.named_scope("nsa_cmp"):
-            cmp_k = compressor("cmp_k")
-            with jax.named_scope("compress"):  # the compression MLP, apart from the attention and scoring
-                kc = cmp_k(k_cmp)
-                vc = compressor("cmp_v")(v_cmp)
-            # Block indices straight from the compressed branch: on the Pallas path one kernel
-            # scores and selects, with no probability or block-score tensor.
-            o_cmp, idx = calls.compressed(q, kc, vc, t_T=positions_T - positions_T[0])
-        outputs = {"cmp": o_cmp}
-        if "slc" in a.branches:
+        seq = self.layout or WholeSequence(T)
+        if self.layout is not None and self.is_mutable_collection("losses"):
+            raise ValueError("train.scorer_distill does not run under context parallelism (parallel.context > 1)")
+        cmp_k, cmp_v = compressor("cmp_k"), compressor("cmp_v")
+        outputs, idx, compressed = branch_outputs(
+            a, calls, seq, q, (k_cmp, v_cmp), (k_slc, v_slc), (k_win, v_win), (cmp_k, cmp_v)
+        )
+        if "slc" in a.branches and self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
             with jax.named_scope("nsa_slc"):
-                outputs["slc"] = calls.selection(q, k_slc, v_slc, idx)
-                if self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
-                    # The scorer's keys again, from a detached layer input: the KL trains the
-                    # k_cmp projection and phi only, never the residual stream below (as DSA
-                    # detaches its indexer's input), so it cannot pull on what the LM loss learns.
-                    (k_scorer,) = fused_dense(jax.lax.stop_gradient(x_BxTxD), [qk_parts[1]], dtype)
-                    k_scorer = k_scorer.reshape(B, T, K, Dk)
-                    kc_scorer = cmp_k(roped(norms[1](k_scorer) if norms else k_scorer))
-                    kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
-                    self.sow("losses", "scorer_kl", kl)
-        if "win" in a.branches:
-            with jax.named_scope("nsa_win"):
-                outputs["win"] = calls.window(q, k_win, v_win)
-
+                # The scorer's keys again, from a detached layer input: the KL trains the
+                # k_cmp projection and phi only, never the residual stream below (as DSA
+                # detaches its indexer's input), so it cannot pull on what the LM loss learns.
+                (k_scorer,) = fused_dense(jax.lax.stop_gradient(x_BxTxD), [qk_parts[1]], dtype)
+                k_scorer = k_scorer.reshape(B, T, K, Dk)
+                kc_scorer = cmp_k(roped(norms[1](k_scorer) if norms else k_scorer))
+                kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
+                self.sow("losses", "scorer_kl", kl)
         if self.mode == "prefill":
-            fill_cache(cfg, cache, layer, pos_B, kv, kc, vc)
+            fill_cache(cfg, cache, layer, pos_B, kv, *compressed["whole"])
         if "slc" in a.branches:
             self.sow("intermediates", "block_idx", idx)
             with jax.named_scope("nsa_stats"):
-                stat_sums = aux_stat_sums(g_BxTxHx3, idx, kc, vc, k_slc, v_slc, a.lp, a.w)
+                stat_sums = aux_stat_sums(
+                    g_BxTxHx3, idx, *compressed["own"], k_slc, v_slc, a.lp, a.w,
+                    positions_T, seq.real(), compressed["real"],
+                )  # fmt: skip
             self.sow("aux", "stat_sums", stat_sums)
         self.sow("intermediates", "gates", g_BxTxHx3)
         return gated_output(g_BxTxHx3, outputs, a.branches, out_proj, dtype)
 
 
-def sharded_branches(a, calls: BranchCalls, shard: SeqShard, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, compressor):
-    """The three branches of this device's 2S queries under context parallelism (nsa/context.py).
+def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_cmp, kv_slc, kv_win, compressors):
+    """The three branches of this device's queries: (outputs per branch [B, T, H, Dv], the selected
+    blocks [B, T, K, n] or None, {"whole": the sequence's compressed keys and values, "own": this
+    device's, "real": which of its own count (None: all)}).
 
-    Returns (outputs per branch [B, 2S, H, Dv], the selected blocks [B, 2S, K, n] or None,
-    {"kc": (this device's own compressed keys, values), "real_Tc": which count}). The
-    compressed tokens, and the selection and window K/V, are gathered whole; each local
-    chunk then runs every branch's kernel with its first position as the query offset.
+    `seq` says which positions this device's rows hold (nsa/context.py): WholeSequence (one device,
+    the rows are the whole sequence) or a SeqLayout (context parallelism), whose `gather` brings the
+    compressed tokens and the selection and window K/V of the whole sequence; each piece of
+    consecutive positions then runs every branch's kernel with its first position as the query offset.
     """
-    S, lp = shard.chunk, a.lp
-    with jax.named_scope("nsa_cmp"), jax.named_scope("compress"):
-        kc, kc_own, real_Tc = shard.compress_chunks(k_cmp, compressor("cmp_k"), a.l, a.d)
-        vc, vc_own, _ = shard.compress_chunks(v_cmp, compressor("cmp_v"), a.l, a.d)
+    lp = a.lp
+    num_blocks = None if isinstance(seq, WholeSequence) else seq.seq_len // lp
+    with jax.named_scope("nsa_cmp"), jax.named_scope("compress"):  # the compression MLP, apart from attention
+        kc, kc_own, real_Tc = seq.compress_chunks(kv_cmp[0], compressors[0], a.l, a.d)
+        vc, vc_own, _ = seq.compress_chunks(kv_cmp[1], compressors[1], a.l, a.d)
     full = {}
     if "slc" in a.branches:
-        full["slc"] = shard.gather(k_slc), shard.gather(v_slc)
+        full["slc"] = tuple(seq.gather(x) for x in kv_slc)
     if "win" in a.branches:
-        full["win"] = shard.gather(k_win), shard.gather(v_win)
+        full["win"] = tuple(seq.gather(x) for x in kv_win)
     parts = {name: [] for name in BRANCHES}  # the compressed branch always runs: it selects the blocks
     idx_parts = []
-    for c, off in enumerate(shard.offsets()):
-        q_c = q[:, c * S : (c + 1) * S]
+    pieces = seq.pieces()
+    for start, n, off in pieces:
+        q_c = q if len(pieces) == 1 else q[:, start : start + n]
         with jax.named_scope("nsa_cmp"):
-            t_S = off + jnp.arange(S, dtype=jnp.int32)
-            o_cmp, idx = calls.compressed(q_c, kc, vc, t_T=t_S, q_offset=off, num_blocks=shard.seq_len // lp)
+            # Block indices straight from the compressed branch: on the Pallas path one kernel
+            # scores and selects, with no probability or block-score tensor.
+            t_n = off + jnp.arange(n, dtype=jnp.int32)
+            o_cmp, idx = calls.compressed(q_c, kc, vc, t_T=t_n, q_offset=off, num_blocks=num_blocks)
         parts["cmp"].append(o_cmp)
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
@@ -344,9 +328,9 @@ def sharded_branches(a, calls: BranchCalls, shard: SeqShard, q, k_cmp, v_cmp, k_
         if "win" in a.branches:
             with jax.named_scope("nsa_win"):
                 parts["win"].append(calls.window(q_c, *full["win"], q_offset=off))
-    outputs = {name: jnp.concatenate(x, axis=1) for name, x in parts.items() if x}
-    idx = jnp.concatenate(idx_parts, axis=1) if idx_parts else None
-    return outputs, idx, {"kc": (kc_own, vc_own), "real_Tc": real_Tc}
+    outputs = {name: x[0] if len(x) == 1 else jnp.concatenate(x, axis=1) for name, x in parts.items() if x}
+    idx = None if not idx_parts else idx_parts[0] if len(idx_parts) == 1 else jnp.concatenate(idx_parts, axis=1)
+    return outputs, idx, {"whole": (kc, vc), "own": (kc_own, vc_own), "real": real_Tc}
 
 
 # ---------------------------------------------------------------------------

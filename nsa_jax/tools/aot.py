@@ -48,7 +48,7 @@ from nsa_jax import config
 from nsa_jax.config import Config, ModelConfig
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.mesh import SEQ, make_mesh
-from nsa_jax.nsa.context import SeqShard
+from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.seq_layout import chunk_len
@@ -341,11 +341,11 @@ def context_layer(cfg: ModelConfig, seq_len: int, context: int, devices: list, b
     devices (a `seq` mesh of `devices`; nsa/context.py), forward only or forward+backward, with a GPU's
     kernel plan. The collectives of one layer, apart from the rest of a step."""
     a = cfg.nsa
-    shard = SeqShard(context, chunk_len(seq_len, context, a.l, a.lp), seq_len)
+    layout = SeqLayout(context, chunk_len(seq_len, context, a.l, a.lp), seq_len)
     mesh = jax.sharding.Mesh(np.asarray(devices), (SEQ,))
-    module = NSAAttention(cfg, kernels=plan_kernels(a, shard.seq_len, "gpu", context=context), shard=shard)
+    module = NSAAttention(cfg, kernels=plan_kernels(a, layout.seq_len, "gpu", context=context), layout=layout)
     rows = jax.sharding.NamedSharding(mesh, P(None, SEQ))
-    x = jax.ShapeDtypeStruct((1, shard.seq_len, cfg.d_model), jnp.dtype(cfg.dtype), sharding=rows)
+    x = jax.ShapeDtypeStruct((1, layout.seq_len, cfg.d_model), jnp.dtype(cfg.dtype), sharding=rows)
     # The parameters do not depend on the split: those of the unsplit layer at a short length.
     small = jax.ShapeDtypeStruct((1, max(a.l, 16), cfg.d_model), jnp.dtype(cfg.dtype))
     params = jax.eval_shape(lambda xx: NSAAttention(cfg).init(jax.random.PRNGKey(0), xx)["params"], small)

@@ -140,14 +140,14 @@ def boot(
 
 def _context_words(plan: ShardingPlan) -> str:
     """The boot line's words on context parallelism ('' without): the seq axis and the padding."""
-    shard = plan.shard
-    if shard is None:
+    layout = plan.layout
+    if layout is None:
         return ""
-    T, Tp = shard.real_len, shard.seq_len
+    T, Tp = layout.real_len, layout.seq_len
     pad = f", padded to {Tp:,} ({(Tp - T) / Tp:.0%} padding)" if Tp > T else ""
     return (
-        f" x {shard.size} on the seq axis (context parallelism: each sequence of {T:,} tokens{pad} in "
-        f"{2 * shard.size} chunks of {shard.chunk:,}, two per device)"
+        f" x {layout.context} on the seq axis (context parallelism: each sequence of {T:,} tokens{pad} in "
+        f"{2 * layout.context} chunks of {layout.chunk:,}, two per device)"
     )
 
 

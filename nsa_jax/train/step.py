@@ -34,14 +34,9 @@ from jax import lax
 from jax.sharding import Mesh
 
 from nsa_jax.config import Config
-from nsa_jax.data.targets import loss_weights
-from nsa_jax.kernels import KernelPlan
-from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer, token_nll
-from nsa_jax.nsa.context import SeqShard
-from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule, strategies
+from nsa_jax.train.loss import Loss
 from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
-from nsa_jax.train.positions import random_rope_positions
 from nsa_jax.train.state import TrainState, init_state
 from nsa_jax.train.strategies import ShardingPlan, make_plan
 
@@ -70,102 +65,17 @@ def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None, params=N
 
 
 # ---------------------------------------------------------------------------
-# loss and statistics
-
-
-def loss_and_stats(
-    params,
-    tokens_BxT1: jax.Array,
-    *,
-    cfg: Config,
-    phase: schedule.Phase | None = None,
-    kernels: KernelPlan | None = None,
-) -> tuple[jax.Array, dict]:
-    """Loss of one micro-batch and its aux statistics when enabled.
-
-    The loss is the mean next-token loss (weighted by data/targets.py loss_weights) of `phase.model`, plus
-    `phase.distill` times the layers' mean block-scorer KL, which the layers compute
-    only because the `losses` collection is mutable here. With train.scorer_distill on,
-    stats carry `ce` (the next-token loss alone) and `distill_kl` in every phase (0 in
-    one without it), so every phase returns the same metrics. With logging.aux_stats,
-    stats carry what aux_stats makes of the sums the layers sow in `aux` (two
-    reductions per layer, finished here for all layers at once): gate_mean [L, 3],
-    gate_entropy, sel_far_frac, cmp_k_ratio, cmp_v_ratio [L] (none without a
-    selection branch).
-    `phase`: default cfg.model with train.scorer_distill at every step. `kernels`: what
-    each NSA branch runs (ShardingPlan.kernels; None: the layers' default for jax's backend).
-    """
-    phase = phase or schedule.Phase(0, cfg.model, schedule.scorer_distill(cfg))
-    params = cast_dense_kernels(params, phase.model.dtype)
-    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
-    rope_T = random_rope_positions(inputs_BxT, cfg.train.rope_positions)
-    logits_BxTxV, variables = NSALM(phase.model, kernels=kernels).apply(
-        {"params": params}, inputs_BxT, rope_positions_T=rope_T, mutable=mutable
-    )
-    loss = cross_entropy(logits_BxTxV, targets_BxT, loss_weights(tokens_BxT1, cfg))
-    sums = per_layer(variables, "aux", "stat_sums", cfg.model)
-    stats = aux_stats(sums, phase.model) if sums else {}
-    if schedule.scorer_distill(cfg):
-        kl_L = per_layer(variables, "losses", "scorer_kl", cfg.model)
-        kl = jnp.mean(kl_L) if phase.distill else jnp.zeros((), jnp.float32)
-        stats = {**stats, "ce": loss, "distill_kl": kl}
-        loss = loss + phase.distill * kl
-    return loss, stats
-
-
-def context_loss(cfg: Config, phase: schedule.Phase, kernels: KernelPlan | None, shard: SeqShard):
-    """loss_and_stats in the pieces context parallelism needs (strategies.ContextLoss).
-
-    The same loss (no scorer distillation: config validation refuses it under context
-    parallelism), from this device's tokens of each row: their sum of weight * nll over
-    the pair's denominator, and the layers' aux sums, finished once added over `seq`.
-    """
-
-    def rows(tokens_bxT1):
-        inputs_bxT, targets_bxT = tokens_bxT1[:, :-1], tokens_bxT1[:, 1:]
-        weights = loss_weights(tokens_bxT1, cfg)
-        weights = jnp.ones(targets_bxT.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-        return inputs_bxT, targets_bxT, weights, random_rope_positions(inputs_bxT, cfg.train.rope_positions)
-
-    def part(params, inputs_bxL, targets_bxL, weights_bxL, rope_L, denom):
-        params = cast_dense_kernels(params, phase.model.dtype)
-        mutable = ["aux"] if cfg.logging.aux_stats else []
-        model = NSALM(phase.model, kernels=kernels, shard=shard)
-        logits, variables = model.apply({"params": params}, inputs_bxL, rope_positions_T=rope_L, mutable=mutable)
-        share = jnp.sum(token_nll(logits, targets_bxL) * weights_bxL) / denom
-        return share, per_layer(variables, "aux", "stat_sums", cfg.model) or {}
-
-    def finish(sums):
-        return aux_stats(sums, phase.model) if sums else {}
-
-    return strategies.ContextLoss(rows, part, finish)
-
-
-# ---------------------------------------------------------------------------
 # steps
 
 
 def make_grad_fn(
     plan: ShardingPlan | Config, mesh: Mesh | None = None, *, phase: schedule.Phase | None = None
 ) -> Callable:
-    """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy.
-
-    Grads are placed as plan.grads (replicated, or sharded for zero1/fsdp); traced
-    inside the step's jit. pmap has no separate gradient function (its whole step
-    runs per device). `phase`: the loss's schedule phase (loss_and_stats).
-    """
+    """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy
+    (strategies.make_grad_fn) for the loss of `phase` (train/loss.py; default: cfg.model)."""
     plan = as_plan(plan, mesh)
     kernels = plan.kernels(phase.model if phase else plan.cfg.model)
-    if plan.shard is not None:
-        phase = phase or schedule.Phase(0, plan.cfg.model, schedule.scorer_distill(plan.cfg))
-        return strategies.make_context_grad_fn(plan, context_loss(plan.cfg, phase, kernels, plan.shard))
-    loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg, phase=phase, kernels=kernels)
-    if plan.strategy == "dp":
-        return strategies.make_dp_grad_fn(plan, loss_fn)
-    if plan.strategy == "pmap":
-        raise ValueError("parallel.strategy=pmap runs the whole step per device; use make_train_step")
-    return strategies.make_partitioned_grad_fn(plan, loss_fn)
+    return strategies.make_grad_fn(plan, Loss(plan.cfg, phase, kernels, plan.layout))
 
 
 def make_phased_grad_fn(plan: ShardingPlan) -> Callable:
@@ -230,8 +140,8 @@ def make_train_step(
     update = make_update(plan.cfg)
 
     if plan.strategy == "pmap":
-        loss_fn = functools.partial(loss_and_stats, cfg=plan.cfg, kernels=plan.kernels(plan.cfg.model))
-        train_step = strategies.make_pmap_step(plan, loss_fn, update)
+        loss = Loss(plan.cfg, kernels=plan.kernels(plan.cfg.model))
+        train_step = strategies.make_pmap_step(plan, loss.of_tokens, update)
     else:
         grad_fn = make_phased_grad_fn(plan)
 

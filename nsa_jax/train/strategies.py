@@ -1,59 +1,44 @@
 """Data-parallel strategies: where each part of the train state lives, and how gradients are reduced.
 
 Owns, for every `parallel.strategy`, the shardings of the TrainState on the (data, seq)
-mesh (nsa_jax/mesh.py; `state_shardings`), where the reduced gradient lives (`grad_shardings`),
-the `ShardingPlan` that holds all of them for one run (`make_plan`: built once from
-cfg and mesh, then handed to everything that places or steps the state), and the
-function from a batch to the mean gradient (`make_dp_grad_fn`,
-`make_partitioned_grad_fn`; for `pmap` the whole per-device step, `make_pmap_step`).
-The loss, the optimizer update and the public step API (make_train_step,
-create_state, ...) stay in step.py.
+mesh (nsa_jax/mesh.py; `state_shardings`), where the reduced gradient lives
+(`grad_shardings`), the `ShardingPlan` that holds them for one run (`make_plan`), and
+the function from a batch to the mean gradient (`make_grad_fn`: the dispatch). The
+loss is train/loss.py's, the optimizer update and the step API are step.py's.
 
 Every strategy computes the same update: the mean over the global batch (A
 micro-batches of B sequences) of the next-token-loss gradient, accumulated locally
 over the A micro-batches, reduced across devices once per optimizer step in
-parallel.grad_reduce_dtype (bf16 halves the bytes of that reduction), then the same
-optax update with global-norm clipping.
+parallel.grad_reduce_dtype (bf16 halves the bytes of that reduction; `reduce_grads`,
+the one reduction every strategy calls), then the same optax update.
 
-  strategy  params      reduced grads  Adam moments  how
-  dp        replicated  replicated     replicated    shard_map, explicit psum (default)
-  pmap      replicated  replicated     replicated    jax.pmap, lax.pmean over `data`, whole step per device
-  gspmd     replicated  replicated     replicated    jit + shardings; XLA inserts the all-reduce
-  zero1     replicated  sharded        sharded       jit; reduce to the shard, update the shard, gather params
-  fsdp      sharded     sharded        sharded       jit; params gathered for forward/backward
+  strategy  params   reduced grads, moments  gradient function
+  dp        whole    whole                   make_mapped_grad_fn: shard_map, psum (default)
+  zero1     whole    slices                  make_mapped_grad_fn: psum_scatter; jit gathers the new params
+  fsdp      slices   slices                  make_mapped_grad_fn: params all-gathered once per step
+  gspmd     whole    whole                   make_partitioned_grad_fn: jit + shardings, XLA's all-reduce
+  pmap      whole    whole                   make_pmap_step: jax.pmap, the whole step per device
 
-"Sharded": the leaf rule of `data_spec`, `data` on the largest axis whose size the
-device count divides; leaves with no such axis (scalars, odd sizes) stay replicated.
-Under context parallelism (zero1) a leaf is split over `data` and `seq` together, so each
-of the mesh's devices holds 1/devices of it.
+dp, zero1 and fsdp share one path at every context degree: the rows laid out once
+(nsa_jax/rows.py; at parallel.context = C > 1 padded and split over `seq`), each
+device's share of each micro-batch's loss and its gradient summed locally, one
+reduction over every device of the mesh. "Slices": the leaf rule of `data_spec`,
+split on the largest axis the device count divides, over `data` and with context
+parallelism `data` and `seq` together (each of the mesh's devices holds 1/devices of
+it); leaves with no such axis stay whole. gspmd and pmap run at C = 1 only.
 
-The mesh is (data, seq): `seq` has parallel.context devices (1 unless context
-parallelism is on), and the batch is sharded over `data` only. With context C > 1
-(dp or zero1; `make_context_grad_fn`) every row's T tokens are padded and laid out over
-the C devices of `seq` as nsa/context.py says; each device computes its tokens'
-share of the loss (the sequence's K/V reach it through the layers' collectives, and
-autodiff returns their gradients to their owners), and the one explicit reduction
-of the summed gradient runs over both axes: an all-reduce (dp), or a reduce-scatter
-to each device's slice (zero1: the update and the Adam moments then live on slices
-of all C x data devices, and the jit all-gathers the updated parameters).
-
-How gspmd, zero1 and fsdp reduce. The batch [A, B, T+1] is viewed as
-[A, D, B/D, T+1] with D (the device count) sharded on `data`, and the accumulated
-gradient is vmapped over D: each device computes its row of a [D, ...] gradient
-sharded on `data`, summed over its A micro-batches with no collective. The sum over
-D, cast to grad_reduce_dtype, is then the only cross-device op on gradients, and XLA
-lowers it to an all-reduce (result replicated: gspmd) or an all-reduce + slice or a
-reduce-scatter (result sharded: zero1, fsdp). This is how grad_reduce_dtype is
-honoured without shard_map: written as a plain value_and_grad of the global-batch
-loss, XLA places the all-reduce inside the backward pass, in the fp32 dtype of the
-weight-gradient matmuls, and (with accumulation) inside the micro-batch loop, where
-no cast written afterwards can move it.
-
-fsdp here shards the persistent state (params, moments: what lives between steps)
-and all-gathers the parameters once per step for the forward and backward, so while
-a step runs each device holds one full parameter copy and one full-size local
-gradient, as dp does (ZeRO-3's per-layer gather and gradient freeing would need the
+fsdp shards what lives between steps (params, moments) and gathers the parameters
+once per step, so while a step runs each device holds one full parameter copy and
+one full-size local gradient, as dp does (ZeRO-3's per-layer gather would need the
 gather inside the model's layer scan; not done here).
+
+How gspmd reduces. The batch [A, B, T+1] is viewed as [A, D, B/D, T+1] with D (the
+device count) sharded on `data`, and the accumulated gradient is vmapped over D: each
+device computes its row of a [D, ...] gradient with no collective. The sum over D,
+cast to grad_reduce_dtype, is then the only cross-device op on gradients, and XLA
+lowers it to an all-reduce. Written as a plain value_and_grad of the global-batch
+loss, XLA would place the all-reduce inside the backward pass, in the fp32 dtype of
+the weight-gradient matmuls, where no cast written afterwards can move it.
 """
 
 from __future__ import annotations
@@ -72,7 +57,9 @@ from jax.sharding import PartitionSpec as P
 from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan, plan_kernels
 from nsa_jax.mesh import DATA, SEQ
-from nsa_jax.nsa.context import SeqShard, seq_shard
+from nsa_jax.nsa.context import SeqLayout, seq_layout
+from nsa_jax.rows import Rows, denominators, lay_out_rows, rows_spec
+from nsa_jax.train.loss import Loss
 from nsa_jax.train.state import TrainState, init_state
 
 STRATEGIES = ("dp", "pmap", "gspmd", "zero1", "fsdp")
@@ -177,12 +164,12 @@ class ShardingPlan:
     batch: NamedSharding  # tokens_AxBxT1, sharded on B
     replicated: NamedSharding  # scalars and metrics
     kernel_fallback: frozenset = frozenset()  # NSA branches the kernel guard moved to XLA
-    shard: SeqShard | None = None  # the sequence layout over `seq` (context parallelism), None without
+    layout: SeqLayout | None = None  # the sequence layout over `seq` (context parallelism), None without
 
     @property
     def context(self) -> int:
         """Devices one sequence is split over (the `seq` axis)."""
-        return 1 if self.shard is None else self.shard.size
+        return 1 if self.layout is None else self.layout.context
 
     def kernels(self, model) -> KernelPlan:
         """What each NSA branch of `model` (cfg.model, or a schedule phase's) runs in this plan's step.
@@ -190,7 +177,7 @@ class ShardingPlan:
         The backend is the mesh's (a compile for another card plans for that card).
         """
         backend = self.mesh.devices.flat[0].platform
-        seq = self.cfg.train.seq_len if self.shard is None else self.shard.seq_len
+        seq = self.cfg.train.seq_len if self.layout is None else self.layout.seq_len
         return plan_kernels(model.nsa, seq, backend, self.kernel_fallback, self.context)
 
     def abstract_state(self) -> TrainState:
@@ -224,7 +211,7 @@ def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
         grads=grad_shardings(cfg, mesh, shapes.params),
         batch=NamedSharding(mesh, P(None, DATA)),
         replicated=NamedSharding(mesh, P()),
-        shard=seq_shard(cfg),
+        layout=seq_layout(cfg),
     )
 
 
@@ -258,70 +245,59 @@ def reduce_grads(grads, n: int, dtype, over_devices: Callable, places=None):
     return jax.tree.map(lambda g, at: over_devices((g / n).astype(dtype), at).astype(jnp.float32), grads, places)
 
 
-def make_dp_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
-    """dp: shard_map, local accumulation, one explicit psum of the summed grads in grad_reduce_dtype.
+def make_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
+    """(params, tokens_AxBxT1) -> (mean grads fp32 placed as plan.grads, mean loss, mean stats) of
+    parallel.strategy: dp, zero1 and fsdp at any context degree (`make_mapped_grad_fn`), gspmd
+    (`make_partitioned_grad_fn`). Traced inside the step's jit; pmap has no separate gradient
+    function (make_pmap_step runs its whole step per device)."""
+    if plan.strategy == "pmap":
+        raise ValueError("parallel.strategy=pmap runs the whole step per device; use make_train_step")
+    if plan.strategy == "gspmd":
+        return make_partitioned_grad_fn(plan, loss.of_tokens)
+    return make_mapped_grad_fn(plan, loss)
+
+
+def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
+    """dp, zero1, fsdp: one shard_map over (data, seq), each device's gradient summed over its
+    micro-batches, then one explicit reduction over every device in grad_reduce_dtype.
+
+    The result is the mean over the A x D (micro-batch, data shard) pairs of each pair's
+    weighted mean loss (denominator max(sum of weights, 1), as model.cross_entropy), its
+    gradient, and the statistics finished per pair. The rows are laid out once
+    (rows.lay_out_rows: whole at C = 1; padded and in device order, then split over `seq`,
+    with context parallelism), each device computing its tokens' share of its pair's loss.
+    The reduction: an all-reduce (dp), or a reduce-scatter to each device's slice of the leaf
+    (zero1, fsdp: the update then runs on the slice). fsdp's parameters come in as slices
+    and are all-gathered once per step, before the micro-batch loop.
 
     `check_vma=False` on purpose: with the default check, jax transposes the implicit
     broadcast of a replicated parameter into a psum, so gradients taken inside the
     shard_map would already be summed over devices and the explicit reduce would count
-    them twice. Here every gradient stays local until the one explicit psum.
+    them twice. Here every gradient stays local until the one explicit reduction.
     """
-    n_devices = plan.n_devices
-    reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def local(params, tokens_AxbxT1):
-        grads, loss, stats = local_sums(value_and_grad, params, tokens_AxbxT1)
-        n = tokens_AxbxT1.shape[0] * n_devices  # every micro-batch on every device has the same size
-        grads = reduce_grads(grads, n, reduce_dtype, lambda g, _: lax.psum(g, DATA))
-        loss = lax.psum(loss, DATA) / n
-        stats = jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)
-        return grads, loss, stats
-
-    return jax.shard_map(
-        local, mesh=plan.mesh, in_specs=(P(), P(None, DATA)), out_specs=(P(), P(), P()), check_vma=False
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextLoss:
-    """One micro-batch's loss in the pieces context parallelism needs (train/step.py builds it).
-
-    rows: tokens_bxT1 (one device's rows of a micro-batch) -> (inputs_bxT, targets_bxT, weights_bxT
-      fp32, RoPE positions [T] or None), what the one-device loss computes first;
-    part: (params, inputs_bxL, targets_bxL, weights_bxL, rope_L or None, denom) -> (this device's share
-      of the micro-batch's loss: its tokens' sum of weight * nll over `denom`, the aux statistics'
-      sums), traced inside shard_map, where the layers reach the other devices' tokens;
-    finish: the aux sums of the whole micro-batch -> its statistics.
-    """
-
-    rows: Callable
-    part: Callable
-    finish: Callable
-
-
-def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
-    """dp or zero1 with context parallelism: (params, tokens_AxBxT1) -> (mean grads fp32 placed as
-    plan.grads, mean loss, mean stats).
-
-    The result is dp's at C = 1: the mean over the A x D (micro-batch, data shard) pairs
-    of each pair's weighted mean loss (denominator max(sum of weights, 1), as
-    model.cross_entropy), its gradient, and the statistics finished per pair. Each
-    pair's rows are prepared whole (loss weights and RoPE positions are functions of
-    whole rows), padded to T' and put in device order, then split over `seq`.
-    """
-    shard, mesh, n_devices = plan.shard, plan.mesh, plan.n_devices
-    Tp = shard.seq_len
+    mesh, n_devices, layout = plan.mesh, plan.n_devices, plan.layout
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
-    spec_rows = P(None, DATA, SEQ)
-    grad_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1)
+    grad_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1, fsdp)
+    param_specs = jax.tree.map(lambda sh: sh.spec, plan.state.params)  # sliced under fsdp
 
-    def local(params, inputs_AxbxL, targets_AxbxL, weights_AxbxL, rope_Ax1xL, denom_Ax1):
-        def pair_loss(xs):  # (share, sums), grads of micro-batch xs
-            inputs, targets, weights, rope_1xL, denom_1 = xs
-            rope_L = None if rope_1xL is None else rope_1xL[0]
-            return value_and_grad(params, inputs, targets, weights, rope_L, denom_1[0])
+    def whole(x, spec):  # fsdp: a parameter's slices gathered over the axes that hold them
+        dims = [i for i, axes in enumerate(spec) if axes is not None]
+        return lax.all_gather(x, spec[dims[0]], axis=dims[0], tiled=True) if dims else x
+
+    def over_devices(g, spec):  # over every device: whole (dp), or into this device's slice
+        dims = [i for i, axes in enumerate(spec) if axes is not None]
+        if dims:  # the leaf's sharded axis, over the mesh axes shard_axes chose
+            return lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
+        return lax.psum(g, (DATA, SEQ))
+
+    def local(params, rows_Axbx: Rows, denom_Ax1):
+        params = jax.tree.map(whole, params, param_specs)
+
+        def pair_loss(xs):  # (share, sums), grads of one micro-batch's rows on this device
+            rows, denom_1 = xs
+            rope = None if rows.rope is None else rows.rope[0]
+            return value_and_grad(params, rows._replace(rope=rope), denom_1[0])
 
         def micro(carry, xs):
             (share, sums), grads = pair_loss(xs)
@@ -329,7 +305,7 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
             stats = loss.finish(jax.tree.map(lambda x: lax.psum(x, SEQ), sums))
             return jax.tree.map(jnp.add, carry, (grads, lax.psum(share, SEQ), stats)), None
 
-        xs = (inputs_AxbxL, targets_AxbxL, weights_AxbxL, rope_Ax1xL, denom_Ax1)
+        xs = (rows_Axbx, denom_Ax1)
         (_, sums_shape), _ = jax.eval_shape(pair_loss, jax.tree.map(lambda x: x[0], xs))
         zeros = (
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
@@ -337,39 +313,27 @@ def make_context_grad_fn(plan: ShardingPlan, loss: ContextLoss) -> Callable:
             jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(loss.finish, sums_shape)),
         )
         (grads, total, stats), _ = lax.scan(micro, zeros, xs)
-        n = inputs_AxbxL.shape[0] * n_devices
-
-        def over_devices(g, spec):  # over every device: whole (dp), or into this device's slice (zero1)
-            dims = [i for i, axes in enumerate(spec) if axes is not None]
-            if dims:  # the leaf's sharded axis, over the mesh axes shard_axes chose
-                return lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
-            return lax.psum(g, (DATA, SEQ))
-
+        n = denom_Ax1.shape[0] * n_devices
         grads = reduce_grads(grads, n, reduce_dtype, over_devices, grad_specs)
         return grads, lax.psum(total, DATA) / n, jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)
-
-    def lay_out(x_AxDxbxT):
-        """[A, D, b, T] -> [A, B, T'] padded, in device order, placed on (data, seq)."""
-        A, D, b = x_AxDxbxT.shape[:3]
-        x = shard.lay_out(x_AxDxbxT, 3).reshape(A, D * b, Tp)
-        return lax.with_sharding_constraint(x, NamedSharding(mesh, spec_rows))
 
     def grad_fn(params, tokens_AxBxT1):
         A, B, T1 = tokens_AxBxT1.shape
         tokens = tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1)
-        inputs, targets, weights, rope = jax.vmap(jax.vmap(loss.rows))(tokens)
-        denom = jnp.maximum(jnp.sum(weights, axis=(2, 3)), 1.0)  # [A, D]
-        if rope is not None:  # [A, D, T] -> [A, D, T']: one per pair (the padded positions never matter)
-            rope = lay_out(rope[:, :, None])
-        args = (lay_out(inputs), lay_out(targets), lay_out(weights.astype(jnp.float32)), rope, denom)
+        rows = lay_out_rows(tokens, plan.cfg, layout, rope_positions=plan.cfg.train.rope_positions)
+        denom = denominators(rows)  # [A, D]
+        # [A, D, b, T'] -> [A, B, T'] (RoPE positions stay [A, D, T']: one per pair), split over the mesh.
+        rows = rows._replace(**{f: getattr(rows, f).reshape(A, B, -1) for f in ("inputs", "targets", "weights")})
+        specs = rows_spec(rows, 1)
+        rows = jax.tree.map(lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), rows, specs)
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(), spec_rows, spec_rows, spec_rows, None if rope is None else spec_rows, P(None, DATA)),
+            in_specs=(param_specs, specs, P(None, DATA)),
             out_specs=(grad_specs, P(), P()),
             check_vma=False,
         )
-        return fn(params, *args)
+        return fn(params, rows, denom)
 
     return grad_fn
 
@@ -380,7 +344,7 @@ def _sum_rows(rows_DxS: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
-    """gspmd / zero1 / fsdp: (params, tokens_AxBxT1) -> (mean grads placed as `plan.grads`, loss, stats).
+    """gspmd: (params, tokens_AxBxT1) -> (mean grads placed as `plan.grads`, loss, stats).
 
     Traced under the step's jit; see the module docstring for why the device axis is
     made explicit (a vmap over D sharded on `data`).
