@@ -20,11 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
-from nsa_jax.kernels import KernelPlan
 from nsa_jax.layers import RMSNorm, SwiGLU
-from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.nsa.dense import DenseAttention
-from nsa_jax.nsa.layer import MODES, NSAAttention
+from nsa_jax.nsa.layer import MODES, ModelPart, NSAAttention
 
 _REMAT_POLICIES = {
     "full": None,
@@ -32,16 +30,11 @@ _REMAT_POLICIES = {
 }
 
 
-class Block(nn.Module):
+class Block(ModelPart):
     """x + attn(norm(x)), then x + mlp(norm(x)).
 
     `layer` (the index into the cache's layer axis) and `pos_B` are for prefill/decode only.
     """
-
-    cfg: ModelConfig
-    mode: str = "train"
-    kernels: KernelPlan | None = None
-    layout: SeqLayout | None = None
 
     @nn.compact
     def __call__(
@@ -65,7 +58,7 @@ class Block(nn.Module):
         return x_BxTxD, None
 
 
-class NSALM(nn.Module):
+class NSALM(ModelPart):
     """tokens[B, T] int32 -> logits[B, T, V] fp32.
 
     `mode` "train": the forward; `rope_positions_T` (train only) moves RoPE off 0..T-1
@@ -77,11 +70,6 @@ class NSALM(nn.Module):
     tokens_BxT are this device's 2S tokens of sequences split over the `seq` mesh axis
     (context parallelism, nsa/context.py); rope_positions_T, if given, are theirs too.
     """
-
-    cfg: ModelConfig
-    mode: str = "train"
-    kernels: KernelPlan | None = None
-    layout: SeqLayout | None = None
 
     @nn.compact
     def __call__(

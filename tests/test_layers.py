@@ -40,7 +40,10 @@ LAYERS = (
     ("pretrained", ("nsa_jax.pretrained",)),
     (
         "train step",
-        tuple(f"nsa_jax.train.{m}" for m in ("step", "strategies", "optimizer", "state", "schedule", "positions")),
+        tuple(
+            f"nsa_jax.train.{m}"
+            for m in ("step", "strategies", "loss", "rows", "optimizer", "state", "schedule", "positions")
+        ),
     ),
     ("run directory", ("nsa_jax.rundir",)),
     ("operations", ("nsa_jax.ops",)),

@@ -1,8 +1,9 @@
 """Context parallelism: one training sequence spread over the `seq` mesh axis (docs/NSA.md "Context parallelism").
 
 Owns the layout of a sequence over C devices and the collectives the NSA layer
-needs under it; the layer (nsa/layer.py) calls them, the train step
-(train/strategies.py) lays the batch out with `to_device_order`.
+needs under it; the layer (nsa/layer.py) calls them, and the batch record
+(nsa_jax/train/rows.py) is laid out with `SeqLayout.lay_out`. `WholeSequence` reads a
+sequence one device holds whole through the same methods, so the layer has one path.
 
 Layout (zig-zag). A sequence of T tokens is padded at its end to T' = 2 C S
 (nsa_jax/seq_layout.py: S a multiple of lcm(l, lp), so every chunk starts on a

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
-from nsa_jax.kernels import BranchCalls, KernelPlan, plan_kernels
+from nsa_jax.kernels import BranchCalls, plan_kernels
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
-from nsa_jax.nsa.layer import check_mode, gather_rows, ring_attend, ring_positions
+from nsa_jax.nsa.layer import ModelPart, check_mode, gather_rows, ring_attend, ring_positions
 
 # A window longer than any sequence: every earlier key is visible.
 UNBOUNDED = 1 << 30
@@ -32,12 +32,9 @@ def dense_window(cfg: ModelConfig) -> int:
     return cfg.dense_window or UNBOUNDED
 
 
-class DenseAttention(nn.Module):
-    """x[B, T, D] -> causal attention output [B, T, D]; `mode` and its arguments as NSAAttention's."""
-
-    cfg: ModelConfig
-    mode: str = "train"
-    kernels: KernelPlan | None = None
+class DenseAttention(ModelPart):
+    """x[B, T, D] -> causal attention output [B, T, D]; `mode` and its arguments as NSAAttention's
+    (no `layout`: config validation keeps dense attention off context parallelism)."""
 
     @nn.compact
     def __call__(

@@ -160,7 +160,19 @@ def check_mode(mode: str, T: int, layer, pos_B) -> None:
         raise ValueError(f"decode feeds one token per row, got {T}")
 
 
-class NSAAttention(nn.Module):
+class ModelPart(nn.Module):
+    """The fields every module of the model's stack carries (NSALM, Block, the attentions): the model
+    config, the mode (one of MODES), what each NSA branch runs (kernels.plan_kernels; None: the
+    config's plan at the input's length on jax's backend) and the sequence layout (nsa/context.py;
+    None: each row is a whole sequence)."""
+
+    cfg: ModelConfig
+    mode: str = "train"
+    kernels: KernelPlan | None = None
+    layout: SeqLayout | None = None
+
+
+class NSAAttention(ModelPart):
     """x[B, T, D] -> NSA attention output [B, T, D].
 
     `mode`: "train" (the forward), "prefill" (the forward, and writes the cache
@@ -173,16 +185,10 @@ class NSAAttention(nn.Module):
     sequence through its collectives, at the tokens' global positions.
     """
 
-    cfg: ModelConfig
-    mode: str = "train"
-    kernels: KernelPlan | None = None
-    layout: SeqLayout | None = None
-
     @nn.compact
     def __call__(
         self,
         x_BxTxD: jax.Array,
-        positions_T: jax.Array | None = None,
         *,
         layer: jax.Array | None = None,
         pos_B: jax.Array | None = None,
@@ -194,18 +200,16 @@ class NSAAttention(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        if self.layout is not None:
-            if self.mode != "train":
-                raise ValueError("context parallelism (layout) is for training; prefill and decode run on one device")
-            positions_T = self.layout.positions()
-        positions_T = jnp.arange(T, dtype=jnp.int32) if positions_T is None else positions_T
         check_mode(self.mode, T, layer, pos_B)
+        if self.layout is not None and (self.mode != "train" or self.is_mutable_collection("losses")):
+            raise ValueError(
+                "context parallelism (a layout) is for training without train.scorer_distill; "
+                "prefill and decode run on one device"
+            )
+        seq = self.layout or WholeSequence(T)  # the positions this device's rows hold
+        positions_T = seq.positions()
         decode = self.mode == "decode"
-        if self.kernels is not None:
-            plan = self.kernels
-        else:
-            plan = plan_kernels(a, T if self.layout is None else self.layout.seq_len, jax.default_backend())
-        calls = BranchCalls(a, plan)
+        calls = BranchCalls(a, self.kernels or plan_kernels(a, seq.seq_len, jax.default_backend()))
 
         # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,
         # the window and causality stay at the indices.
@@ -259,23 +263,14 @@ class NSAAttention(nn.Module):
             )
             return gated_output(g_BxTxHx3, {k: x[:, None] for k, x in outputs.items()}, a.branches, out_proj, dtype)
 
-        seq = self.layout or WholeSequence(T)
-        if self.layout is not None and self.is_mutable_collection("losses"):
-            raise ValueError("train.scorer_distill does not run under context parallelism (parallel.context > 1)")
         cmp_k, cmp_v = compressor("cmp_k"), compressor("cmp_v")
         outputs, idx, compressed = branch_outputs(
             a, calls, seq, q, (k_cmp, v_cmp), (k_slc, v_slc), (k_win, v_win), (cmp_k, cmp_v)
         )
         if "slc" in a.branches and self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
             with jax.named_scope("nsa_slc"):
-                # The scorer's keys again, from a detached layer input: the KL trains the
-                # k_cmp projection and phi only, never the residual stream below (as DSA
-                # detaches its indexer's input), so it cannot pull on what the LM loss learns.
-                (k_scorer,) = fused_dense(jax.lax.stop_gradient(x_BxTxD), [qk_parts[1]], dtype)
-                k_scorer = k_scorer.reshape(B, T, K, Dk)
-                kc_scorer = cmp_k(roped(norms[1](k_scorer) if norms else k_scorer))
-                kl = score_distill_kl(q, kc_scorer, k_slc, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
-                self.sow("losses", "scorer_kl", kl)
+                kl = scorer_kl(a, x_BxTxD, qk_parts[1], norms[1] if norms else None, roped, cmp_k, q, k_slc, dtype)
+            self.sow("losses", "scorer_kl", kl)
         if self.mode == "prefill":
             fill_cache(cfg, cache, layer, pos_B, kv, *compressed["whole"])
         if "slc" in a.branches:
@@ -288,6 +283,16 @@ class NSAAttention(nn.Module):
             self.sow("aux", "stat_sums", stat_sums)
         self.sow("intermediates", "gates", g_BxTxHx3)
         return gated_output(g_BxTxHx3, outputs, a.branches, out_proj, dtype)
+
+
+def scorer_kl(a, x_BxTxD, k_proj, k_norm, roped, cmp_k, q_BxTxHxDk, k_slc_BxTxKxDk, dtype) -> jax.Array:
+    """The block scorer's distillation KL (distill.py), its compressed keys made again from a detached
+    layer input: the KL trains the k_cmp projection and phi only, never the residual stream below
+    (as DSA detaches its indexer's input), so it cannot pull on what the LM loss learns."""
+    (k,) = fused_dense(jax.lax.stop_gradient(x_BxTxD), [k_proj], dtype)
+    k = k.reshape(k_slc_BxTxKxDk.shape[:3] + (-1,))
+    kc = cmp_k(roped(k_norm(k) if k_norm is not None else k))
+    return score_distill_kl(q_BxTxHxDk, kc, k_slc_BxTxKxDk, l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
 
 
 def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_cmp, kv_slc, kv_win, compressors):

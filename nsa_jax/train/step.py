@@ -14,8 +14,10 @@ One optimizer step:
 How the state is placed and the gradient reduced is `parallel.strategy`
 (nsa_jax/train/strategies.py: dp, pmap, gspmd, zero1, fsdp), held for one run by a
 `ShardingPlan` (`make_plan(cfg, mesh)`, built once: the Trainer passes it to
-make_train_step and create_state); this module builds the loss and the update, and
-places state and batch as the plan says. The step builders also take (cfg, mesh)
+make_train_step and create_state); this module builds the loss of each schedule phase
+(train/loss.py) and the update, hands the loss to the strategy's gradient function
+(strategies.make_grad_fn; nothing there calls back here), and places state and batch
+as the plan says. The step builders also take (cfg, mesh)
 and build the plan themselves, for one-off steps (tests, benchmarks).
 
 Nothing here does I/O; the loop (loop.py, and boot.py, saves.py, artifacts.py) owns files,

@@ -20,7 +20,7 @@ the one reduction every strategy calls), then the same optax update.
   pmap      whole    whole                   make_pmap_step: jax.pmap, the whole step per device
 
 dp, zero1 and fsdp share one path at every context degree: the rows laid out once
-(nsa_jax/rows.py; at parallel.context = C > 1 padded and split over `seq`), each
+(nsa_jax/train/rows.py; at parallel.context = C > 1 padded and split over `seq`), each
 device's share of each micro-batch's loss and its gradient summed locally, one
 reduction over every device of the mesh. "Slices": the leaf rule of `data_spec`,
 split on the largest axis the device count divides, over `data` and with context
@@ -58,8 +58,8 @@ from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan, plan_kernels
 from nsa_jax.mesh import DATA, SEQ
 from nsa_jax.nsa.context import SeqLayout, seq_layout
-from nsa_jax.rows import Rows, denominators, lay_out_rows, rows_spec
 from nsa_jax.train.loss import Loss
+from nsa_jax.train.rows import Rows, denominators, lay_out_rows, rows_spec
 from nsa_jax.train.state import TrainState, init_state
 
 STRATEGIES = ("dp", "pmap", "gspmd", "zero1", "fsdp")

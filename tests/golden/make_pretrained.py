@@ -94,129 +94,67 @@ TOKENIZER_CASES = [
     "             many spaces",
 ]
 
+# What most tiny families share; each family below names only what it changes.
+TINY_COMMON = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=128,
+)
+
+
+def tiny_family(name, config, notes, *, save_dtype=torch.float32, max_shard_size=None, **kwargs):
+    kwargs = {**TINY_COMMON, **kwargs}
+    return {"name": name, "config": config, "kwargs": kwargs, "save_dtype": save_dtype,
+            "max_shard_size": max_shard_size, "notes": notes}  # fmt: skip
+
+
 TINY_FAMILIES = [
-    {
-        "name": "llama2",
-        "config": LlamaConfig,
-        "kwargs": dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            intermediate_size=160,
-            rope_theta=10000.0,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            max_position_embeddings=128,
-        ),
-        "save_dtype": torch.float32,
-        "max_shard_size": None,
-        "notes": "MHA (4 heads over 4 kv heads), head_dim 16, default rope, untied, fp32, one safetensors file",
-    },
-    {
-        "name": "llama3",
-        "config": LlamaConfig,
-        "kwargs": dict(
-            hidden_size=64,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            head_dim=8,
-            intermediate_size=128,
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            max_position_embeddings=256,
-        ),
-        "save_dtype": torch.bfloat16,
-        "max_shard_size": "100KB",
-        "notes": "GQA 8 heads over 2 (G=4), head_dim 8, llama3 rope scaling, untied, saved in bf16 and sharded; "
+    tiny_family(
+        "llama2", LlamaConfig,
+        "MHA (4 heads over 4 kv heads), head_dim 16, default rope, untied, fp32, one safetensors file",
+        num_key_value_heads=4, intermediate_size=160, rope_theta=10000.0, rms_norm_eps=1e-5,
+    ),
+    tiny_family(
+        "llama3", LlamaConfig,
+        "GQA 8 heads over 2 (G=4), head_dim 8, llama3 rope scaling, untied, saved in bf16 and sharded; "
         "logits from the bf16 weights upcast to fp32",
-    },
-    {
-        "name": "mistral",
-        "config": MistralConfig,
-        "kwargs": dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            intermediate_size=96,
-            rope_theta=10000.0,
-            sliding_window=24,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            max_position_embeddings=128,
-        ),
-        "save_dtype": torch.float16,
-        "max_shard_size": None,
-        "notes": "GQA 4 heads over 2, head_dim 16, sliding_window 24 (query i sees keys i-23..i), untied, saved in "
+        save_dtype=torch.bfloat16, max_shard_size="100KB",
+        num_attention_heads=8, head_dim=8, intermediate_size=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        max_position_embeddings=256,
+    ),
+    tiny_family(
+        "mistral", MistralConfig,
+        "GQA 4 heads over 2, head_dim 16, sliding_window 24 (query i sees keys i-23..i), untied, saved in "
         "fp16; logits from the fp16 weights upcast to fp32",
-    },
-    {
-        "name": "qwen2",
-        "config": Qwen2Config,
-        "kwargs": dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            use_sliding_window=False,
-            max_position_embeddings=128,
-        ),
-        "save_dtype": torch.float32,
-        "max_shard_size": None,
-        "notes": f"GQA 4 heads over 2, head_dim 16, q/k/v biases filled with {BIAS_STD} * randn, tied embeddings "
+        save_dtype=torch.float16, head_dim=16, intermediate_size=96, rope_theta=10000.0, sliding_window=24,
+    ),
+    tiny_family(
+        "qwen2", Qwen2Config,
+        f"GQA 4 heads over 2, head_dim 16, q/k/v biases filled with {BIAS_STD} * randn, tied embeddings "
         "(no lm_head tensor in the file), no sliding window, fp32",
-    },
-    {
-        "name": "qwen3",
-        "config": Qwen3Config,
-        "kwargs": dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=96,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            use_sliding_window=False,
-            max_position_embeddings=128,
-        ),
-        "save_dtype": torch.float32,
-        "max_shard_size": None,
-        "notes": "GQA 4 heads over 2, head_dim 32 (heads x head_dim = 128 != hidden 64), q_norm/k_norm over head_dim "
+        intermediate_size=128, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
+    ),
+    tiny_family(
+        "qwen3", Qwen3Config,
+        "GQA 4 heads over 2, head_dim 32 (heads x head_dim = 128 != hidden 64), q_norm/k_norm over head_dim "
         f"with weights 1 + {NORM_STD} * randn, no biases, untied, fp32",
-    },
-    {
-        "name": "smollm2",
-        "config": LlamaConfig,
-        "kwargs": dict(
-            hidden_size=72,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=8,
-            intermediate_size=192,
-            rope_theta=100000.0,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
-            max_position_embeddings=128,
-        ),
-        "save_dtype": torch.float32,
-        "max_shard_size": None,
-        "notes": "SmolLM2 in miniature: hidden 72, GQA 9 heads over 3 (G=3), head_dim 8, rope_theta 1e5, tied "
+        head_dim=32, intermediate_size=96, rope_theta=1000000.0, use_sliding_window=False,
+    ),
+    tiny_family(
+        "smollm2", LlamaConfig,
+        "SmolLM2 in miniature: hidden 72, GQA 9 heads over 3 (G=3), head_dim 8, rope_theta 1e5, tied "
         "embeddings (no lm_head tensor in the file), fp32",
-    },
-]
+        hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=8, intermediate_size=192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+]  # fmt: skip
 
 
 def versions():
