@@ -15,6 +15,8 @@ nsa_jax/inference builds the cache and drives generation.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,10 @@ class NSALM(ModelPart):
     (context parallelism, nsa/context.py); rope_positions_T, if given, are theirs too.
     """
 
+    # fsdp (train/strategies.py): one layer's variables with their parameter slices gathered whole,
+    # applied as each layer runs; None: the parameters come whole.
+    layer_gather: Callable | None = None
+
     @nn.compact
     def __call__(
         self, tokens_BxT: jax.Array, lengths_B: jax.Array | None = None, rope_positions_T: jax.Array | None = None
@@ -80,11 +86,14 @@ class NSALM(ModelPart):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std), name="embed")
         x = embed(tokens_BxT).astype(dtype)
         block = Block
+        if self.layer_gather is not None:
+            # Inside the remat below: the backward gathers a layer again instead of keeping it.
+            block = nn.map_variables(block, "params", trans_in_fn=self.layer_gather, init=False)
         if cfg.remat != "none":
             # Only a loop keeps XLA from merging the recomputation with the forward: a scan
             # unrolled to its length (no loop left) needs the barrier like unrolled layers.
             looped = cfg.scan_layers and cfg.scan_unroll < cfg.n_layers
-            block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not looped)
+            block = nn.remat(block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not looped)
         if self.mode not in MODES:
             raise ValueError(f"NSALM mode must be one of {MODES}, got {self.mode!r}")
         if self.mode != "train":

@@ -197,9 +197,15 @@ def test_loss_weights_and_heldout_sums_under_two_devices():
     params = S.create_state(plan2).params
     want = jax.jit(make_eval_fn(c1, make_mesh(c1)))(jax.device_get(params), rows[0])
     got = jax.jit(make_eval_fn(c2, plan2.mesh))(params, jax.device_put(rows[0], plan2.replicated))
+    # fsdp at C = 2: the parameters in halves over (data, seq), each layer gathered as it runs.
+    c3 = cfg_of(T, 2, 2, *extra, "parallel.strategy=fsdp")
+    plan3 = S.make_plan(c3, make_mesh(c3))
+    sliced = jax.device_put(jax.device_get(params), plan3.state.params)
+    got3 = jax.jit(make_eval_fn(c3, plan3.mesh))(sliced, jax.device_put(rows[0], plan3.replicated))
     assert float(want["scored"]) > 0
     for k in want:
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-6, err_msg=k)
+        np.testing.assert_allclose(float(got3[k]), float(want[k]), rtol=1e-6, err_msg=k)
 
 
 # ---------------------------------------------------------------------------

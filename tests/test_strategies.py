@@ -184,6 +184,17 @@ def _sharded_fraction(tree) -> float:
     return local / sum(x.nbytes for x in leaves)
 
 
+def expected_spec(path, shape) -> P:
+    """`data` on the largest axis that 2 divides (the first of equals), never the leading [L] axis of
+    the scanned layers' stacked leaves (the layer scan reads one layer of each device's slice)."""
+    stacked = any(getattr(k, "key", None) == "layers" for k in path)
+    dims = [i for i, n in enumerate(shape) if n % 2 == 0 and n > 0 and not (stacked and i == 0)]
+    if not dims:
+        return P()
+    best = max(dims, key=lambda i: (shape[i], -i))
+    return P(*[DATA if i == best else None for i in range(len(shape))])
+
+
 @pytest.mark.parametrize(
     "strategy,params_sharded,opt_sharded", [("zero1", False, True), ("fsdp", True, True), ("dp", False, False)]
 )
@@ -192,8 +203,8 @@ def test_state_is_placed_as_the_strategy_says(run, strategy, params_sharded, opt
     dtype = dict(CASES)[strategy]
     _, mesh, state, _ = run(strategy, dtype)
     for tree, sharded in ((state.params, params_sharded), (state.opt_state, opt_sharded)):
-        for leaf in jax.tree.leaves(tree):
-            spec = strategies.data_spec(leaf.shape, 2) if sharded else P()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            spec = expected_spec(path, leaf.shape) if sharded else P()
             assert leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), leaf.ndim), leaf.shape
             want = list(leaf.shape)
             if spec != P():
@@ -220,6 +231,38 @@ def test_plan_holds_the_strategy_shardings_and_checks_the_batch():
     bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=3))
     with pytest.raises(ValueError, match=r"^train.global_batch \(3\) must be divisible by the number of devices"):
         strategies.make_plan(bad, mesh_of(2))
+
+
+def _primitives_by_depth(jaxpr, depth=0, out=None) -> dict[int, set[str]]:
+    """{loop depth: primitive names} of a jaxpr and every jaxpr nested in it (scan and while bodies
+    one loop deeper)."""
+    out = {} if out is None else out
+    for eqn in jaxpr.eqns:
+        out.setdefault(depth, set()).add(eqn.primitive.name)
+        deeper = depth + (eqn.primitive.name in ("scan", "while"))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _primitives_by_depth(inner, deeper, out)
+    return out
+
+
+def test_fsdp_gathers_each_layer_inside_the_layer_scan():
+    """fsdp: the scanned layers' parameters reach the step in slices and are gathered inside the layer
+    scan (inside the micro-batch scan: two loops deep), their gradients reduce-scattered there by the
+    gather's transpose; dp has no gather."""
+    found = {}
+    for strategy in ("fsdp", "dp"):
+        plan = strategies.make_plan(cfg_for(strategy), mesh_of(2))
+        params = plan.abstract_state().params
+        tokens = jax.ShapeDtypeStruct((A, B, T + 1), np.int32, sharding=plan.batch)
+        found[strategy] = _primitives_by_depth(jax.make_jaxpr(S.make_grad_fn(plan))(params, tokens).jaxpr)
+    deep = set().union(*(names for depth, names in found["fsdp"].items() if depth >= 2))
+    assert {"all_gather", "reduce_scatter"} <= deep, deep
+    assert not any("all_gather" in names for names in found["dp"].values())
+    layers = strategies.make_plan(cfg_for("fsdp"), mesh_of(2)).state.params["layers"]
+    assert all(sharding.spec[0] is None for sharding in jax.tree.leaves(layers))
 
 
 def test_unknown_strategy_is_one_clear_line():

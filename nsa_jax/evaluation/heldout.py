@@ -12,8 +12,8 @@ Owns which rows are evaluated and what is measured on them:
 The jitted function lays the rows out as the train step does (nsa_jax/train/rows.py) and
 scores them inside one shard_map over (data, seq): each device its rows, and under
 context parallelism its positions of them (a row need not fit one device). It takes
-the parameters in whatever sharding the training strategy keeps them (jit gathers
-them whole for the shard_map).
+the parameters as the training strategy keeps them and gathers them as the step does
+(strategies.ParamGather: under fsdp each layer as it runs).
 `dispatch` returns device arrays without waiting, so an evaluation overlaps the next
 train step; `finish` reads them.
 """
@@ -37,6 +37,7 @@ from nsa_jax.mesh import DATA, SEQ, process_rows
 from nsa_jax.model import NSALM, token_nll
 from nsa_jax.nsa.context import seq_layout
 from nsa_jax.train.rows import Rows, lay_out_rows, rows_spec
+from nsa_jax.train.strategies import param_gather, state_shardings
 
 
 def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
@@ -51,9 +52,12 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
     """
     layout = seq_layout(cfg)
     context = 1 if layout is None else layout.context
+    # The parameters as the strategy keeps them; fsdp's layers are gathered as each layer runs, as in the step.
+    gather = param_gather(cfg.parallel.strategy, state_shardings(cfg, mesh).params)
 
     def local(params, rows: Rows, plan):
-        logits_bxLxV = NSALM(cfg.model, kernels=plan, layout=layout).apply({"params": params}, rows.inputs)
+        model = NSALM(cfg.model, kernels=plan, layout=layout, layer_gather=gather.layer)
+        logits_bxLxV = model.apply({"params": gather.early(params)}, rows.inputs)
         hit = (logits_bxLxV.argmax(-1) == rows.targets) & rows.answers
         sums = {
             "loss_sum": jnp.sum(token_nll(logits_bxLxV, rows.targets) * rows.weights),
@@ -70,7 +74,11 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
         specs = rows_spec(rows, 0)
         rows = jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), rows, specs)
         fn = jax.shard_map(
-            functools.partial(local, plan=plan), mesh=mesh, in_specs=(P(), specs), out_specs=P(), check_vma=False
+            functools.partial(local, plan=plan),
+            mesh=mesh,
+            in_specs=(gather.specs, specs),
+            out_specs=P(),
+            check_vma=False,
         )
         return fn(params, rows)
 

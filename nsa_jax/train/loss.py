@@ -20,6 +20,7 @@ gate_entropy, sel_far_frac, cmp_k_ratio, cmp_v_ratio [L].
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ class Loss:
     phase: schedule.Phase | None = None
     kernels: KernelPlan | None = None
     layout: SeqLayout | None = None
+    layer_gather: Callable | None = None  # fsdp: a layer's parameter slices -> whole (model.NSALM)
 
     def __post_init__(self):
         if self.phase is None:
@@ -54,7 +56,7 @@ class Loss:
         cfg, phase = self.cfg, self.phase
         params = cast_dense_kernels(params, phase.model.dtype)
         mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
-        model = NSALM(phase.model, kernels=self.kernels, layout=self.layout)
+        model = NSALM(phase.model, kernels=self.kernels, layout=self.layout, layer_gather=self.layer_gather)
         logits_bxLxV, variables = model.apply(
             {"params": params}, rows.inputs, rope_positions_T=rows.rope, mutable=mutable
         )

@@ -100,10 +100,25 @@ def shard_axes(mesh: Mesh) -> tuple[str | tuple[str, ...], int]:
     return DATA, mesh.shape[DATA]
 
 
+def in_layer_stack(path) -> bool:
+    """Whether a leaf (of the params, or of an optimizer state that mirrors them) belongs to the scanned
+    layers, stacked on a leading [L] axis (model.scan_layers)."""
+    return any(getattr(key, "key", None) == "layers" for key in path)
+
+
 def sharded_over_mesh(tree: Any, mesh: Mesh) -> Any:
-    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs) by the `data_spec` rule over `shard_axes`."""
+    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs) by the `data_spec` rule over
+    `shard_axes`. The scanned layers' leading [L] axis is never the one split: the layer scan reads
+    one layer's slice of every device's leaf (fsdp gathers each layer's parameters as it runs)."""
     axes, n = shard_axes(mesh)
-    return jax.tree.map(lambda x: NamedSharding(mesh, data_spec(tuple(x.shape), n, axes)), tree)
+
+    def place(path, x):
+        shape = tuple(x.shape)
+        if in_layer_stack(path) and len(shape) > 1:
+            return NamedSharding(mesh, P(None, *data_spec(shape[1:], n, axes)))
+        return NamedSharding(mesh, data_spec(shape, n, axes))
+
+    return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def replicated_tree(tree: Any, mesh: Mesh) -> Any:
@@ -257,6 +272,50 @@ def make_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     return make_mapped_grad_fn(plan, loss)
 
 
+def whole_leaf(x: jax.Array, spec: P) -> jax.Array:
+    """Inside shard_map: a leaf's slices (placed by `spec`) gathered whole over the mesh axes that hold them."""
+    dims = [i for i, axes in enumerate(spec) if axes is not None]
+    return lax.all_gather(x, spec[dims[0]], axis=dims[0], tiled=True) if dims else x
+
+
+def _gather_layer(variables: dict, *, specs) -> dict:
+    """One layer's variables with its parameter slices gathered whole (flax map_variables' trans_in_fn)."""
+    return {collection: jax.tree.map(whole_leaf, tree, specs) for collection, tree in variables.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGather:
+    """The parameters as a shard_map over the mesh receives them, and how they become whole inside it.
+
+    specs: each leaf's PartitionSpec as the strategy keeps it (slices under fsdp, whole otherwise);
+    layer: fsdp with scanned layers: one layer's variables -> whole, for model.NSALM's layer_gather
+      (each layer gathered as it runs, and again in its backward under remat), so no device holds
+      every layer whole; None: no per-layer gather.
+    `early` gathers the rest (all of it without `layer`) once, before the model runs.
+    """
+
+    specs: Any
+    layer: Callable | None
+
+    def early(self, params):
+        if self.layer is None:
+            return jax.tree.map(whole_leaf, params, self.specs)
+        return {k: v if k == "layers" else jax.tree.map(whole_leaf, v, self.specs[k]) for k, v in params.items()}
+
+
+def param_gather(strategy: str, param_shardings) -> ParamGather:
+    """The ParamGather of parameters placed by `param_shardings` (ShardingPlan.state.params) under `strategy`."""
+    specs = jax.tree.map(lambda sh: sh.spec, param_shardings)
+    if strategy != "fsdp" or "layers" not in specs:
+        return ParamGather(specs, None)
+    layer_specs = jax.tree.map(lambda spec: P(*spec[1:]), specs["layers"])
+    return ParamGather(specs, functools.partial(_gather_layer, specs=layer_specs))
+
+
+# A leaf whose gradient the gather's transpose already reduced over every device (fsdp, per layer).
+REDUCED = P("reduced")
+
+
 def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     """dp, zero1, fsdp: one shard_map over (data, seq), each device's gradient summed over its
     micro-batches, then one explicit reduction over every device in grad_reduce_dtype.
@@ -268,7 +327,8 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     with context parallelism), each device computing its tokens' share of its pair's loss.
     The reduction: an all-reduce (dp), or a reduce-scatter to each device's slice of the leaf
     (zero1, fsdp: the update then runs on the slice). fsdp's parameters come in as slices
-    and are all-gathered once per step, before the micro-batch loop.
+    (ParamGather): the scanned layers' are gathered as each layer runs, and their gradients
+    reduce-scattered there by the gather's transpose; the rest once per step, up front.
 
     `check_vma=False` on purpose: with the default check, jax transposes the implicit
     broadcast of a replicated parameter into a psum, so gradients taken inside the
@@ -277,22 +337,25 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     """
     mesh, n_devices, layout = plan.mesh, plan.n_devices, plan.layout
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
-    value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
     grad_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1, fsdp)
-    param_specs = jax.tree.map(lambda sh: sh.spec, plan.state.params)  # sliced under fsdp
+    gather = param_gather(plan.strategy, plan.state.params)
+    if gather.layer is not None:
+        loss = dataclasses.replace(loss, layer_gather=gather.layer)
+        # The per-layer gather's transpose (autodiff) reduce-scatters those gradients over every device.
+        grad_specs = {**grad_specs, "layers": jax.tree.map(lambda _: REDUCED, grad_specs["layers"])}
 
-    def whole(x, spec):  # fsdp: a parameter's slices gathered over the axes that hold them
-        dims = [i for i, axes in enumerate(spec) if axes is not None]
-        return lax.all_gather(x, spec[dims[0]], axis=dims[0], tiled=True) if dims else x
+    value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
 
     def over_devices(g, spec):  # over every device: whole (dp), or into this device's slice
+        if spec is REDUCED:
+            return g
         dims = [i for i, axes in enumerate(spec) if axes is not None]
         if dims:  # the leaf's sharded axis, over the mesh axes shard_axes chose
             return lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
         return lax.psum(g, (DATA, SEQ))
 
     def local(params, rows_Axbx: Rows, denom_Ax1):
-        params = jax.tree.map(whole, params, param_specs)
+        params = gather.early(params)
 
         def pair_loss(xs):  # (share, sums), grads of one micro-batch's rows on this device
             rows, denom_1 = xs
@@ -329,8 +392,8 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(param_specs, specs, P(None, DATA)),
-            out_specs=(grad_specs, P(), P()),
+            in_specs=(gather.specs, specs, P(None, DATA)),
+            out_specs=(jax.tree.map(lambda sh: sh.spec, plan.grads), P(), P()),
             check_vma=False,
         )
         return fn(params, rows, denom)
