@@ -269,3 +269,23 @@ def test_info_names_the_configs_own_length_and_context_degree(name):
     text = describe(load_config(name, []))
     assert f"sequence: T={T:,} (train.seq_len), parallel.context={C} " in text
     assert (f"split over {C} devices, {T // C:,} tokens each" in text) == (C > 1)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path.stem, [])
+    assert cfg.train.seq_len > 0
+
+
+def test_the_8b_config_has_llama_31_8b_shape_with_nsa_branches():
+    """configs/llama8b_64k.yaml: Llama-3.1-8B's shape (32 layers, d 4096, 32 heads over 8 of 128, d_ff 14,336,
+    vocab 128,256, untied) with NSA's three K/V projections and gates; its parameter count by hand."""
+    cfg = load_config("llama8b_64k", [])
+    m = cfg.model
+    d, H, K, Dh, F, V, L = 4096, 32, 8, 128, 14336, 128256, 32
+    assert (m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers) == (d, H, K, Dh, F, V, L)
+    gh = m.nsa.gate_hidden
+    per_layer = d * H * Dh + 3 * 2 * d * K * Dh + H * Dh * d + (d * gh + gh + gh * 3 * H + 3 * H) + 3 * d * F + 2 * d
+    total = L * per_layer + 2 * V * d + d
+    assert f"parameters: {total:,} total" in describe(cfg)
+    assert (cfg.parallel.strategy, cfg.parallel.context, cfg.train.seq_len) == ("fsdp", 8, 65536)
