@@ -95,8 +95,8 @@ from nsa_jax.ops.preemption import QuitOnSignal
 from nsa_jax.progress_text import fmt_duration, fmt_seconds
 
 # A length with no measured rate that costs PROBE_RATIO times a batch at PROBE_LENGTH or more
-# (the cost model's ratio) is projected from one batch timed at PROBE_LENGTH first: its own first
-# batch may take minutes, and the projection is due sooner.
+# (the cost model's ratio), with no length that long measured, is projected from one batch timed at
+# PROBE_LENGTH first: its own first batch may take minutes, and the projection is due sooner.
 PROBE_LENGTH = 1024
 PROBE_RATIO = 10.0
 # Seconds between redraws of the progress bar while nothing advances it.
@@ -350,9 +350,11 @@ class Evaluation:
         self.bar.update(1)
 
     def probe(self, scorer, L: int) -> None:
-        """Times one batch at PROBE_LENGTH when nothing is measured and L costs far more (a projection in seconds)."""
+        """Times one batch at PROBE_LENGTH when nothing that long is measured and L costs far more (a projection
+        in seconds; with a shorter length measured too, the growth between the two scales the rest)."""
         cost = self.rates.cost
-        if self.rates.measured or L <= PROBE_LENGTH or cost(L) < PROBE_RATIO * cost(PROBE_LENGTH):
+        longest = max(self.rates.measured, default=0)
+        if longest >= PROBE_LENGTH or L <= PROBE_LENGTH or cost(L) < PROBE_RATIO * cost(PROBE_LENGTH):
             return
         self.say(f"L={L:,}: timing one batch at L={PROBE_LENGTH:,} first, to project how long L={L:,} takes")
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import time
 
@@ -510,14 +511,21 @@ def test_projections_from_a_shorter_length_and_from_the_first_batch():
         f"L=200: length 2 of 3: projected 24s for this length, 1m28s for the command ({scaled})"
     )
     rates.add(200, 10.0)  # its first batch took longer than projected: the rest follows the measurement
+    # Two lengths measured: time grew 5x for 4x the cost, so the cost ratio is raised to log 5 / log 4,
+    # and a batch at 400 (4x the cost again) is projected at 10 s x 5 = 50 s.
+    assert rates.exponent() == pytest.approx(math.log(5) / math.log(4))
+    assert rates.per_batch(400)[0] == pytest.approx(50.0)
     assert projection_line(200, "first batch 10s", rates, 2, [(400, 2)]) == (
-        "L=200: first batch 10s: projected 20s for this length, 1m40s for the command (this length's first batch; "
+        "L=200: first batch 10s: projected 20s for this length, 2m00s for the command (this length's first batch; "
         "the longer ones scaled by the attention cost model)"
     )
     assert projection_line(200, "first batch 10s", rates, 0, [(400, 2)]) == (
-        "L=200: first batch 10s: projected 1m20s for the rest of the command (this length's first batch; "
+        "L=200: first batch 10s: projected 1m40s for the rest of the command (this length's first batch; "
         "the longer ones scaled by the attention cost model)"
     )
+    slower = Rates(lambda L: L * L)  # growth below the cost model's is held at the model's
+    slower.add(100, 2.0), slower.add(200, 4.0)
+    assert slower.exponent() == 1.0 and slower.per_batch(400)[0] == 16.0
     # The cost model: the XLA path (CPU) scores every compressed token for every query; the kernels read the causal
     # keys. Both grow the cost of a row faster than its length.
     tiny = CFG.model
@@ -677,7 +685,11 @@ def test_a_stopped_long_evaluation_keeps_what_it_did_and_the_same_command_contin
     first = Evaluate(args)
     line = first.until("L=100,000: length 2 of 2")
     minutes = r"(\d+h\d\dm|\d+m\d\ds)"  # a batch at 100,000 takes minutes on a CPU
-    assert re.search(rf": projected {minutes} for this length \(scaled from L=256's [\d.]+s a batch by the", line), line
+    # L=256 alone is too short to project from: one batch is timed at 1,024 first, and the growth from
+    # 256 to 1,024 scales the cost model's ratio.
+    assert "L=100,000: timing one batch at L=1,024 first, to project how long L=100,000 takes" in first.err
+    scaled = rf": projected {minutes} for this length \(scaled from L=1,024's [\d.]+s a batch by the"
+    assert re.search(scaled, line), line
     assert any(x.startswith("L=256: done in ") for x in first.err), first.err
     t_sent = time.monotonic()
     first.p.send_signal(signal.SIGTERM)

@@ -17,7 +17,8 @@ Flops are a rough guide where the quadratic parts (softmax, block scores, top-n)
 cost more per flop than the matmuls: on a 2-core CPU, cpu_tiny's measured batch of 2
 rows went 0.06 s (L=256) -> 24 s (16,384), where the flops grow 3.5 times less. So a
 length's projection from another length says so, and is replaced by the length's own
-measured rate once its first batch is done (`Rates.per_batch` says which it used).
+measured rate once its first batch is done (`Rates.per_batch` says which it used); once two
+lengths are measured, the cost ratio is raised to the power they show (`Rates.exponent`).
 """
 
 from __future__ import annotations
@@ -83,9 +84,21 @@ class Rates:
         # The nearest measured length in the ratio of costs: the longest below L, else the shortest above.
         below = [m for m in self.measured if m < L]
         ref = max(below) if below else min(self.measured)
-        t = self.measured[ref] * self.cost(L) / self.cost(ref)
+        t = self.measured[ref] * (self.cost(L) / self.cost(ref)) ** self.exponent()
         how = f"scaled from L={ref:,}'s {fmt_seconds(self.measured[ref])} a batch by the attention cost model"
         return t, how
+
+    def exponent(self) -> float:
+        """p in t ~ cost^p: 1 with one measured length; fitted to the two longest measured ones with two or
+        more (never below 1). Where the quadratic parts cost more per flop than the matmuls (the CPU),
+        time grows faster than the flops, and a projection with p = 1 came out short by up to 3x."""
+        if len(self.measured) < 2:
+            return 1.0
+        (L1, t1), (L2, t2) = sorted(self.measured.items())[-2:]
+        ratio = self.cost(L2) / self.cost(L1)
+        if ratio <= 1.0 or t1 <= 0 or t2 <= 0:
+            return 1.0
+        return max(1.0, math.log(t2 / t1) / math.log(ratio))
 
     def total(self, batches_by_length: Iterable[tuple[int, int]]) -> float:
         """Projected seconds of `(L, batches)` pairs; nan when nothing is measured."""
