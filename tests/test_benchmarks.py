@@ -322,3 +322,21 @@ def test_bench_kernels_cli_times_the_xla_paths_and_names_the_gpu_candidates(tmp_
     assert meta["flash_variants"] == flash.split(";")
     bad = run_cli("benchmarks.bench_kernels", "--flash-variants", "rows=128", check=False)
     assert bad.returncode != 0 and "error: --flash-variants entry 'rows=128'" in bad.stderr
+
+
+def test_bench_pretrained_fit_shapes_are_the_published_models_and_bad_names_are_one_line(capsys):
+    """The shapes give the published models' dense parameter counts (NSA's two extra K/V projections and
+    gates taken out), and an unknown model is one error line before anything compiles."""
+    from benchmarks import bench_pretrained_fit as PF
+    from nsa_jax.config import load_config
+    from nsa_jax.info import parameter_counts
+
+    published = {"smollm2-135m": 134_515_008, "qwen2.5-0.5b": 494_032_768, "llama3.2-1b": 1_235_814_400}
+    for name, dense in published.items():
+        m = load_config("llama8b_64k", PF.model_sets(name)).model
+        d, L, K, Dh, gh = m.d_model, m.n_layers, m.n_kv_heads, m.head_dim, m.nsa.gate_hidden
+        extra_kv = 2 * 2 * (d * K * Dh + (K * Dh if m.qkv_bias else 0))  # two more branches' K and V
+        gates = d * gh + gh + gh * 3 * m.n_heads + 3 * m.n_heads
+        assert parameter_counts(m)["total"] - L * (extra_kv + gates) == dense, name
+    assert PF.main(["--models", "smollm2-135m,gpt2"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown --models gpt2; known: smollm2-135m")
