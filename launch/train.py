@@ -163,7 +163,7 @@ def prepare_out_dir(
     overwrite_checkpoints: bool = False,
     cfg: Config | None = None,
     apply: bool = True,
-) -> resume.Plan:
+) -> resume.OutDirPlan:
     """Decides what this launch does with `out_dir` (nsa_jax/rundir/resume.py) and carries it out
     (apply=False: decides only; `apply_out_dir_plan` later).
 
@@ -178,7 +178,7 @@ def prepare_out_dir(
     return plan
 
 
-def apply_out_dir_plan(plan: resume.Plan) -> None:
+def apply_out_dir_plan(plan: resume.OutDirPlan) -> None:
     moved = resume.apply_plan(plan)
     if moved is not None:
         plan.message += f" ({moved})"

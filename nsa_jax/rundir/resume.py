@@ -237,7 +237,7 @@ def quarantine(step_dir: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:
 
 
 @dataclasses.dataclass
-class Plan:
+class OutDirPlan:
     """What a launch does with its out_dir; `message` is one line for the operator."""
 
     action: str  # fresh | resume | restart | overwrite | finished | halted
@@ -307,14 +307,14 @@ def _earlier_run(out: pathlib.Path) -> EarlierRun:
     return run
 
 
-def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints: bool = False) -> Plan:
+def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints: bool = False) -> OutDirPlan:
     """The decision for `cfg.train.out_dir` (module docstring); ConfigError when it is refused."""
     out = pathlib.Path(cfg.train.out_dir)
     check_writable(out)
     halt = out / rf.HALT_FILE
     if halt.is_file():
         reason = halt.read_text(errors="replace").strip() or "no reason given"
-        return Plan(
+        return OutDirPlan(
             "halted",
             out,
             f"halt: {halt} is present ({reason}); nothing runs until it is removed (rm {halt}, and "
@@ -322,7 +322,7 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
         )
     steps = complete_steps(checkpoint_dir(out))
     if steps and overwrite_checkpoints:
-        return Plan(
+        return OutDirPlan(
             "overwrite",
             out,
             f"overwrite: deleting checkpoints {steps} and the earlier run's files",
@@ -339,7 +339,7 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
             )
         _check_resumable(out, steps, cfg)
         if steps[-1] >= cfg.train.steps:
-            return Plan(
+            return OutDirPlan(
                 "finished",
                 out,
                 f"done: {out} already holds step {steps[-1]} (train.steps={cfg.train.steps}); nothing to run - "
@@ -347,17 +347,17 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
                 "cosine that ended at min_lr rises again; train.decay_steps holds the peak until the last N steps)",
                 steps,
             )
-        return Plan("resume", out, f"resume: newest checkpoint step {steps[-1]} in {checkpoint_dir(out)}", steps)
+        return OutDirPlan("resume", out, f"resume: newest checkpoint step {steps[-1]} in {checkpoint_dir(out)}", steps)
     files = rf.run_files(out)
     corrupt = out / rf.CORRUPT_DIR
     if overwrite_checkpoints:
-        return Plan("overwrite", out, "overwrite: deleting the earlier run's files", [], files, delete_checkpoints=True)
+        return OutDirPlan("overwrite", out, "overwrite: deleting the earlier run's files", [], files, delete_checkpoints=True)
     if not files:
-        return Plan("fresh", out)
+        return OutDirPlan("fresh", out)
     earlier = _earlier_run(out)
     moved = f"its files move to {out / rf.PREVIOUS_DIR}/"
     if earlier.last_step == 0 and not corrupt.exists():
-        return Plan(
+        return OutDirPlan(
             "restart",
             out,
             f"restart: the earlier run in {out} finished no step and saved no checkpoint; {moved}",
@@ -365,7 +365,7 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
             files,
         )
     if overwrite:
-        return Plan("overwrite", out, "overwrite: deleting the earlier run's files", [], files)
+        return OutDirPlan("overwrite", out, "overwrite: deleting the earlier run's files", [], files)
     what = f"training.csv to step {earlier.last_step}" if earlier.last_step else ", ".join(p.name for p in files[:3])
     keep = (
         "to keep it choose another directory with --out-dir (or --set train.out_dir=...); "
@@ -382,7 +382,7 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
             f"(checkpoint.enabled=false), so there is nothing to resume; {keep}"
         )
     kept = f"; {rf.CORRUPT_DIR}/ stays" if corrupt.exists() else ""
-    return Plan(
+    return OutDirPlan(
         "restart",
         out,
         f"restart: the earlier run in {out} stopped after step {earlier.last_step} without a checkpoint "
@@ -392,7 +392,7 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
     )
 
 
-def apply_plan(plan: Plan) -> pathlib.Path | None:
+def apply_plan(plan: OutDirPlan) -> pathlib.Path | None:
     """Moves (restart) or deletes (overwrite) what the plan says; the folder files were moved to, if any.
 
     Tolerant: in a multi-process run every process applies the same plan to a shared folder.

@@ -1,44 +1,23 @@
 """Data-parallel strategies: where each part of the train state lives, and how gradients are reduced.
 
-Owns, for every `parallel.strategy`, the shardings of the TrainState on the (data, seq)
-mesh (nsa_jax/mesh.py; `state_shardings`), where the reduced gradient lives
-(`grad_shardings`), the `ShardingPlan` that holds them for one run (`make_plan`), and
-the function from a batch to the mean gradient (`make_grad_fn`: the dispatch). The
-loss is train/loss.py's, the optimizer update and the step API are step.py's.
+Owns, per `parallel.strategy`, the state's shardings on the (data, seq) mesh (`state_shardings`,
+`grad_shardings`), the `ShardingPlan` that holds them for one run (`make_plan`) and the function
+from a batch to the mean gradient (`make_grad_fn`, the dispatch). The loss is train/loss.py's;
+the update and the step are step.py's. Every strategy computes the same update: the mean
+gradient over the global batch, summed locally over the micro-batches, reduced once per step
+in parallel.grad_reduce_dtype by `reduce_grads` (the one reduction all call), then optax.
 
-Every strategy computes the same update: the mean over the global batch (A
-micro-batches of B sequences) of the next-token-loss gradient, accumulated locally
-over the A micro-batches, reduced across devices once per optimizer step in
-parallel.grad_reduce_dtype (bf16 halves the bytes of that reduction; `reduce_grads`,
-the one reduction every strategy calls), then the same optax update.
+  strategy  params   grads, moments  gradient function
+  dp        whole    whole           make_mapped_grad_fn: shard_map, psum (default)
+  zero1     whole    slices          make_mapped_grad_fn: psum_scatter; jit gathers the new params
+  fsdp      slices   slices          make_mapped_grad_fn: each scanned layer gathered as it runs
+  gspmd     whole    whole           make_partitioned_grad_fn: jit + shardings, XLA's all-reduce
+  pmap      whole    whole           make_pmap_step: jax.pmap, the whole step per device
 
-  strategy  params   reduced grads, moments  gradient function
-  dp        whole    whole                   make_mapped_grad_fn: shard_map, psum (default)
-  zero1     whole    slices                  make_mapped_grad_fn: psum_scatter; jit gathers the new params
-  fsdp      slices   slices                  make_mapped_grad_fn: params all-gathered once per step
-  gspmd     whole    whole                   make_partitioned_grad_fn: jit + shardings, XLA's all-reduce
-  pmap      whole    whole                   make_pmap_step: jax.pmap, the whole step per device
-
-dp, zero1 and fsdp share one path at every context degree: the rows laid out once
-(nsa_jax/train/rows.py; at parallel.context = C > 1 padded and split over `seq`), each
-device's share of each micro-batch's loss and its gradient summed locally, one
-reduction over every device of the mesh. "Slices": the leaf rule of `data_spec`,
-split on the largest axis the device count divides, over `data` and with context
-parallelism `data` and `seq` together (each of the mesh's devices holds 1/devices of
-it); leaves with no such axis stay whole. gspmd and pmap run at C = 1 only.
-
-fsdp shards what lives between steps (params, moments) and gathers the parameters
-once per step, so while a step runs each device holds one full parameter copy and
-one full-size local gradient, as dp does (ZeRO-3's per-layer gather would need the
-gather inside the model's layer scan; not done here).
-
-How gspmd reduces. The batch [A, B, T+1] is viewed as [A, D, B/D, T+1] with D (the
-device count) sharded on `data`, and the accumulated gradient is vmapped over D: each
-device computes its row of a [D, ...] gradient with no collective. The sum over D,
-cast to grad_reduce_dtype, is then the only cross-device op on gradients, and XLA
-lowers it to an all-reduce. Written as a plain value_and_grad of the global-batch
-loss, XLA would place the all-reduce inside the backward pass, in the fp32 dtype of
-the weight-gradient matmuls, where no cast written afterwards can move it.
+dp, zero1 and fsdp run one path at every context degree C (rows laid out by train/rows.py,
+split over `seq` when C > 1); gspmd and pmap run at C = 1. "Slices": `data_spec`'s rule, the
+largest axis the device count divides (never the scanned layers' [L] axis), over `data`, and
+with context parallelism over `data` and `seq` together.
 """
 
 from __future__ import annotations
@@ -407,10 +386,16 @@ def _sum_rows(rows_DxS: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
-    """gspmd: (params, tokens_AxBxT1) -> (mean grads placed as `plan.grads`, loss, stats).
+    """gspmd: (params, tokens_AxBxT1) -> (mean grads placed as `plan.grads`, loss, stats), traced
+    under the step's jit.
 
-    Traced under the step's jit; see the module docstring for why the device axis is
-    made explicit (a vmap over D sharded on `data`).
+    The batch [A, B, T+1] is viewed as [A, D, B/D, T+1] with D (the device count) sharded on
+    `data`, and the accumulated gradient is vmapped over D: each device computes its row of a
+    [D, ...] gradient with no collective. The sum over D, cast to grad_reduce_dtype, is then the
+    only cross-device op on gradients, and XLA lowers it to an all-reduce. Written as a plain
+    value_and_grad of the global-batch loss, XLA would place the all-reduce inside the backward
+    pass, in the fp32 dtype of the weight-gradient matmuls, where no cast written afterwards
+    can move it.
     """
     mesh, n_devices = plan.mesh, plan.n_devices
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
