@@ -351,7 +351,8 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
     files = rf.run_files(out)
     corrupt = out / rf.CORRUPT_DIR
     if overwrite_checkpoints:
-        return OutDirPlan("overwrite", out, "overwrite: deleting the earlier run's files", [], files, delete_checkpoints=True)
+        message = "overwrite: deleting the earlier run's files"
+        return OutDirPlan("overwrite", out, message, [], files, delete_checkpoints=True)
     if not files:
         return OutDirPlan("fresh", out)
     earlier = _earlier_run(out)
