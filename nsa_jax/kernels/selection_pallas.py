@@ -482,7 +482,6 @@ def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, inte
     q_spec, k_spec, v_spec = _common_specs(d)
     do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda t, b, kv: (b, 0, 0))
     stat_spec = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i))
-
     # ---- dQ: query-centric, same walk as the forward.
     dq_kernel, lead_args, lead_specs = _row_kernel(True, d, off_1, idx, block_size, scale)
     dq_f = pl.pallas_call(
@@ -496,7 +495,6 @@ def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, inte
         name="nsa_selection_dq",
     )(*lead_args, q_f, k_p, v_p, do_f, lse, delta)
     dq = _unflat_heads(dq_f, d, q.shape[-1])
-
     # ---- dK/dV: key-centric over the reverse index, in segments.
     qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count = reverse_index(idx, d.num_blocks, bsz.dkv_segment)
     num_segments = seg_blk.shape[-1]
