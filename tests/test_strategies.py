@@ -302,3 +302,17 @@ def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, t
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
         for got, want in zip(jax.tree.leaves(jax.device_get(restored.state)), jax.tree.leaves(expect)):
             np.testing.assert_array_equal(got, want)
+
+
+def test_parameters_no_axis_of_which_divides_are_named_at_boot():
+    """fsdp over 2 devices with 3 query heads: the gate's last bias [L, 9] has no axis to split (its [L]
+    axis is the layer scan's), stays whole, and the boot note names it; dp has nothing to say."""
+    plans = {}
+    for strategy in ("fsdp", "dp"):
+        cfg = dataclasses.replace(cfg_for(strategy), model=tiny_model_cfg(T_hint=T, G=3, K=1, branches=("win",)))
+        plans[strategy] = strategies.make_plan(cfg, mesh_of(2))
+    line = strategies.whole_leaves(plans["fsdp"])
+    assert line.startswith("fsdp: 1 parameter array (") and "no axis dividing by 2: " in line, line
+    assert "layers/attn/gate_fc2/bias [2, 9]" in line
+    assert all(a is None for a in plans["fsdp"].state.params["layers"]["attn"]["gate_fc2"]["bias"].spec)
+    assert strategies.whole_leaves(plans["dp"]) == ""

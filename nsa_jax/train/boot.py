@@ -42,7 +42,7 @@ from nsa_jax.train.optimizer import learning_rate
 from nsa_jax.train.progress import gpu_config_warning
 from nsa_jax.train.state import TrainState
 from nsa_jax.train.step import make_train_step
-from nsa_jax.train.strategies import ShardingPlan, make_plan
+from nsa_jax.train.strategies import ShardingPlan, make_plan, whole_leaves
 from nsa_jax.words import count
 
 Say = Callable[[str], None]
@@ -132,6 +132,8 @@ def boot(
     asked = substitutions(cfg.model.nsa, [k for _, k in kernel_plans], jax.default_backend(), plan.kernel_fallback)
     if asked:
         say("note: kernels: " + "; ".join(asked))
+    if undivided := whole_leaves(plan):
+        say(f"note: {undivided}")
     art.event("boot", 0, "boot", devices=plan.n_devices, processes=jax.process_count(), tokens_per_step=tokens_per_step)
     doing("boot: reading the first batch")
     cfg, data, first = _first_batch(cfg, data, art, say, process_rows(mesh))

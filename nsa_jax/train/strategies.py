@@ -40,6 +40,7 @@ from nsa_jax.nsa.context import SeqLayout, seq_layout
 from nsa_jax.train.loss import Loss
 from nsa_jax.train.rows import Rows, denominators, lay_out_rows, rows_spec
 from nsa_jax.train.state import TrainState, init_state
+from nsa_jax.words import count
 
 STRATEGIES = ("dp", "pmap", "gspmd", "zero1", "fsdp")
 
@@ -179,6 +180,32 @@ class ShardingPlan:
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.state_shapes, self.state
         )
+
+
+def whole_leaves(plan: ShardingPlan) -> str:
+    """'' unless the strategy slices the state (zero1, fsdp) and some parameter has no axis the device
+    count divides: then one line saying how many stay whole on every device, and which (the first few)."""
+    sliced = plan.state.params if plan.strategy == "fsdp" else plan.grads if plan.strategy == "zero1" else None
+    axes, n = shard_axes(plan.mesh)
+    if sliced is None or n <= 1:
+        return ""
+    whole = [
+        ("/".join(str(getattr(k, "key", k)) for k in path), shape.shape)
+        for (path, sharding), shape in zip(
+            jax.tree_util.tree_leaves_with_path(sliced), jax.tree.leaves(plan.state_shapes.params)
+        )
+        if all(a is None for a in sharding.spec) and int(np.prod(shape.shape)) > 1
+    ]
+    if not whole:
+        return ""
+    total = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(plan.state_shapes.params))
+    share = sum(int(np.prod(shape)) for _, shape in whole) / total
+    named = ", ".join(f"{name} {list(shape)}" for name, shape in whole[:3]) + (", ..." if len(whole) > 3 else "")
+    what = "stay" if plan.strategy == "fsdp" else "keep their Adam moments"
+    return (
+        f"{plan.strategy}: {count(len(whole), 'parameter array')} ({100 * share:.2g}% of the parameters) {what} whole "
+        f"on every device, no axis dividing by {n}: {named}"
+    )
 
 
 def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
