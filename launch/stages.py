@@ -34,9 +34,10 @@ stage is a no-op, a stopped one resumes from its checkpoint, an evaluated run ke
 evaluation, and a stopped evaluation continues where it stopped.
 
 Progress: one line per run start, stage and end on stdout, every line the run's processes
-print prefixed with `[recipe variant sSEED]`, then each run's summary line and, per
-variant, each recipe over its seeds (`python -m experiments.needle_seeds OUT` prints the
-same from the files later). Writes
+print prefixed with `[recipe variant sSEED]`, once two step lines of a run are in the projected
+training time of the whole command (every run's steps x T, scaled from that run's rate), then
+each run's summary line and, per variant, each recipe over its seeds (`python -m
+experiments.needle_seeds OUT` prints the same from the files later). Writes
   OUT/<recipe>/<variant>_s<seed>/       the run (launch.train's files; eval/ with
                                         evaluation.json and the PNGs; evaluate.log)
   OUT/<recipe>/<variant>_s<seed>.log    everything the run's processes printed
@@ -54,6 +55,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -67,6 +69,7 @@ from pathlib import Path
 from launch.cli import Parser, UsageError, run_main
 from launch.recipe_results import evaluated, read, report, summary_line
 from launch.recipes import ROOT, RecipeFile, Stage, check_evaluate, load_recipe_file, set_flags, stages
+from nsa_jax.progress_text import fmt_duration
 from nsa_jax.rundir import files as run_files
 from nsa_jax.words import count
 
@@ -124,6 +127,45 @@ def evaluate_command(ev: dict, run: Run) -> list[str]:
     ]
 
 
+# launch.train's step line (nsa_jax/train/progress.py): `step 40/300 | loss ... | ETA 1m23s`.
+STEP_LINE = re.compile(r"step (\d+)/\d+ \|")
+
+
+class Projection:
+    """The command's training time, said once: the seconds a step takes between the first two step
+    lines of a run (the first run to print two), per token of its stage's T, times every run's tokens
+    (each stage's steps x its T), over `parallel` runs at a time. Evaluations are not counted."""
+
+    def __init__(self, runs: list[Run], parallel: int):
+        self.runs, self.parallel = runs, max(1, min(parallel, len(runs)))
+        self.first: dict[str, tuple[float, int]] = {}  # run label -> (time, step) of its first step line
+        self.said = False
+
+    def step_line(self, run: Run, stage: Stage, line: str) -> str | None:
+        """The projection line once two step lines of one run are in, else None."""
+        m = STEP_LINE.match(line)
+        if self.said or not m:
+            return None
+        step, now = int(m[1]), time.monotonic()
+        t0, s0 = self.first.get(run.label, (now, step))
+        if step <= s0:
+            self.first[run.label] = (now, step)
+            return None
+        self.said = True
+        per_step = (now - t0) / (step - s0)
+        tokens = sum(
+            (st.steps - (r.stages[i - 1].steps if i else 0)) * st.seq_len
+            for r in self.runs
+            for i, st in enumerate(r.stages)
+        )
+        total = per_step / stage.seq_len * tokens / self.parallel
+        return (
+            f"projected: about {fmt_duration(total)} of training for the command ({count(len(self.runs), 'run')}, "
+            f"{self.parallel} at a time), from {per_step:.2f} s a step at T={stage.seq_len:,} on {run.label}; "
+            "other lengths scaled by their tokens, evaluations not counted"
+        )
+
+
 class Runner:
     """Runs the runs, at most `parallel` at a time, each in a thread that starts its processes one by one."""
 
@@ -138,6 +180,7 @@ class Runner:
         self.stop_statuses: list[int] = []  # exit status of each process a signal stopped
         self.lines: list[str] = []  # summary lines, in the order the runs ended
         self.env = rf.child_env()
+        self.projection = Projection(runs, parallel)
 
     def say(self, msg: str) -> None:
         with self.lock:
@@ -153,7 +196,9 @@ class Runner:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signum)
 
-    def process(self, cmd: list[str], run: Run, log, also: Path | None = None) -> tuple[int, str]:
+    def process(
+        self, cmd: list[str], run: Run, log, also: Path | None = None, stage: Stage | None = None
+    ) -> tuple[int, str]:
         """One process of `run`, its output into the run's log (and `also`) and on stdout with the run's
         prefix; (exit status, "" or "deadline" / "interrupted")."""
         prefix = f"[{run.recipe} {run.variant} s{run.seed}] "
@@ -183,6 +228,9 @@ class Runner:
                         f.write(line)
                     with self.lock:
                         print(prefix + line, end="", flush=True)
+                        note = self.projection.step_line(run, stage, line) if stage is not None else None
+                    if note:
+                        self.say(note)
             log.flush()
 
         reader = threading.Thread(target=pump, daemon=True)
@@ -245,7 +293,7 @@ class Runner:
             for i, stage in enumerate(run.stages, 1):
                 self.say(f"{run.label}: stage {i}/{n}: T={stage.seq_len} to step {stage.steps}")
                 s0 = time.monotonic()
-                rc, why = self.process(train_command(self.rf, run, stage), run, log)
+                rc, why = self.process(train_command(self.rf, run, stage), run, log, stage=stage)
                 if rc or why:
                     return self.stopped(run, rc, why, f"stage {i}/{n}", t0)
                 times.append(f"T={stage.seq_len} {int(time.monotonic() - s0)} s")

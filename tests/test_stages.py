@@ -344,3 +344,20 @@ def test_an_evaluation_left_unfinished_is_run_again(tmp_path):
     assert stages.evaluated(ev)
     (ev / "evaluation.json").write_text("{")  # unreadable: launch.evaluate is run, and says why
     assert not stages.evaluated(ev)
+
+
+def test_the_command_s_training_time_is_projected_from_the_first_two_step_lines(tmp_path, monkeypatch, capsys):
+    """Two runs, stages to steps 1 and 2 at T=256 (2 steps a run): a run's step lines 0.5 s apart
+    project 4 steps of about 0.5 s over 2 runs at a time: about 1 s, said once."""
+    code = "import time; print('step 1/2 | loss 1.0 | ETA 1s', flush=True); time.sleep(0.5); "
+    code += "print('step 2/2 | loss 1.0 | ETA 0s', flush=True)"
+    runner = fake_runner(tmp_path, monkeypatch, ["pass", code], seeds=(1, 2))
+    runner.run_all()
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if "projected: about" in x]
+    assert len(lines) == 1, out
+    want = r"projected: about (\d+)s of training for the command \(2 runs, 2 at a time\), "
+    want += r"from ([\d.]+) s a step at T=256"
+    m = re.search(want, lines[0])
+    assert m and 0.5 <= float(m[2]) < 1.5, lines[0]
+    assert int(m[1]) == round(4 * float(m[2]) / 2), lines[0]
