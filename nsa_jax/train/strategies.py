@@ -201,7 +201,11 @@ def whole_leaves(plan: ShardingPlan) -> str:
     total = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(plan.state_shapes.params))
     share = sum(int(np.prod(shape)) for _, shape in whole) / total
     named = ", ".join(f"{name} {list(shape)}" for name, shape in whole[:3]) + (", ..." if len(whole) > 3 else "")
-    what = "stay" if plan.strategy == "fsdp" else "keep their Adam moments"
+    one = len(whole) == 1
+    if plan.strategy == "fsdp":
+        what = "stays" if one else "stay"
+    else:
+        what = "keeps its Adam moments" if one else "keep their Adam moments"
     return (
         f"{plan.strategy}: {count(len(whole), 'parameter array')} ({100 * share:.2g}% of the parameters) {what} whole "
         f"on every device, no axis dividing by {n}: {named}"
