@@ -53,7 +53,8 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
     layout = seq_layout(cfg)
     context = 1 if layout is None else layout.context
     # The parameters as the strategy keeps them; fsdp's layers are gathered as each layer runs, as in the step.
-    gather = param_gather(cfg.parallel.strategy, state_shardings(cfg, mesh).params)
+    sliced = state_shardings(cfg, mesh).params if cfg.parallel.strategy == "fsdp" else None
+    gather = param_gather(cfg.parallel.strategy, sliced)
 
     def local(params, rows: Rows, plan):
         model = NSALM(cfg.model, kernels=plan, layout=layout, layer_gather=gather.layer)

@@ -308,13 +308,18 @@ class ParamGather:
     layer: Callable | None
 
     def early(self, params):
+        if isinstance(self.specs, P):  # one spec for every leaf: whole already
+            return params
         if self.layer is None:
             return jax.tree.map(whole_leaf, params, self.specs)
         return {k: v if k == "layers" else jax.tree.map(whole_leaf, v, self.specs[k]) for k, v in params.items()}
 
 
-def param_gather(strategy: str, param_shardings) -> ParamGather:
-    """The ParamGather of parameters placed by `param_shardings` (ShardingPlan.state.params) under `strategy`."""
+def param_gather(strategy: str, param_shardings=None) -> ParamGather:
+    """The ParamGather of parameters placed by `param_shardings` (ShardingPlan.state.params) under `strategy`;
+    None: whole on every device (P() for the whole tree)."""
+    if param_shardings is None:
+        return ParamGather(P(), None)
     specs = jax.tree.map(lambda sh: sh.spec, param_shardings)
     if strategy != "fsdp" or "layers" not in specs:
         return ParamGather(specs, None)
