@@ -352,7 +352,8 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     """
     mesh, n_devices, layout = plan.mesh, plan.n_devices, plan.layout
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
-    grad_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1, fsdp)
+    out_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1, fsdp)
+    grad_specs = out_specs  # how each leaf is reduced: as it is placed, or REDUCED already
     gather = param_gather(plan.strategy, plan.state.params)
     if gather.layer is not None:
         loss = dataclasses.replace(loss, layer_gather=gather.layer)
@@ -408,7 +409,7 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
             local,
             mesh=mesh,
             in_specs=(gather.specs, specs, P(None, DATA)),
-            out_specs=(jax.tree.map(lambda sh: sh.spec, plan.grads), P(), P()),
+            out_specs=(out_specs, P(), P()),
             check_vma=False,
         )
         return fn(params, rows, denom)
