@@ -52,7 +52,7 @@ class Block(ModelPart):
         if cfg.attention == "dense":
             attn = DenseAttention(cfg, self.mode, self.kernels, name="attn")
         else:
-            attn = NSAAttention(cfg, self.mode, self.kernels, self.layout, name="attn")
+            attn = NSAAttention(cfg, self.mode, self.kernels, name="attn")
         x_BxTxD = x_BxTxD + attn(h, layer=layer, pos_B=pos_B, rope_positions_T=rope_positions_T)
         h = RMSNorm(cfg.norm_eps, dtype=dtype, name="mlp_norm")(x_BxTxD)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
@@ -68,9 +68,10 @@ class NSALM(ModelPart):
     right-padded prompts, row b of length lengths_B[b]; writes the cache.
     "decode": tokens [B, 1], row b at position cache["pos"][b]; updates the cache.
     `kernels`: what each NSA branch runs (kernels.plan_kernels; None: each layer's
-    default, the config's plan on jax's backend). `layout` (train, inside shard_map):
-    tokens_BxT are this device's 2S tokens of sequences split over the `seq` mesh axis
-    (context parallelism, nsa/context.py); rope_positions_T, if given, are theirs too.
+    default, the config's plan on jax's backend). A plan with a `layout` (context
+    parallelism; train, inside shard_map): tokens_BxT are this device's 2S tokens of
+    sequences split over the `seq` mesh axis (nsa/context.py); rope_positions_T, if
+    given, are theirs too.
     """
 
     # fsdp (train/strategies.py): one layer's variables with their parameter slices gathered whole,
@@ -127,12 +128,10 @@ class NSALM(ModelPart):
                 length=cfg.n_layers,
                 unroll=cfg.scan_unroll,
             )
-            x, _ = stack(cfg, "train", self.kernels, self.layout, name="layers")(x, None, None, rope_positions_T)
+            x, _ = stack(cfg, "train", self.kernels, name="layers")(x, None, None, rope_positions_T)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, "train", self.kernels, self.layout, name=f"layer_{i}")(
-                    x, None, None, rope_positions_T
-                )
+                x, _ = block(cfg, "train", self.kernels, name=f"layer_{i}")(x, None, None, rope_positions_T)
         x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             return embed.attend(x.astype(jnp.float32))

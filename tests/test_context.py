@@ -214,11 +214,13 @@ def test_loss_weights_and_heldout_sums_under_two_devices():
 
 def test_plan_names_the_context_and_keeps_cudnn_off():
     cfg = cfg_of(256, 2, 2)
-    plan = plan_kernels(cfg.model.nsa, 256, "gpu", context=2)
+    layout = CX.seq_layout(cfg)
+    plan = plan_kernels(cfg.model.nsa, layout.seq_len, "gpu", layout=layout)
+    assert plan.context == 2 and plan.layout is layout
     assert plan.describe()["context"].startswith("2 devices per sequence")
     nsa = dataclasses.replace(cfg.model.nsa, attention_impl="auto", compressed_kernel="cudnn")
     assert plan_kernels(nsa, 256, "gpu").cmp == "cudnn"
-    assert plan_kernels(nsa, 256, "gpu", context=2).cmp == "pallas"
+    assert plan_kernels(nsa, 256, "gpu", layout=layout).cmp == "pallas"
     assert "context" not in plan_kernels(cfg.model.nsa, 256, "gpu").describe()
 
 

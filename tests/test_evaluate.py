@@ -101,7 +101,7 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
     assert 0 < want < scored, "pick another seed: the check needs some hits and some misses"
 
     class AlwaysGuess:
-        def __init__(self, model_cfg, kernels=None, layout=None, layer_gather=None):  # NSALM(cfg.model, ...)
+        def __init__(self, model_cfg, kernels=None, layer_gather=None):  # NSALM(cfg.model, ...)
             self.V = model_cfg.vocab_size
 
         def apply(self, variables, inputs_BxT):

@@ -22,6 +22,8 @@ from nsa_jax.evaluation.scorer import make_score_fn
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.mesh import make_mesh
 from nsa_jax.model import init_params
+from nsa_jax.nsa.context import SeqLayout
+from nsa_jax.seq_layout import chunk_len
 
 # A small auto model: G = 2, lp = 16, n = 3, window 32; T = 64 runs the block-sparse selection kernel.
 SEQ = 64
@@ -154,8 +156,9 @@ def test_guard_under_context_parallelism_checks_the_kernels_at_a_query_offset(mo
     """parallel.context=2: each branch compiled for one device's chunk of queries over the whole padded
     sequence, compared at an offset; a kernel that ignores the offset is caught and moved to XLA."""
     cfg = _model_cfg()
+    layout = SeqLayout(2, chunk_len(2 * SEQ, 2, cfg.nsa.l, cfg.nsa.lp), 2 * SEQ)
     lines = []
-    assert guard_kernels(cfg, 1, 2 * SEQ, force=True, warn=lines.append, context=2) == {} and lines == []
+    assert guard_kernels(cfg, 1, 2 * SEQ, force=True, warn=lines.append, layout=layout) == {} and lines == []
 
     real_window = K.window_attention_pallas
 
@@ -166,6 +169,6 @@ def test_guard_under_context_parallelism_checks_the_kernels_at_a_query_offset(mo
         return offset_ignored(q, k[:, : q.shape[1]], v[:, : q.shape[1]], *a, q_offset=q_offset, **kw)
 
     monkeypatch.setattr(K, "window_attention_pallas", sliced_keys)
-    failed = guard_kernels(cfg, 1, 2 * SEQ, force=True, warn=lines.append, context=2)
+    failed = guard_kernels(cfg, 1, 2 * SEQ, force=True, warn=lines.append, layout=layout)
     assert set(failed) == {"win"}
     assert lines[0].startswith("warning: kernel guard: flash_pallas (nsa_window_*) disagrees with XLA")

@@ -51,13 +51,12 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
     moved to XLA (kernels/guard.py), moved here too.
     """
     layout = seq_layout(cfg)
-    context = 1 if layout is None else layout.context
     # The parameters as the strategy keeps them; fsdp's layers are gathered as each layer runs, as in the step.
     sliced = state_shardings(cfg, mesh).params if cfg.parallel.strategy == "fsdp" else None
     gather = param_gather(cfg.parallel.strategy, sliced)
 
     def local(params, rows: Rows, plan):
-        model = NSALM(cfg.model, kernels=plan, layout=layout, layer_gather=gather.layer)
+        model = NSALM(cfg.model, kernels=plan, layer_gather=gather.layer)
         logits_bxLxV = model.apply({"params": gather.early(params)}, rows.inputs)
         hit = (logits_bxLxV.argmax(-1) == rows.targets) & rows.answers
         sums = {
@@ -71,7 +70,7 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
     def eval_fn(params, tokens_BxT1):
         rows = lay_out_rows(tokens_BxT1, cfg, layout, answers=True)
         seq_len = rows.inputs.shape[-1]  # T' under context parallelism
-        plan = plan_kernels(cfg.model.nsa, seq_len, mesh.devices.flat[0].platform, kernel_fallback, context)
+        plan = plan_kernels(cfg.model.nsa, seq_len, mesh.devices.flat[0].platform, kernel_fallback, layout)
         specs = rows_spec(rows, 0)
         rows = jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), rows, specs)
         fn = jax.shard_map(

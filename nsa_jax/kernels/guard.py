@@ -39,7 +39,6 @@ from nsa_jax.kernels import (
     selection_kernel_fits,
 )
 from nsa_jax.kernels.xla import num_compressed, select_blocks
-from nsa_jax.seq_layout import chunk_len
 
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
 SLICE_SEQ = 256
@@ -179,13 +178,13 @@ def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0,
 
 
 def guard_kernels(
-    cfg, batch: int, seq: int, *, force: bool = False, warn: Callable[[str], None] = print, context: int = 1
+    cfg, batch: int, seq: int, *, force: bool = False, warn: Callable[[str], None] = print, layout=None
 ) -> dict:
     """Checks the Pallas kernels of the branches `auto` runs on Pallas at length `seq`.
 
-    `cfg`: the ModelConfig; `batch`: rows per device; `seq`: the training length; `context`:
-    devices per sequence (parallel.context), whose kernels run a chunk of queries at a traced
-    offset into the whole (padded) sequence's keys, and are checked so.
+    `cfg`: the ModelConfig; `batch`: rows per device; `seq`: the training length; `layout`:
+    the sequence layout under context parallelism (nsa/context.SeqLayout), whose kernels run a
+    chunk of queries at a traced offset into the whole (padded) sequence's keys, and are checked so.
     Returns {branch: error line} of the branches whose kernel failed ({} when nothing
     was checked or everything passed), and `cmp-cudnn` when cuDNN's attention failed in
     the compressed branch (the flash kernels are then checked in its place): the run's
@@ -197,11 +196,10 @@ def guard_kernels(
     if a.attention_impl != "auto" or not (force or resolve_impl("auto", backend) == "pallas"):
         return {}
     rows = None
-    if context > 1:  # one device's chunk of queries over the whole padded sequence
-        rows = chunk_len(seq, context, a.l, a.lp)
-        seq = 2 * context * rows
+    if layout is not None:  # one device's chunk of queries over the whole padded sequence
+        rows, seq = layout.chunk, layout.seq_len
     # What `auto` runs on this backend's GPU path (forced on a CPU: the interpreted kernels).
-    plan = plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend, context=context)
+    plan = plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend, layout=layout)
     failed = {}
 
     def broken(branch: str, plan) -> str | None:

@@ -29,15 +29,18 @@ The rules:
   stays ``pallas`` until a GPU measures the other (docs/PERFORMANCE.md). Where the
   guard found cuDNN's attention broken (``cmp-cudnn`` in ``fallback``), ``auto`` runs
   the flash kernels instead.
-* Context parallelism (``context`` C > 1, nsa/context.py): the same kernels, each
+* Context parallelism (a ``layout``, nsa/context.py): the same kernels, each
   device's queries at an offset into the whole (gathered) sequence; ``seq`` is then
-  the whole sequence's length, the keys every kernel reads. The compressed branch
-  never runs through cuDNN there (its causal mask takes no query offset).
+  the whole padded sequence's length, the keys every kernel reads. The plan carries
+  the layout to the layer, so what each branch runs and over which part of the
+  sequence travel as one argument. The compressed branch never runs through cuDNN
+  there (its causal mask takes no query offset).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from nsa_jax.kernels.blocksparse_pallas import prefers_blocksparse
 from nsa_jax.kernels.pallas_common import is_tile_size
@@ -68,14 +71,20 @@ class KernelPlan:
     ``xla``; win ``pallas`` or ``xla``.
 
     ``interpret``: the Pallas kernels run in the Pallas interpreter (a backend without a GPU).
-    ``context``: the devices one sequence is split over (parallel.context).
+    ``layout``: under context parallelism, the sequence layout the layer reads its chunks
+    through (nsa/context.SeqLayout); None: every device holds whole sequences.
     """
 
     cmp: str = "xla"
     slc: str = "xla"
     win: str = "xla"
     interpret: bool = False
-    context: int = 1
+    layout: Any = None  # nsa/context.SeqLayout (not imported: the kernels sit below the layer)
+
+    @property
+    def context(self) -> int:
+        """Devices one sequence is split over (parallel.context)."""
+        return 1 if self.layout is None else self.layout.context
 
     def __post_init__(self):
         for branch, allowed in (
@@ -123,12 +132,13 @@ def selection_kernel_fits(block_size: int) -> bool:
     return is_tile_size(block_size)
 
 
-def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset(), context: int = 1) -> KernelPlan:
+def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset(), layout=None) -> KernelPlan:
     """The plan of `nsa` (an NSAConfig) at sequence length `seq` on `backend` (see the module docstring).
 
     `fallback`: what the kernel guard found broken (``FALLBACKS``): branches, which ``auto``
     runs on XLA, and ``cmp-cudnn``, with which ``auto`` runs the compressed branch's flash
-    kernels where the config names cudnn.
+    kernels where the config names cudnn. `layout`: the sequence layout under context
+    parallelism (nsa/context.SeqLayout; `seq` is then its padded length), kept in the plan.
     """
     unknown = set(fallback) - set(FALLBACKS)
     if unknown:
@@ -156,9 +166,9 @@ def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset(), context: int
         else:
             slc = "blocksparse" if prefers_blocksparse(seq, nsa.n, nsa.lp) else "gather"
     cmp = impl("cmp")
-    if cmp == "pallas" and cmp_choice != "auto" and not (auto and CUDNN_CMP in fallback) and context == 1:
+    if cmp == "pallas" and cmp_choice != "auto" and not (auto and CUDNN_CMP in fallback) and layout is None:
         cmp = cmp_choice
-    return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS, context=context)
+    return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS, layout=layout)
 
 
 def substitutions(nsa, plans: list[KernelPlan], backend: str, fallback=frozenset()) -> list[str]:

@@ -34,7 +34,7 @@ def dense_window(cfg: ModelConfig) -> int:
 
 class DenseAttention(ModelPart):
     """x[B, T, D] -> causal attention output [B, T, D]; `mode` and its arguments as NSAAttention's
-    (no `layout`: config validation keeps dense attention off context parallelism)."""
+    (config validation keeps dense attention off context parallelism)."""
 
     @nn.compact
     def __call__(

@@ -162,14 +162,13 @@ def check_mode(mode: str, T: int, layer, pos_B) -> None:
 
 class ModelPart(nn.Module):
     """The fields every module of the model's stack carries (NSALM, Block, the attentions): the model
-    config, the mode (one of MODES), what each NSA branch runs (kernels.plan_kernels; None: the
-    config's plan at the input's length on jax's backend) and the sequence layout (nsa/context.py;
-    None: each row is a whole sequence)."""
+    config, the mode (one of MODES) and what each NSA branch runs (kernels.plan_kernels; None: the
+    config's plan at the input's length on jax's backend), with the sequence layout under context
+    parallelism (`KernelPlan.layout`)."""
 
     cfg: ModelConfig
     mode: str = "train"
     kernels: KernelPlan | None = None
-    layout: SeqLayout | None = None
 
 
 class NSAAttention(ModelPart):
@@ -180,9 +179,9 @@ class NSAAttention(ModelPart):
     row b sits at position pos_B[b]). Prefill and decode need `layer` (index
     into the cache's layer axis) and `pos_B`. `kernels`: what each branch runs
     (kernels.plan_kernels); None: the plan of the config at this T on jax's backend.
-    `layout` (train mode, inside shard_map): x holds this device's 2S tokens of a
-    sequence split over the `seq` axis (nsa/context.py); the branches see the whole
-    sequence through its collectives, at the tokens' global positions.
+    A plan with a `layout` (context parallelism; train mode, inside shard_map): x holds
+    this device's 2S tokens of a sequence split over the `seq` axis (nsa/context.py); the
+    branches see the whole sequence through its collectives, at the tokens' global positions.
     """
 
     @nn.compact
@@ -201,12 +200,13 @@ class NSAAttention(ModelPart):
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         check_mode(self.mode, T, layer, pos_B)
-        if self.layout is not None and (self.mode != "train" or self.is_mutable_collection("losses")):
+        layout = None if self.kernels is None else self.kernels.layout
+        if layout is not None and (self.mode != "train" or self.is_mutable_collection("losses")):
             raise ValueError(
                 "context parallelism (a layout) is for training without train.scorer_distill; "
                 "prefill and decode run on one device"
             )
-        seq = self.layout or WholeSequence(T)  # the positions this device's rows hold
+        seq = layout or WholeSequence(T)  # the positions this device's rows hold
         positions_T = seq.positions()
         decode = self.mode == "decode"
         calls = BranchCalls(a, self.kernels or plan_kernels(a, seq.seq_len, jax.default_backend()))

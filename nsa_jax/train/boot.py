@@ -100,7 +100,7 @@ def boot(
     plan = make_plan(cfg, mesh)
     tokens_per_step = cfg.train.global_batch * cfg.train.accumulate * cfg.train.seq_len
     doing("boot: kernel guard (each branch's kernel compiled once)")
-    fallback = _guard_kernels(cfg, cfg.train.global_batch // plan.n_devices, say)
+    fallback = _guard_kernels(plan, say)
     if fallback:  # the kernel plan of every phase runs the failed branches on XLA (cmp-cudnn: on its flash kernels)
         plan = dataclasses.replace(plan, kernel_fallback=frozenset(fallback))
     train_step = make_train_step(plan)
@@ -153,14 +153,16 @@ def _context_words(plan: ShardingPlan) -> str:
     )
 
 
-def _guard_kernels(cfg: Config, batch_per_device: int, say: Say) -> set[str]:
+def _guard_kernels(plan: ShardingPlan, say: Say) -> set[str]:
     """`auto` on a GPU: the branches whose Pallas kernel fails to compile or disagrees with XLA (and
     `cmp-cudnn` where cuDNN's attention does in the compressed branch; kernels/plan.py FALLBACKS).
 
     Before the step is traced, so the fallback is in its program; every process takes the
     union of the failures, so all of them compile the same program.
     """
-    failed = set(guard_kernels(cfg.model, batch_per_device, cfg.train.seq_len, warn=say, context=cfg.parallel.context))
+    cfg = plan.cfg
+    rows = cfg.train.global_batch // plan.n_devices
+    failed = set(guard_kernels(cfg.model, rows, cfg.train.seq_len, warn=say, layout=plan.layout))
     if jax.process_count() > 1 and cfg.model.nsa.attention_impl == "auto":
         failed = {b for b in FALLBACKS if agree_any(b in failed)}
     return failed

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, per_layer, token_nll
-from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.nsa.layer import aux_stats
 from nsa_jax.train import schedule
 from nsa_jax.train.rows import Rows, denominators, lay_out_rows
@@ -37,12 +36,12 @@ from nsa_jax.train.rows import Rows, denominators, lay_out_rows
 @dataclasses.dataclass(frozen=True)
 class Loss:
     """The loss of `phase` (default: cfg.model, train.scorer_distill at every step) with `kernels`
-    (None: the layers' default for jax's backend) on rows laid out by `layout` (None: whole rows)."""
+    (None: the layers' default for jax's backend; under context parallelism it carries the
+    sequence layout the rows were laid out by)."""
 
     cfg: Config
     phase: schedule.Phase | None = None
     kernels: KernelPlan | None = None
-    layout: SeqLayout | None = None
     layer_gather: Callable | None = None  # fsdp: a layer's parameter slices -> whole (model.NSALM)
 
     def __post_init__(self):
@@ -56,7 +55,7 @@ class Loss:
         cfg, phase = self.cfg, self.phase
         params = cast_dense_kernels(params, phase.model.dtype)
         mutable = [c for c, on in (("aux", cfg.logging.aux_stats), ("losses", phase.distill)) if on]
-        model = NSALM(phase.model, kernels=self.kernels, layout=self.layout, layer_gather=self.layer_gather)
+        model = NSALM(phase.model, kernels=self.kernels, layer_gather=self.layer_gather)
         logits_bxLxV, variables = model.apply(
             {"params": params}, rows.inputs, rope_positions_T=rows.rope, mutable=mutable
         )

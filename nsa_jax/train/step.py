@@ -77,7 +77,7 @@ def make_grad_fn(
     (strategies.make_grad_fn) for the loss of `phase` (train/loss.py; default: cfg.model)."""
     plan = as_plan(plan, mesh)
     kernels = plan.kernels(phase.model if phase else plan.cfg.model)
-    return strategies.make_grad_fn(plan, Loss(plan.cfg, phase, kernels, plan.layout))
+    return strategies.make_grad_fn(plan, Loss(plan.cfg, phase, kernels))
 
 
 def make_phased_grad_fn(plan: ShardingPlan) -> Callable:

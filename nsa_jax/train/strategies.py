@@ -173,7 +173,7 @@ class ShardingPlan:
         """
         backend = self.mesh.devices.flat[0].platform
         seq = self.cfg.train.seq_len if self.layout is None else self.layout.seq_len
-        return plan_kernels(model.nsa, seq, backend, self.kernel_fallback, self.context)
+        return plan_kernels(model.nsa, seq, backend, self.kernel_fallback, self.layout)
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs of a fresh state that carry their shardings (AOT lowering, restore target)."""
