@@ -1,28 +1,21 @@
 """Data checks run before training touches its out dir: one line per problem, naming the file and the fix.
 
 `check_data(cfg)` looks at `cfg.data` the way the streams will read it, without jax:
+  - file datasets (text, jsonl, fineweb_edu): the files are listed and indexed (sources.list_files /
+    index_chunks raise for a missing path, no data files, a corrupt parquet file), then chunks are read in
+    order until one training and one validation document (the document-hash rule, data.val_fraction) are
+    found, within SCAN_BYTES of input or SCAN_SECONDS. No chunk at all (every file empty), or no usable
+    training document (every file skipped: not UTF-8, no text), is a ValueError naming the files and why;
+  - tokenized: the manifest (shards.read_manifest raises for a folder that is not prepared) must list
+    training tokens, and its tokenizer must be data.tokenizer and fit model.vocab_size;
+  - synthetic, kv_recall, needle: generated, nothing to check.
 
-  file datasets (text, jsonl, fineweb_edu)
-      the files are listed and indexed (sources.list_files / index_chunks: a missing path,
-      no data files, a corrupt parquet file raise there); then chunks are read in order
-      until one training document and one validation document (by the document-hash
-      rule, data.val_fraction) are found, at most SCAN_BYTES of input or SCAN_SECONDS.
-      No chunk at all (every file empty), or no usable training document (every file
-      skipped: not UTF-8, no text), is a ValueError naming the files and why.
-  tokenized
-      the manifest (shards.read_manifest raises for a folder that is not prepared) must list
-      training tokens, and its tokenizer must be data.tokenizer and fit model.vocab_size.
-  synthetic, kv_recall, needle
-      generated: nothing to check.
-
-`DataCheck.no_val` is None when validation data exists (or was not ruled out within the
-scan budget), else one line saying why there is none and how to get some; the trainer
-then evaluates nothing and says so at boot instead of failing at its first evaluation.
-
-`DataCheck.train_rows`: the training rows of train.seq_len + 1 tokens in one pass over the
-data, where it is cheap to know (a prepared folder's manifest; files of at most COUNT_BYTES,
-tokenized whole); `repeat_note` turns it into the boot note of a run that reads its data
-REPEAT_NOTE_AT times or more, so a tiny corpus is not mistaken for a learning result.
+`DataCheck.no_val` is None when validation data exists (or was not ruled out within the scan budget),
+else one line saying why there is none and how to get some; the trainer then evaluates nothing and says
+so at boot. `DataCheck.train_rows`: the training rows of train.seq_len + 1 tokens in one pass over the
+data, where it is cheap to know (a prepared folder's manifest; files of at most COUNT_BYTES, tokenized
+whole); `repeat_note` turns it into the boot note of a run that reads its data REPEAT_NOTE_AT times or
+more, so a tiny corpus is not mistaken for a learning result.
 """
 
 from __future__ import annotations

@@ -1,37 +1,22 @@
-"""Long-range key-value recall: `dataset: kv_recall` and its scoring (pure numpy).
+"""Long-range key-value recall (`dataset: kv_recall`): the row layout, the batch stream, `retrieval_accuracy`.
 
-Owns the row layout, the batch stream and `retrieval_accuracy`. One row of
-T1 = seq_len + 1 tokens:
+Pure numpy. One row of T1 = seq_len + 1 tokens:
 
     [filler] [k_1 v_1 k_2 v_2 ... k_P v_P] [filler ...] [Q k_a v_a  Q k_b v_b ...]
               pairs at offset o .. o+2P-1     noise      Q queries at the very end
 
-Keys are distinct within a row; each query repeats one of the row's keys after the
-QUERY marker, and the scored target is the value that followed that key in the pairs.
-The filler is long enough that every queried pair lies more than model.nsa.w tokens
-before the query key, so the sliding-window branch alone cannot answer it: the
-compressed/selected branches must retrieve it.
-
-Placement (`data.kv_placement`): `random` draws the offset o per row from every
-position that keeps the pairs out of the window, so the selection branch has to
-find the right block through its compressed scores; `start` puts them at o = 0,
-inside block 0, which NSA always selects. When Q <= P the queried keys are distinct
-within a row, so a query can never be answered by copying an earlier query's answer
-from inside the window.
-
-Pair format (`data.kv_format`): `split` writes a pair as two tokens `k v`, so a
-model needs two hops (a previous-token step, then the match), the induction circuit
-that small models learn slowly; `fused` writes it as one token that stands for
-(k, v), and the query stays `Q k v`: one attention hop from the query key to the
-pair token retrieves the answer, yet no single summary of a block of pairs does.
-
-Vocabulary partition (V = model.vocab_size), keys [0, n), values [n, 2n), then
+Keys are distinct within a row; a query repeats one of them after the QUERY marker, and its scored target
+is the value that followed that key. Every queried pair lies more than model.nsa.w tokens before its query
+key, out of the sliding window's reach. `data.kv_placement`: `random` draws o per row from every position
+that keeps the pairs out of the window, `start` puts them at o = 0 (block 0, which NSA always selects);
+with Q <= P the queried keys are distinct. `data.kv_format`: `split` writes a pair as two tokens `k v`,
+`fused` as one token for (k, v), the query staying `Q k v` (why: docs/DESIGN_NOTES.md).
+Vocabulary (V = model.vocab_size): keys [0, n), values [n, 2n), the QUERY marker V - 1, and
   split: filler [2n, V - 1), n = (V - 1) // 4;
-  fused: pair tokens [2n, 2n + n*n) (id 2n + k*n + (v - n)), filler up to V - 1, n
-         the largest with at least MIN_FILLER filler ids;
-and the QUERY marker V - 1. The marker never occurs elsewhere, so the answer
-positions are recoverable from the tokens alone (`kv_answer_mask`), and
-`next(ds)` can stay a plain int32 array.
+  fused: pair tokens [2n, 2n + n*n) (id 2n + k*n + (v - n)), filler up to V - 1, n the largest with
+         at least MIN_FILLER filler ids.
+The marker occurs nowhere else, so the answer positions are recoverable from the tokens alone
+(`kv_answer_mask`), and `next(ds)` can stay a plain int32 array.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The needle-in-a-haystack format: one pass-key sentence hidden at a depth of real text.
 
-Owns the row layout and the answer span, for evaluation (nsa_jax/evaluation) and for
-any training source of a needle-style task, so both read and write the same thing.
-One row of T1 = L + 1 tokens (the model reads the first L, scores the last L):
+Owns the row layout and the answer span, for evaluation (nsa_jax/evaluation) and any training source of
+a needle-style task. One row of T1 = L + 1 tokens (the model reads the first L, scores the last L):
 
     [haystack ...] [needle] [haystack ...] [question] [answer]
                    ^ at depth * (haystack tokens): 0.0 = the very start, 1.0 = just before the question
@@ -11,17 +10,12 @@ needle   = "The pass key is {value}. Remember it. {value} is the pass key. "
 question = " What is the pass key? The pass key is "
 answer   = "{value}" (PASSKEY_DIGITS decimal digits)
 
-Every piece is encoded on its own with the run's tokenizer (byte, gpt2, a tokenizer
-JSON), so the answer span is known exactly: the last `len(answer)` tokens of the
-row. Digits and ASCII text are in every tokenizer's alphabet. A model retrieves the
-needle when its greedy predictions at the answer targets are the answer (exact
-match; with teacher forcing this is what greedy decoding after the question emits)
-and its log-probability of the answer measures how sure it is.
-
-`dataset: needle` (NeedleDataset) trains on such rows: the haystack is the text of
-`data.path` (text files, a folder of .txt files or a glob) from a random offset, the
-depth uniform in [0, 1], a new pass key per row; the loss counts every target, the
-answer's (`answer_len`, the last targets of every row) weighted by
+Every piece is encoded on its own with the run's tokenizer, so the answer span is exactly the row's last
+`len(answer)` tokens. A model retrieves the needle when its greedy predictions at the answer targets are
+the answer (exact match), and its log-probability of the answer says how sure it is. `dataset: needle`
+(NeedleDataset) trains on such rows: the haystack is the text of `data.path` (text files, a folder of .txt
+files or a glob) from a random offset, the depth uniform in [0, 1], a new pass key per row; the loss counts
+every target, the answer's (`answer_len`, the last targets of every row) weighted by
 data.needle_answer_weight (needle_answer_mask; nsa_jax/data/targets.py loss_weights).
 """
 

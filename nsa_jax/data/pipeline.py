@@ -1,29 +1,21 @@
-"""grain pipeline for file datasets (fineweb_edu parquet, jsonl, text).
-
-Owns `FileDataset`, the batch stream of one process:
+"""grain pipeline for file datasets (fineweb_edu parquet, jsonl, text): `FileDataset`, one process's batches.
 
   chunks (sources.index_chunks, same list on every process)
     -> this process's chunks: chunks[process_index::process_count]      (disjoint shards)
     -> MapDataset.shuffle(seed).repeat()          (new chunk order every epoch)
     -> random_map(read + val/train filter + shuffle docs + tokenize + EOS) -> 1-D token stream
-    -> to_iter_dataset(ReadOptions(num_threads=workers))   (chunks read/tokenized in threads)
+    -> to_iter_dataset(ReadOptions(num_threads=data.workers))   (0: read in the prefetch thread)
     -> PackRowsIterDataset: concatenate, cut [batch, seq_len + 1] rows  (exact state)
-    -> ThreadPrefetchIterDataset(prefetch)        (batches built ahead in a thread)
+    -> ThreadPrefetchIterDataset(data.prefetch)   (batches built ahead; 0: on the caller's thread)
 
-Every stage is a grain dataset with an exact iterator state, so `get_state()` after
-k batches and `set_state()` on a fresh stream give the same following batches. The
-state is a small JSON dict: the index of the next chunk to read plus the offset into
-the token stream of the oldest chunk still buffered.
-
-`data.workers` = reader threads (0: chunks are read in the prefetch thread);
-`data.prefetch` = batches buffered ahead (0: built on the caller's thread).
-
-The state is one per process, so a checkpoint resumes only with the process count that
-wrote it; the prepared-shard dataset (nsa_jax/data/tokenized.py) is the elastic one. It
-reuses the stages after the chunk list (`packed_batches`, `GrainBatchStream`) only to
-resume its per-process checkpoints from before global positions.
-Bad records (sources.py) are dropped, counted in `FileDataset.skips` and logged to
-the `nsa_jax.data` logger; whole-file problems raise when the stream is built.
+Every stage has an exact iterator state: `get_state()` after k batches and `set_state()` on a fresh
+stream give the same following batches. The state is a small JSON dict (the index of the next chunk to
+read, the offset into the token stream of the oldest chunk still buffered), one per process, so a
+checkpoint resumes only with the process count that wrote it; the elastic dataset is the prepared-shard
+one (nsa_jax/data/tokenized.py), which reuses the stages after the chunk list (`packed_batches`,
+`GrainBatchStream`) only to resume its per-process checkpoints from before global positions.
+Bad records (sources.py "Bad data") are dropped, counted in `FileDataset.skips` and logged to the
+`nsa_jax.data` logger; whole-file problems raise when the stream is built.
 """
 
 from __future__ import annotations

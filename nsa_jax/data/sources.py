@@ -1,26 +1,19 @@
 """Local document sources: parquet (FineWeb-Edu schema), jsonl and plain-text files.
 
-Owns finding the data files under `data.path`, cutting them into *chunks* (the unit
-that is sharded over processes and shuffled), reading one chunk's documents, the
-train/val assignment of a document by a hash of its text, and what happens to bad data.
-
-Chunks:
-  parquet  one row group of one file (FineWeb-Edu shards have many), `text` column only
-  jsonl    a byte range of one file (lines are assigned to the range they start in),
-           so one large file still spreads over processes without an index pass
+Owns finding the data files under `data.path`, cutting them into *chunks* (the unit that is sharded over
+processes and shuffled), reading one chunk's documents, the train/val assignment of a document by a hash
+of its text, and what happens to bad data. A chunk is a plain tuple (kind, path, a, b):
+  parquet  one row group of one file, `text` column only
+  jsonl    a byte range of one file (lines are assigned to the range they start in)
   text     one .txt file = one document
 
-A chunk is a plain tuple (kind, path, a, b), cheap to pass around and to hash.
-
-Bad data. Problems that make a whole file unusable and are cheap to find up front
-(a corrupt parquet footer, no `text` column or field, a path with no data files) raise
-`BadDataError`, naming the file, while the chunks are indexed, i.e. before the first
-batch and on every process alike. Empty (0-byte) files hold no document and are
-skipped. Problems of one record found while reading (a jsonl line that is not JSON or
-has no `text` string, bytes that are not UTF-8) go to the `on_skip` callback when one
-is given (the record is dropped and counted: one truncated line should not stop a
-long run) and raise `BadDataError` otherwise. Empty documents are dropped silently:
-they hold no token.
+Bad data. Problems that make a whole file unusable and are cheap to find up front (a corrupt parquet
+footer, no `text` column or field, a path with no data files) raise `BadDataError`, naming the file,
+while the chunks are indexed, i.e. before the first batch and on every process alike. Empty (0-byte)
+files hold no document and are skipped. Problems of one record found while reading (a jsonl line that
+is not JSON or has no `text` string, bytes that are not UTF-8) go to the `on_skip` callback when one is
+given (the record is dropped and counted: one truncated line should not stop a long run) and raise
+`BadDataError` otherwise. Empty documents are dropped silently.
 """
 
 from __future__ import annotations

@@ -1,34 +1,22 @@
 """The `tokenized` dataset: batches packed from a folder written by `python -m launch.prepare_data`.
 
-Owns `TokenizedDataset`, the batch stream of one split of the shards (format:
-nsa_jax/data/shards.py), numbered over the whole run like the synthetic stream
-(stream.GlobalRowStream), so its state is one global row count and a checkpoint
-resumes on any process or device count. Each shard is cut into chunks of whole
-documents of about CHUNK_TOKENS tokens, the unit that is shuffled:
+Owns `TokenizedDataset`, the batch stream of one split of the shards (format: nsa_jax/data/shards.py),
+numbered over the whole run (stream.GlobalRowStream): its state is one global row count, so a checkpoint
+resumes on any process or device count. Each shard is cut into chunks of whole documents of about
+CHUNK_TOKENS tokens, the unit that is shuffled:
 
   chunks of all shards of the split (the same list on every process)
-    -> epoch e: the chunks in an order drawn from (seed, split, e); the documents of
-       each chunk in an order drawn from (seed, split, e, chunk)
-    -> concatenated: one token stream per epoch of `epoch_tokens` tokens (every token
-       of the split once, each document followed by its EOS), epochs back to back
+    -> epoch e: the chunks in an order drawn from (seed, split, e), each chunk's documents from (seed, split, e, chunk)
+    -> one token stream per epoch of `epoch_tokens` tokens (every document once, each followed by its EOS),
+       epochs back to back: the tail of an epoch that does not fill a row continues into the next
     -> cut into rows of seq_len + 1 tokens: global row r is tokens [r (T + 1), (r + 1) (T + 1))
 
-The tail of an epoch that does not fill a row continues with the next epoch's first
-tokens. A row is found without packing the stream before it: the per-epoch prefix sum
-of the shuffled chunk sizes locates its first token, and only the chunks it covers are
-read (two epoch layouts and a few chunks are cached). Each process reads only its own
-rows of each micro-batch (GlobalRowStream), so processes never read the same row.
-Shards are memory-mapped: only the chunks being read are paged in. data.workers and
-data.prefetch do not apply (a row is a copy out of the page cache).
-
-Checkpoints written before global positions hold one grain iterator state per process
-(chunks[process_index::process_count], packed by pipeline.packed_batches); such a
-state is resumed by the stream it was saved from (`PerProcessTokenized`), with the same
-process count, and the run keeps that stream.
-
-The split comes from the manifest (prepare_data applied the document-hash rule with
-its --val-fraction); data.val_fraction is not used. The manifest's tokenizer must be
-data.tokenizer and fit model.vocab_size, and its format version must be this code's.
+A row is found without packing the stream before it (per-epoch prefix sums of the shuffled chunk sizes;
+only the chunks it covers are read, from memory-mapped shards); each process reads only its own rows of
+each micro-batch; data.workers and data.prefetch do not apply. A checkpoint from before global positions
+(one grain state per process, pipeline.packed_batches) resumes on the stream it was saved from
+(`PerProcessTokenized`), with the same process count. The split is the manifest's (data.val_fraction is
+not used); its tokenizer must be data.tokenizer and fit model.vocab_size, its format version this code's.
 """
 
 from __future__ import annotations

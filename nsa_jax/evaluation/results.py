@@ -1,24 +1,20 @@
 """launch.evaluate's evaluation.json: written whole after every (suite, L) cell, read back to skip what is done.
 
-The file holds the suites' results in the shape `suites.assemble` gives them (what the
-plots and launch.stages read) and `meta`:
-
-  - `settings`: what makes two cells comparable (`make_settings`): a digest of the
-    weights (another checkpoint, or another step of the same run, differs), the
-    config, the depths and samples of needle and passkey, the rows, the seed and the text
-    (the files' digests, or the run's validation split; the `text` suite's text too);
-  - `pending`: the [suite, L] cells the latest command asked for and has not finished
-    ([] once it did: launch.stages reads this, `unfinished`);
+The file holds the suites' results in the shape `suites.assemble` gives them (what the plots and
+launch.stages read) and `meta`:
+  - `settings`: what makes two cells comparable (`make_settings`): a digest of the weights (another
+    checkpoint, or another step of the same run, differs), the config, the depths and samples of needle
+    and passkey, the rows, the seed and the text (the files' digests, or the run's validation split; the
+    `text` suite's text too);
+  - `pending`: the [suite, L] cells the latest command asked for and has not finished ([] once it did:
+    launch.stages reads this, `unfinished`);
   - `seconds` {suite: {L: seconds}}, `compiled_bytes` {L: bytes per device}, `ckpt` (the path given).
 
-Every write is whole (`write_whole`): the text goes to a temporary file in the same
-folder, is flushed to the disk, and is renamed over evaluation.json, so a stop, a
-crash or a full disk at any moment leaves the previous file or the new one, never a
-mix and never less than was there.
-
-A file made with other settings is refused (`Mismatch`: one line naming the first
-differences and the fix) rather than recomputed or mixed: recomputing would overwrite
-results someone kept, and mixing would put incomparable cells side by side in one table.
+Every write is whole (`write_whole`: a temporary file in the same folder, flushed to the disk, renamed
+over evaluation.json), so a stop, a crash or a full disk at any moment leaves the previous file or the
+new one, never a mix and never less than was there. A file made with other settings is refused
+(`Mismatch`: one line naming the first differences and the fix) rather than recomputed (that would
+overwrite results someone kept) or mixed (incomparable cells side by side in one table).
 """
 
 from __future__ import annotations

@@ -1,46 +1,22 @@
 """The long-context suites: which rows are built, how they are batched through a scorer, what is reported.
 
-A *scorer* is anything with `batch` (rows per call), `prepare(L)` (get ready for
-rows of L + 1 tokens; may refuse) and `__call__(tokens_BxT1) -> (nll_BxT, hit_BxT)`:
-the model (scorer.ModelScorer) or a stub whose answers are known (tests). Rows are
-padded to whole batches with copies of the last row, whose scores are dropped.
-
-Suites (SUITES), each returning a JSON-ready dict:
+A *scorer* has `batch` (rows per call), `prepare(L)` (get ready for rows of L + 1 tokens; may refuse) and
+`__call__(tokens_BxT1) -> (nll_BxT, hit_BxT)`: the model (scorer.ModelScorer) or a stub whose answers are
+known (tests). Rows are padded to whole batches with copies of the last row, whose scores are dropped.
+Suites (SUITES; docs/LONG_CONTEXT.md, "Evaluating a checkpoint"), each returning a JSON-ready dict:
   - `loss-by-position`: `text(L, n)` rows of held-out text; scoring.loss_by_position per L;
-  - `needle`: for every L x depth cell, `samples` rows built by data/needle.py, sample s
-    using held-out row s as its haystack and its own pass key (the same at every depth,
-    so depths compare like with like); accuracy = mean exact match, and mean answer
-    log-probability;
-  - `passkey`: the needle grid for a pretrained model: the same pass-key rows (data/needle.py),
-    but a row holds exactly L tokens, question and answer included, and the model reads all
-    of them (`needle`'s row holds L + 1 and the model reads the first L); accuracy per L x
-    depth and per L;
-  - `kv_recall`: rows of data/kv_recall.py at length L (the model's vocabulary, window
-    and the config's kv_* settings), accuracy by query - pair distance;
-  - `text`: the text files' tokens (`TextRows.text_tokens`) cut into non-overlapping windows of
-    L tokens; the mean next-token loss and perplexity of the first window (the first L tokens)
-    and of all of them (scoring.text_loss).
-
-`needle` and `passkey` are scored by greedy exact match read from one teacher-forced forward:
-greedy decoding after the question emits the answer's tokens a_1..a_k exactly when the argmax
-after the question is a_1 and, a_1..a_i fed back, the argmax after them is a_(i+1): the
-argmax of the forward over the row at the answer positions, every one of which must be the
-answer token. (A tokenizer that could spell the digits as other tokens would count that spelling
-a miss; digits are one token each in SmolLM2's and in the byte tokenizer.)
-
-`passkey` and `text` score rows of exactly L tokens (`_run_exact`): the scorer gets each
-row with one padding token appended, so its forward reads the L tokens (the forward at L
-the other suites compile), and the last prediction (of the padding) is dropped: L - 1
-predictions of tokens 1..L-1.
-
-A suite is scored one length at a time: `cell(scorer, suite, L, settings)` is the result
-of one (suite, L) pair, the unit launch.evaluate keeps as soon as it is done;
-`assemble` joins cells into the per-suite dicts above (the shape of evaluation.json);
-`run_suites` does both for a list of suites and lengths (training's eval.suites).
-`Settings` holds what a cell depends on besides the scorer and L.
-
-`text(L, n)` is a `TextRows` (held-out rows from the run's validation split through
-the data pipelines, or from text files) or any callable returning int32 [n, L + 1].
+  - `needle`: per L x depth, `samples` rows of data/needle.py, sample s with held-out row s as haystack and
+    its own pass key (the same at every depth); accuracy = mean exact match, and mean answer log-probability;
+  - `passkey`: the needle grid for a pretrained model, but a row holds exactly L tokens, question and answer
+    included, all read by the model; accuracy per L x depth and per L;
+  - `kv_recall`: rows of data/kv_recall.py at length L (the config's kv_*); accuracy by query - pair distance;
+  - `text`: the text files' tokens (`TextRows.text_tokens`) in non-overlapping windows of L tokens; mean
+    next-token loss and perplexity of the first window and of all of them (scoring.text_loss).
+`needle` and `passkey` read greedy exact match from one teacher-forced forward; `passkey` and `text` score
+rows of exactly L tokens (`_run_exact`: one padding token appended, its prediction dropped). `cell(scorer,
+suite, L, settings)` is one (suite, L), the unit launch.evaluate keeps; `assemble` joins cells into the dicts
+above (evaluation.json); `run_suites` does both (training's eval.suites). `Settings`: what a cell depends
+on besides scorer and L; `text(L, n)`: a `TextRows` or any callable returning int32 [n, L + 1].
 """
 
 from __future__ import annotations

@@ -1,24 +1,21 @@
 """How long a long evaluation takes: the attention cost model, measured rates, and the projected times.
 
-A scorer call (a batch of rows of length L) is timed; a length not yet measured is
-projected from the nearest measured one by the cost model of a row:
+A scorer call (a batch of rows of length L) is timed; a length not yet measured is projected from the
+nearest measured one by the cost model of a row:
 
     t(L) = t(L0) * cost(L) / cost(L0),   cost(L) = L * (dense + per_key * keys(L))
 
-`dense`: the matmul flops of one token (2 x the parameters it multiplies: all but
-the embedding lookup); `per_key`: the flops of one query-key pair summed over layers
-and heads (2 * (head_dim + v_head_dim) * n_heads * n_layers: QK and PV); `keys(L)`:
-the keys one query reads in the three branches, as the implementation computes them.
-The kernels skip masked tiles (info.keys_per_query, the causal means); the XLA path
-(the CPU) scores every compressed token of the row for every query, gathers n blocks
-and reads a window chunk of C + w - 1 keys.
+`dense`: the matmul flops of one token (2 x the parameters it multiplies: all but the embedding lookup);
+`per_key`: the flops of one query-key pair summed over layers and heads (2 * (head_dim + v_head_dim) *
+n_heads * n_layers: QK and PV); `keys(L)`: the keys one query reads in the three branches, as the
+implementation computes them. The kernels skip masked tiles (info.keys_per_query, the causal means); the
+XLA path (the CPU) scores every compressed token of the row for every query, gathers n blocks and reads a
+window chunk of C + w - 1 keys.
 
-Flops are a rough guide where the quadratic parts (softmax, block scores, top-n)
-cost more per flop than the matmuls: on a 2-core CPU, cpu_tiny's measured batch of 2
-rows went 0.06 s (L=256) -> 24 s (16,384), where the flops grow 3.5 times less. So a
-length's projection from another length says so, and is replaced by the length's own
-measured rate once its first batch is done (`Rates.per_batch` says which it used); once two
-lengths are measured, the cost ratio is raised to the power they show (`Rates.exponent`).
+Flops are a rough guide where the quadratic parts (softmax, block scores, top-n) cost more per flop than
+the matmuls, so a length's projection from another length says so, and is replaced by the length's own
+measured rate once its first batch is done (`Rates.per_batch` says which it used); once two lengths are
+measured, the cost ratio is raised to the power they show (`Rates.exponent`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,22 @@
 """Per-layer NSA decode caches (the decode step that reads them: nsa_jax/inference/decode.py).
 
-Owns the fixed-size cache pytree, its sizes for a maximum length, and its map
-to the model's `cache` variable collection (`NSACache.variables()` /
-`NSACache.from_variables`), which NSAAttention reads and writes in prefill and
-decode mode (the slot arithmetic, `ring_positions` / `compressed_visible`,
-lives with that code in nsa_jax/nsa/layer.py). Every array has a leading layer
-axis L (the model's scanned layers) and a batch axis B; each row carries its
-own position, so rows of different lengths share one cache.
-
-Per layer and row:
-  * `kslc/vslc` [S, K, D]: raw selection keys/values of every position < S
-    (S = max length rounded up to a multiple of lp, so a selected block is
-    never cut by the end of the buffer).
-  * `kwin/vwin` [R, K, D]: ring buffer of the window keys/values, R = min(w, S);
-    slot s holds the latest position p <= t with p = s (mod R), so the ring
-    holds exactly [max(0, t - w + 1), t] once position t is written.
-  * `ktail/vtail` [l, K, D]: ring buffer of the raw (RoPE'd) compression
-    keys/values of the last l positions: the not-yet-complete compression
-    block(s) that the next compressed token is built from.
-  * `kcmp/vcmp` [Tc, K, D]: compressed keys/values; entry i is written when
-    block i completes, at t = i*d + l - 1, and read only from then on.
+Owns the fixed-size cache pytree, its sizes for a maximum length, and its map to the model's `cache`
+variable collection (`NSACache.variables()` / `NSACache.from_variables`), which NSAAttention reads and
+writes in prefill and decode mode (the slot arithmetic, `ring_positions` / `compressed_visible`, lives in
+nsa_jax/nsa/layer.py). Every array has a leading layer axis L (the scanned layers) and a batch axis B;
+each row carries its own position, so rows of different lengths share one cache. Per layer and row:
+  * `kslc/vslc` [S, K, D]: raw selection keys/values of every position < S (S = max length rounded up to
+    a multiple of lp, so a selected block is never cut by the end of the buffer);
+  * `kwin/vwin` [R, K, D]: ring buffer of the window keys/values, R = min(w, S); slot s holds the latest
+    position p <= t with p = s (mod R), so the ring holds exactly [max(0, t - w + 1), t] once t is written;
+  * `ktail/vtail` [l, K, D]: ring buffer of the raw (RoPE'd) compression keys/values of the last l
+    positions: the not-yet-complete compression block(s) the next compressed token is built from;
+  * `kcmp/vcmp` [Tc, K, D]: compressed keys/values; entry i is written when block i completes, at
+    t = i*d + l - 1, and read only from then on;
   * `pos` [B]: tokens already in the cache = the position of the next token.
-
-Under dense attention (model.attention=dense, nsa/dense.py) only the ring is used: R is the
-dense window, or S with none, and the other arrays have no slots.
-
-Entries beyond a row's position may hold stale values (a right-padded
-prefill); they are overwritten before any query can see them, and every read
-masks by position.
+Under dense attention (model.attention=dense, nsa/dense.py) only the ring is used: R is the dense window,
+or S with none, and the other arrays have no slots. Entries beyond a row's position may hold stale values
+(a right-padded prefill); they are overwritten before any query can see them, and every read masks by position.
 """
 
 from __future__ import annotations

@@ -1,65 +1,21 @@
 """Pallas (Triton backend) block scoring and top-n selection for the compressed branch.
 
-This module owns the map from the compressed branch's queries, compressed keys
-and forward log-sum-exp to what the selection branch needs, without the
-probability tensor ``[B, K, T, Tc]`` (2 GiB at T=64k) or, on the selection
-path, the block-score tensor ``[B, K, T, T/lp]``:
-
-* ``compressed_attention_select_pallas``: compressed attention (the flash
-  kernels of ``compressed_pallas``, or cuDNN's fused attention with a separate
-  log-sum-exp pass: ``attention="cudnn"``) and block indices ``[B, T, K, n]``,
-  the same contract as ``kernels.xla.select_blocks`` over the block scores;
-* ``compressed_attention_scores_pallas``: the same attention and the block
-  scores ``[B, T, K, Nb]`` fp32 (the compressed branch's score output);
-* ``select_blocks_pallas``: the top-n part alone, over a given score tensor
-  (a kernel reading scores tile by tile; the test bed of the top-n rules).
-
-Scores (Eq. 9 with aligned indices, docs "Selection branch")
-------------------------------------------------------------
-With ``s = lp/d`` and ``lead = l/d - 1``, block ``j`` overlaps the compressed
-tokens ``i = j*s - lead + r`` for ``r in [0, win)``, ``win = (lp + l)/d - 1``.
-A program owns ``block_pos`` query positions of one KV head and walks tiles of
-``block_blocks`` selection blocks. For each offset ``r`` it gathers the key rows
-``j*s - lead + r`` of the tile's blocks, recomputes each of the G heads'
-probabilities from the forward's log-sum-exp (positions are the matmul's M
-dimension, the heads a static loop, so G = 6 needs no padding to 16) and adds
-them up. The order is fixed and the same for every block: ``score[j] =
-sum_r (sum_g p[g, i_r])``, r ascending, g ascending, as block_scores_from_cmp
-sums the group sum over its window. Equal probabilities therefore give bitwise
-equal scores, whichever block they fall in, and exact ties stay exact ties.
-Each compressed token is scored ``win/s`` times (1.25 at l=32, d=16, lp=64),
-the price of that order without a shared-memory reshuffle.
-
-Top-n (``select_blocks``' rules)
---------------------------------
-Each block of the tile gets its ranking value: 1e9 for the forced blocks (0,
-the current block ``t//lp`` and the previous one), its score for the other
-candidates ``j*lp <= t``, -1e9 for the rest. A running top-n per row, sorted
-by (value descending, index ascending), is merged with the tile by ``n``
-extraction steps (a row maximum, then the lowest index holding it). Tiles come
-in increasing block order, so the lower-index tie rule needs no extra state.
-Slots holding a value at or below -5e8 (not a candidate, or fewer candidates
-than n) become -1, as in select_blocks, whose ``lax.top_k`` uses the same order;
-the output is bitwise what select_blocks returns for the same score tensor.
-
-Exactness
----------
-``select_blocks_pallas`` equals ``select_blocks`` exactly for every score tensor
-(ties included). The fused kernel's scores come from the log-sum-exp
-(``exp2(s - lse)``), the XLA path's from a softmax, so the two score tensors
-differ by float rounding: the tests compare the fused kernel against a float64
-reference of scores and selection, requiring identical indices wherever the
-reference has no near-tie at the cut, and identical indices on constructed
-exact ties (equal probabilities, which both paths keep bitwise equal).
-
-Query offset
-------------
-With ``q_offset`` (flash_pallas, "Query offset") row r of q is the query at
-position ``r + q_offset``: the compressed tokens it sees follow that position
-(the attention's and the scores' alike), the selection rules follow ``t_T``
-(default the same positions), and ``num_blocks`` gives the selection blocks
-of the whole sequence, which q's length no longer tells. The kernels read the
-offset from their first input; the Python int 0 adds none.
+Maps the compressed branch's queries, compressed keys and forward log-sum-exp to what the selection branch
+needs, without the probability tensor [B, K, T, Tc] or, on the selection path, the block scores [B, K, T, T/lp]:
+* `compressed_attention_select_pallas`: compressed attention (compressed_pallas's flash kernels, or cuDNN
+  with a separate log-sum-exp pass: `attention="cudnn"`) and block indices [B, T, K, n], the contract of
+  `kernels.xla.select_blocks` over the block scores (docs/NSA.md, "Selection");
+* `compressed_attention_scores_pallas`: the same attention and the block scores [B, T, K, Nb] fp32;
+* `select_blocks_pallas`: the top-n alone over a given score tensor (the test bed of the top-n rules).
+Exactness: every block's score is summed in one fixed order, score[j] = sum_r (sum_g p[g, i_r]), r then g
+ascending, as block_scores_from_cmp sums, so equal probabilities give bitwise-equal scores and exact ties
+stay ties; the running top-n keeps select_blocks' order (value descending, index ascending, -1 for slots
+without a candidate). `select_blocks_pallas` equals `select_blocks` exactly for every score tensor, ties
+included. The fused kernel's scores come from the log-sum-exp, the XLA path's from a softmax, so the two
+differ by float rounding: the tests hold the fused kernel to a float64 reference wherever it has no near-tie
+at the cut, and on constructed exact ties. With `q_offset` (pallas_common, "Query offset") row r is the
+query at position r + q_offset, the selection rules follow `t_T` and `num_blocks` gives the whole sequence's
+blocks. The tiling and the top-n merge: docs/DESIGN_NOTES.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """Pallas (Triton backend) kernels for the NSA compressed branch.
 
-This module owns ``compressed_attention_pallas``: attention of every query over
-the compressed tokens (token ``i`` summarises raw tokens ``[i*d, i*d + l)`` and
-is visible to query ``t`` iff ``i*d + l - 1 <= t``; docs "Compressed branch"),
-``compressed_attention_lse_pallas``, the same attention with the forward's
-log-sum-exp, from which ``block_scores_pallas`` scores and selects blocks, and
-``compressed_lse_pallas``, that log-sum-exp alone (one kernel computing q k^T
-only), for when the attention itself runs elsewhere (cuDNN, kernels/cudnn.py).
+Owns `compressed_attention_pallas`: attention of every query over the compressed tokens (token i
+summarises raw tokens [i*d, i*d + l) and is visible to query t iff i*d + l - 1 <= t; docs/NSA.md,
+"Compressed branch"); `compressed_attention_lse_pallas`, the same attention with the forward's log-sum-exp,
+from which `block_scores_pallas` scores and selects blocks; and `compressed_lse_pallas`, that log-sum-exp
+alone (one kernel computing q k^T only), for when the attention itself runs elsewhere (kernels/cudnn.py).
 
-Why a kernel
-------------
-In plain XLA the branch materialises fp32 probabilities ``[T, H, T/d]`` and
-passes over them several times (mask, softmax, the PV product, the group sum,
-the block sums, and all of it again in the rematerialised backward). On a GPU
-that is memory-bound and, at long T, most of an NSA layer's time. Here the
-attention is the flash kernels (``flash_pallas.banded_attention``) with the key
-layout ``stride=d, offset=l-1`` and no window: online softmax, no score matrix,
-fp32 log-sum-exp kept for the backward. The selection branch's block scores
-need no probability tensor either: ``block_scores_pallas`` recomputes them from
-that log-sum-exp and runs the top-n in the same kernel.
-
-Query offset
-------------
-Every entry point takes ``q_offset`` (flash_pallas, "Query offset"): query
-row r stands at position ``r + q_offset`` and sees token i iff
-``i*d + l - 1 <= r + q_offset``; kc and vc hold the tokens of the whole
-sequence, and the gradients of kc and vc cover all of them.
+The attention is flash_pallas's `banded_attention` with the key layout `stride=d, offset=l-1` and no
+window: online softmax, no score matrix, fp32 log-sum-exp kept for the backward. Every entry point takes
+`q_offset` (pallas_common, "Query offset"): query row r stands at position r + q_offset and sees token i
+iff i*d + l - 1 <= r + q_offset; kc and vc hold the tokens of the whole sequence, and the gradients of kc
+and vc cover all of them. Why a kernel rather than XLA: docs/DESIGN_NOTES.md.
 """
 
 from __future__ import annotations

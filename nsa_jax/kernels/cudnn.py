@@ -1,25 +1,20 @@
 """NSA branches as cuDNN's fused attention (`jax.nn.dot_product_attention`).
 
-cuDNN's flash attention runs plain causal attention at several times the rate of
-the Pallas/Triton kernels (docs/PERFORMANCE.md), so a branch that can be written as
-one call of it is a candidate wherever it is timed. Two can:
+A branch that can be written as one call of cuDNN's flash attention is a candidate wherever it is timed
+(docs/PERFORMANCE.md). Two can:
+* the window branch: causal attention with a left window of w - 1 keys (`local_window_size`); timed on
+  the GPU against the Pallas kernel, not run by the layer;
+* the compressed branch, regrouped (`compressed_attention_grouped`): query t sees compressed token i iff
+  i*d + l - 1 <= t, so the d consecutive queries t = l - 1 + g*d + r (r < d) all see tokens 0..g. Group g
+  is then one causal query position over the Tc tokens, and its d positions times the G heads of a KV head
+  are d*G query heads of that KV head: causal GQA attention of length Tc with H*d query heads over K,
+  exactly the branch's output (queries t < l - 1 see no token: 0). It gives no log-sum-exp, which block
+  scoring needs, so with `compressed_kernel: cudnn` the layer pairs it with a Pallas pass that computes
+  only that (block_scores_pallas, `attention="cudnn"`; compressed_pallas.compressed_lse_pallas). Queries
+  start at position 0: a chunk of queries under a query offset takes the Pallas kernels.
 
-* the window branch: causal attention with a left window of w - 1 keys
-  (`local_window_size`); measured on an H200, mixed against the Pallas kernel, not run
-  by the layer;
-* the compressed branch, regrouped (`compressed_attention_grouped`): query t sees
-  compressed token i iff i*d + l - 1 <= t, so the d consecutive queries
-  t = l - 1 + g*d + r (r < d) all see tokens 0..g. Group g is then one causal query
-  position over the Tc tokens, and its d positions times the G heads of a KV head are
-  d*G query heads of that KV head: causal GQA attention of length Tc with H*d query
-  heads over K, exactly the branch's output (queries t < l - 1 see no token: 0).
-  It gives no log-sum-exp, which block scoring needs, so with `compressed_kernel: cudnn`
-  the layer pairs it with a Pallas pass that computes only that (block_scores_pallas,
-  ``attention="cudnn"``; compressed_pallas.compressed_lse_pallas). Queries start at
-  position 0: a chunk of queries under a query offset takes the Pallas kernels.
-
-`implementation` is jax's: "cudnn" on a GPU; None or "xla" elsewhere (the CPU tests
-check the regrouping with XLA's attention, which holds the [H*d, Tc, Tc] scores).
+`implementation` is jax's: "cudnn" on a GPU; None or "xla" elsewhere (the CPU tests check the regrouping
+with XLA's attention, which holds the [H*d, Tc, Tc] scores).
 """
 
 from __future__ import annotations

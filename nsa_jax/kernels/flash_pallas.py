@@ -1,82 +1,22 @@
-"""Pallas (Triton backend) flash-attention kernels over a key layout.
+"""Pallas (Triton backend) flash-attention kernels over a key layout: the engine of the NSA branches.
 
-This module owns the flash engine that serves the NSA branches:
-``banded_attention`` runs a fused forward, a dQ kernel and a dK/dV kernel
-under ``jax.custom_vjp`` for keys placed by a ``KeyLayout``
-(``pallas_common``), optionally under a per-row block mask.
-``banded_lse`` is its forward without values, the log-sum-exp alone (for a
-caller whose attention output comes from elsewhere, kernels/cudnn.py).
-``window_attention_pallas`` is the sliding-window entry point: query ``t``
-attends to the positions ``[max(0, t - w + 1), t]`` (docs "Sliding-window
-branch"). The compressed branch (``compressed_pallas``) calls
-``banded_attention`` with its own layout, and the selection branch at short T
-(``blocksparse_pallas``) with the causal layout and its selected blocks as the
-mask.
-
-Why a windowed flash kernel and not the selection kernels
----------------------------------------------------------
-The window could be expressed as a selection of ``w/bs + 1`` contiguous
-blocks per query and fed to ``selection_pallas``. That family is built for
-per-query *different* blocks, so each program serves a single query
-position: every query would re-load its ~``w`` keys and run 16-row matmuls.
-The window is the same contiguous range, shifted by one, for every query,
-so a tile of consecutive queries shares one key range of ``w + tile - 1``
-positions. A flash-attention kernel whose key loop starts at the tile's
-lower bound therefore reads about ``tile`` times less K/V per query, uses
-full-height matmuls, needs no index tensor, and its dK/dV pass is the
-ordinary key-centric loop over the queries that can see a key tile (no
-reverse index, no atomics, deterministic).
-
-Group-centric rows
-------------------
-For one KV head the G query heads of position t are flattened into rows
-``f = t*G + g``. A program owns a tile of ``block_rows`` consecutive rows,
-i.e. all G heads of a run of positions, so each K/V tile is loaded once
-for the whole group, whatever G is, and G = 6 needs no padding to 16. The
-rows are gathered straight from ``q[B, T*H, D]`` (row ``t*H + kv*G + g``),
-so q and dO are never transposed in memory; rows past ``T*G`` repeat the
-last valid row on load and are masked out of every reduction.
-
-Key layouts
------------
-The kernels see keys through a ``KeyLayout``: key ``i`` stands at position
-``i * stride + offset``, and query ``t`` sees it iff that position lies in
-``(t - window, t]``. The sliding window is ``stride=1, offset=0``; the
-compressed branch (``compressed_pallas``) reuses the same kernels with
-``stride=d, offset=l-1`` (a compressed token is visible once its last raw
-token is) and a window longer than the sequence. Loop bounds follow from the
-layout, so every program only visits the key (or query) tiles it can see.
-
-Query offset
-------------
-With ``q_offset`` (``pallas_common``, "Query offset") query row ``r`` stands
-at position ``r + q_offset``: q holds ``Tq`` rows of a longer sequence whose
-keys k holds (``Tk`` of them). Rows index q, dO, the outputs and the block
-ids; positions decide visibility, the key tiles a row tile walks
-(``_key_tile_range``) and the row tiles a key tile walks
-(``_row_tile_range``: positions back to rows, clipped to ``[0, Tq)``). The
-dK/dV kernel covers all ``Tk`` keys; one that no row sees gets zeros.
-
-Block mask
-----------
-With ``idx`` [B, T, K, n] and ``select_block`` = lp, row ``t*G + g`` also
-needs key ``i``'s block ``i // lp`` among query t's selected blocks (-1: an
-unused slot). Key tiles are at most lp keys, so a tile lies in one block and
-its mask is one comparison of the rows' n block ids with the tile's block.
-The kernels gather each row's ids (``[R, n]``, padded to a power of two with
--1) next to its q row and skip (``lax.cond``, no K/V or q/dO load) a tile
-that no valid row selected by its position: forward and dQ per key tile,
-dK/dV per row tile, whose mask is recomputed from the ids instead of a reverse
-index. Without ``idx`` the kernels are exactly the layout-only ones.
-
-Split dK/dV
------------
-``FlashBlockSizes.dkv_splits = S > 1`` cuts the row tiles each key tile walks
-into S equal runs, one program each (grid axis 0 = key tile * S + run),
-writing fp32 partial dK/dV ``[S, B, Tk, K, D]`` that are added in run order
-afterwards (elementwise adds: the same sum on every run). It buys parallelism
-where B*K*Tk/C programs cannot fill the GPU, at the cost of the parts' memory
-(``S * 4`` bytes per element of K and V) and one pass over them.
+`banded_attention`: a fused forward, a dQ kernel and a dK/dV kernel under `jax.custom_vjp` for keys placed
+by a `KeyLayout` (pallas_common: key i at position i*stride + offset, seen by query t iff that position lies
+in (t - window, t]), optionally under a per-row block mask. `banded_lse`: its forward without values, the
+log-sum-exp alone, for a caller whose attention output comes from elsewhere (kernels/cudnn.py).
+`window_attention_pallas`: query t attends to [max(0, t - w + 1), t] (stride 1, offset 0; docs/NSA.md,
+"Selection and window attention"). compressed_pallas runs `banded_attention` with `stride=d, offset=l-1`,
+blocksparse_pallas with the causal layout and its selected blocks as the mask.
+Rows: the G query heads of position t of one KV head are rows t*G + g; a program owns `block_rows`
+consecutive rows and loads each K/V tile once for all of them (G = 6 needs no padding to 16), gathered
+straight from q[B, T*H, D] (no transpose); rows past T*G repeat the last valid row and are masked out.
+Loop bounds follow from the layout: a program visits only the tiles it can see. With `q_offset`
+(pallas_common, "Query offset") row r stands at position r + q_offset over Tk keys; dK/dV covers all Tk
+keys, zeros for one no row sees. Block mask (`idx` [B, T, K, n], `select_block` = lp): row t*G + g also
+needs key i's block i // lp among query t's blocks; key tiles are at most lp keys, and a tile no valid row
+selected is skipped (`lax.cond`, no load). `FlashBlockSizes.dkv_splits` = S > 1 cuts each key tile's walk
+over the row tiles into S programs, whose fp32 partial dK/dV [S, B, Tk, K, D] are added in run order.
+Why a flash kernel for the window, and the kernels in detail: docs/DESIGN_NOTES.md.
 """
 
 from __future__ import annotations

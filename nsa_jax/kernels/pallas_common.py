@@ -1,49 +1,21 @@
-"""Helpers and tile math shared by the Pallas kernels (selection, flash, compressed).
+"""Helpers and tile math shared by the Pallas kernels (selection, flash, compressed, block scores).
 
-Both kernel families are flash attention over different key sets: a program
-holds a tile of query rows and walks key tiles picked by a block index
-(selection) or by a sliding window (window). Which keys a tile covers, and so
-its visibility mask, is each family's own business. This module owns what is
-the same once a tile is loaded and its mask is known:
-
-* the log2-domain conventions (``LOG2E``, ``MASK_VALUE``) and the tile's
-  scores ``scores_log2``;
-* the forward online softmax: ``online_softmax_init``, one
-  ``online_softmax_step`` per key tile, and ``online_softmax_finish``, which
-  gives the output and the log-sum-exp (base 2) the backward reuses, and its
-  value-free half (``softmax_stats_init`` / ``softmax_stats_step``) for a pass
-  that wants the log-sum-exp alone;
-* the backward of one tile, ``softmax_grad_tile``: the probabilities
-  recomputed from that log-sum-exp and the gradient of the scores.
-
-The tile functions take and return arrays (never refs) and are traced into
-the calling kernel, so they add no kernel launch and no memory traffic. Shape
-suffixes: R query rows of the tile, C keys of the tile, Dk / Dv head dims.
-
-Outside the kernels it owns what every ``pallas_call`` wrapper needs: the
-power-of-two tile rule (``is_tile_size`` / ``check_tile_size``), head-dim
-and axis padding (``padded_dim``, ``pad_axis``), the Triton compiler
-parameters, the argument checks of q/k/v (``validate_qkv``), the
-shared-memory budget every tiling must fit (``SMEM_BUDGET_BYTES``,
-``smem_estimate``, ``check_smem``), and the key layouts of the flash kernels
-(``KeyLayout``, ``layout_visible``), which the compressed branch's
-block-scoring kernel (block_scores_pallas) shares.
-
-Query offset
-------------
-Every kernel takes its queries' positions from a query offset: query row r
-stands at position ``r + q_offset`` while keys keep theirs (a context-parallel
-chunk of a sequence over the whole sequence's keys). The offset may be traced
-(inside ``shard_map`` it comes from the device's index), so it cannot be a
-static kernel parameter: it travels as one more kernel input, an int32 array
-``[1]`` that the kernel reads once (``offset_operand``, ``OFFSET_SPEC``,
-``split_offset``). The Python int 0 adds no input and no arithmetic
-(``shift`` returns its argument): the kernels are exactly those without an
-offset. Where the offset enters is chosen by what ptxas makes of it
-(registers and spills on sm_80 and sm_90, tests/test_aot.py): most kernels
-compare each row with the key positions less the offset (``layout_visible``'s
-``q_offset``: a scalar subtracted from a tile's run of keys), and the flash
-dK/dV kernel, whose key tile stays while its row tiles move, shifts the rows.
+A kernel holds a tile of query rows and walks key tiles it picks itself, with its own visibility mask;
+this module owns what is the same once a tile is loaded and its mask is known:
+* the log2-domain conventions (`LOG2E`, `MASK_VALUE`) and the tile's scores `scores_log2`;
+* the forward online softmax: `online_softmax_init`, one `online_softmax_step` per key tile, and
+  `online_softmax_finish`, which gives the output and the base-2 log-sum-exp the backward reuses, and its
+  value-free half (`softmax_stats_init` / `softmax_stats_step`) for a pass that wants the log-sum-exp alone;
+* the backward of one tile, `softmax_grad_tile` (probabilities recomputed from that log-sum-exp).
+These take and return arrays (never refs) and are traced into the calling kernel: no launch, no memory
+traffic. Suffixes: R query rows of the tile, C keys of the tile, Dk / Dv head dims. For the `pallas_call`
+wrappers: the power-of-two tile rule (`is_tile_size`, `check_tile_size`), padding (`padded_dim`,
+`pad_axis`), Triton compiler parameters, q/k/v checks (`validate_qkv`), the A100 shared-memory budget
+(`SMEM_BUDGET_BYTES`, `smem_estimate`, `check_smem`) and the flash key layouts (`KeyLayout`, `layout_visible`).
+Query offset: query row r stands at position r + q_offset while keys keep theirs. The offset may be traced
+(inside `shard_map` it comes from the device's index), so it is one more kernel input, an int32 [1] read
+once (`offset_operand`, `OFFSET_SPEC`, `split_offset`); the Python int 0 adds no input and no arithmetic
+(`shift` returns its argument). Where the offset enters each kernel: docs/DESIGN_NOTES.md.
 """
 
 from __future__ import annotations

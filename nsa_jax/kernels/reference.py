@@ -1,24 +1,19 @@
 """Naive references of the attention-kernel contract, for tests and benchmarks.
 
 Written from docs/NSA.md and nothing else, and slow on purpose (keep T small):
-
-* visibility, decided token by token: ``selection_visible`` / ``window_visible``
-  / ``compressed_visible`` give the sorted key positions query t of KV head kv
-  sees; ``selection_mask`` / ``window_mask`` / ``compressed_mask`` give the same
-  decisions as dense boolean masks;
-* ``reference_attention``: float64 per-token attention with its gradients
-  written out by hand (numpy), for any of the visibility functions;
-* ``dense_attention``: differentiable jax attention under a dense mask, so
-  gradients can also come from ``jax.grad``;
-* ``reference_group_probs``: the compressed branch's probabilities summed over
-  each KV group's heads, float64; ``reference_block_scores``: their Eq. 9 sums
-  over each selection block; ``reference_block_selection``: the top-n rules
-  (forced blocks, ties to the lower index, -1 for unused slots) over given scores;
-  ``reference_compressed_lse2``: each head's base-2 log-sum-exp over the tokens
+* visibility, decided token by token: `selection_visible` / `window_visible` / `compressed_visible` give
+  the sorted key positions query t of KV head kv sees; `selection_mask` / `window_mask` /
+  `compressed_mask` give the same decisions as dense boolean masks;
+* `reference_attention`: float64 per-token attention with its gradients written out by hand (numpy), for
+  any of the visibility functions; `dense_attention`: differentiable jax attention under a dense mask, so
+  gradients can also come from `jax.grad`;
+* `reference_group_probs`: the compressed branch's probabilities summed over each KV group's heads,
+  float64; `reference_block_scores`: their Eq. 9 sums over each selection block;
+  `reference_block_selection`: the top-n rules (forced blocks, ties to the lower index, -1 for unused
+  slots) over given scores; `reference_compressed_lse2`: each head's base-2 log-sum-exp over the tokens
   it sees, in the flash kernels' row layout;
-* ``random_block_indices``: random valid selections (forced blocks 0, current
-  and previous, then random earlier blocks, -1 for slots left over), vectorised
-  so the benchmarks can draw them at long T too.
+* `random_block_indices`: random valid selections (forced blocks 0, current and previous, then random
+  earlier blocks, -1 for slots left over), vectorised so the benchmarks can draw them at long T too.
 
 The production package never imports this module.
 """

@@ -1,9 +1,8 @@
 """Multi-process start-up: where the coordinator is, how many processes, which one this is.
 
-One process per host drives all of that host's accelerators (the torch runbooks'
-`torchrun --nproc_per_node=2` becomes one process on a 2-GPU host); processes on
-different hosts find each other through jax.distributed's coordination service.
-The settings come from, highest precedence first:
+One process per host drives all of that host's accelerators; processes on different hosts find each other
+through jax.distributed's coordination service (docs/RUNBOOK.md, "The processes"). The settings come from,
+highest precedence first:
 
   1. launch.train flags   --coordinator HOST:PORT --num-processes N --process-id I
   2. environment          JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID
@@ -11,15 +10,11 @@ The settings come from, highest precedence first:
   3. SLURM                SLURM_NTASKS, SLURM_PROCID, the first host of the step's node
                           list; port JAX_COORDINATOR_PORT, else derived from SLURM_JOB_ID
 
-Flags and variables may be mixed field by field. Nothing set, or one process,
-means a single-process run and nothing is initialised.
-
-jax's own cluster detection is switched off on purpose: under SLURM it pins each
-process to the GPU numbered SLURM_LOCALID (one process per GPU), so with one task
-per node every process would drive GPU 0 only.
-
-Nothing here imports jax at module level: launch.train resolves the settings
-before XLA_FLAGS is final.
+Flags and variables may be mixed field by field. Nothing set, or one process, means a single-process run
+and nothing is initialised. jax's own cluster detection is switched off on purpose: under SLURM it pins
+each process to the GPU numbered SLURM_LOCALID (one process per GPU), so with one task per node every
+process would drive GPU 0 only. Nothing here imports jax at module level: launch.train resolves the
+settings before XLA_FLAGS is final.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """In-process run health: stack dumps, the stall watchdog, and halt agreement.
 
-Stack dumps: `<out>/stackdump_<ts>_rank<r>.txt`, every thread's Python stack with
-its name. SIGUSR1 asks for one and training goes on. The dump is written by a
-helper thread that `signal.set_wakeup_fd` wakes, so it is written even while the
-main thread is blocked in a device wait or a collective, which is when one is
-wanted: a plain Python signal handler would run only once the main thread
-returns to Python.
+Stack dumps: `<out>/stackdump_<ts>_rank<r>.txt`, every thread's Python stack with its name. SIGUSR1 asks
+for one and training goes on. The dump is written by a helper thread that `signal.set_wakeup_fd` wakes, so
+it is written even while the main thread is blocked in a device wait or a collective, which is when one is
+wanted: a plain Python signal handler would run only once the main thread returns to Python.
 
-Stall watchdog (`ops.stall_seconds` > 0): a daemon thread. When no training step
-ends within stall_seconds it writes a dump, a `watchdog_dump` heartbeat and one
-line on stderr, then ends the process with `os._exit(STALL_EXIT_CODE)`. An
-exception would not do: the main thread may be stuck in a collective that never
-returns (a dead or stopped peer), and exit handlers may block on the same device.
-A non-zero exit lets a scheduler restart the job from its last checkpoint.
+Stall watchdog (`ops.stall_seconds` > 0): a daemon thread. When no training step ends within stall_seconds
+it writes a dump, a `watchdog_dump` heartbeat and one line on stderr, then ends the process with
+`os._exit(STALL_EXIT_CODE)`, not an exception: the main thread may be stuck in a collective that never
+returns, and exit handlers may block on the same device. The non-zero exit lets a scheduler restart the
+job from its last checkpoint.
 
-Halts: `write_halt` (nsa_jax/rundir/files.py) writes `.anomaly_type` and `.HALT` (the
-trainer and launch.watchdog share the format); `halt_requested` is the trainer's check for
-`.HALT`, agreed across processes (nsa_jax/agreement.py), so all of them stop at the same step.
-
-Fatal signals (SIGSEGV, SIGABRT, ...) print every thread's stack to stderr through
-faulthandler once `Health.start` has run.
+Halts: `write_halt` (nsa_jax/rundir/files.py) writes `.anomaly_type` and `.HALT` (the trainer and
+launch.watchdog share the format); `halt_requested` is the trainer's check for `.HALT`, agreed across
+processes (nsa_jax/agreement.py), so all of them stop at the same step. Fatal signals (SIGSEGV, SIGABRT,
+...) print every thread's stack to stderr through faulthandler once `Health.start` has run.
 """
 
 from __future__ import annotations

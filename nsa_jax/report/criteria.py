@@ -14,10 +14,9 @@
   heartbeats   every rank's file present with step_end events, progress on rank 0, no
                long silence between events
 
-`summarize(run)` judges one run read by reading.py `load_run`; the verdict is GO only
-when no criterion is NO-GO, files included: a `problem` never stands next to a GO.
-`rank_entries` orders several runs by throughput. Writing the result is text.py.
-Plain Python: no jax, no plotting.
+`summarize(run)` judges one run read by reading.py `load_run`; the verdict is GO only when no criterion
+is NO-GO, files included: a `problem` never stands next to a GO. `rank_entries` orders several runs by
+throughput; text.py writes the result. Plain Python: no jax, no plotting.
 """
 
 from __future__ import annotations

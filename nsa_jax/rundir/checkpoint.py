@@ -1,82 +1,22 @@
 """Checkpoints: orbax saves of the whole run, automatic exact resume, restore anywhere.
 
-Layout, one orbax `CheckpointManager` step per saved optimizer step:
-
-  <out_dir>/checkpoints/<step>/state    TrainState (step, params, opt_state, rng): arrays (OCDBT)
-  <out_dir>/checkpoints/<step>/data     JSON: the data position {"format": 2, "process_count", "devices",
-                                        "global": {"train", "val"}} (streams numbered over the whole run:
-                                        synthetic, kv_recall, tokenized), or "processes": [{"train", "val"}]
-                                        one per process (fineweb_edu, jsonl, text; format 1, written before
-                                        global positions, always)
-  <out_dir>/checkpoints/<step>/config   JSON: Config.to_dict() of the run that saved it
-  <out_dir>/checkpoints/<step>/checksums JSON: {"format", "state": {array path: uint32}, "data", "config"}
-
-Integrity: every save records a checksum of each array of the state (computed on the
-device, checksums.py) and of the data and config items; a restore recomputes
-them and a mismatch counts as a checkpoint that does not read back (below), with a
-warning naming the array. Steps written before checksums are restored unverified,
-with a warning.
-
-Saves happen every `checkpoint.save_every` optimizer steps, when
-`checkpoint.save_minutes` of wall-clock time passed since the last one, and once at
-the end of a run (also after a SIGINT, SIGTERM or .HALT stop). They are asynchronous: `save()` returns
-once the state has been copied off the device, and orbax writes the files in a
-background thread while training goes on. A step directory is written under a
-temporary name (`<step>.orbax-checkpoint-tmp-<n>`) and renamed only when every file
-is on disk, so a process killed mid-save leaves a directory that is never listed as
-a step (and is removed by the next manager). `checkpoint.max_to_keep` newest steps
-are kept.
-
-Resume policy: automatic. When `<out_dir>/checkpoints` holds a complete step, the
-Trainer restores the newest one that reads back (state, data position, and the
-training.csv rows up to that step; heartbeats are appended) instead of starting
-from scratch; `launch.train` refuses `--overwrite` then, because checkpoints are
-only deleted with the explicit `--overwrite-checkpoints`. A checkpoint whose
-`state`, `data` or `config` does not read back is moved to
-`<out_dir>/checkpoints_corrupt/` with a warning and the previous step is tried; when
-none reads back the run stops with `CheckpointError`. A checkpoint saved with a
-different model (or data layout, see `resume_conflicts`) is never resumed silently:
-that is a `CheckpointError` too.
-
-Granularity: the optimizer step. A checkpoint holds the state after step s and the
-data position after the s * train.accumulate micro-batches that step consumed; the
-micro-batch loop lives inside the compiled step, so there is no state "inside" an
-accumulation cycle to lose: a run killed in the middle of step s + 1 restarts that
-step from its first micro-batch with the same data and RNG, and reproduces it bit
-for bit (on CPU). Data epochs need nothing special, the stream's own state carries
-the epoch.
-
-Restore onto another mesh: arrays are restored with the new mesh's shardings
-(those of parallel.strategy, nsa_jax/train/strategies.py: replicated, or sharded
-over `data` for zero1/fsdp), so a run saved on 2 devices resumes on 1 or 8, and
-under another strategy. The data position of the synthetic, kv_recall and tokenized
-(prepared shards) streams is global (rows consumed of the whole stream, the same on every
-process, nsa_jax/data/stream.py GlobalRowStream; for tokenized also a fingerprint of the
-chunk list, the epoch and packing state following from the row count), so it carries
-over to any process and device count with the same rows per optimizer step
-(train.global_batch x train.accumulate; the Trainer adjusts the split of those into
-micro-batches, nsa_jax/rundir/resume.py `elastic_batch`). The raw file streams (fineweb_edu,
-jsonl, text) keep one position per process (each reads its own shard of the files): with
-another process count the restore stops with an error that names
-`checkpoint.restore_data=false` (restart the data stream on purpose) and, for elastic
-runs, launch.prepare_data + `--dataset tokenized`. Checkpoints of format 1 (one position
-per process) resume with their own process count: a synthetic or kv_recall one at the
-same global row, a tokenized one on the per-process stream it was saved from.
-
-Preemption and Ctrl-C (SIGTERM, SIGINT): a stop at a step boundary with a save
-(nsa_jax/ops/preemption.py); a second signal leaves a save in flight under its temporary
-name, so the newest committed checkpoint stays the one a resume reads.
-
-Failed saves: a save that fails in the background (disk full, permission) is seen by
-`Checkpointer.poll` at the next step (one process) or the next save at the latest, as
-one CheckpointSaveError line naming the cause; the loop then stops (nsa_jax/train/loop.py).
-orbax deletes old steps only after a new one commits, so the last committed one stays.
-The writes of a failed save that were still in flight end later on an event loop orbax
-has closed; their `Event loop is closed` tracebacks are dropped (orbax_errors.py), so a
-full disk reads as the one line that says so.
-
-The directory inspection and the out_dir policy live in resume.py (no jax), so the
-launcher decides before XLA starts.
+One orbax `CheckpointManager` step per saved optimizer step, `<out_dir>/checkpoints/<step>/`:
+  state      TrainState (step, params, opt_state, rng): arrays (OCDBT)
+  data       JSON data position: {"format": 2, "process_count", "devices", "global": {"train", "val"}} for
+             the streams numbered over the run (synthetic, kv_recall, tokenized), or format 1's "processes":
+             [{"train", "val"}] one per process (fineweb_edu, jsonl, text: always)
+  config     JSON: Config.to_dict() of the run that saved it
+  checksums  JSON: {"format", "state": {array path: uint32}, "data", "config"}, recomputed on restore
+Saves: every `checkpoint.save_every` steps, every `checkpoint.save_minutes`, at the end of a run (after a
+SIGINT, SIGTERM or .HALT stop too); `save()` returns once the state is off the device, orbax writes in the
+background, a step directory gets its name only when complete; `checkpoint.max_to_keep` newest are kept.
+Resume is automatic, from the newest step that reads back and matches its checksums; one that does not is
+moved to `checkpoints_corrupt/` and the previous tried (CheckpointError when none does, or when the model
+or data layout differs: `resume_conflicts`). A checkpoint is the state after step s and the data after its
+s * train.accumulate micro-batches, so a killed step reruns bit for bit (on CPU). Arrays restore onto the
+new mesh's shardings; a global data position onto any process count, per-process ones onto their own. A
+failed background save is one CheckpointSaveError line (`Checkpointer.poll`). The details, step by step:
+docs/CHECKPOINTS.md; failure cases: docs/RUNBOOK.md; the out_dir policy: resume.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The run directory's schema: file names, CSV columns, heartbeat events, exit codes.
 
-One module, no jax, so the trainer (nsa_jax/train), the report (nsa_jax/report),
-the external watchdog (launch/watchdog.py), the health code (nsa_jax/ops/health.py)
-and the launcher agree on what a run writes without importing each other:
-
+One module, no jax, so the trainer (nsa_jax/train), the report (nsa_jax/report), the external watchdog
+(launch/watchdog.py), the health code (nsa_jax/ops/health.py) and the launcher agree on what a run
+writes without importing each other (docs/RUNBOOK.md, "Artifacts"):
   <out_dir>/training.csv             one row per optimizer step: TRAIN_COLUMNS (+ AUX_COLUMNS)
   <out_dir>/val.csv                  one row per evaluation: VAL_COLUMNS
   <out_dir>/long_eval.csv            with eval.suites: one row per evaluation, long_eval_columns
@@ -15,10 +14,9 @@ and the launcher agree on what a run writes without importing each other:
   <out_dir>/checkpoints/<step>/      orbax checkpoints (nsa_jax/rundir/checkpoint.py)
   <out_dir>/checkpoints_corrupt/     checkpoints that did not read back, moved aside
   <out_dir>/previous/<utc-time>/     an earlier attempt that saved no checkpoint, moved aside
-
-CSV files are written with `CsvWriter` (the `csv` module: quoting, one header row)
-and read with `read_csv` / `CsvRows`, which skip what they cannot parse (a line cut
-short by a kill, a repeated step, a non-numeric cell) and say so, instead of raising.
+CSV files are written with `CsvWriter` (the `csv` module: quoting, one header row) and read with
+`read_csv` / `CsvRows`, which skip what they cannot parse (a line cut short by a kill, a repeated step,
+a non-numeric cell) and say so, instead of raising.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """One trainer per out_dir: an exclusive lock held for the whole run; no jax.
 
-`acquire(out_dir, command)` takes an exclusive `flock` on `<out_dir>/.lock` and keeps
-the file open until the process exits; the kernel drops the lock when the process
-dies, however it dies (exit, crash, SIGKILL, reboot), so no stale lock survives and
-nothing ever has to delete it. The holder writes who it is into the file (pid, host,
-UTC start time, command line); a second trainer that finds the lock taken reads that
-and stops with `OutDirLocked`, one line naming the holder and what to do instead,
-having written nothing: it opens the existing file read-only, and a missing file
-means there is no holder to wait for.
+`acquire(out_dir, command)` takes an exclusive `flock` on `<out_dir>/.lock` and keeps the file open until
+the process exits; the kernel drops the lock when the process dies, however it dies (exit, crash,
+SIGKILL, reboot), so no stale lock survives and nothing ever has to delete it. The holder writes who it
+is into the file (pid, host, UTC start time, command line); a second trainer that finds the lock taken
+reads that and stops with `OutDirLocked`, one line naming the holder and what to do instead, having
+written nothing: it opens the existing file read-only, and a missing file means there is no holder to
+wait for.
 
-Multi-process runs lock once, in process 0 (launch/train.py). Readers
-(launch.report, launch.generate, launch.watchdog) never take the lock.
-
-File systems: local ones (ext4, xfs, btrfs, tmpfs, overlay) implement flock. On NFS,
-Linux emulates flock with a whole-file POSIX lock that the server arbitrates, so it
-holds across hosts when the server supports locking (NFSv4, or NFSv3 with lockd); a
-mount with `nolock`, and some FUSE and object-store mounts, keep the lock local to
-one host or refuse it. A refusal (ENOLCK, EOPNOTSUPP) is a warning, not an error: the
-run goes on unlocked (docs/RUNBOOK.md).
+Multi-process runs lock once, in process 0 (launch/train.py). Readers (launch.report, launch.generate,
+launch.watchdog) never take the lock. A file system that refuses the lock (ENOLCK, EOPNOTSUPP) is a
+warning, not an error: the run goes on unlocked. Which file systems hold the lock, and across hosts
+(local ones; NFS when its server supports locking; not a `nolock` mount or some FUSE and object-store
+mounts): docs/RUNBOOK.md, "Restarts and the compilation cache".
 """
 
 from __future__ import annotations

@@ -1,31 +1,22 @@
 """The out_dir policy of a run: start, resume, restart, overwrite or refuse; no jax.
 
-`plan_out_dir(cfg, overwrite=..., overwrite_checkpoints=...)` looks at
-`cfg.train.out_dir` before XLA starts and decides, in this order:
-
+`plan_out_dir(cfg, overwrite=..., overwrite_checkpoints=...)` looks at `cfg.train.out_dir` before XLA
+starts and decides, in this order:
   not writable              OutDirError (an OSError on the folder: read-only, not a directory, permission)
   .HALT present             "halted": nothing runs until it is removed (the reason is in it)
   --overwrite-checkpoints   checkpoints (and corrupt ones) deleted, the rest as --overwrite
-  checkpoints present       --overwrite refused (it never deletes them); a config whose checkpoint
-                            must not be resumed (`resume_conflicts`) refused; the newest complete
-                            step >= train.steps: "finished", nothing to run; else "resume"
-  an earlier run's files    no checkpoint: a run that died in boot or compile, or stopped or crashed
-                            before its first save (a kill, a second Ctrl-C): "restart" from step 0,
-                            its files moved to previous/<utc time>/ (nothing is deleted); refused,
-                            naming what is there, when it is another run (env.json: a model or data
-                            setting that differs, as for checkpoints) or a finished run saved without
-                            checkpoints (checkpoint.enabled=false); --overwrite deletes its files
+  checkpoints present       --overwrite refused (it never deletes them); a config whose checkpoint must
+                            not be resumed (`resume_conflicts`) refused; the newest complete step >=
+                            train.steps: "finished", nothing to run; else "resume"
+  an earlier run's files    no checkpoint (a run that died in boot or compile, or stopped or crashed
+                            before its first save): "restart" from step 0, its files moved to
+                            previous/<utc time>/ (nothing is deleted); refused, naming what is there,
+                            when it is another run (env.json: a model or data setting that differs) or
+                            a finished run saved without checkpoints; --overwrite deletes its files
                             ("overwrite")
   nothing                   "fresh"
-
-Why a folder without a checkpoint is restarted rather than refused: its steps cannot be
-resumed, and the run that wrote them is the one the same command asks for again; moving
-its files aside keeps them (its logs say how far it got) and the command goes on. A
-refusal would leave only --overwrite, which deletes them.
-
-`apply_plan` carries the decision out (moves or deletes files). The checkpoint
-directory inspection used here (`complete_steps`, `saved_config`, ...) is shared
-with nsa_jax/rundir/checkpoint.py, which restores and saves.
+`apply_plan` carries the decision out (moves or deletes files). The checkpoint directory inspection used
+here (`complete_steps`, `saved_config`, ...) is shared with nsa_jax/rundir/checkpoint.py.
 """
 
 from __future__ import annotations

@@ -1,26 +1,22 @@
 """Compiling for a GPU that is not there: target cards, compiles, memory, launches, registers.
 
-jax with the CUDA plugin compiles ahead of time for a card described by an XLA
-`GpuTargetConfigProto`, on a host with no GPU and no driver: XLA's GPU pipeline
-runs (fusion, buffer assignment, command buffers) and the Pallas kernels go
-through Triton and ptxas to cubins. This module owns that route:
-
-* `TARGETS`: the cards (A100 40GB and 80GB PCIe, sm_80; H100 80GB SXM, sm_90) as
-  public specification values, and `GpuTarget.config_text()`, their target config;
-* `target_devices(target, n)`: n devices of that card to place abstract arguments on
-  (`PluginMissing`, one line naming the install, when the plugin is absent);
-* `compile_train_step` / `compile_layer`: the optimizer step of a config (any
-  strategy, any device count) and the NSA layer's forward+backward, compiled for a
-  card with the Pallas kernels (what `attention_impl: auto` runs on a GPU), with an
-  optional XLA dump; the result's memory in nsa_jax/ops/memory.py's schema;
-* `fit_check` (`largest_batch` over compiles): whether a config's step fits a card
-  and the most rows per device (micro-batch) that do.
-
-What the compiled program holds (launches, the Pallas kernels' registers and spills) is
-read back from its dump by xla_dump.py. Nothing here allocates device memory or runs a
-program; figures are XLA's plan.
-Without a GPU XLA does not autotune: its own gemm fusions get default tiles, so
-their registers are not the real card's; the Pallas kernels' tiles are ours.
+jax with the CUDA plugin compiles ahead of time for a card described by an XLA `GpuTargetConfigProto`, on
+a host with no GPU and no driver: XLA's GPU pipeline runs and the Pallas kernels go through Triton and
+ptxas to cubins (docs/PERFORMANCE.md, "Memory and kernel resources, compiled on a CPU host"). This module
+owns that route:
+* `TARGETS`: the cards (A100 40GB and 80GB PCIe, sm_80; H100 80GB SXM, sm_90) as public specification
+  values, and `GpuTarget.config_text()`, their target config;
+* `target_devices(target, n)`: n devices of that card to place abstract arguments on (`PluginMissing`,
+  one line naming the install, when the plugin is absent);
+* `compile_train_step` / `compile_layer`: the optimizer step of a config (any strategy, any device count)
+  and the NSA layer's forward+backward, compiled for a card with the Pallas kernels (what
+  `attention_impl: auto` runs on a GPU), with an optional XLA dump; memory in nsa_jax/ops/memory.py's schema;
+* `fit_check` (`largest_batch` over compiles): whether a config's step fits a card and the most rows per
+  device (micro-batch) that do.
+Launches and the Pallas kernels' registers and spills are read back from the dump by xla_dump.py. Nothing
+here allocates device memory or runs a program: figures are XLA's plan. Without a GPU XLA does not
+autotune, so its own gemm fusions get default tiles (their registers are not the real card's); the Pallas
+kernels' tiles are ours.
 """
 
 from __future__ import annotations
@@ -343,7 +339,7 @@ def context_layer(cfg: ModelConfig, seq_len: int, context: int, devices: list, b
     a = cfg.nsa
     layout = SeqLayout(context, chunk_len(seq_len, context, a.l, a.lp), seq_len)
     mesh = jax.sharding.Mesh(np.asarray(devices), (SEQ,))
-    module = NSAAttention(cfg, kernels=plan_kernels(a, layout.seq_len, "gpu", context=context), layout=layout)
+    module = NSAAttention(cfg, kernels=plan_kernels(a, layout.seq_len, "gpu", layout=layout))
     rows = jax.sharding.NamedSharding(mesh, P(None, SEQ))
     x = jax.ShapeDtypeStruct((1, layout.seq_len, cfg.d_model), jnp.dtype(cfg.dtype), sharding=rows)
     # The parameters do not depend on the split: those of the unsplit layer at a short length.

@@ -1,24 +1,18 @@
 """What each launch of a compiled GPU program moves and computes, read from its optimized HLO.
 
-A deviceless first look at where a program's time can go, before a GPU profile
-(benchmarks/profile_step.py) says where it went: for every launch of the program
-(xla_dump.read_launches, loop trip counts included),
-
-* bytes: what the launch reads and writes if it touches each operand and its result
-  once: the operands' and the result's arrays, except that an operand a fusion only
-  slices (slice, dynamic-slice, gather) counts at the slices' size and an in-place
-  update (a dynamic-update-slice root) writes only its update;
+A deviceless first look at where a program's time can go, before a GPU profile (benchmarks/profile_step.py)
+says where it went: for every launch of the program (xla_dump.read_launches, loop trip counts included),
+* bytes: what the launch reads and writes if it touches each operand and its result once: the operands'
+  and the result's arrays, except that an operand a fusion only slices (slice, dynamic-slice, gather)
+  counts at the slices' size and an in-place update (a dynamic-update-slice root) writes only its update;
 * flops: 2 x the products of the dots inside it (gemm fusions, cuBLAS calls);
 * part: the part of the model its op_name names (tools/parts.py).
 
-`by_part` sums them per part and, at a card's memory bandwidth and tensor-core peak,
-gives each launch's roofline floor, max(bytes / bandwidth, flops / peak): the time no
-kernel can beat. A Pallas kernel's bytes are its operands and result only (a flash
-kernel reads K/V many times over), so for kernels the floor is loose; for XLA's own
-fusions, which stream their operands once, it is close to what they cost once they are
-large. Small launches cost their launch latency instead, which the launch counts show.
-
-Plain text parsing: no jax.
+`by_part` sums them per part and, at a card's memory bandwidth and tensor-core peak, gives each launch's
+roofline floor, max(bytes / bandwidth, flops / peak): the time no kernel can beat. A Pallas kernel's bytes
+are its operands and result only (a flash kernel reads K/V many times over), so for kernels the floor is
+loose; XLA's own fusions stream their operands once, so for them it is close once they are large; small
+launches cost their launch latency instead, which the launch counts show. Plain text parsing: no jax.
 """
 
 from __future__ import annotations

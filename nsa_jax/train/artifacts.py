@@ -1,24 +1,21 @@
 """Run artifacts under the output directory (docs/RUNBOOK.md "Artifacts"): the writers.
 
-File names, columns and event names are defined in nsa_jax/rundir/files.py (no jax), which
-the report and the watchdogs read by too:
-  training.csv            header row; step, loss, lr, toks_per_s first (runbook scripts
-                          read column 3 as tokens/s), then the columns of `csv_columns`;
-                          step_time_s / toks_per_s are the step's own (no eval, no save)
-  heartbeat_rank<r>.jsonl one JSON object per line: ts, iso, pid, rank, step, msg, memory,
-                          event (rundir/files.py EVENTS) plus event-specific fields
-  env.json                versions, devices, mesh, XLA_FLAGS, NSA_*/NCCL_* variables and
-                          what each NSA_* toggle does here, git sha, config, kernels
-  val.csv                 one row per evaluation on the fixed held-out set:
-                          step, tokens, val_loss, val_ppl, retrieval_acc (kv_recall), answers,
-                          elapsed_s (nsa_jax/evaluation/heldout.py)
+File names, columns and event names are defined in nsa_jax/rundir/files.py (no jax), which the report and
+the watchdogs read by too:
+  training.csv            header row; step, loss, lr, toks_per_s first (runbook scripts read column 3 as
+                          tokens/s), then the columns of `csv_columns`; step_time_s / toks_per_s are the
+                          step's own (no eval, no save)
+  heartbeat_rank<r>.jsonl one JSON object per line: ts, iso, pid, rank, step, msg, memory, event
+                          (rundir/files.py EVENTS) plus event-specific fields
+  env.json                versions, devices, mesh, XLA_FLAGS, NSA_*/NCCL_* variables and what each NSA_*
+                          toggle does here, git sha, config, kernels
+  val.csv                 one row per evaluation on the fixed held-out set (nsa_jax/evaluation/heldout.py)
   long_eval.csv           with eval.suites: the long-context suites' figures per evaluation
   tb/                     tensorboardX event files
-On resume both CSVs keep their rows up to the restored step (rewritten atomically,
-then appended to); later rows are re-run.
-Process 0 writes the CSVs, env.json and tb/; every process writes its own heartbeat.
-Each kind is switched by `logging.*` (the launcher maps NSA_TB_DISABLE,
-NSA_DISABLE_CSV_LOGS and NSA_DISABLE_AUX_STATS onto those keys).
+On resume both CSVs keep their rows up to the restored step (rewritten atomically, then appended to);
+later rows are re-run. Process 0 writes the CSVs, env.json and tb/; every process writes its own
+heartbeat. Each kind is switched by `logging.*` (the launcher maps NSA_TB_DISABLE, NSA_DISABLE_CSV_LOGS
+and NSA_DISABLE_AUX_STATS onto those keys).
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
 """The training loop: boot -> data -> state -> compile -> steps.
 
-`Trainer(cfg, ...)` does everything that can fail on bad input (boot.py: mesh, batch
-split, dataset, first batch) so a launcher can report it as one line; `Trainer.run()`
-compiles the step ahead of time (printing compile time and the compiled program's
-memory, checked against the device's: nsa_jax/ops/memory.py) and trains.
+`Trainer(cfg, ...)` does everything that can fail on bad input (boot.py: mesh, batch split, dataset,
+first batch) so a launcher can report it as one line; `Trainer.run()` compiles the step ahead of time
+(printing compile time and the compiled program's memory, checked against the device's:
+nsa_jax/ops/memory.py) and trains.
 
-The loop never waits on the device without need: it dispatches step t, and only
-then reads step t-1's metrics (which blocks until t-1 is done while t is already
-queued). The host therefore prepares batch t+1 and writes t-1's logs while the
-device runs t. Step time is the interval between consecutive completions, and it is
-the step's own: at a step that evaluates or saves, the loop first waits for that step
-(its time ends there), then evaluates (timed as `eval_s`) or starts the save (timed as
-`save_s` in the `checkpoint_start` event), and the next step's time starts after that.
-Steps of LONG_STEP_S or more run one at a time: step t+1 is dispatched once t is
-recorded (the host's share is milliseconds against seconds), so a stop waits for the
-step in flight only, not for a second one queued behind it.
-
-What a finished step becomes (the training.csv row, TensorBoard scalars) is metrics.py;
-what the run says and when (step lines, the progress thread, warnings) is progress.py;
-saves and failed writes are saves.py; evaluation is nsa_jax/evaluation/training.py.
-
-Stops: SIGINT (Ctrl-C) and SIGTERM, from before the compile on, are a flag
-(nsa_jax/ops/preemption.py PreemptionGuard): the loop stops after the step in flight, saves a
-checkpoint, and returns with summary["halted"] "sigint" / "sigterm" (launch.train
-exits 130 / 0). A helper thread sees the signals while the main thread waits on the
-device: it announces the stop within a second and ends the process at a second
-signal. During the compile (threads of their own) the run returns at once.
-
-Checkpoint seam: `Trainer(..., state=TrainState, data_state=dict)` resumes from a
-restored train state and data position; `trainer.state` / `trainer.data.get_state()`
-are what a checkpoint saves.
+The loop dispatches step t and only then reads step t-1's metrics, so the host prepares batch t+1 and
+writes t-1's logs while the device runs t. Step time is the interval between consecutive completions and
+is the step's own: at a step that evaluates or saves, the loop first waits for that step, then evaluates
+(`eval_s`) or starts the save (`save_s` in the `checkpoint_start` event). Steps of LONG_STEP_S or more run
+one at a time, so a stop waits for the step in flight only. A finished step's row and scalars: metrics.py;
+step lines, the progress thread, warnings: progress.py; saves and failed writes: saves.py; evaluation:
+nsa_jax/evaluation/training.py. Stops: SIGINT and SIGTERM, from before the compile on, are a flag
+(nsa_jax/ops/preemption.py PreemptionGuard): the loop stops after the step in flight, saves a checkpoint,
+and returns with summary["halted"] "sigint" / "sigterm" (launch.train exits 130 / 0); a second signal
+ends the process; during the compile the run returns at once. Checkpoint seam: `Trainer(...,
+state=TrainState, data_state=dict)` resumes from a restored state and data position; `trainer.state` /
+`trainer.data.get_state()` are what a checkpoint saves.
 """
 
 from __future__ import annotations
