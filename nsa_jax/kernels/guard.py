@@ -9,16 +9,11 @@ uses and
 2. runs the Pallas and the XLA path (kernels/xla.py, the reference) on a small slice
    of random inputs and compares outputs and gradients.
 
-A branch whose kernel fails either check is returned, with one warning line naming
-the kernel and the error; the run passes the failed branches to its kernel plan
-(`plan_kernels(..., fallback=...)`, through the train step's ShardingPlan), which
-runs them on XLA. On any other backend, or with `pallas` / `xla` asked for
-explicitly, it returns at once: a CPU run pays nothing unless `force=True` (the
-tests force it with the interpreted kernels). The selection branch is checked with
-the kernel the run's plan picks at its length (block-sparse or gather), the
-compressed branch with cuDNN's attention when the config names it
-(`compressed_kernel: cudnn`); where that fails, with the branch's flash kernels,
-which it then runs (XLA only when those fail too).
+A branch whose kernel fails either check is returned with one warning line; the run's
+kernel plan (`plan_kernels(..., fallback=...)`) then runs it on XLA. Elsewhere, or with
+`pallas` / `xla` asked for, it returns at once unless `force=True` (tests: interpreted
+kernels). Selection is checked with the kernel the plan picks at its length; the compressed
+branch with cuDNN's attention where the config names it, and its flash kernels where that fails.
 """
 
 from __future__ import annotations

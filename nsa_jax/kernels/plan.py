@@ -1,40 +1,22 @@
 """The kernel plan: which implementation runs each NSA branch, decided in one place.
 
-A ``KernelPlan`` names, for one sequence length and one backend, what the
-compressed (``cmp``), selection (``slc``) and window (``win``) branches run and
-whether the Pallas kernels run compiled or in the interpreter. ``plan_kernels``
-makes it from the config (``attention_impl``, ``selection_kernel``,
-``compressed_kernel``, ``lp``, ``n``),
-the backend and the branches the kernel guard moved to XLA; the layer takes it as
-an argument (``NSAAttention.kernels``), the train step makes one per schedule phase
-(the dense-selection phase changes ``n`` and with it the selection kernel), and
-env.json and the boot line print ``describe()`` of exactly those plans. Nothing
-here is process-wide state: a compile for another card (nsa_jax/tools/aot.py) asks for
-the plan of that card's backend.
+``plan_kernels`` makes a ``KernelPlan`` for one sequence length and backend from the config
+(``attention_impl``, ``selection_kernel``, ``compressed_kernel``, ``lp``, ``n``) and the
+branches the kernel guard moved to XLA; the layer takes it as ``NSAAttention.kernels``, the
+train step makes one per schedule phase, env.json and the boot line print its ``describe()``.
+No process-wide state: a compile for another card asks for that card's backend. The rules:
 
-The rules:
-
-* ``attention_impl: xla``: every branch on XLA; ``pallas``: every branch on its
-  Pallas kernel (interpreted off a GPU; a selection block length the kernels cannot
-  take is an error there); ``auto``: Pallas on a GPU, XLA elsewhere, and XLA for
-  the selection branch when lp is not a power of two >= 16 and for any branch in
-  ``fallback``.
-* The selection branch's Pallas kernel: ``selection_kernel`` when it names one,
-  else ``blocksparse`` for T <= 2 n lp (blocksparse_pallas.prefers_blocksparse) and
+* ``xla``: every branch on XLA; ``pallas``: every branch on its Pallas kernel (interpreted off
+  a GPU); ``auto``: Pallas on a GPU, XLA elsewhere, and XLA for selection when lp is not a
+  power of two >= 16 and for any branch in ``fallback``.
+* Selection: ``selection_kernel`` when it names one, else ``blocksparse`` for T <= 2 n lp and
   ``gather`` above (docs/PERFORMANCE.md has the figures behind the rule).
-* The compressed branch on the GPU path: ``pallas`` (its flash kernels, whose
-  forward gives the log-sum-exp block scoring needs) unless ``compressed_kernel``
-  is ``cudnn``: the attention through cuDNN's fused kernel (kernels/cudnn.py) and a
-  Pallas pass for the log-sum-exp, scoring and top-n as with ``pallas``. ``auto``
-  stays ``pallas`` until a GPU measures the other (docs/PERFORMANCE.md). Where the
-  guard found cuDNN's attention broken (``cmp-cudnn`` in ``fallback``), ``auto`` runs
-  the flash kernels instead.
-* Context parallelism (a ``layout``, nsa/context.py): the same kernels, each
-  device's queries at an offset into the whole (gathered) sequence; ``seq`` is then
-  the whole padded sequence's length, the keys every kernel reads. The plan carries
-  the layout to the layer, so what each branch runs and over which part of the
-  sequence travel as one argument. The compressed branch never runs through cuDNN
-  there (its causal mask takes no query offset).
+* Compressed: ``pallas`` (its flash kernels) unless ``compressed_kernel`` is ``cudnn``
+  (kernels/cudnn.py, then a Pallas pass for the log-sum-exp and scoring); ``auto`` stays
+  ``pallas`` until a GPU measures the other; ``cmp-cudnn`` in ``fallback``: the flash kernels.
+* Context parallelism (a ``layout``, nsa/context.py): the same kernels, each device's queries
+  at an offset into the whole padded sequence (``seq``: its length). The plan carries the
+  layout to the layer; the compressed branch never runs through cuDNN there (no query offset).
 """
 
 from __future__ import annotations

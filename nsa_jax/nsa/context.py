@@ -1,33 +1,22 @@
 """Context parallelism: one training sequence spread over the `seq` mesh axis (docs/NSA.md "Context parallelism").
 
-Owns the layout of a sequence over C devices and the collectives the NSA layer
-needs under it; the layer (nsa/layer.py) calls them, and the batch record
-(nsa_jax/train/rows.py) is laid out with `SeqLayout.lay_out`. `WholeSequence` reads a
-sequence one device holds whole through the same methods, so the layer has one path.
+Owns the layout of a sequence over C devices and the collectives the NSA layer needs under
+it; the layer (nsa/layer.py) reads its sequence through `SeqLayout` (it reaches the layer
+inside the kernel plan, `KernelPlan.layout`), and the batch record (train/rows.py) is laid
+out with `SeqLayout.lay_out`. `WholeSequence` reads a sequence one device holds whole through
+the same methods, so the layer has one path.
 
-Layout (zig-zag). A sequence of T tokens is padded at its end to T' = 2 C S
-(nsa_jax/seq_layout.py: S a multiple of lcm(l, lp), so every chunk starts on a
-compression stride and a selection block; config validation refuses a T too short
-for its chunks) and cut into 2C chunks of S tokens; device i of the
-`seq` axis holds chunks i and 2C-1-i, in that order. Every device holds one early
-and one late chunk, so the work that grows with the position (the compressed
-branch and block scoring read t/d compressed tokens per query) is the same on
-every device; a contiguous split would give the last device (2C-1)/C of the mean.
-Padded tokens come after every real one, so no real query sees them (causality),
-and they carry no loss.
+Layout (zig-zag): T tokens padded at the end to T' = 2 C S (seq_layout.py: S a multiple of
+lcm(l, lp), so chunks start on a compression stride and a selection block) and cut into 2C
+chunks; device i of `seq` holds chunks i and 2C-1-i, so the work that grows with the position
+is the same on every device. Padding comes after every real token: no real query sees it, and
+it carries no loss.
 
-What crosses devices, per layer and forward (bf16, production heads: K=2, D=64):
-
-* the selection and window branches' K and V, all-gathered (`gather`): every
-  query may select any earlier block, and the window's keys then need no halo
-  logic (512 B per token and branch; the window could take a w-token halo instead);
-* the compressed branch's compressed K and V, all-gathered after each device
-  compressed the blocks that end in its chunks (`compress_chunks`): a block that
-  starts in the previous chunk takes its first l - d raw tokens from there
-  (`prev_tails`, an all-gather of (l - d) rows per chunk); 1/d of the raw bytes.
-
-In the backward, autodiff turns each all-gather into a reduce-scatter, which
-returns the gradient of every gathered token to the device that owns it.
+What crosses devices per layer and forward: the selection and window branches' K and V,
+all-gathered (`gather`); the compressed K and V, all-gathered after each device compressed
+the blocks that end in its chunks (`compress_chunks`; a block starting in the previous chunk
+takes its first l - d raw tokens from there, `prev_tails`). In the backward each all-gather
+becomes a reduce-scatter that returns every gathered token's gradient to its owner.
 """
 
 from __future__ import annotations

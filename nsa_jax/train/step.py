@@ -11,16 +11,10 @@ One optimizer step:
   -> global grad norm, clip + Adam + masked decay, LR of state.step, where the
      reduced gradient lives.
 
-How the state is placed and the gradient reduced is `parallel.strategy`
-(nsa_jax/train/strategies.py: dp, pmap, gspmd, zero1, fsdp), held for one run by a
-`ShardingPlan` (`make_plan(cfg, mesh)`, built once: the Trainer passes it to
-make_train_step and create_state); this module builds the loss of each schedule phase
-(train/loss.py) and the update, hands the loss to the strategy's gradient function
-(strategies.make_grad_fn; nothing there calls back here), and places state and batch
-as the plan says. The step builders also take (cfg, mesh)
-and build the plan themselves, for one-off steps (tests, benchmarks).
-
-Nothing here does I/O; the loop (loop.py, and boot.py, saves.py, artifacts.py) owns files,
+Placement and reduction are `parallel.strategy`'s (strategies.py), held for one run by a
+`ShardingPlan` (`make_plan`, built once; the step builders also take (cfg, mesh) for one-off
+steps). This module builds each schedule phase's loss (train/loss.py) and the update, and hands
+the loss to strategies.make_grad_fn, which never calls back here. No I/O: the loop owns files,
 clocks and printing.
 """
 

@@ -14,10 +14,9 @@ in parallel.grad_reduce_dtype by `reduce_grads` (the one reduction all call), th
   gspmd     whole    whole           make_partitioned_grad_fn: jit + shardings, XLA's all-reduce
   pmap      whole    whole           make_pmap_step: jax.pmap, the whole step per device
 
-dp, zero1 and fsdp run one path at every context degree C (rows laid out by train/rows.py,
-split over `seq` when C > 1); gspmd and pmap run at C = 1. "Slices": `data_spec`'s rule, the
-largest axis the device count divides (never the scanned layers' [L] axis), over `data`, and
-with context parallelism over `data` and `seq` together.
+dp, zero1 and fsdp run one path at every context degree C (train/rows.py); gspmd and pmap at
+C = 1. "Slices": the largest axis the device count divides (`data_spec`; never the stacked [L]
+axis), over `data`, or over `data` and `seq` together when C > 1.
 """
 
 from __future__ import annotations
