@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import BranchCalls, plan_kernels
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
-from nsa_jax.nsa.layer import ModelPart, check_mode, gather_rows, ring_attend, ring_positions
+from nsa_jax.nsa.layer import Attention, gather_rows, ring_attend, ring_positions
 
 # A window longer than any sequence: every earlier key is visible.
 UNBOUNDED = 1 << 30
@@ -32,24 +32,16 @@ def dense_window(cfg: ModelConfig) -> int:
     return cfg.dense_window or UNBOUNDED
 
 
-class DenseAttention(ModelPart):
+class DenseAttention(Attention):
     """x[B, T, D] -> causal attention output [B, T, D]; `mode` and its arguments as NSAAttention's
     (config validation keeps dense attention off context parallelism)."""
 
     @nn.compact
-    def __call__(
-        self,
-        x_BxTxD: jax.Array,
-        *,
-        layer: jax.Array | None = None,
-        pos_B: jax.Array | None = None,
-        rope_positions_T: jax.Array | None = None,
-    ) -> jax.Array:
+    def attend(self, x_BxTxD, layer, pos_B, rope_positions_T) -> jax.Array:
         cfg = self.cfg
         B, T, D = x_BxTxD.shape
         H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
         dtype = jnp.dtype(cfg.dtype)
-        check_mode(self.mode, T, layer, pos_B)
         init = nn.initializers.normal(cfg.init_std)
         parts = [
             DenseParams(n * d, use_bias=cfg.qkv_bias, kernel_init=init, name=name)

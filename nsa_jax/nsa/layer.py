@@ -153,9 +153,9 @@ def gate_bias_init(biases: tuple[float, ...], n_heads: int):
 def check_mode(mode: str, T: int, layer, pos_B) -> None:
     """ValueError unless `mode` is one of MODES with what it needs (prefill, decode: layer, pos_B; decode: T = 1)."""
     if mode not in MODES:
-        raise ValueError(f"NSAAttention mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")
     if mode != "train" and (layer is None or pos_B is None):
-        raise ValueError(f"NSAAttention mode={mode!r} needs `layer` and `pos_B`")
+        raise ValueError(f"attention mode={mode!r} needs `layer` and `pos_B`")
     if mode == "decode" and T != 1:
         raise ValueError(f"decode feeds one token per row, got {T}")
 
@@ -171,7 +171,20 @@ class ModelPart(nn.Module):
     kernels: KernelPlan | None = None
 
 
-class NSAAttention(ModelPart):
+class Attention(ModelPart):
+    """The call every attention of the stack answers (NSAAttention, nsa/dense.DenseAttention):
+    x[B, T, D] -> [B, T, D]. `layer` (index into the cache's layer axis) and `pos_B` are for
+    prefill and decode; `rope_positions_T` moves RoPE off the token indices (train only)."""
+
+    def __call__(self, x_BxTxD: jax.Array, *, layer=None, pos_B=None, rope_positions_T=None) -> jax.Array:
+        check_mode(self.mode, x_BxTxD.shape[1], layer, pos_B)
+        return self.attend(x_BxTxD, layer, pos_B, rope_positions_T)
+
+    def attend(self, x_BxTxD, layer, pos_B, rope_positions_T) -> jax.Array:
+        raise NotImplementedError
+
+
+class NSAAttention(Attention):
     """x[B, T, D] -> NSA attention output [B, T, D].
 
     `mode`: "train" (the forward), "prefill" (the forward, and writes the cache
@@ -185,21 +198,13 @@ class NSAAttention(ModelPart):
     """
 
     @nn.compact
-    def __call__(
-        self,
-        x_BxTxD: jax.Array,
-        *,
-        layer: jax.Array | None = None,
-        pos_B: jax.Array | None = None,
-        rope_positions_T: jax.Array | None = None,
-    ) -> jax.Array:
+    def attend(self, x_BxTxD, layer, pos_B, rope_positions_T) -> jax.Array:
         cfg, a = self.cfg, self.cfg.nsa
         B, T, D = x_BxTxD.shape
         H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
         dtype = jnp.dtype(cfg.dtype)
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        check_mode(self.mode, T, layer, pos_B)
         layout = None if self.kernels is None else self.kernels.layout
         if layout is not None and (self.mode != "train" or self.is_mutable_collection("losses")):
             raise ValueError(
