@@ -39,7 +39,8 @@ from nsa_jax import config
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.mesh import make_mesh
 from nsa_jax.tools import aot, xla_dump
-from nsa_jax.train import step as S
+from nsa_jax.train.step import create_state, make_train_step
+from nsa_jax.train.strategies import make_plan
 
 
 def _branch_kv_bytes(cfg, T: int) -> int:
@@ -131,9 +132,9 @@ def run_cpu(opts, cfg) -> list[dict]:
     T = opts.seq_len
     for C in opts.contexts:
         c = _one_sequence(cfg, C, T)
-        plan = S.make_plan(c, make_mesh(c, jax.devices()[:C]))
-        state = S.create_state(plan)
-        step = S.make_train_step(plan)
+        plan = make_plan(c, make_mesh(c, jax.devices()[:C]))
+        state = create_state(plan)
+        step = make_train_step(plan)
         tokens = np.random.default_rng(0).integers(0, c.model.vocab_size, (1, 1, T + 1)).astype(np.int32)
         batch = jax.device_put(tokens, plan.batch)
         t0 = time.perf_counter()

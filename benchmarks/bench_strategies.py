@@ -49,8 +49,8 @@ from benchmarks.common import MiB, add_config_args, config_meta, fmt, log, print
 from nsa_jax.config import load_config
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.ops.memory import compiled_memory
-from nsa_jax.train import step as S
 from nsa_jax.train import strategies
+from nsa_jax.train.step import create_state, make_train_step
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 SHORT = {
@@ -214,7 +214,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     mesh = make_mesh(cfg)
     plan = strategies.make_plan(cfg, mesh)
     device0 = mesh.devices.flat[0]
-    state = S.create_state(plan)
+    state = create_state(plan)
     row = {
         "params_bytes": shard_bytes_on(state.params, device0),
         "opt_bytes": shard_bytes_on(state.opt_state, device0),
@@ -224,7 +224,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32)
     batch = put_batch(tokens, mesh)
     t0 = time.perf_counter()
-    lowered = S.make_train_step(plan).lower(state, batch)
+    lowered = make_train_step(plan).lower(state, batch)
     compiled, partitioned = compile_with_partitioned_hlo(lowered)
     row["compile_s"] = time.perf_counter() - t0
     row["mem"] = compiled_memory(compiled)

@@ -23,7 +23,7 @@ import numpy as np
 from nsa_jax.config import load_config
 from nsa_jax.info import keys_per_query, parameter_counts
 from nsa_jax.mesh import make_mesh, put_batch
-from nsa_jax.train import step as S
+from nsa_jax.train.step import create_state, make_train_step
 from nsa_jax.train.strategies import make_plan
 
 
@@ -63,8 +63,8 @@ def bench(name: str, overrides: list[str], steps: int, variant: str = "") -> dic
     cfg = load_config(name, overrides)
     mesh = make_mesh(cfg)
     plan = make_plan(cfg, mesh)
-    state = S.create_state(plan)
-    train_step = S.make_train_step(plan)
+    state = create_state(plan)
+    train_step = make_train_step(plan)
     rng = np.random.default_rng(0)
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
     tokens = put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)

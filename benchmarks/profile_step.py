@@ -42,7 +42,7 @@ from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.tools.hlo_traffic import parse_module
 from nsa_jax.tools.parts import part_of
-from nsa_jax.train import step as S
+from nsa_jax.train.step import create_state, make_train_step
 from nsa_jax.train.strategies import make_plan
 
 # Instructions that only contain others: their time is their children's.
@@ -213,8 +213,8 @@ def short_op(op_name: str, width: int = 90) -> str:
 def train_step_program(cfg):
     mesh = make_mesh(cfg)
     plan = make_plan(cfg, mesh)
-    state = S.create_state(plan)
-    train_step = S.make_train_step(plan)
+    state = create_state(plan)
+    train_step = make_train_step(plan)
     A, B, T = cfg.train.accumulate, cfg.train.global_batch, cfg.train.seq_len
     rng = np.random.default_rng(0)
     tokens = put_batch(rng.integers(0, cfg.model.vocab_size, (A, B, T + 1), dtype=np.int32), mesh)
