@@ -74,6 +74,10 @@ def validate(cfg):
     )
     need(t.scorer_distill >= 0, f"train.scorer_distill must be >= 0 (0 disables it), got {t.scorer_distill}")
     need(t.rope_positions >= 0, f"train.rope_positions must be >= 0 (0 disables it), got {t.rope_positions}")
+    need(
+        t.loss_chunk >= 0,
+        f"train.loss_chunk must be >= 0 (positions per chunk of the loss; 0: all), got {t.loss_chunk}",
+    )
     for key in ("dense_selection_steps", "scorer_distill_steps"):
         need(getattr(t, key) >= 0, f"train.{key} must be >= 0 (0: see docs/NSA.md), got {getattr(t, key)}")
     for key in ("dense_selection_steps", "scorer_distill_steps"):

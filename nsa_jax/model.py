@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
-from nsa_jax.layers import RMSNorm, SwiGLU
+from nsa_jax.layers import DenseParams, RMSNorm, SwiGLU
 from nsa_jax.nsa.dense import DenseAttention
 from nsa_jax.nsa.layer import MODES, ModelPart, NSAAttention
 
@@ -64,8 +64,10 @@ class NSALM(ModelPart):
     """tokens[B, T] int32 -> logits[B, T, V] fp32.
 
     `mode` "train": the forward; `rope_positions_T` (train only) moves RoPE off 0..T-1
-    (train.rope_positions). "prefill": the forward over left-aligned,
-    right-padded prompts, row b of length lengths_B[b]; writes the cache.
+    (train.rope_positions); `head=False` returns the final-normed hidden states [B, T, D]
+    instead of the logits (the loss then makes them in chunks, train.loss_chunk).
+    "prefill": the forward over left-aligned, right-padded prompts, row b of length
+    lengths_B[b]; writes the cache.
     "decode": tokens [B, 1], row b at position cache["pos"][b]; updates the cache.
     `kernels`: what each NSA branch runs (kernels.plan_kernels; None: each layer's
     default, the config's plan on jax's backend). A plan with a `layout` (context
@@ -80,7 +82,11 @@ class NSALM(ModelPart):
 
     @nn.compact
     def __call__(
-        self, tokens_BxT: jax.Array, lengths_B: jax.Array | None = None, rope_positions_T: jax.Array | None = None
+        self,
+        tokens_BxT: jax.Array,
+        lengths_B: jax.Array | None = None,
+        rope_positions_T: jax.Array | None = None,
+        head: bool = True,
     ) -> jax.Array:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
@@ -134,15 +140,12 @@ class NSALM(ModelPart):
                 x, _ = block(cfg, "train", self.kernels, name=f"layer_{i}")(x, None, None, rope_positions_T)
         x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
-            return embed.attend(x.astype(jnp.float32))
-        head = nn.Dense(
-            cfg.vocab_size,
-            use_bias=False,
-            dtype=dtype,
-            kernel_init=nn.initializers.normal(cfg.init_std),
-            name="lm_head",
-        )
-        return head(x).astype(jnp.float32)
+            w = embed.embedding
+        else:  # an nn.Dense's kernel, applied by head_logits
+            w = DenseParams(cfg.vocab_size, kernel_init=nn.initializers.normal(cfg.init_std), name="lm_head")(
+                cfg.d_model
+            )[0]
+        return x if not head else head_logits(cfg, w, x)
 
 
 def per_layer(variables: dict, collection: str, name: str, cfg: ModelConfig):
@@ -186,6 +189,50 @@ def init_params(cfg: ModelConfig, rng: jax.Array, seq_len: int = 0):
     """fp32 parameters of the model (shapes do not depend on seq_len)."""
     T = max(seq_len, cfg.nsa.l)
     return NSALM(cfg).init(rng, jnp.zeros((1, T), jnp.int32))["params"]
+
+
+def head_matrix(cfg: ModelConfig, params) -> jax.Array:
+    """The output projection of `params`: the embedding [V, D] (tied) or lm_head's kernel [D, V]."""
+    return params["embed"]["embedding"] if cfg.tie_embeddings else params["lm_head"]["kernel"]
+
+
+def head_logits(cfg: ModelConfig, w: jax.Array, x_BxTxD: jax.Array) -> jax.Array:
+    """Logits [B, T, V] fp32 of the final-normed x: x @ embedding^T in fp32 (tied, as nn.Embed.attend),
+    else x @ kernel in the model dtype (as nn.Dense)."""
+    if cfg.tie_embeddings:
+        return jnp.dot(x_BxTxD.astype(jnp.float32), w.astype(jnp.float32).T)
+    dtype = jnp.dtype(cfg.dtype)
+    return jnp.dot(x_BxTxD.astype(dtype), w.astype(dtype)).astype(jnp.float32)
+
+
+def chunked_nll_sum(
+    cfg: ModelConfig, head: jax.Array, x_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array, chunk: int
+) -> jax.Array:
+    """sum(token_nll * weights) of the final-normed x (`head`: head_matrix) with the logits made
+    `chunk` positions at a time.
+
+    The logits of one chunk live at a time, in the forward and, recomputed, in the backward
+    (jax.checkpoint per chunk): [B, chunk, V] instead of [B, L, V] and its gradient, the
+    largest buffers of a step at long T and a large vocabulary (train.loss_chunk).
+    """
+    B, L, D = x_BxLxD.shape
+    n = -(-L // chunk)
+    pad = ((0, 0), (0, n * chunk - L))
+    x = jnp.pad(x_BxLxD, (*pad, (0, 0)))
+    targets, weights = jnp.pad(targets_BxL, pad), jnp.pad(weights_BxL.astype(jnp.float32), pad)
+
+    def chunks(a):  # [B, n*chunk, ...] -> [n, B, chunk, ...]
+        return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one(x_Bxc, t_Bxc, w_Bxc):
+        return jnp.sum(token_nll(head_logits(cfg, head, x_Bxc), t_Bxc) * w_Bxc)
+
+    def body(total, xs):
+        return total + one(*xs), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (chunks(x), chunks(targets), chunks(weights)))
+    return total
 
 
 def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

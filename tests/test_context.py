@@ -145,6 +145,17 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragg
         np.testing.assert_allclose(s2[k], s1[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+def test_a_chunked_loss_under_two_devices_equals_whole_logits_on_one(tokens_ragged, one_device_ragged):
+    """train.loss_chunk=5 (no divisor of a device's 32 positions) under C = 2 and fsdp: the loss and
+    every gradient as one device's loss over whole logits."""
+    g1, l1, _ = one_device_ragged
+    c2 = cfg_of(RAGGED_T, 2, 2, "model.n_layers=1", "train.loss_chunk=5", "parallel.strategy=fsdp")
+    g2, l2, _ = grads_loss_stats(c2, tokens_ragged)
+    assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        assert rel(a, b) < GRAD_TOL, jax.tree_util.keystr(path[0])
+
+
 def test_zero1_under_context_parallelism_steps_as_dp_with_the_moments_split(tokens_ragged):
     """parallel.strategy=zero1 at C = 2 (data 1 x seq 2): two whole train steps (the reduced gradient,
     clipping, Adam on slices, the parameters gathered) give dp's state at C = 2, whose gradients the

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, per_layer
+from nsa_jax.config import load_config
+from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, init_params, per_layer
+from nsa_jax.train.loss import loss_and_stats
 
-from helpers import assert_close, tiny_model_cfg
+from helpers import TINY_NSA, assert_close, rel_err, tiny_model_cfg
 
 
 def _run(cfg, params, tokens):
@@ -139,3 +141,27 @@ def test_prefill_and_decode_modes_reject_a_missing_cache_or_unscanned_layers():
         run(dataclasses.replace(cfg, scan_layers=False), "decode")
     with pytest.raises(ValueError, match="mode"):
         run(cfg, "sample")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_chunked_loss_equals_the_loss_of_whole_logits(tied):
+    """train.loss_chunk=16 over rows of 50 (the last chunk padded): the loss equals a float64 numpy
+    cross-entropy of the model's logits, and loss and every gradient equal train.loss_chunk=0's."""
+    T = 50
+    cfg = load_config(None, [*TINY_NSA, f"train.seq_len={T}", f"model.tie_embeddings={str(tied).lower()}"])
+    chunked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk=16))
+    params = init_params(cfg.model, jax.random.PRNGKey(0), T)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, T + 1), 0, cfg.model.vocab_size)
+
+    logits = np.asarray(NSALM(cfg.model).apply({"params": params}, tokens[:, :-1]), np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    gold = np.take_along_axis(logits, np.asarray(tokens[:, 1:])[..., None], -1)[..., 0]
+    want = float(np.mean(logz - gold))
+
+    def value_and_grad(c):
+        return jax.jit(jax.value_and_grad(lambda p: loss_and_stats(p, tokens, cfg=c)[0]))(params)
+
+    (l0, g0), (l1, g1) = value_and_grad(cfg), value_and_grad(chunked)
+    assert abs(float(l1) - want) / want < 1e-6 and abs(float(l0) - want) / want < 1e-6
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path[0])
