@@ -7,9 +7,12 @@ of `--seq-lens` over each C of `--contexts` cards (data 1 x seq C), through
 benchmarks.bench_context's aot mode: arguments, temporaries, total per card, whether it fits
 jax's share of the card, and the bytes each card sends a step.
 
+With `--loss-chunks 0,4096` each model runs with its loss's logits whole and made 4,096
+positions at a time (train.loss_chunk), side by side.
+
 Usage:
   python -m benchmarks.bench_pretrained_fit [--models smollm2-135m,...] [--target a100-80]
-      [--contexts 1,2] [--seq-lens 32k,64k] [--set KEY=VALUE] [--json out.json]
+      [--contexts 1,2] [--seq-lens 32k,64k] [--loss-chunks 0,4096] [--set KEY=VALUE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", action="append", default=None, help="a100-40, a100-80, h100 (repeatable)")
     p.add_argument("--contexts", default="2", help="C values: cards each sequence is split over")
     p.add_argument("--seq-lens", default="32k,64k")
+    p.add_argument("--loss-chunks", default="0", help="train.loss_chunk values, side by side (0: whole logits)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", default=None)
     opts = p.parse_args(argv)
@@ -65,15 +69,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown --models {', '.join(unknown)}; known: {', '.join(SHAPES)}")
         opts.contexts, opts.seq_lens, opts.layer_seq_len = parse_ints(opts.contexts), parse_ints(opts.seq_lens), None
         opts.target = opts.target or ["a100-80"]
-        cfgs = {m: load_config("llama8b_64k", [*model_sets(m), *opts.overrides]) for m in models}
+        chunks = parse_ints(opts.loss_chunks)
+        cfgs = {
+            (m, c): load_config("llama8b_64k", [*model_sets(m), f"train.loss_chunk={c}", *opts.overrides])
+            for m in models
+            for c in chunks
+        }
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     aot.compile_on_host()
     rows = []
-    for name, cfg in cfgs.items():
-        print(f"-- {name}", flush=True)
-        rows += [{**row, "model": name} for row in bench_context.run_aot(opts, cfg)]
+    for (name, chunk), cfg in cfgs.items():
+        print(f"-- {name}, train.loss_chunk={chunk}", flush=True)
+        rows += [{**row, "model": name, "loss_chunk": chunk} for row in bench_context.run_aot(opts, cfg)]
     write_json(opts.json, {"models": models, "overrides": opts.overrides, "mode": "aot"}, rows)
     return 0
 

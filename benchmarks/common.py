@@ -85,7 +85,10 @@ def parse_ints(text: str) -> list[int]:
     for part in text.split(","):
         part = part.strip().lower()
         if part:
-            out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+            digits = part[:-1] if part.endswith("k") else part
+            if not digits.isdigit():
+                raise ValueError(f"{part!r} is not a whole number (such as 2048 or 64k)")
+            out.append(int(digits) * 1024 if part.endswith("k") else int(digits))
     return out
 
 
