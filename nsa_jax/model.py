@@ -215,7 +215,7 @@ def chunked_nll_sum(
     (jax.checkpoint per chunk): [B, chunk, V] instead of [B, L, V] and its gradient, the
     largest buffers of a step at long T and a large vocabulary (train.loss_chunk).
     """
-    B, L, D = x_BxLxD.shape
+    B, L = x_BxLxD.shape[:2]
     n = -(-L // chunk)
     pad = ((0, 0), (0, n * chunk - L))
     x = jnp.pad(x_BxLxD, (*pad, (0, 0)))

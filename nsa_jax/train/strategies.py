@@ -185,7 +185,7 @@ def whole_leaves(plan: ShardingPlan) -> str:
     """'' unless the strategy slices the state (zero1, fsdp) and some parameter has no axis the device
     count divides: then one line saying how many stay whole on every device, and which (the first few)."""
     sliced = plan.state.params if plan.strategy == "fsdp" else plan.grads if plan.strategy == "zero1" else None
-    axes, n = shard_axes(plan.mesh)
+    _, n = shard_axes(plan.mesh)
     if sliced is None or n <= 1:
         return ""
     whole = [
