@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -123,12 +124,19 @@ def main() -> None:
     print(f"backend {jax.default_backend()} | {len(jax.devices())} x {dev.device_kind}")
     batches = [None] if not args.global_batches else [int(b) for b in args.global_batches.split(",") if b]
     variants = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
-    rows = []
+    rows, failed = [], []
     for name in args.configs.split(","):
         for batch, variant in [(b, v) for b in batches for v in variants]:
             extra = [] if batch is None else [f"train.global_batch={batch}"]
             extra += [kv.strip() for kv in variant.split(",") if kv.strip()]
-            r = bench(name, [*args.overrides, *extra], args.steps, variant)
+            try:
+                r = bench(name, [*args.overrides, *extra], args.steps, variant)
+            except Exception as e:  # one failing variant must not cost the others' rows and the peak
+                traceback.print_exc()
+                line = f"{name} batch {batch or 'as configured'} {variant or 'as configured'}: {type(e).__name__}: {e}"
+                print(f"  FAILED {line.splitlines()[0]}", flush=True)
+                failed.append(line.splitlines()[0])
+                continue
             print(
                 f"  {name} batch {r['global_batch']}x{r['accumulate']} {variant or 'as configured'}: "
                 f"compile + first step {r['compile_and_first_step_s']:.1f} s, step {1e3 * r['step_s']:.1f} ms, "
@@ -154,7 +162,9 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"peaks": peaks, "rows": rows}, f, indent=2)
+            json.dump({"peaks": peaks, "rows": rows, "failed": failed}, f, indent=2)
+    if failed:
+        raise SystemExit(f"error: {len(failed)} of {len(rows) + len(failed)} rows failed: " + "; ".join(failed))
 
 
 if __name__ == "__main__":

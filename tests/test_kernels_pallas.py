@@ -360,6 +360,42 @@ def test_compressed_lse_pass_matches_float64_reference(b, t, g, kvh, d, l, strid
     assert np.all(got[:, :, : (l - 1) * g] == 0)
 
 
+def _primitive_names(jaxpr) -> set[str]:
+    """Names of every primitive in `jaxpr` and the jaxprs its equations hold (jit, custom_vjp, scan)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitive_names(inner)
+    return names
+
+
+def test_an_unused_lse_pass_is_dropped_with_its_kernel():
+    # jax < 0.12 never drops an unused pallas_call; flax's scan (>= 0.12.10) checks its body's
+    # invariants by dropping what nothing reads and refused to init a scanned model whose lse pass
+    # (called outside a custom_vjp) stayed: seen on an H200 with jax 0.11.2. The pass must go
+    # whole when its result is unused, and stay when it is read.
+    from jax._src.interpreters import partial_eval as pe  # dce_jaxpr has no public name
+
+    q, kc, _, _ = compressed_inputs(3, 1, 40, 2, 1, 16, 8, 4, jnp.float32)
+
+    def lse_of(q, kc):
+        return compressed_lse_pallas(q, kc, l=8, d=4, interpret=INTERPRET)[0]
+
+    def unused(q, kc):
+        lse_of(q, kc)
+        return jnp.sum(q)
+
+    for fn, kept in ((unused, False), (lambda q, kc: jnp.sum(lse_of(q, kc)), True)):
+        jaxpr = jax.make_jaxpr(fn)(q, kc).jaxpr
+        dced, used_inputs = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+        assert ("pallas_call" in _primitive_names(dced)) == kept
+        assert used_inputs == [True, kept]
+
+
 # ---------------------------------------------------------------------------
 # Agreement with the plain-XLA path (when the project provides it)
 # ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from nsa_jax.config import load_config
+from nsa_jax.kernels.plan import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, init_params, per_layer
 from nsa_jax.train.loss import loss_and_stats
 
@@ -165,3 +166,27 @@ def test_a_chunked_loss_equals_the_loss_of_whole_logits(tied):
     assert abs(float(l1) - want) / want < 1e-6 and abs(float(l0) - want) / want < 1e-6
     for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g1), jax.tree.leaves(g0)):
         assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path[0])
+
+
+def test_a_scanned_model_inits_and_applies_with_the_cudnn_compressed_branch():
+    """The cuDNN compressed branch (fused attention + the Pallas lse pass, interpreted here) under the
+    layer scan: init gives the parameters every other plan gives, and apply the logits' shape.
+    On an H200 (jax 0.11.2, flax 0.12.10) init failed in flax's scan check (test_kernels_pallas.py,
+    test_an_unused_lse_pass_is_dropped_with_its_kernel); this is the user's view of that fix."""
+    cfg = tiny_model_cfg(G=2, K=1, lp=16, n=3, l=16, d=8, w=16)
+    assert cfg.scan_layers
+    tokens = jnp.zeros((1, 64), jnp.int32)
+    rng = jax.random.PRNGKey(0)
+
+    def init(plan):
+        return jax.eval_shape(lambda r: NSALM(cfg, kernels=plan).init(r, tokens)["params"], rng)
+
+    cudnn = KernelPlan(cmp="cudnn", interpret=True)
+    params = init(cudnn)
+    want = init(KernelPlan())
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    assert jax.tree.leaves(jax.tree.map(lambda a, b: a.shape == b.shape, params, want)) == [True] * len(
+        jax.tree.leaves(want)
+    )
+    logits = jax.eval_shape(lambda p: NSALM(cfg, kernels=cudnn).apply({"params": p}, tokens), params)
+    assert logits.shape == (1, 64, cfg.vocab_size)

@@ -597,6 +597,15 @@ def banded_lse(q, k, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBl
     bsz = fit_block_sizes(bsz, q.shape[-1], k.shape[-1], itemsize)
     q, k = lax.stop_gradient(q), lax.stop_gradient(k)  # no tangent reaches the kernel: it has no derivative
     off_1 = offset_operand(q_offset)
+    return _stats_forward(q, k, off_1, lay, scale, interpret, bsz, name)
+
+
+# A jit around the one kernel called outside a custom_vjp. jax < 0.12 never drops an unused
+# pallas_call from a jaxpr (its DCE rule keeps every call), so a flax scan's invariance check
+# (flax >= 0.12.10 finds it by DCE) saw the lse pass read the layer's inputs and refused to
+# init the scanned model; an unused jit is dropped whole (tests/test_model.py).
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _stats_forward(q, k, off_1, lay, scale, interpret, bsz, name):
     return _banded_forward(q, k, None, off_1, None, lay, scale, interpret, bsz, name, None, True)
 
 
