@@ -3,14 +3,16 @@ branch's entry point."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import compressed_visible, reference_attention, reference_group_probs
 
-from nsa_jax.config import NSAConfig
-from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, resolve_impl
+from nsa_jax.config import NSAConfig, load_config
+from nsa_jax.kernels import KernelPlan, compressed_attention, cudnn_fits, plan_kernels, resolve_impl
 from nsa_jax.kernels.plan import substitutions
 from nsa_jax.kernels.xla import num_compressed
 
@@ -25,8 +27,9 @@ def test_resolve_impl(impl, backend, expected):
     assert resolve_impl(impl, backend) == expected
 
 
-def _plan(seq=4096, backend="gpu", fallback=(), **nsa):
-    return plan_kernels(NSAConfig(**{"n": 16, "lp": 64, **nsa}), seq, backend, fallback=set(fallback))
+def _plan(seq=4096, backend="gpu", fallback=(), backward=True, layout=None, cudnn_ok=True, **nsa):
+    nsa = NSAConfig(**{"n": 16, "lp": 64, **nsa})
+    return plan_kernels(nsa, seq, backend, set(fallback), layout, backward=backward, cudnn_ok=cudnn_ok)
 
 
 def test_plan_names_every_branch():
@@ -79,6 +82,25 @@ def test_compressed_kernel_named_in_the_config_runs_where_pallas_would():
         _plan(compressed_kernel="flash")
     with pytest.raises(ValueError, match="KernelPlan.cmp must be one of pallas, cudnn, xla"):
         KernelPlan(cmp="cudnn-v9")
+
+
+def test_auto_runs_the_compressed_branch_through_cudnn_in_training_from_8k():
+    # The rule the H200 figures set (kernels/plan.py): fwd+bwd from T = 8192 through cuDNN, the
+    # forward alone and shorter T on the flash kernels; never under a layout (a query offset), never
+    # where the guard found cuDNN failing, never off the GPU path.
+    assert _plan(seq=8191).cmp == "pallas" and _plan(seq=8192).cmp == "cudnn"
+    assert _plan(seq=65536).describe()["cmp"] == "cudnn+pallas-triton"
+    assert _plan(seq=65536, backward=False).cmp == "pallas"
+    assert _plan(seq=65536, compressed_kernel="pallas").cmp == "pallas"
+    assert _plan(seq=2048, compressed_kernel="cudnn", backward=False).cmp == "cudnn"  # named: always
+    assert _plan(seq=65536, fallback=["cmp-cudnn"]).cmp == "pallas"
+    assert _plan(seq=65536, backend="cpu").cmp == "xla"
+    assert _plan(seq=65536, layout=object()).cmp == "pallas"
+    assert _plan(seq=65536, cudnn_ok=False).cmp == "pallas"  # fp32, or key and value head dims that differ
+    model = load_config("a100_pcie").model
+    assert cudnn_fits(model)
+    assert not cudnn_fits(dataclasses.replace(model, dtype="float32"))
+    assert not cudnn_fits(dataclasses.replace(model, v_head_dim=32))
 
 
 def test_fallback_moves_only_auto_branches_to_xla():

@@ -70,7 +70,9 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
     def eval_fn(params, tokens_BxT1):
         rows = lay_out_rows(tokens_BxT1, cfg, layout, answers=True)
         seq_len = rows.inputs.shape[-1]  # T' under context parallelism
-        plan = plan_kernels(cfg.model.nsa, seq_len, mesh.devices.flat[0].platform, kernel_fallback, layout)
+        plan = plan_kernels(
+            cfg.model.nsa, seq_len, mesh.devices.flat[0].platform, kernel_fallback, layout, backward=False
+        )
         specs = rows_spec(rows, 0)
         rows = jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), rows, specs)
         fn = jax.shard_map(

@@ -35,7 +35,7 @@ def make_score_fn(cfg: ModelConfig, kernel_fallback: frozenset = frozenset()):
 
     def score(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-        plan = plan_kernels(cfg.nsa, inputs_BxT.shape[1], jax.default_backend(), kernel_fallback)
+        plan = plan_kernels(cfg.nsa, inputs_BxT.shape[1], jax.default_backend(), kernel_fallback, backward=False)
         logits_BxTxV = NSALM(cfg, kernels=plan).apply({"params": params}, inputs_BxT)
         return token_nll(logits_BxTxV, targets_BxT), jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
 

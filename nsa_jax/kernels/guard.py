@@ -29,6 +29,7 @@ import numpy as np
 from nsa_jax.kernels import (
     CUDNN_CMP,
     BranchCalls,
+    cudnn_fits,
     plan_kernels,
     resolve_impl,
     selection_kernel_fits,
@@ -194,7 +195,9 @@ def guard_kernels(
     if layout is not None:  # one device's chunk of queries over the whole padded sequence
         rows, seq = layout.chunk, layout.seq_len
     # What `auto` runs on this backend's GPU path (forced on a CPU: the interpreted kernels).
-    plan = plan_kernels(dataclasses.replace(a, attention_impl="pallas"), seq, backend, layout=layout)
+    plan = plan_kernels(
+        dataclasses.replace(a, attention_impl="pallas"), seq, backend, layout=layout, cudnn_ok=cudnn_fits(cfg)
+    )
     failed = {}
 
     def broken(branch: str, plan) -> str | None:

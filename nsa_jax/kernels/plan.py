@@ -11,9 +11,11 @@ No process-wide state: a compile for another card asks for that card's backend. 
   power of two >= 16 and for any branch in ``fallback``.
 * Selection: ``selection_kernel`` when it names one, else ``blocksparse`` for T <= 2 n lp and
   ``gather`` above (docs/PERFORMANCE.md has the figures behind the rule).
-* Compressed: ``pallas`` (its flash kernels) unless ``compressed_kernel`` is ``cudnn``
-  (kernels/cudnn.py, then a Pallas pass for the log-sum-exp and scoring); ``auto`` stays
-  ``pallas`` until a GPU measures the other; ``cmp-cudnn`` in ``fallback``: the flash kernels.
+* Compressed: ``compressed_kernel`` when it names one; ``auto``: ``cudnn`` (kernels/cudnn.py, then
+  a Pallas pass for the log-sum-exp and scoring) in a plan with a backward at T >= 8192 for a
+  model that suits it (bf16, equal head dims), where an H200 ran the layer's fwd+bwd 1.10-1.35x
+  faster; else ``pallas`` (the flash kernels: the faster forward); ``cmp-cudnn`` in ``fallback``:
+  the flash kernels.
 * Context parallelism (a ``layout``, nsa/context.py): the same kernels, each device's queries
   at an offset into the whole padded sequence (``seq``: its length). The plan carries the
   layout to the layer; the compressed branch never runs through cuDNN there (no query offset).
@@ -29,8 +31,12 @@ from nsa_jax.kernels.pallas_common import is_tile_size
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes
 
 BRANCHES = ("cmp", "slc", "win")
-# The compressed branch's GPU paths a config may name (NSAConfig.compressed_kernel; auto: pallas).
+# The compressed branch's GPU paths a config may name (NSAConfig.compressed_kernel).
 COMPRESSED_KERNELS = ("pallas", "cudnn")
+# auto runs cuDNN from this T in a plan with a backward (H200, 2026-11-28, docs/PERFORMANCE.md:
+# layer fwd+bwd 3.17 / 10.51 / 24.22 ms against the flash kernels' 3.50 / 14.14 / 30.31 at
+# 8k / 32k / 64k; forward alone the flash kernels win, 1.33 against 1.82 ms at 8k).
+CUDNN_CMP_MIN_SEQ = 8192
 # What the kernel guard may find broken: a branch (it runs on XLA), or cuDNN's attention in the
 # compressed branch (the branch runs its flash kernels instead).
 CUDNN_CMP = "cmp-cudnn"
@@ -114,13 +120,22 @@ def selection_kernel_fits(block_size: int) -> bool:
     return is_tile_size(block_size)
 
 
-def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset(), layout=None) -> KernelPlan:
+def cudnn_fits(model) -> bool:
+    """Whether `model`'s (a ModelConfig) attention suits cuDNN's fused kernel: bf16, equal key and value head dims."""
+    return model.dtype == "bfloat16" and model.head_dim == model.v_head_dim
+
+
+def plan_kernels(
+    nsa, seq: int, backend: str, fallback=frozenset(), layout=None, backward: bool = True, cudnn_ok: bool = False
+) -> KernelPlan:
     """The plan of `nsa` (an NSAConfig) at sequence length `seq` on `backend` (see the module docstring).
 
     `fallback`: what the kernel guard found broken (``FALLBACKS``): branches, which ``auto``
     runs on XLA, and ``cmp-cudnn``, with which ``auto`` runs the compressed branch's flash
     kernels where the config names cudnn. `layout`: the sequence layout under context
     parallelism (nsa/context.SeqLayout; `seq` is then its padded length), kept in the plan.
+    `backward`: whether the plan's calls are differentiated (False: evaluation and inference).
+    `cudnn_ok`: the model suits cuDNN's fused attention (``cudnn_fits``); ``auto`` takes it only then.
     """
     unknown = set(fallback) - set(FALLBACKS)
     if unknown:
@@ -148,7 +163,9 @@ def plan_kernels(nsa, seq: int, backend: str, fallback=frozenset(), layout=None)
         else:
             slc = "blocksparse" if prefers_blocksparse(seq, nsa.n, nsa.lp) else "gather"
     cmp = impl("cmp")
-    if cmp == "pallas" and cmp_choice != "auto" and not (auto and CUDNN_CMP in fallback) and layout is None:
+    if cmp_choice == "auto":
+        cmp_choice = "cudnn" if cudnn_ok and backward and seq >= CUDNN_CMP_MIN_SEQ else "pallas"
+    if cmp == "pallas" and not (auto and CUDNN_CMP in fallback) and layout is None:
         cmp = cmp_choice
     return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS, layout=layout)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import BRANCHES, ModelConfig
-from nsa_jax.kernels import BranchCalls, KernelPlan, plan_kernels
+from nsa_jax.kernels import BranchCalls, KernelPlan, cudnn_fits, plan_kernels
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
 from nsa_jax.nsa.compression import Compressor
@@ -214,7 +214,13 @@ class NSAAttention(Attention):
         seq = layout or WholeSequence(T)  # the positions this device's rows hold
         positions_T = seq.positions()
         decode = self.mode == "decode"
-        calls = BranchCalls(a, self.kernels or plan_kernels(a, seq.seq_len, jax.default_backend()))
+        if self.kernels is None:  # prefill and decode are never differentiated
+            backward, fits = self.mode == "train", cudnn_fits(cfg)
+            calls = BranchCalls(
+                a, plan_kernels(a, seq.seq_len, jax.default_backend(), backward=backward, cudnn_ok=fits)
+            )
+        else:
+            calls = BranchCalls(a, self.kernels)
 
         # RoPE's positions may differ from the token indices (train.rope_positions); the blocks,
         # the window and causality stay at the indices.

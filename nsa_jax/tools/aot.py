@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from nsa_jax import config
 from nsa_jax.config import Config, ModelConfig
-from nsa_jax.kernels import plan_kernels
+from nsa_jax.kernels import cudnn_fits, plan_kernels
 from nsa_jax.mesh import SEQ, make_mesh
 from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.nsa.layer import NSAAttention
@@ -311,7 +311,7 @@ def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str |
 def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, sharding=None):
     """(fn, abstract (params, x, ct)): the NSA layer's output and its VJP w.r.t. parameters and input,
     with the kernel plan of a GPU (kernels compiled, not interpreted, whatever this host is)."""
-    module = NSAAttention(cfg, kernels=plan_kernels(cfg.nsa, seq_len, "gpu"))
+    module = NSAAttention(cfg, kernels=plan_kernels(cfg.nsa, seq_len, "gpu", cudnn_ok=cudnn_fits(cfg)))
     x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
     params = jax.eval_shape(lambda xx: module.init(jax.random.PRNGKey(0), xx)["params"], x)
     if sharding is not None:

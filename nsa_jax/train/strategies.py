@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
-from nsa_jax.kernels import KernelPlan, plan_kernels
+from nsa_jax.kernels import KernelPlan, cudnn_fits, plan_kernels
 from nsa_jax.mesh import DATA, SEQ
 from nsa_jax.nsa.context import SeqLayout, seq_layout
 from nsa_jax.train.loss import Loss
@@ -172,7 +172,7 @@ class ShardingPlan:
         """
         backend = self.mesh.devices.flat[0].platform
         seq = self.cfg.train.seq_len if self.layout is None else self.layout.seq_len
-        return plan_kernels(model.nsa, seq, backend, self.kernel_fallback, self.layout)
+        return plan_kernels(model.nsa, seq, backend, self.kernel_fallback, self.layout, cudnn_ok=cudnn_fits(model))
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs of a fresh state that carry their shardings (AOT lowering, restore target)."""
