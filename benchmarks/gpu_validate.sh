@@ -22,8 +22,8 @@
 #              (kernels/cudnn.py), fwd and fwd+bwd, against dense cuDNN at COMPRESSED_SEQ_LENS
 #              (default 8192,32768,65536)
 #   flash      the flash kernels (window, compressed attention, block-sparse selection) with each of
-#              FLASH_VARIANTS (';'-separated FlashBlockSizes; default the tilings that compile without
-#              spills for sm_80 and sm_90 on the CPU host) beside today's tiles and cuDNN, fwd and
+#              FLASH_VARIANTS (';'-separated FlashBlockSizes; default two and three pipeline stages, each
+#              compiled without spills for sm_80 and sm_90 on the CPU host) beside today's tiles and cuDNN, fwd and
 #              fwd+bwd: window and compressed at FLASH_SEQ_LENS (default 8192,32768,65536), the
 #              block-sparse kernel at T=2048 with FLASH_BATCH rows (default 16, the training step's shape)
 #   attention  python -m benchmarks.bench_attention: the NSA layer vs dense attention over T
@@ -149,7 +149,8 @@ positions=2,num_warps=1;positions=4,num_warps=2"}
             --json "$out/compressed.json"
         ;;
     flash)
-        fv=${FLASH_VARIANTS:-"block_rows=128,num_warps=8;num_stages=3;block_rows=128,num_warps=8,num_stages=3"}
+        # Default: two and three pipeline stages (the compressed kernels run three, the window two).
+        fv=${FLASH_VARIANTS:-"num_stages=2;num_stages=3"}
         win="pallas,cudnn,$(echo "$fv" | sed 's/\([^;]*\)/pallas[\1]/g; s/;/,/g')"
         cmp="pallas-attn,cudnn-attn,$(echo "$fv" | sed 's/\([^;]*\)/pallas-attn[\1]/g; s/;/,/g')"
         bsp="blocksparse,$(echo "$fv" | sed 's/\([^;]*\)/blocksparse[\1]/g; s/;/,/g')"
