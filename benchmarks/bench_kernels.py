@@ -265,6 +265,13 @@ def parse_args(argv=None):
         help="runs of this many consecutive queries share one random selection (1: every query draws its own; "
         "a trained model's neighbours share most blocks, which the multi-position gather kernel exploits)",
     )
+    parser.add_argument(
+        "--idx-file",
+        default=None,
+        help="a model's own selections in place of random ones: an .npz written by experiments.selection_locality "
+        "--save-idx (its first --seq-lens positions and first KV heads of layer --idx-layer)",
+    )
+    parser.add_argument("--idx-layer", type=int, default=None, help="the --idx-file layer (default: its first)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--warmup", type=int, default=2)
@@ -276,7 +283,34 @@ def parse_args(argv=None):
     opts = parser.parse_args(argv)
     if opts.idx_runs < 1 or PROD["block_size"] % opts.idx_runs:
         raise SystemExit(f"error: --idx-runs {opts.idx_runs} must divide the block length {PROD['block_size']}")
+    if opts.idx_file and opts.idx_runs != 1:
+        raise SystemExit("error: --idx-runs draws random selections; --idx-file gives a model's: name one")
+    opts.real_idx = load_selections(opts.idx_file, opts.idx_layer) if opts.idx_file else None
     return opts
+
+
+def load_selections(path: str, layer: int | None) -> np.ndarray:
+    """[rows, T, K, n] block indices of one layer of an experiments.selection_locality --save-idx file."""
+    try:
+        f = np.load(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --idx-file {path}: cannot read it ({e})") from None
+    layers = sorted(int(k.removeprefix("idx_")) for k in f.files if k.startswith("idx_"))
+    if not layers:
+        raise SystemExit(f"error: --idx-file {path}: no idx_<layer> arrays (selection_locality --save-idx writes them)")
+    layer = layers[0] if layer is None else layer
+    if layer not in layers:
+        raise SystemExit(f"error: --idx-layer {layer}: {path} holds layers {layers}")
+    lp, n = int(f["lp"]), int(f["n"])
+    if (lp, n) != (PROD["block_size"], PROD["slots"]):
+        raise SystemExit(
+            f"error: --idx-file {path}: blocks of {lp} and n={n}, the benchmark's are {PROD['block_size']} and "
+            f"{PROD['slots']}"
+        )
+    idx = f[f"idx_{layer}"].astype(np.int32)
+    if idx.shape[2] < PROD["kv_heads"]:
+        raise SystemExit(f"error: --idx-file {path}: {idx.shape[2]} KV heads, the benchmark needs {PROD['kv_heads']}")
+    return idx[:, :, : PROD["kv_heads"]]
 
 
 def make_inputs(seq, opts, dtype):
@@ -288,6 +322,11 @@ def make_inputs(seq, opts, dtype):
     k = jax.random.normal(kk, shape_kv, dtype)
     v = jax.random.normal(kv, shape_kv, dtype)
     ct = jax.random.normal(kc, shape_q, dtype)
+    if opts.real_idx is not None:  # causal selections: a row's first `seq` positions choose among their own blocks
+        rows, length = opts.real_idx.shape[:2]
+        if seq > length or opts.batch > rows:
+            raise SystemExit(f"error: --idx-file holds {rows} rows of {length}: T={seq} x --batch {opts.batch} is more")
+        return q, k, v, ct, opts.real_idx[: opts.batch, :seq]
     idx = random_block_indices(np.random.default_rng(seq), opts.batch, seq, p["kv_heads"], p["slots"], p["block_size"])
     # Runs aligned to a divisor of lp share the current block, so the first query's draw is valid for all.
     idx = idx[:, (np.arange(seq) // opts.idx_runs) * opts.idx_runs]
@@ -374,6 +413,8 @@ def main(argv=None):
         selection_variants=variants,
         flash_variants=flash_variants,
         idx_runs=opts.idx_runs,
+        idx_file=opts.idx_file,
+        idx_layer=opts.idx_layer,
         pallas_skipped=not gpu,
     )
     write_json(opts.json, meta, rows)

@@ -18,7 +18,11 @@ under random selections and won with runs of 8 positions sharing a selection
 (loads 0.25 at P=4); where a trained model lies between is what this prints.
 
     python -m experiments.selection_locality --ckpt RUN/checkpoints/STEP|MODEL_FOLDER [--length L] \\
-        [--rows 4] [--text FILE ...] [--json OUT]
+        [--rows 4] [--text FILE ...] [--json OUT] [--save-idx FILE.npz --save-layers 0,14,29]
+
+`--save-idx` keeps the selections themselves (one checkpoint): int16 block indices
+[rows, L, K, n] of each of `--save-layers` as `idx_<layer>`, with `lp`, `n` and the
+checkpoint, for `benchmarks.bench_kernels --idx-file` to time the kernels on.
 """
 
 from __future__ import annotations
@@ -82,6 +86,17 @@ def locality(idx_BxTxKxN: np.ndarray) -> dict[str, float]:
     return out | {"same_set": same_set_share(idx_BxTxKxN)}
 
 
+def save_selections(out: str, idx_LxBxTxKxN: np.ndarray, layers: list[int], res: dict) -> None:
+    """`layers`' selections as int16 `idx_<layer>` [rows, T, K, n] in `out` (compressed npz)."""
+    bad = [i for i in layers if not 0 <= i < len(idx_LxBxTxKxN)]
+    if bad:
+        raise SystemExit(f"error: --save-layers {bad}: the model has layers 0..{len(idx_LxBxTxKxN) - 1}")
+    arrays = {f"idx_{i}": idx_LxBxTxKxN[i].astype(np.int16) for i in layers}
+    meta = {k: np.asarray(res[k]) for k in ("checkpoint", "length", "lp", "n")}
+    np.savez_compressed(out, **arrays, **meta)
+    print(f"wrote {out}: layers {layers}, [rows, T, K, n] = {list(idx_LxBxTxKxN.shape[1:])}")
+
+
 def measure(path: str, length: int | None, rows: int, text: list[str]) -> dict:
     cfg, params = load_model(path)
     a = cfg.model.nsa
@@ -97,7 +112,8 @@ def measure(path: str, length: int | None, rows: int, text: list[str]) -> dict:
     layers = [locality(idx) for idx in idx_LxBxTxKxN]
     B, T, K, N = idx_LxBxTxKxN.shape[1:]
     rand = locality(random_block_indices(np.random.default_rng(0), B, T, K, N, a.lp))
-    return dict(checkpoint=path, length=L, rows=rows, lp=a.lp, n=a.n, layers=layers, random=rand)
+    res = dict(checkpoint=path, length=L, rows=rows, lp=a.lp, n=a.n, layers=layers, random=rand)
+    return res | {"idx": idx_LxBxTxKxN}
 
 
 def print_report(res: dict) -> None:
@@ -128,16 +144,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=4, help="held-out rows (default 4)")
     p.add_argument("--text", nargs="*", default=[], help="held-out text files (default: the run's val split)")
     p.add_argument("--json", default=None, help="write the figures of every checkpoint to this JSON file")
+    p.add_argument("--save-idx", default=None, help="write the selections of --save-layers to this .npz (one --ckpt)")
+    p.add_argument("--save-layers", default="0", help="comma-separated layers for --save-idx (default 0)")
     args = p.parse_args(argv)
     if args.rows < 1 or (args.length is not None and args.length < 2):
         raise SystemExit("error: --rows must be >= 1 and --length >= 2")
+    if args.save_idx and len(args.ckpt) != 1:
+        raise SystemExit("error: --save-idx takes the selections of one --ckpt")
+    try:
+        save_layers = [int(x) for x in args.save_layers.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --save-layers {args.save_layers!r}: comma-separated layer numbers") from None
     results = []
     for path in args.ckpt:
         try:
-            results.append(measure(path, args.length, args.rows, args.text))
+            res = measure(path, args.length, args.rows, args.text)
         except (CheckpointError, ValueError, OSError) as e:
             raise SystemExit(f"error: {path}: {e}") from None
-        print_report(results[-1])
+        idx = res.pop("idx")
+        results.append(res)
+        print_report(res)
+        if args.save_idx:
+            save_selections(args.save_idx, idx, save_layers, res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

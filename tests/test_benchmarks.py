@@ -340,3 +340,30 @@ def test_bench_pretrained_fit_shapes_are_the_published_models_and_bad_names_are_
         assert parameter_counts(m)["total"] - L * (extra_kv + gates) == dense, name
     assert PF.main(["--models", "smollm2-135m,gpt2"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown --models gpt2; known: smollm2-135m")
+
+
+def test_a_models_saved_selections_are_what_bench_kernels_times(tmp_path):
+    """selection_locality --save-idx writes a layer's selections; bench_kernels --idx-file reads them back
+    (the first KV heads, the first T positions) in place of random ones, and refuses a file of another
+    block geometry or a layer it lacks with one line."""
+    from benchmarks import bench_kernels as BK
+    from experiments.selection_locality import save_selections
+    from nsa_jax.kernels.reference import random_block_indices
+
+    rng = np.random.default_rng(0)
+    idx = np.stack([random_block_indices(rng, 2, 512, 3, 16, 64) for _ in range(3)])  # [layers, rows, T, K, n]
+    res = {"checkpoint": "ckpt", "length": 512, "lp": 64, "n": 16}
+    out = tmp_path / "sel.npz"
+    save_selections(str(out), idx, [0, 2], res)
+    got = BK.load_selections(str(out), 2)
+    np.testing.assert_array_equal(got, idx[2][:, :, :2])  # the benchmark's two KV heads of three
+    opts = BK.parse_args(["--idx-file", str(out), "--idx-layer", "2", "--batch", "2"])
+    *_, used = BK.make_inputs(256, opts, jnp.bfloat16)
+    np.testing.assert_array_equal(used, idx[2][:, :256, :2])
+    with pytest.raises(SystemExit, match="holds layers \\[0, 2\\]"):
+        BK.load_selections(str(out), 1)
+    with pytest.raises(SystemExit, match="holds 2 rows of 512"):
+        BK.make_inputs(1024, opts, jnp.bfloat16)
+    save_selections(str(out), idx, [0], res | {"lp": 32})
+    with pytest.raises(SystemExit, match="blocks of 32 and n=16, the benchmark's are 64 and 16"):
+        BK.load_selections(str(out), None)
