@@ -124,11 +124,17 @@ def main() -> None:
     print(f"backend {jax.default_backend()} | {len(jax.devices())} x {dev.device_kind}")
     batches = [None] if not args.global_batches else [int(b) for b in args.global_batches.split(",") if b]
     variants = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
-    rows, failed = [], []
+    rows, failed, seen = [], [], set()
     for name in args.configs.split(","):
         for batch, variant in [(b, v) for b in batches for v in variants]:
             extra = [] if batch is None else [f"train.global_batch={batch}"]
             extra += [kv.strip() for kv in variant.split(",") if kv.strip()]
+            # A variant that sets its own batch is timed once, not once per --global-batches entry.
+            pairs = (kv.partition("=") for kv in [*args.overrides, *extra])
+            settings = (name, tuple(sorted({k.strip(): v.strip() for k, _, v in pairs}.items())))
+            if settings in seen:
+                continue
+            seen.add(settings)
             try:
                 r = bench(name, [*args.overrides, *extra], args.steps, variant)
             except Exception as e:  # one failing variant must not cost the others' rows and the peak

@@ -367,3 +367,19 @@ def test_a_models_saved_selections_are_what_bench_kernels_times(tmp_path):
     save_selections(str(out), idx, [0], res | {"lp": 32})
     with pytest.raises(SystemExit, match="blocks of 32 and n=16, the benchmark's are 64 and 16"):
         BK.load_selections(str(out), None)
+
+
+@pytest.mark.slow
+def test_bench_train_times_each_setting_once_and_a_failing_one_costs_no_other_row(tmp_path):
+    """--global-batches x --variants: a variant that names its own batch is timed once; a variant that fails
+    (a bad config) is reported, the other rows and the peak still come out, and the exit status says so."""
+    out = tmp_path / "train.json"
+    small = ["--set", "model.n_layers=1", "--set", "train.seq_len=128", "--set", "train.accumulate=1"]
+    args = ["--configs", "cpu_tiny", *small, "--steps", "1", "--peak-n", "64", "--global-batches", "2,4"]
+    args += ["--variants", "train.global_batch=2,model.nsa.lp=7", "--json", str(out)]
+    proc = run_cli("benchmarks.bench_train", *args, timeout=600, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert sorted(r["global_batch"] for r in data["rows"]) == [2, 4] and all(r["mfu"] > 0 for r in data["rows"])
+    assert len(data["failed"]) == 1 and "model.nsa.lp=7" in data["failed"][0] and "ConfigError" in data["failed"][0]
+    assert "error: 1 of 3 rows failed" in proc.stderr
