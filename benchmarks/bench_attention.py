@@ -60,7 +60,7 @@ from benchmarks.common import (
     write_json,
 )
 from nsa_jax.config import ModelConfig, load_config
-from nsa_jax.kernels import plan_kernels
+from nsa_jax.kernels import cudnn_fits, plan_kernels
 from nsa_jax.layers import rope
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
@@ -322,7 +322,12 @@ def run(opts) -> tuple[dict, list[dict]]:
     backward = opts.backward if opts.backward is not None else gpu
     modes = ["fwd"] + (["fwd+bwd"] if backward else [])
     backend = jax.default_backend()
-    impl = plan_kernels(a, seq_lens[0], backend).describe()
+
+    # The layer's own plan (NSAAttention without kernels: a training layer, so with a backward).
+    def plan_at(model, T):
+        return plan_kernels(model.nsa, T, backend, cudnn_ok=cudnn_fits(model)).describe()
+
+    impl = plan_at(cfg, seq_lens[0])
     # On a GPU the strongest dense baseline is cuDNN's fused attention.
     dense_variants = dense_choice(opts.dense, gpu)
     print(
@@ -330,9 +335,9 @@ def run(opts) -> tuple[dict, list[dict]]:
         f"Dv={cfg.v_head_dim} | NSA l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} branches={','.join(a.branches)} "
         f"kernels cmp/slc/win={impl['cmp']}/{impl['slc']}/{impl['win']} query_chunk={a.query_chunk}"
     )
-    by_len = {T: plan_kernels(a, T, backend).describe()["slc"] for T in seq_lens}
-    if len(set(by_len.values())) > 1 or by_len[seq_lens[0]] != impl["slc"]:
-        print("selection kernel by T: " + ", ".join(f"{T} {k.split('/')[-1]}" for T, k in by_len.items()))
+    by_len = {T: (plan_at(cfg, T)["slc"].split("/")[-1], plan_at(cfg, T)["cmp"]) for T in seq_lens}
+    if len(set(by_len.values())) > 1:
+        print("selection / compressed kernels by T: " + ", ".join(f"{T} {s} / {c}" for T, (s, c) in by_len.items()))
     print(
         f"dtype {dtype}, batch {opts.batch}, warmup {opts.warmup}, median of {opts.iters} calls "
         f"(fewer once a program's timed calls pass {opts.max_seconds:g} s); "
@@ -355,7 +360,7 @@ def run(opts) -> tuple[dict, list[dict]]:
     for name, variant in opts.variant_cfgs.items():
         layers[name] = NSAAttention(variant)
         params[name] = params["nsa"]
-        variant_kernels[name] = plan_kernels(variant.nsa, seq_lens[0], backend).describe()
+        variant_kernels[name] = plan_at(variant, seq_lens[0])
         print(f"{name}: kernels cmp/slc/win=" + "/".join(variant_kernels[name][b] for b in ("cmp", "slc", "win")))
     dense_params = None
     for variant in dense_variants:

@@ -51,7 +51,7 @@ from benchmarks.common import (
     write_json,
 )
 from nsa_jax.config import Config, load_config
-from nsa_jax.kernels import plan_kernels
+from nsa_jax.kernels import cudnn_fits, plan_kernels
 from nsa_jax.model import NSALM, cross_entropy, init_params
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.tools.aot import train_step_args
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     base = load_config(opts.config, [f"train.seq_len={opts.seq_len}", *opts.set])
     depths = parse_ints(opts.n_layers) if opts.n_layers else [base.model.n_layers]
     m, t = base.model, base.train
-    impl = plan_kernels(m.nsa, t.seq_len, jax.default_backend()).describe()
+    impl = plan_kernels(m.nsa, t.seq_len, jax.default_backend(), cudnn_ok=cudnn_fits(m)).describe()
     print(
         f"config {opts.config}: L={m.n_layers} D={m.d_model} H={m.n_heads} K={m.n_kv_heads} F={m.d_ff} "
         f"V={m.vocab_size} dtype={m.dtype} | T={t.seq_len} micro-batch B={t.global_batch} "

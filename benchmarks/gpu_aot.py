@@ -38,7 +38,7 @@ from pathlib import Path
 from benchmarks.common import config_meta, fmt_mib, log, parse_ints, short_error, write_json
 from launch.cli import Parser, UsageError
 from nsa_jax.config import ConfigError, load_config
-from nsa_jax.kernels import plan_kernels
+from nsa_jax.kernels import cudnn_fits, plan_kernels
 from nsa_jax.tools import aot, hlo_traffic, xla_dump
 
 DEFAULT_SEQ_LENS = "2k,8k,32k,64k,128k"
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
         dtype=cfg.model.dtype,
         seq_lens=seq_lens,
         # What each branch runs on the cards (the GPU plan at the step's T; the selection kernel follows T).
-        kernels=plan_kernels(cfg.model.nsa, cfg.train.seq_len, "gpu").describe(),
+        kernels=plan_kernels(cfg.model.nsa, cfg.train.seq_len, "gpu", cudnn_ok=cudnn_fits(cfg.model)).describe(),
         note="memory from memory_analysis() per device; total = argument + output + temp - alias; "
         "launches = static thunks x known_trip_count of enclosing loops; kernels = pallas + gemm + fusions + copies",
     )

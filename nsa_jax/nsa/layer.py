@@ -214,7 +214,7 @@ class NSAAttention(Attention):
         seq = layout or WholeSequence(T)  # the positions this device's rows hold
         positions_T = seq.positions()
         decode = self.mode == "decode"
-        if self.kernels is None:  # prefill and decode are never differentiated
+        if self.kernels is None:  # this config's plan here; prefill and decode are never differentiated
             backward, fits = self.mode == "train", cudnn_fits(cfg)
             calls = BranchCalls(
                 a, plan_kernels(a, seq.seq_len, jax.default_backend(), backward=backward, cudnn_ok=fits)

@@ -38,7 +38,7 @@ import jax
 from tensorboardX import SummaryWriter
 
 from nsa_jax.config import Config
-from nsa_jax.kernels import plan_kernels
+from nsa_jax.kernels import cudnn_fits, plan_kernels
 from nsa_jax.rundir import files as rf
 
 # Torch-runbook variables that are accepted and do nothing here, and why.
@@ -137,7 +137,7 @@ def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None, kernel_pl
     environ = dict(os.environ)
     if kernel_plans is None:
         backend = mesh.devices.flat[0].platform
-        kernel_plans = [(0, plan_kernels(cfg.model.nsa, cfg.train.seq_len, backend))]
+        kernel_plans = [(0, plan_kernels(cfg.model.nsa, cfg.train.seq_len, backend, cudnn_ok=cudnn_fits(cfg.model)))]
     phases = [{"from_step": start, **plan.describe()} for start, plan in kernel_plans]
     return {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
