@@ -335,7 +335,7 @@ def run(opts) -> tuple[dict, list[dict]]:
         f"Dv={cfg.v_head_dim} | NSA l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} branches={','.join(a.branches)} "
         f"kernels cmp/slc/win={impl['cmp']}/{impl['slc']}/{impl['win']} query_chunk={a.query_chunk}"
     )
-    by_len = {T: (plan_at(cfg, T)["slc"].split("/")[-1], plan_at(cfg, T)["cmp"]) for T in seq_lens}
+    by_len = {T: (d["slc"].split("/")[-1], d["cmp"]) for T in seq_lens for d in [plan_at(cfg, T)]}
     if len(set(by_len.values())) > 1:
         print("selection / compressed kernels by T: " + ", ".join(f"{T} {s} / {c}" for T, (s, c) in by_len.items()))
     print(

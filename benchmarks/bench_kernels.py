@@ -292,10 +292,14 @@ def parse_args(argv=None):
 def load_selections(path: str, layer: int | None) -> np.ndarray:
     """[rows, T, K, n] block indices of one layer of an experiments.selection_locality --save-idx file."""
     try:
-        f = np.load(path)
+        with np.load(path) as f:
+            return _layer_selections(path, dict(f), layer)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --idx-file {path}: cannot read it ({e})") from None
-    layers = sorted(int(k.removeprefix("idx_")) for k in f.files if k.startswith("idx_"))
+
+
+def _layer_selections(path: str, f: dict, layer: int | None) -> np.ndarray:
+    layers = sorted(int(k.removeprefix("idx_")) for k in f if k.startswith("idx_"))
     if not layers:
         raise SystemExit(f"error: --idx-file {path}: no idx_<layer> arrays (selection_locality --save-idx writes them)")
     layer = layers[0] if layer is None else layer

@@ -88,20 +88,21 @@ def locality(idx_BxTxKxN: np.ndarray) -> dict[str, float]:
 
 def save_selections(out: str, idx_LxBxTxKxN: np.ndarray, layers: list[int], res: dict) -> None:
     """`layers`' selections as int16 `idx_<layer>` [rows, T, K, n] in `out` (compressed npz)."""
-    bad = [i for i in layers if not 0 <= i < len(idx_LxBxTxKxN)]
-    if bad:
-        raise SystemExit(f"error: --save-layers {bad}: the model has layers 0..{len(idx_LxBxTxKxN) - 1}")
     arrays = {f"idx_{i}": idx_LxBxTxKxN[i].astype(np.int16) for i in layers}
     meta = {k: np.asarray(res[k]) for k in ("checkpoint", "length", "lp", "n")}
     np.savez_compressed(out, **arrays, **meta)
     print(f"wrote {out}: layers {layers}, [rows, T, K, n] = {list(idx_LxBxTxKxN.shape[1:])}")
 
 
-def measure(path: str, length: int | None, rows: int, text: list[str]) -> dict:
+def measure(path: str, length: int | None, rows: int, text: list[str], keep: list[int] = ()) -> tuple[dict, np.ndarray]:
+    """(the figures, the block indices [layers, rows, T, K, n]); `keep`: layers to be saved, checked first."""
     cfg, params = load_model(path)
     a = cfg.model.nsa
     if "slc" not in a.branches:
         raise SystemExit(f"error: {path}: the model has no selection branch (model.nsa.branches={a.branches})")
+    bad = [i for i in keep if not 0 <= i < cfg.model.n_layers]
+    if bad:  # before the forward, which takes minutes at long L
+        raise SystemExit(f"error: --save-layers {bad}: the model has layers 0..{cfg.model.n_layers - 1}")
     L = length or cfg.train.seq_len
     tokens_BxT1 = TextRows(cfg, text)(L, rows)
     model = NSALM(inference_config(cfg.model))
@@ -112,8 +113,7 @@ def measure(path: str, length: int | None, rows: int, text: list[str]) -> dict:
     layers = [locality(idx) for idx in idx_LxBxTxKxN]
     B, T, K, N = idx_LxBxTxKxN.shape[1:]
     rand = locality(random_block_indices(np.random.default_rng(0), B, T, K, N, a.lp))
-    res = dict(checkpoint=path, length=L, rows=rows, lp=a.lp, n=a.n, layers=layers, random=rand)
-    return res | {"idx": idx_LxBxTxKxN}
+    return dict(checkpoint=path, length=L, rows=rows, lp=a.lp, n=a.n, layers=layers, random=rand), idx_LxBxTxKxN
 
 
 def print_report(res: dict) -> None:
@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for path in args.ckpt:
         try:
-            res = measure(path, args.length, args.rows, args.text)
+            keep = save_layers if args.save_idx else []
+            res, idx = measure(path, args.length, args.rows, args.text, keep)
         except (CheckpointError, ValueError, OSError) as e:
             raise SystemExit(f"error: {path}: {e}") from None
-        idx = res.pop("idx")
         results.append(res)
         print_report(res)
         if args.save_idx:
