@@ -116,7 +116,7 @@ class NSALM(ModelPart):
             # as scanned xs/ys: a scan's ys would rewrite the whole cache every step.
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0},
+                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0, "scorer_inputs": 0},
                 variable_carry="cache",
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast),
@@ -128,7 +128,7 @@ class NSALM(ModelPart):
         elif cfg.scan_layers:
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0},
+                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0, "scorer_inputs": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.n_layers,

@@ -249,3 +249,66 @@ def test_selection_locality_cli_reads_a_checkpoint(tmp_path):
             assert 1 / p - 1e-9 <= r[f"loads_p{p}"] <= 1.0
     missing = run_cli("experiments.selection_locality", "--ckpt", str(tmp_path / "nowhere"), check=False)
     assert missing.returncode != 0 and "error:" in missing.stderr
+
+
+def _recall_reference(q, k, idx, lp):
+    """Float64 loops: (recall, best) of every query, from the module docstring's definitions."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    B, T, H, D = q.shape
+    K, N = k.shape[2], idx.shape[-1]
+    G, Nb = H // K, -(-T // lp)
+    out = np.ones((B, T, K, 2))
+    for b in range(B):
+        for t in range(N * lp, T):
+            for kv in range(K):
+                mass = np.zeros(Nb)
+                for h in range(kv * G, (kv + 1) * G):
+                    s = k[b, : t + 1, kv] @ q[b, t, h] / np.sqrt(D)
+                    p = np.exp(s - s.max())
+                    np.add.at(mass, np.arange(t + 1) // lp, p / p.sum() / G)
+                chosen = {int(i) for i in idx[b, t, kv] if i >= 0}
+                forced = {0, t // lp - 1, t // lp}
+                free = sorted((mass[j] for j in range(Nb) if j not in forced and j <= t // lp), reverse=True)
+                out[b, t, kv] = sum(mass[j] for j in chosen), sum(mass[j] for j in forced) + sum(free[: N - 3])
+    return out
+
+
+def test_selection_recall_measures_the_selected_and_the_best_blocks_against_loops():
+    from experiments.selection_recall import buckets, recall_and_best
+    from nsa_jax.kernels.reference import random_block_indices
+
+    B, T, H, K, D, lp, N = 2, 70, 4, 2, 8, 8, 4
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    q = jax.random.normal(keys[0], (B, T, H, D)) * 2.0
+    k = jax.random.normal(keys[1], (B, T, K, D)) * 2.0
+    idx = random_block_indices(np.random.default_rng(3), B, T, K, N, lp)
+    got = recall_and_best(q, k, idx, lp=lp, chunk=16)  # T not a multiple of the chunk
+    ref = _recall_reference(q, k, idx, lp)
+    np.testing.assert_allclose(got, ref, atol=2e-5)
+    real = got[:, N * lp :]
+    assert np.all(real[..., 0] <= real[..., 1] + 1e-6) and real[..., 0].min() < 0.9  # random choices miss mass
+    assert buckets(1024, 8192) == [(1024, 2048), (2048, 4096), (4096, 8192)]
+    assert buckets(1024, 3000) == [(1024, 2048), (2048, 3000)]
+
+
+@pytest.mark.slow
+def test_selection_recall_cli_reads_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    sets = set_flags([*TINY_RUN, "train.seq_len=128", "logging.tensorboard=false"])
+    train = run_module("launch.train", "--config", "cpu_tiny", "--steps", "1", "--out-dir", str(out), *sets)
+    assert train.returncode == 0, train.stderr[-2000:]
+    text = tmp_path / "text.txt"
+    text.write_text("All work and no play makes a dull model. " * 40)
+    report = tmp_path / "recall.json"
+    # cpu_tiny selects n=4 blocks of lp=32: every block up to 128, a real choice beyond.
+    args = ["--ckpt", str(out), "--length", "256", "--text", str(text)]
+    proc = run_cli("experiments.selection_recall", *args, "--json", str(report))
+    assert "best n blocks" in proc.stdout and "mean" in proc.stdout
+    (res,) = json.loads(report.read_text())
+    assert res["length"] == 256 and len(res["layers"]) == 1 and list(res["mean"]) == ["128-256"]
+    for recall, best in res["layers"][0].values():
+        assert 0.0 < recall <= best + 1e-6 <= 1.0 + 2e-6
+    short = run_cli("experiments.selection_recall", "--ckpt", str(out), "--length", "128", check=False)
+    assert short.returncode != 0 and "n*lp" in short.stderr
+    missing = run_cli("experiments.selection_recall", "--ckpt", str(tmp_path / "nowhere"), check=False)
+    assert missing.returncode != 0 and "error:" in missing.stderr

@@ -16,33 +16,57 @@ import jax.numpy as jnp
 from nsa_jax.kernels.xla import map_query_chunks, masked_softmax
 
 
-def _block_scores_body(kc_BxTcxKxDk: jax.Array, T: int, *, l: int, d: int, lp: int, scale: float):
-    """(start, q [B, C, H, Dk]) -> differentiable block scores [B, C, K, Nb], normalised per query.
+def free_blocks(t_C: jax.Array, n_blocks: int, lp: int) -> jax.Array:
+    """[C, Nb] bool: the blocks query t may choose, 1 .. t//lp - 2 (block 0 and the two local
+    blocks are forced whatever the scores say)."""
+    j_Nb = jnp.arange(n_blocks, dtype=jnp.int32)
+    return (j_Nb[None, :] >= 1) & (j_Nb[None, :] <= t_C[:, None] // lp - 2)
 
-    The compressed probabilities summed over the group's heads (Eq. 10) and over the
-    compressed tokens overlapping each block (Eq. 9 with aligned indices), as in
-    block_scores_from_cmp, but written as a matmul: its reduce_window has no gradient
-    inside a rematerialised map.
-    """
-    B, Tc, K, Dk = kc_BxTcxKxDk.shape
+
+def full_block_mass(q_BxCxHxDk: jax.Array, k_BxTxKxDk: jax.Array, t_C: jax.Array, *, lp: int, scale: float):
+    """[B, C, K, Nb] float32: where the selection branch's attention would go with every earlier key
+    visible. Queries at positions t_C against all causal keys, softmax per head, summed per
+    selection block of lp keys and averaged over the group's heads; each row sums to 1."""
+    B, C, H, Dk = q_BxCxHxDk.shape
+    T, K = k_BxTxKxDk.shape[1], k_BxTxKxDk.shape[2]
     n_blocks = -(-T // lp)
-    end_Tc = jnp.arange(Tc, dtype=jnp.int32) * d + l - 1
-    kc = kc_BxTcxKxDk.astype(jnp.float32)
-    start_Tc = jnp.arange(Tc)[:, None] * d
-    j_Nb = jnp.arange(n_blocks)[None, :]
-    overlap_TcxNb = ((start_Tc < (j_Nb + 1) * lp) & (start_Tc + l > j_Nb * lp)).astype(jnp.float32)
+    k = jnp.pad(k_BxTxKxDk, [(0, 0), (0, n_blocks * lp - T), (0, 0), (0, 0)]).astype(jnp.float32)
+    qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
+    s = jnp.einsum("bckgd,btkd->bckgt", qg, k) * scale
+    causal = (jnp.arange(n_blocks * lp, dtype=jnp.int32)[None, :] <= t_C[:, None])[None, :, None, None, :]
+    p = masked_softmax(s, causal)
+    return jnp.mean(p.reshape(B, C, K, H // K, n_blocks, lp).sum(-1), axis=3)
 
-    def body(start, q_BxCxHxDk):
-        C, H = q_BxCxHxDk.shape[1], q_BxCxHxDk.shape[2]
-        t_C = start + jnp.arange(C, dtype=jnp.int32)
-        qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
-        s_cmp = jnp.einsum("bckgd,bikd->bckgi", qg, kc) * scale
-        vis_cmp = (end_Tc[None, :] <= t_C[:, None])[None, :, None, None, :]
-        p_cmp = jnp.where(vis_cmp, jax.nn.softmax(jnp.where(vis_cmp, s_cmp, -1e30), axis=-1), 0.0)
-        sc = jnp.einsum("bcki,ij->bckj", jnp.sum(p_cmp, axis=3), overlap_TcxNb)
-        return sc / jnp.maximum(jnp.sum(sc, axis=-1, keepdims=True), 1e-9)
 
-    return body
+def compressed_block_scores(
+    q_BxCxHxDk: jax.Array, kc_BxTcxKxDk: jax.Array, t_C: jax.Array, n_blocks: int, *, l: int, d: int, lp: int, scale
+):
+    """[B, C, K, Nb] float32, differentiable in the compressed keys: the block scores (Eq. 9-10) that
+    choose query t's blocks. The compressed probabilities summed over the group's heads and over
+    the compressed tokens overlapping each block, as kernels/xla.py block_scores_from_cmp, but
+    written as a matmul: its reduce_window has no gradient inside a rematerialised map."""
+    B, C, H, Dk = q_BxCxHxDk.shape
+    Tc, K = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2]
+    start_Tc = jnp.arange(Tc, dtype=jnp.int32) * d
+    j_Nb = jnp.arange(n_blocks, dtype=jnp.int32)
+    overlap_TcxNb = ((start_Tc[:, None] < (j_Nb[None, :] + 1) * lp) & (start_Tc[:, None] + l > j_Nb[None, :] * lp)).astype(
+        jnp.float32
+    )
+    qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
+    s_cmp = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk.astype(jnp.float32)) * scale
+    vis_cmp = ((start_Tc + l - 1)[None, :] <= t_C[:, None])[None, :, None, None, :]
+    p_cmp = jnp.where(vis_cmp, jax.nn.softmax(jnp.where(vis_cmp, s_cmp, -1e30), axis=-1), 0.0)
+    return jnp.einsum("bcki,ij->bckj", jnp.sum(p_cmp, axis=3), overlap_TcxNb)
+
+
+def free_kl(target_BxCxKxNb: jax.Array, scores_BxCxKxNb: jax.Array, free_CxNb: jax.Array) -> jax.Array:
+    """[B, C, K]: KL(target || scores), both restricted to the free blocks and renormalised there."""
+    free = free_CxNb[None, :, None, :]
+    target = jnp.where(free, target_BxCxKxNb, 0.0)
+    target = target / jnp.maximum(jnp.sum(target, -1, keepdims=True), 1e-12)
+    sc = jnp.where(free, scores_BxCxKxNb, 0.0)
+    log_sc = jnp.log(jnp.maximum(sc, 1e-30)) - jnp.log(jnp.maximum(jnp.sum(sc, -1, keepdims=True), 1e-30))
+    return jnp.sum(jnp.where(free & (target > 0), target * (jnp.log(jnp.maximum(target, 1e-30)) - log_sc), 0.0), -1)
 
 
 def score_distill_kl(
@@ -74,33 +98,20 @@ def score_distill_kl(
     """
     B, T, H, Dk = q_BxTxHxDk.shape
     Tc, K = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2]
-    G = H // K
     n_blocks = -(-T // lp)
     scale = Dk**-0.5 if scale is None else scale
     if Tc == 0 or n_blocks < 4:  # no query has two free candidates
         return jnp.zeros((), jnp.float32)
     q_sg = jax.lax.stop_gradient(q_BxTxHxDk)
-    pad = n_blocks * lp - T
-    k_sg = jax.lax.stop_gradient(jnp.pad(k_BxTxKxDk, [(0, 0), (0, pad), (0, 0), (0, 0)])).astype(jnp.float32)
-    p_Tp = jnp.arange(n_blocks * lp, dtype=jnp.int32)
-    j_Nb = jnp.arange(n_blocks, dtype=jnp.int32)
-    scores_body = _block_scores_body(kc_BxTcxKxDk, T, l=l, d=d, lp=lp, scale=scale)
+    k_sg = jax.lax.stop_gradient(k_BxTxKxDk)
 
     def body(start, q_BxCxHxDk):
         C = q_BxCxHxDk.shape[1]
         t_C = start + jnp.arange(C, dtype=jnp.int32)
-        qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, G, Dk)
-        s = jnp.einsum("bckgd,btkd->bckgt", qg, k_sg) * scale
-        causal = (p_Tp[None, :] <= t_C[:, None])[None, :, None, None, :]
-        p = masked_softmax(s, causal)
-        target = jnp.mean(p.reshape(B, C, K, G, n_blocks, lp).sum(-1), axis=3)  # [B, C, K, Nb]
-        free_CxNb = (j_Nb[None, :] >= 1) & (j_Nb[None, :] <= t_C[:, None] // lp - 2)
-        free = free_CxNb[None, :, None, :]
-        target = jnp.where(free, target, 0.0)
-        target = target / jnp.maximum(jnp.sum(target, -1, keepdims=True), 1e-12)
-        sc = jnp.where(free, scores_body(start, q_BxCxHxDk), 0.0)
-        log_sc = jnp.log(jnp.maximum(sc, 1e-30)) - jnp.log(jnp.maximum(jnp.sum(sc, -1, keepdims=True), 1e-30))
-        kl = jnp.sum(jnp.where(free & (target > 0), target * (jnp.log(jnp.maximum(target, 1e-30)) - log_sc), 0.0), -1)
+        target = full_block_mass(q_BxCxHxDk, k_sg, t_C, lp=lp, scale=scale)
+        scores = compressed_block_scores(q_BxCxHxDk, kc_BxTcxKxDk, t_C, n_blocks, l=l, d=d, lp=lp, scale=scale)
+        free_CxNb = free_blocks(t_C, n_blocks, lp)
+        kl = free_kl(target, scores, free_CxNb)
         counts = (jnp.sum(free_CxNb, -1) >= 2) & (t_C < T)
         return kl * counts[None, :, None], jnp.broadcast_to(counts[None, :, None], kl.shape).astype(jnp.float32)
 

@@ -7,7 +7,8 @@ and kernels/; this module wires them and reports statistics: `intermediates`
 gate entropy, share of selected blocks beyond the window and compressed vs
 selection key/value scale, which aux_stats finishes; for training logs). When
 the caller makes the `losses` collection mutable, it sows the block scorer's
-distillation KL there (distill.py; the train step weighs it).
+distillation KL there (distill.py; the train step weighs it); a mutable
+`scorer_inputs` gets the queries and selection keys the scorer works from.
 
 It also owns decoding (docs/NSA.md "Decode") through the same
 submodules: `mode="prefill"` runs the training path over a right-padded prompt
@@ -282,6 +283,10 @@ class NSAAttention(Attention):
             with jax.named_scope("nsa_slc"):
                 kl = scorer_kl(a, x_BxTxD, qk_parts[1], norms[1] if norms else None, roped, cmp_k, q, k_slc, dtype)
             self.sow("losses", "scorer_kl", kl)
+        if "slc" in a.branches and self.is_mutable_collection("scorer_inputs"):
+            # What the block scorer works from, for experiments (experiments/selection_recall.py).
+            self.sow("scorer_inputs", "queries", q)
+            self.sow("scorer_inputs", "selection_keys", k_slc)
         if self.mode == "prefill":
             fill_cache(cfg, cache, layer, pos_B, kv, *compressed["whole"])
         if "slc" in a.branches:
