@@ -229,14 +229,22 @@ def test_selection_locality_counts_the_blocks_a_program_of_p_positions_loads():
         assert figures[f"union_p{p}"] == pytest.approx(np.mean(sizes)), p
 
 
-@pytest.mark.slow
-def test_selection_locality_cli_reads_a_checkpoint(tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(a one-step cpu_tiny run at T=128, a text file): what the checkpoint-reading CLIs read."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    out = root / "run"
     sets = set_flags([*TINY_RUN, "train.seq_len=128", "logging.tensorboard=false"])
     train = run_module("launch.train", "--config", "cpu_tiny", "--steps", "1", "--out-dir", str(out), *sets)
     assert train.returncode == 0, train.stderr[-2000:]
-    text = tmp_path / "text.txt"
+    text = root / "text.txt"
     text.write_text("All work and no play makes a dull model. " * 40)
+    return out, text
+
+
+@pytest.mark.slow
+def test_selection_locality_cli_reads_a_checkpoint(tmp_path, tiny_run):
+    out, text = tiny_run
     report = tmp_path / "locality.json"
     proc = run_cli(
         "experiments.selection_locality", "--ckpt", str(out), "--rows", "2", "--text", str(text), "--json", str(report)
@@ -292,13 +300,8 @@ def test_selection_recall_measures_the_selected_and_the_best_blocks_against_loop
 
 
 @pytest.mark.slow
-def test_selection_recall_cli_reads_a_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    sets = set_flags([*TINY_RUN, "train.seq_len=128", "logging.tensorboard=false"])
-    train = run_module("launch.train", "--config", "cpu_tiny", "--steps", "1", "--out-dir", str(out), *sets)
-    assert train.returncode == 0, train.stderr[-2000:]
-    text = tmp_path / "text.txt"
-    text.write_text("All work and no play makes a dull model. " * 40)
+def test_selection_recall_cli_reads_a_checkpoint(tmp_path, tiny_run):
+    out, text = tiny_run
     report = tmp_path / "recall.json"
     # cpu_tiny selects n=4 blocks of lp=32: every block up to 128, a real choice beyond.
     args = ["--ckpt", str(out), "--length", "256", "--text", str(text)]
