@@ -49,14 +49,12 @@ def compressed_block_scores(
     Tc, K = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2]
     start_Tc = jnp.arange(Tc, dtype=jnp.int32) * d
     j_Nb = jnp.arange(n_blocks, dtype=jnp.int32)
-    overlap_TcxNb = ((start_Tc[:, None] < (j_Nb[None, :] + 1) * lp) & (start_Tc[:, None] + l > j_Nb[None, :] * lp)).astype(
-        jnp.float32
-    )
+    overlap_TcxNb = (start_Tc[:, None] < (j_Nb[None, :] + 1) * lp) & (start_Tc[:, None] + l > j_Nb[None, :] * lp)
     qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
     s_cmp = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk.astype(jnp.float32)) * scale
     vis_cmp = ((start_Tc + l - 1)[None, :] <= t_C[:, None])[None, :, None, None, :]
     p_cmp = jnp.where(vis_cmp, jax.nn.softmax(jnp.where(vis_cmp, s_cmp, -1e30), axis=-1), 0.0)
-    return jnp.einsum("bcki,ij->bckj", jnp.sum(p_cmp, axis=3), overlap_TcxNb)
+    return jnp.einsum("bcki,ij->bckj", jnp.sum(p_cmp, axis=3), overlap_TcxNb.astype(jnp.float32))
 
 
 def free_kl(target_BxCxKxNb: jax.Array, scores_BxCxKxNb: jax.Array, free_CxNb: jax.Array) -> jax.Array:
@@ -97,7 +95,7 @@ def score_distill_kl(
     Returns a float32 scalar.
     """
     B, T, H, Dk = q_BxTxHxDk.shape
-    Tc, K = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2]
+    Tc = kc_BxTcxKxDk.shape[1]
     n_blocks = -(-T // lp)
     scale = Dk**-0.5 if scale is None else scale
     if Tc == 0 or n_blocks < 4:  # no query has two free candidates
