@@ -103,7 +103,9 @@ def score_distill_kl(
     if Tc == 0 or n_blocks < 4:  # no query has two free candidates
         return jnp.zeros((), jnp.float32)
     q_sg = jax.lax.stop_gradient(q_BxTxHxDk)
-    k_sg = jax.lax.stop_gradient(k_BxTxKxDk)
+    # Padded to whole blocks once, outside the query map: full_block_mass's own pad is then empty.
+    pad = n_blocks * lp - T
+    k_sg = jax.lax.stop_gradient(jnp.pad(k_BxTxKxDk, [(0, 0), (0, pad), (0, 0), (0, 0)])).astype(jnp.float32)
 
     def body(start, q_BxCxHxDk):
         C = q_BxCxHxDk.shape[1]
