@@ -315,3 +315,56 @@ def test_selection_recall_cli_reads_a_checkpoint(tmp_path, tiny_run):
     assert short.returncode != 0 and "n*lp" in short.stderr
     missing = run_cli("experiments.selection_recall", "--ckpt", str(tmp_path / "nowhere"), check=False)
     assert missing.returncode != 0 and "error:" in missing.stderr
+
+
+def test_needle_selection_measures_the_needle_mass_and_its_selected_part_against_loops():
+    from experiments.needle_selection import needle_mass, summarise
+    from nsa_jax.kernels.reference import random_block_indices
+
+    T, H, K, D, lp, N = 90, 6, 3, 8, 8, 3
+    keys = jax.random.split(jax.random.PRNGKey(11), 2)
+    q_TxHxD = np.asarray(jax.random.normal(keys[0], (T, H, D))) * 2.0
+    k_TxKxD = np.asarray(jax.random.normal(keys[1], (T, K, D))) * 2.0
+    idx_TxKxN = random_block_indices(np.random.default_rng(5), 1, T, K, N, lp)[0]
+    needle_T = np.zeros(T, bool)
+    needle_T[21:35] = True  # across blocks 2-4, so that a selection may hold part of it
+    qpos_Q = np.array([70, 77, 89])
+    mass, on_sel = needle_mass(q_TxHxD[qpos_Q], k_TxKxD, idx_TxKxN[qpos_Q], qpos_Q, needle_T, lp=lp)
+    G = H // K
+    for i, t in enumerate(qpos_Q):
+        for kv in range(K):
+            s = q_TxHxD[t, kv * G : (kv + 1) * G].astype(np.float64) @ k_TxKxD[: t + 1, kv].astype(np.float64).T
+            w = np.exp(s / np.sqrt(D) - (s / np.sqrt(D)).max(-1, keepdims=True))
+            w = (w / w.sum(-1, keepdims=True)).mean(0)
+            chosen = {int(j) for j in idx_TxKxN[t, kv] if j >= 0}
+            want = sum(w[j] for j in range(t + 1) if needle_T[j])
+            want_sel = sum(w[j] for j in range(t + 1) if needle_T[j] and j // lp in chosen)
+            np.testing.assert_allclose([mass[i, kv], on_sel[i, kv]], [want, want_sel], rtol=1e-4, atol=1e-6)
+    assert np.all(on_sel <= mass + 1e-9) and on_sel.sum() < mass.sum()  # random choices miss part of it
+    fig = summarise(mass, on_sel)
+    np.testing.assert_allclose(fig["on_selected"], on_sel.sum() / mass.sum())
+    np.testing.assert_allclose(fig["wholly"], np.mean(on_sel / mass > 0.99))
+    assert fig["max_mass"] == mass.max()
+
+
+@pytest.mark.slow
+def test_needle_selection_cli_reads_a_checkpoint_on_the_passkey_rows(tmp_path, tiny_run):
+    out, text = tiny_run
+    report = tmp_path / "needle.json"
+    # cpu_tiny selects n=4 blocks of lp=32: a real choice past 128 tokens.
+    args = ["--ckpt", str(out), "--suite", "passkey", "--length", "256", "--text", str(text), "--samples", "1"]
+    proc = run_cli("experiments.needle_selection", *args, "--depths", "0.2,0.8", "--json", str(report))
+    assert "share of it on selected blocks" in proc.stdout and "layer 0:" in proc.stdout
+    (res,) = json.loads(report.read_text())
+    assert (res["suite"], res["length"], res["depths"]) == ("passkey", 256, [0.2, 0.8])
+    assert all(x < 0 for x in res["logprob"]) and len(res["exact"]) == 2
+    (layer,) = res["layers"]
+    assert len(layer["selected"]) == 1 and 0.0 <= layer["selected"][0] <= 1.0
+    assert 0.0 < layer["mass"] <= layer["max_mass"] <= 1.0 + 1e-6
+    assert 0.0 <= layer["on_selected"] <= 1.0 + 1e-6 and 0.0 <= layer["wholly"] <= 1.0
+    needle = run_cli("experiments.needle_selection", *args[:2], *args[4:], "--depths", "0.5")  # the needle suite
+    assert "needle L=256" in needle.stdout and "layer 0:" in needle.stdout
+    bad = run_cli("experiments.needle_selection", *args, "--depths", "half", check=False)
+    assert bad.returncode == 2 and "error: argument --depths" in bad.stderr
+    wrong = run_cli("experiments.needle_selection", *args, "--set", "model.nsa.n=zero", check=False)
+    assert wrong.returncode != 0 and "error:" in wrong.stderr and "model.nsa.n" in wrong.stderr
