@@ -174,8 +174,9 @@ class TrainConfig:
     # recomputed backward), never [rows, T, vocab] at once: the largest buffers of a step at long T
     # with a large vocabulary. 0: all positions at once.
     loss_chunk: int = 0
-    # Parameter names that train (any part of a parameter's path: gate_fc1, gate_fc2, cmp_k, cmp_v,
-    # q, mlp, ...); the others stay as they are. Empty: every parameter trains.
+    # Parameter names that train (any part of a parameter's path: gate_fc1, gate_fc2, k_cmp, v_cmp,
+    # cmp_k/cmp_v with cmp_phi mlp, q, mlp, ...); the others stay as they are. Empty: every parameter
+    # trains. It may change between the stages of one run (the optimizer state's layout is the same).
     trainable: tuple[str, ...] = ()
 
 

@@ -451,6 +451,30 @@ def test_resume_with_another_model_is_refused(env, reference, tmp_path):
     assert resume.complete_steps(resume.checkpoint_dir(out)) == [4, 6, 8]  # nothing moved aside
 
 
+def test_a_stage_that_trains_the_new_parts_alone_resumes_with_every_parameter_training(env, tmp_path):
+    """train.trainable changes between the stages of one run: the optimizer state restores, the
+    first stage moved nothing but the gates, the second moves the rest from where it was."""
+    out = tmp_path / "run"
+    first = env["train"](out, steps=2, devices=1, extra_sets=["train.trainable=[gate_fc1,gate_fc2]"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = env["train"](out, steps=4, devices=1)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resume: step 2 from" in second.stdout
+    assert [r["step"] for r in rows(out)] == ["1", "2", "3", "4"]
+
+    def flat(tree):
+        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    cfg = cfg_of(env)
+    init = flat(S.create_state(cfg, make_mesh(cfg, jax.devices()[:1])).params)  # the run's own start
+    two, four = (flat(C.restore_params(resume.checkpoint_dir(out) / str(s))) for s in (2, 4))
+    assert init.keys() == two.keys()
+    first_moved = {k for k in init if not np.array_equal(init[k], two[k])}
+    second_moved = {k for k in two if not np.array_equal(two[k], four[k])}
+    assert first_moved and all("gate_fc" in k for k in first_moved), sorted(first_moved)
+    assert any("'q'" in k for k in second_moved) and any("mlp" in k for k in second_moved)
+
+
 @pytest.mark.slow
 def test_launcher_policy_protects_checkpoints(env, reference, tmp_path):
     out = _copy(reference, tmp_path / "run")

@@ -311,6 +311,17 @@ def test_trainable_freezes_every_other_parameter_and_clips_by_the_trained_ones_a
     np.testing.assert_allclose(new["layers"]["attn"]["gate_fc2"]["kernel"], 1 - 0.1 * (1 + 0.5), rtol=1e-5)
 
 
+def test_trainable_names_no_parameter_is_refused_with_the_models_names():
+    from nsa_jax.config import ConfigError
+    from nsa_jax.train.state import check_trainable
+
+    cfg = tiny_cfg()
+    check_trainable(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, trainable=("gate_fc1", "k_cmp"))))
+    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, trainable=("gate_fc1", "cmp_k")))
+    with pytest.raises(ConfigError, match=r"no parameter path holds 'cmp_k'; this model's names: .*k_cmp"):
+        check_trainable(bad)
+
+
 # ---------------------------------------------------------------------------
 # progress line
 

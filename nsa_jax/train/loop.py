@@ -45,7 +45,7 @@ from nsa_jax.rundir.model_dir import initial_params
 from nsa_jax.train import metrics, progress, schedule
 from nsa_jax.train.boot import boot, compile_step
 from nsa_jax.train.saves import RunSaves
-from nsa_jax.train.state import TrainState
+from nsa_jax.train.state import TrainState, check_trainable
 from nsa_jax.train.step import create_state
 from nsa_jax.words import count
 
@@ -82,6 +82,7 @@ class Trainer:
         """`eval_off`: why this run evaluates nothing (no validation data: launch.train checks the
         data before the out dir is touched, nsa_jax/data/check.py); None evaluates every
         train.eval_every steps."""
+        check_trainable(cfg)  # before boot writes anything in the out dir
         self.cfg = cfg
         self.out = pathlib.Path(cfg.train.out_dir)
         self.lead = jax.process_index() == 0

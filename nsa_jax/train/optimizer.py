@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nsa_jax.config import TrainConfig
+from nsa_jax.config import ConfigError, TrainConfig
 
 # Leaves that are not decayed, by parameter name: norm scales, biases, the token
 # embedding and the compressors' intra-block position embeddings. Decaying an
@@ -58,13 +58,20 @@ def decay_mask(params):
 
 def frozen_mask(cfg: TrainConfig):
     """params -> True for the leaves that do not train: with train.trainable, those whose path names
-    none of its entries (a converted model's new parts train first: gate_fc1, gate_fc2, cmp_k, cmp_v)."""
+    none of its entries (a converted model's new parts train first: gate_fc1, gate_fc2, k_cmp, v_cmp).
+    A name no path holds is a ConfigError naming the ones it could be, not a silently frozen model."""
 
-    def frozen(path, _leaf) -> bool:
-        names = {getattr(p, "key", str(p)) for p in path}
-        return not names.intersection(cfg.trainable)
+    def mask(params):
+        paths = [{getattr(p, "key", str(p)) for p in path} for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+        known = set().union(*paths)
+        unknown = [n for n in cfg.trainable if n not in known]
+        if unknown:
+            names = ", ".join(sorted(known))
+            raise ConfigError(f"train.trainable: no parameter path holds {unknown[0]!r}; this model's names: {names}")
+        frozen = iter([not names.intersection(cfg.trainable) for names in paths])
+        return jax.tree.map(lambda _: next(frozen), params)
 
-    return lambda params: jax.tree_util.tree_map_with_path(frozen, params)
+    return mask
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -72,18 +79,33 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     train.trainable, the frozen leaves' gradients and directions are zero (before the clip's norm and
     after the decay).
 
+    The freeze wraps the chain instead of being a link of it, so the optimizer state has the same
+    structure whatever train.trainable is: a run whose first stage trains the new parts alone
+    resumes from that stage's checkpoint with every parameter training.
+
     The learning rate is not inside the chain: the train step scales the direction
     by -learning_rate(state.step) (`apply_lr`), so the LR is a function of the
     train state's own step counter, which also advances over skipped updates.
     """
-    freeze = [optax.masked(optax.set_to_zero(), frozen_mask(cfg))] if cfg.trainable else []
-    parts = list(freeze)
+    parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
     parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=jnp.float32))
     if cfg.weight_decay > 0:
         parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts, *freeze)
+    chain = optax.chain(*parts)
+    if not cfg.trainable:
+        return chain
+    frozen = frozen_mask(cfg)
+
+    def zero_frozen(tree):
+        return jax.tree.map(lambda u, f: jnp.zeros_like(u) if f else u, tree, frozen(tree))
+
+    def update(updates, state, params=None):
+        direction, state = chain.update(zero_frozen(updates), state, params)
+        return zero_frozen(direction), state
+
+    return optax.GradientTransformation(chain.init, update)
 
 
 def apply_lr(params, direction, lr):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from nsa_jax.config import Config
 from nsa_jax.model import init_params
-from nsa_jax.train.optimizer import make_optimizer
+from nsa_jax.train.optimizer import frozen_mask, make_optimizer
 
 
 @flax.struct.dataclass
@@ -37,3 +37,11 @@ def init_state(cfg: Config, rng: jax.Array | None = None, params: Any = None) ->
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     opt_state = make_optimizer(cfg.train).init(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=state_rng)
+
+
+def check_trainable(cfg: Config) -> None:
+    """ConfigError, before anything is written, when train.trainable names no parameter of the model
+    (the optimizer's mask checks the names against the parameters' shapes; nothing is computed)."""
+    if cfg.train.trainable:
+        params = jax.eval_shape(lambda: init_state(cfg).params)
+        frozen_mask(cfg.train)(params)
