@@ -8,11 +8,14 @@ benchmarks.bench_context's aot mode: arguments, temporaries, total per card, whe
 jax's share of the card, and the bytes each card sends a step.
 
 With `--loss-chunks 0,4096` each model runs with its loss's logits whole and made 4,096
-positions at a time (train.loss_chunk), side by side.
+positions at a time (train.loss_chunk), side by side. With `--largest` it searches, per model,
+the longest T whose step fits each C > 1 instead (nsa_jax.tools.aot.seq_len_fit, launch.info's
+search: the first of `--seq-lens` and its half, a line through their totals, then bisection to
+within 1/16; a handful of compiles per model).
 
 Usage:
   python -m benchmarks.bench_pretrained_fit [--models smollm2-135m,...] [--target a100-80]
-      [--contexts 1,2] [--seq-lens 32k,64k] [--loss-chunks 0,4096] [--set KEY=VALUE] [--json out.json]
+      [--contexts 1,2] [--seq-lens 32k,64k] [--loss-chunks 0,4096] [--largest] [--set KEY=VALUE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="2", help="C values: cards each sequence is split over")
     p.add_argument("--seq-lens", default="32k,64k")
     p.add_argument("--loss-chunks", default="0", help="train.loss_chunk values, side by side (0: whole logits)")
+    p.add_argument("--largest", action="store_true", help="search each model's longest T per C > 1 from --seq-lens")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", default=None)
     opts = p.parse_args(argv)
@@ -82,9 +86,34 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for (name, chunk), cfg in cfgs.items():
         print(f"-- {name}, train.loss_chunk={chunk}", flush=True)
-        rows += [{**row, "model": name, "loss_chunk": chunk} for row in bench_context.run_aot(opts, cfg)]
+        run = largest_rows if opts.largest else bench_context.run_aot
+        rows += [{**row, "model": name, "loss_chunk": chunk} for row in run(opts, cfg)]
     write_json(opts.json, {"models": models, "overrides": opts.overrides, "mode": "aot"}, rows)
     return 0
+
+
+def largest_rows(opts, cfg) -> list[dict]:
+    """The longest T (from the first of --seq-lens) whose step fits each target over each C > 1."""
+    rows = []
+    for target in opts.target:
+        for C in [c for c in opts.contexts if c > 1]:
+            one = bench_context._one_sequence(cfg, C, opts.seq_lens[0])
+            r = aot.fit_check(one, target, C, log=lambda line: print(line, flush=True))
+            T, m = r["largest_seq_len"], r["largest"]
+            rows.append(
+                {
+                    "mode": "largest",
+                    "target": target,
+                    "context": C,
+                    "seq_len": T,
+                    "memory": m,
+                    "probes": r["seq_probes"],
+                    "usable_bytes": r["usable_bytes"],
+                }
+            )
+            total = f"{m['total'] / aot.MiB:,.0f} MiB per card" if m else "nothing fits"
+            print(f"{target:<8} C={C}: largest T {T:,} ({total}; probes {len(r['seq_probes'])})", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -342,6 +342,33 @@ def test_bench_pretrained_fit_shapes_are_the_published_models_and_bad_names_are_
     assert capsys.readouterr().err.startswith("error: unknown --models gpt2; known: smollm2-135m")
 
 
+def test_bench_pretrained_fit_largest_searches_each_split_sequence_from_the_first_length(monkeypatch, capsys):
+    """--largest runs launch.info's search (aot.fit_check) once per target and C > 1, on one sequence of
+    the first --seq-lens over C cards with the model's shape and loss chunk, and prints what it found."""
+    from benchmarks import bench_pretrained_fit as PF
+    from nsa_jax.tools import aot
+
+    calls = []
+
+    def fit_check(cfg, target, n_devices, log=None):
+        calls.append((target, n_devices, cfg.parallel.context, cfg.train.seq_len, cfg.train.global_batch))
+        calls.append((cfg.model.d_model, cfg.train.loss_chunk))
+        probes = {cfg.train.seq_len: 1, 3 * cfg.train.seq_len: 2}
+        return {
+            "largest_seq_len": 3 * cfg.train.seq_len,
+            "largest": {"total": 5 * aot.MiB},
+            "seq_probes": probes,
+            "usable_bytes": 7,
+        }
+
+    monkeypatch.setattr(aot, "fit_check", fit_check)
+    monkeypatch.setattr(aot, "compile_on_host", lambda: None)
+    argv = ["--models", "smollm2-360m", "--contexts", "1,2", "--seq-lens", "64k,128k", "--loss-chunks", "4096"]
+    assert PF.main([*argv, "--largest"]) == 0
+    assert calls == [("a100-80", 2, 2, 65536, 1), (960, 4096)]
+    assert "a100-80  C=2: largest T 196,608 (5 MiB per card; probes 2)" in capsys.readouterr().out
+
+
 def test_a_models_saved_selections_are_what_bench_kernels_times(tmp_path):
     """selection_locality --save-idx writes a layer's selections; bench_kernels --idx-file reads them back
     (the first KV heads, the first T positions) in place of random ones, and refuses a file of another
