@@ -166,7 +166,7 @@ def test_figures_and_json_cells(tmp_path):
 @pytest.mark.slow
 def test_model_scorer_matches_logits(tmp_path):
     """nll/hit of the compiled scorer against a numpy log-softmax of the model's forward logits."""
-    from nsa_jax.evaluation.scorer import ModelScorer
+    from nsa_jax.evaluation.scorer import ModelScorer, make_score_fn
     from nsa_jax.inference.decode import inference_config
     from nsa_jax.model import NSALM, init_params
 
@@ -181,6 +181,28 @@ def test_model_scorer_matches_logits(tmp_path):
     want = -np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(nll, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(hit, logits.argmax(-1) == tokens[:, 1:])
+    # Logits made 40 positions at a time (95 targets: two whole chunks and a padded one).
+    nll_c, hit_c = jax.jit(make_score_fn(cfg, chunk=40))(params, tokens)
+    np.testing.assert_allclose(nll_c, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(hit_c, logits.argmax(-1) == tokens[:, 1:])
+
+
+@pytest.mark.slow
+def test_chunked_scores_of_an_untied_head_match_its_whole_logits():
+    """scored_chunks with lm_head's own kernel (tie_embeddings false) against numpy over the whole logits."""
+    from nsa_jax.evaluation.scorer import scored_chunks
+
+    cfg = load_config("cpu_tiny", [*SMALL, "model.tie_embeddings=false"]).model
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 70, cfg.d_model)).astype(np.float32)
+    w = (rng.standard_normal((cfg.d_model, cfg.vocab_size)) * 0.3).astype(np.float32)
+    targets = rng.integers(0, cfg.vocab_size, (2, 70))
+    logits = x.astype(np.float64) @ w.astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll, hit = jax.jit(lambda *a: scored_chunks(cfg, *a, chunk=32))(w, x, targets)
+    np.testing.assert_allclose(nll, -np.take_along_axis(logp, targets[..., None], -1)[..., 0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(hit, logits.argmax(-1) == targets)
 
 
 def _cli(*args):

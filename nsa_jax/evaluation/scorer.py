@@ -7,7 +7,10 @@ memory (`device_memory_limit`, or a given limit) and an L that does not fit rais
 `WontFitError` naming the figures.
 The forward is the training forward with the inference settings (scanned layers, no
 remat): Pallas kernels on a GPU, the XLA path elsewhere, whose attention runs in
-query chunks of `model.nsa.query_chunk`, so long rows are processed chunk by chunk.
+query chunks of `model.nsa.query_chunk`, so long rows are processed chunk by chunk. The
+logits are made SCORE_CHUNK positions at a time from the final hidden states (each chunk's nll
+and argmax kept, its logits dropped): [B, SCORE_CHUNK, V] at once instead of [B, L, V], which
+for a 128k vocabulary at 32k tokens is 16 GiB a row.
 """
 
 from __future__ import annotations
@@ -21,23 +24,49 @@ import numpy as np
 from nsa_jax.config import ModelConfig
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.kernels import plan_kernels
-from nsa_jax.model import NSALM, token_nll
+from nsa_jax.model import NSALM, head_logits, head_matrix, token_nll
 from nsa_jax.ops.memory import WontFitError, compiled_memory, device_memory_limit
 
+SCORE_CHUNK = 2048  # positions whose logits exist at once
 
-def make_score_fn(cfg: ModelConfig, kernel_fallback: frozenset = frozenset()):
+
+def scored_chunks(cfg: ModelConfig, head, x_BxTxD, targets_BxT, chunk: int = SCORE_CHUNK):
+    """(nll_BxT fp32, hit_BxT bool) of the final-normed hidden states, the logits made `chunk`
+    positions at a time (one chunk when T <= chunk)."""
+    B, T = targets_BxT.shape
+    n = -(-T // chunk)
+    if n == 1:
+        logits_BxTxV = head_logits(cfg, head, x_BxTxD)
+        return token_nll(logits_BxTxV, targets_BxT), jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
+    pad = ((0, 0), (0, n * chunk - T))
+    x, targets = jnp.pad(x_BxTxD, (*pad, (0, 0))), jnp.pad(targets_BxT, pad)
+
+    def chunks(a):  # [B, n*chunk, ...] -> [n, B, chunk, ...]
+        return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
+
+    def one(xt):
+        logits_BxcxV = head_logits(cfg, head, xt[0])
+        return token_nll(logits_BxcxV, xt[1]), jnp.argmax(logits_BxcxV, axis=-1) == xt[1]
+
+    nll, hit = jax.lax.map(one, (chunks(x), chunks(targets)))  # [n, B, chunk]
+    unchunk = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731
+    return unchunk(nll), unchunk(hit)
+
+
+def make_score_fn(cfg: ModelConfig, kernel_fallback: frozenset = frozenset(), chunk: int = SCORE_CHUNK):
     """(params, tokens_BxT1) -> (nll_BxT fp32, hit_BxT bool) for targets tokens[:, 1:].
 
     `kernel_fallback`: NSA branches to run on XLA whatever the backend (a training run's kernel
-    guard findings, kernels/guard.py), at every row length.
+    guard findings, kernels/guard.py), at every row length. `chunk`: positions whose logits exist
+    at once (scored_chunks).
     """
     cfg = inference_config(cfg)
 
     def score(params, tokens_BxT1):
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
         plan = plan_kernels(cfg.nsa, inputs_BxT.shape[1], jax.default_backend(), kernel_fallback, backward=False)
-        logits_BxTxV = NSALM(cfg, kernels=plan).apply({"params": params}, inputs_BxT)
-        return token_nll(logits_BxTxV, targets_BxT), jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
+        x_BxTxD = NSALM(cfg, kernels=plan).apply({"params": params}, inputs_BxT, head=False)
+        return scored_chunks(cfg, head_matrix(cfg, params), x_BxTxD, targets_BxT, chunk)
 
     return score
 
