@@ -39,10 +39,11 @@ import numpy as np
 from nsa_jax.config import replace
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import NeedleRow, answer_mask, needle_pieces
+from nsa_jax.evaluation.scorer import scored_chunks
 from nsa_jax.evaluation.scoring import answer_scores
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, ROW_EXTRA, TextRows, needle_rows
 from nsa_jax.inference.decode import inference_config
-from nsa_jax.model import NSALM, per_layer
+from nsa_jax.model import NSALM, head_matrix, per_layer
 from nsa_jax.rundir.model_dir import load_model
 from nsa_jax.rundir.resume import CheckpointError
 
@@ -102,21 +103,23 @@ def diagnose(path: str, args: argparse.Namespace) -> dict:
     tok = make_tokenizer(cfg.data)
     L, depths = args.length, args.depths
     built = needle_rows(TextRows(cfg, args.text), tok, L, depths, args.samples, args.seed, ROW_EXTRA[args.suite])
-    mutable = ["intermediates", "scorer_inputs"]
-    apply = jax.jit(lambda p, t: NSALM(inference_config(cfg.model)).apply({"params": p}, t, mutable=mutable))
+    icfg = inference_config(cfg.model)
+
+    @jax.jit
+    def forward(p, tokens_BxT1):  # the suite's scores (nll, greedy hit) and what the layers sowed
+        x_BxTxD, state = NSALM(icfg).apply(
+            {"params": p}, tokens_BxT1[:, :-1], head=False, mutable=["intermediates", "scorer_inputs"]
+        )
+        return scored_chunks(icfg, head_matrix(icfg, p), x_BxTxD, tokens_BxT1[:, 1:]), state
+
     exact, logp, shares, masses = [], [], [], []
     for start in range(0, len(built), args.batch_size):
         rows = [r for _, _, r in built[start : start + args.batch_size]]
         tokens_BxT1 = np.stack([r.tokens_T1 for r in rows])
-        logits_BxTxV, state = apply(params, tokens_BxT1[:, :-1])
-        target_BxT = tokens_BxT1[:, 1:]
-        logp_BxTxV = np.asarray(jax.nn.log_softmax(logits_BxTxV.astype(np.float32)))
-        del logits_BxTxV
-        nll_BxT = -np.take_along_axis(logp_BxTxV, target_BxT[..., None], -1)[..., 0]
+        (nll_BxT, hit_BxT), state = forward(params, tokens_BxT1)
         answer_BxT = np.stack([answer_mask(r) for r in rows])
         # Scored as the suites score (greedy: every answer target is the argmax).
-        lp_B, exact_B = answer_scores(nll_BxT, logp_BxTxV.argmax(-1) == target_BxT, answer_BxT)
-        del logp_BxTxV
+        lp_B, exact_B = answer_scores(np.asarray(nll_BxT), np.asarray(hit_BxT), answer_BxT)
         exact.extend(exact_B)
         logp.extend(lp_B)
         idx = per_layer(state, "intermediates", "block_idx", cfg.model)  # [layers, B, T, K, N]

@@ -362,6 +362,12 @@ def test_needle_selection_cli_reads_a_checkpoint_on_the_passkey_rows(tmp_path, t
     assert len(layer["selected"]) == 1 and 0.0 <= layer["selected"][0] <= 1.0
     assert 0.0 < layer["mass"] <= layer["max_mass"] <= 1.0 + 1e-6
     assert 0.0 <= layer["on_selected"] <= 1.0 + 1e-6 and 0.0 <= layer["wholly"] <= 1.0
+    # The answers scored as launch.evaluate's passkey suite scores the same rows (its own scorer).
+    ev = ["--ckpt", str(out), "--suites", "passkey", "--lengths", "256", "--text", str(text), "--samples", "1"]
+    run_cli("launch.evaluate", *ev, "--depths", "0.2,0.8", "--out", str(tmp_path / "eval"))
+    suite = json.loads((tmp_path / "eval" / "evaluation.json").read_text())["passkey"]
+    np.testing.assert_allclose(res["logprob"], suite["logprob"][0], rtol=1e-4, atol=1e-4)
+    assert res["exact"] == suite["accuracy"][0]
     needle = run_cli("experiments.needle_selection", *args[:2], *args[4:], "--depths", "0.5")  # the needle suite
     assert "needle L=256" in needle.stdout and "layer 0:" in needle.stdout
     bad = run_cli("experiments.needle_selection", *args, "--depths", "half", check=False)
