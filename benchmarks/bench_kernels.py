@@ -21,7 +21,8 @@ each named ``NAME[TILES]``):
   kernels.SELECTION_KERNELS) and one ``sel[...]`` per variant (any
   ``SelectionBlockSizes``, e.g. ``positions=4,num_warps=1``),
   ``blocksparse`` (blocksparse_pallas; the layer's kernel up to T = 2 n lp) and one
-  ``blocksparse[...]`` per flash variant, ``xla``;
+  ``blocksparse[...]`` per flash variant, ``xla`` (its ``auto`` strategy: ``masked`` when
+  T <= 2 n lp, else ``gather``), and ``xla-gather`` / ``xla-masked`` (each strategy forced);
 * window: ``pallas`` (flash_pallas) and one ``pallas[...]`` per flash variant, ``cudnn``
   (``jax.nn.dot_product_attention`` with ``local_window_size``, GPU only), ``xla``;
 * compressed: ``pallas`` (attention, then scores and top-n in one kernel), ``xla``; and the
@@ -147,6 +148,10 @@ def candidates(branch, selection_variants=(), flash_variants=()):
             )
         )
         impls["xla"] = _no_aux(lambda q, k, v, idx: xla_kernels.selection_attention_xla(q, k, v, idx, lp))
+        # Each of the XLA path's strategies forced, whatever `auto` would take at this T: where its
+        # T <= 2 n lp switch belongs on this host (docs/lab/2026-12-02-pretrained-long8k.md).
+        for strategy in ("gather", "masked"):
+            impls[f"xla-{strategy}"] = _no_aux(functools.partial(_selection_xla, lp=lp, strategy=strategy))
     elif branch == "compressed":
         for impl in ("pallas", "xla"):
             impls[impl] = functools.partial(compressed_branch, impl=impl)
@@ -169,6 +174,10 @@ def candidates(branch, selection_variants=(), flash_variants=()):
     else:
         raise SystemExit(f"error: --branches entry {branch!r} is not one of selection, window, compressed")
     return impls
+
+
+def _selection_xla(q, k, v, idx, *, lp, strategy):
+    return xla_kernels.selection_attention_xla(q, k, v, idx, lp, strategy=strategy)
 
 
 def compressed_branch(q, kc, vc, idx, *, impl):

@@ -315,6 +315,10 @@ def test_bench_kernels_cli_times_the_xla_paths_and_names_the_gpu_candidates(tmp_
         for name in ("pallas", "pallas-attn", "cudnn-attn"):  # kernels/cudnn.py's candidate among them
             assert by[("compressed", mode, name)]["note"] == "no GPU"
         assert by[("window", mode, "cudnn")]["note"] == "no GPU"
+        # The XLA selection's two strategies, each forced: timed, and the same attention as `auto`'s.
+        for name in ("xla-gather", "xla-masked"):
+            assert by[("selection", mode, name)]["ms"] > 0
+            assert by[("selection", "fwd", name)]["max_abs_diff"] < 3e-2
         # Each flash tiling is a candidate of every flash kernel, named after its tiles.
         for tiles in flash.split(";"):
             for branch, base in (("window", "pallas"), ("compressed", "pallas-attn"), ("selection", "blocksparse")):
