@@ -53,6 +53,7 @@ def validate(cfg):
     )
     need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     check_family(m, need)
+    check_scorer(m, t, need)
     need(
         a.compressed_kernel != "cudnn" or m.head_dim == m.v_head_dim,
         f"model.nsa.compressed_kernel=cudnn needs model.head_dim = model.v_head_dim (cuDNN's fused attention), "
@@ -122,6 +123,26 @@ def validate(cfg):
         f"ops.init_timeout_s and ops.peer_timeout_s must be positive, got {o.init_timeout_s}, {o.peer_timeout_s}",
     )
     return cfg
+
+
+def check_scorer(m, t, need) -> None:
+    """The selection branch's block scorer (kernels/scorers.py): its sub-block, what trains it."""
+    a = m.nsa
+    need(a.scorer_sub >= 0, f"model.nsa.scorer_sub must be >= 0 (0: one bound a block of lp), got {a.scorer_sub}")
+    need(
+        a.scorer_sub == 0 or a.scorer == "minmax",
+        f"model.nsa.scorer_sub ({a.scorer_sub}) is the minmax scorer's sub-block; scorer {a.scorer} has none: "
+        "set it to 0 or model.nsa.scorer=minmax",
+    )
+    need(
+        a.scorer_sub == 0 or a.lp % a.scorer_sub == 0,
+        f"model.nsa.scorer_sub ({a.scorer_sub}) must divide model.nsa.lp ({a.lp})",
+    )
+    need(
+        not t.scorer_distill or a.scorer == "cmp",
+        f"train.scorer_distill trains the cmp scorer's compressed keys; model.nsa.scorer={a.scorer} does not "
+        "read them: set train.scorer_distill=0 or model.nsa.scorer=cmp",
+    )
 
 
 def check_family(m, need) -> None:

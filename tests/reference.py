@@ -38,8 +38,12 @@ from nsa_jax.kernels.reference import (  # noqa: F401  (re-exported for the test
 # block selection decided token by token
 
 
-def naive_selection(p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, lp: int, n: int) -> np.ndarray:
-    """Block indices [B, T, K, n] by the spec's rules, one query at a time."""
+def naive_selection(
+    p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, lp: int, n: int, scorer: str = "cmp",
+    q_BxTxHxD: np.ndarray | None = None, k_BxTxKxD: np.ndarray | None = None, sub: int | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Block indices [B, T, K, n] by the spec's rules, one query at a time, ranked by `scorer`
+    (naive_block_score; minmax reads the queries and selection keys, float64)."""
     B, H, _, Tc = p_cmp_BxHxTxTc.shape
     K = H // G
     n_blocks = math.ceil(T / lp)
@@ -47,12 +51,12 @@ def naive_selection(p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, 
     for b in range(B):
         for t in range(T):
             for k in range(K):
-                score = np.zeros(n_blocks)
-                for j in range(n_blocks):
-                    for i in range(Tc):
-                        overlaps = i * d < (j + 1) * lp and i * d + l > j * lp
-                        if overlaps:
-                            score[j] += sum(p_cmp_BxHxTxTc[b, h, t, i] for h in range(k * G, (k + 1) * G))
+                if scorer == "minmax":
+                    q_G = np.asarray(q_BxTxHxD, np.float64)[b, t, k * G : (k + 1) * G]
+                    score = naive_minmax_scores(q_G, np.asarray(k_BxTxKxD, np.float64)[b, :, k], t, lp, sub or lp)
+                else:
+                    p_G = p_cmp_BxHxTxTc[b, k * G : (k + 1) * G, t]
+                    score = naive_cmp_scores(p_G, n_blocks, l, d, lp)
                 cur = t // lp
                 candidates = [j for j in range(n_blocks) if j * lp <= t]
                 forced = sorted({0, cur} | ({cur - 1} if cur - 1 >= 0 else set()))
@@ -60,6 +64,42 @@ def naive_selection(p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, 
                 chosen = (forced + rest)[:n]
                 out[b, t, k, : len(chosen)] = chosen
     return out
+
+
+def naive_cmp_scores(p_GxTc: np.ndarray, n_blocks: int, l: int, d: int, lp: int) -> np.ndarray:
+    """Eq. 9-10 for one query and group: the group's summed compressed probability of each compressed
+    token i, then summed over the tokens whose span overlaps block j."""
+    Tc = p_GxTc.shape[1]
+    score = np.zeros(n_blocks)
+    for j in range(n_blocks):
+        overlap = [float(np.sum(p_GxTc[:, i])) for i in range(Tc) if i * d < (j + 1) * lp and i * d + l > j * lp]
+        if overlap:
+            score[j] = sum(overlap)
+    return score
+
+
+def naive_minmax_scores(q_GxD: np.ndarray, k_TxD: np.ndarray, t: int, lp: int, sub: int) -> np.ndarray:
+    """The minmax scorer for one query at t and group (docs/NSA.md "Block scorers"): per head, each block
+    the query has complete gets the largest over its sub-blocks of sum_c max(q_c kmax_c, q_c kmin_c)
+    (kmin/kmax: the sub-block's channel-wise extremes), times 1/sqrt(D); a softmax per head over
+    those blocks; the group's heads summed. Blocks not complete score 0."""
+    G, D = q_GxD.shape
+    n_blocks = math.ceil(k_TxD.shape[0] / lp)
+    score = np.zeros(n_blocks)
+    done = [j for j in range(n_blocks) if (j + 1) * lp <= t + 1]
+    for g in range(G):
+        logits = []
+        for j in done:
+            bounds = []
+            for s0 in range(j * lp, (j + 1) * lp, sub):
+                keys = k_TxD[s0 : s0 + sub]
+                bound = sum(max(q_GxD[g, c] * keys[:, c].max(), q_GxD[g, c] * keys[:, c].min()) for c in range(D))
+                bounds.append(bound)
+            logits.append(max(bounds) / math.sqrt(D))
+        if logits:
+            e = np.exp(np.asarray(logits) - max(logits))
+            score[done] += e / e.sum()
+    return score
 
 
 # ---------------------------------------------------------------------------
@@ -131,7 +171,10 @@ def nsa_layer_ref(params, x_BxTxD, cfg, idx=None, rope_pos=None):
     else:
         o_cmp, p_cmp = jnp.zeros((B, T, H, Dv)), jnp.zeros((B, H, T, 0))
     if idx is None:
-        idx = naive_selection(np.asarray(p_cmp, np.float64), T, G, a.l, a.d, a.lp, a.n)
+        idx = naive_selection(
+            np.asarray(p_cmp, np.float64), T, G, a.l, a.d, a.lp, a.n, scorer=a.scorer,
+            q_BxTxHxD=np.asarray(q), k_BxTxKxD=np.asarray(k_slc), sub=a.scorer_sub or a.lp,
+        )  # fmt: skip
     smask = selection_mask(idx, T, a.lp)
     o_slc, _ = dense_attention(q, k_slc, v_slc, smask)
     o_win, _ = dense_attention(q, k_win, v_win, window_mask(T, a.w)[None, None])

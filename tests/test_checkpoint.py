@@ -712,3 +712,17 @@ def test_save_minutes_due_starts_at_the_first_step_and_restarts_at_each_save():
 def test_save_minutes_must_not_be_negative():
     with pytest.raises(ConfigError, match="checkpoint.save_minutes must be >= 0"):
         load_config("cpu_tiny", ["checkpoint.save_minutes=-1"])
+
+
+def test_another_block_scorer_resumes_with_a_note_and_another_shape_does_not():
+    """The block scorers have no parameters (kernels/scorers.py): a checkpoint of one continues under
+    another, said in the resume line; a change of the parameters' shapes still blocks."""
+    from nsa_jax.config import load_config, to_dict
+
+    saved = to_dict(load_config("cpu_tiny"))
+    blocking, other = resume.resume_conflicts(saved, load_config("cpu_tiny", ["model.nsa.scorer=minmax"]))
+    assert blocking == []
+    assert other == ["model.nsa.scorer 'cmp' -> 'minmax' (the block scorer has no parameters: the run continues "
+                     "under the new one)"]  # fmt: skip
+    blocking, _ = resume.resume_conflicts(saved, load_config("cpu_tiny", ["model.nsa.gate_hidden=8"]))
+    assert blocking and blocking[0].startswith("model.nsa.gate_hidden")

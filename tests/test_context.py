@@ -145,6 +145,21 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragg
         np.testing.assert_allclose(s2[k], s1[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scorer", ["cmp", "minmax"])
+def test_each_scorer_under_two_devices_equals_one(tokens_ragged, scorer):
+    """Each block scorer (kernels/scorers.py; minmax over sub-blocks of 4, whose bounds come from the
+    gathered selection keys): C = 2 against C = 1, loss and every gradient. Blocks of 8 with n = 4: a
+    free block to choose from position 24 on (the file's other tests select every block)."""
+    extra = ["model.n_layers=1", f"model.nsa.scorer={scorer}", "train.accumulate=1", "model.nsa.lp=8", "model.nsa.n=4"]
+    extra += ["model.nsa.scorer_sub=4"] if scorer == "minmax" else []
+    g1, l1, s1 = grads_loss_stats(cfg_of(RAGGED_T, 1, 1, *extra), tokens_ragged)
+    g2, l2, s2 = grads_loss_stats(cfg_of(RAGGED_T, 2, 2, *extra), tokens_ragged)
+    assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g2), jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        assert rel(a, b) < GRAD_TOL, jax.tree_util.keystr(path[0])
+
+
 def test_a_chunked_loss_under_two_devices_equals_whole_logits_on_one(tokens_ragged, one_device_ragged):
     """train.loss_chunk=5 (no divisor of a device's 32 positions) under C = 2 and fsdp: the loss and
     every gradient as one device's loss over whole logits."""

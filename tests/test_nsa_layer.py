@@ -51,6 +51,23 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
 
 
 @pytest.mark.parametrize(
+    "scorer,sub,G,K,T",
+    [("minmax", 0, 2, 2, 53), ("minmax", 2, 3, 1, 47), ("minmax", 1, 1, 2, 41)],
+)
+def test_scorers_match_reference_forward_and_indices(scorer, sub, G, K, T):
+    # Every scorer's blocks equal the float64 per-token reference's (tests/reference.py, written from
+    # docs/NSA.md "Block scorers"), and the layer's output with them; n = 4 leaves free blocks to rank.
+    cfg = tiny_model_cfg(G=G, K=K, n=4, scorer=scorer, scorer_sub=sub)
+    x, params = _setup(cfg, T, seed=11)
+    out, idx = _apply(cfg, params, x)
+    ref, ref_idx = nsa_layer_ref(params, x, cfg)
+    np.testing.assert_array_equal(np.asarray(idx), ref_idx)
+    assert rel_err(out, ref) < 1e-5
+    plain = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, scorer="cmp", scorer_sub=0))
+    assert not np.array_equal(np.asarray(_apply(plain, params, x)[1]), ref_idx), "the scorer changed no block"
+
+
+@pytest.mark.parametrize(
     "G,K,T,kernel,cmp",
     [
         pytest.param(2, 2, 53, "auto", "auto", marks=pytest.mark.slow),
@@ -71,6 +88,22 @@ def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel, cmp
     nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas", selection_kernel=kernel, compressed_kernel=cmp)
     cfg = dataclasses.replace(cfg, nsa=nsa)
     x, params = _setup(cfg, T, seed=5)
+    out, idx = _apply(cfg, params, x)
+    ref, ref_idx = nsa_layer_ref(params, x, cfg)
+    np.testing.assert_array_equal(np.asarray(idx), ref_idx)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "cmp", ["pallas", pytest.param("cudnn", marks=pytest.mark.skipif(ON_GPU, reason="cuDNN takes 16-bit inputs"))]
+)
+def test_pallas_layer_with_the_minmax_scorer_matches_reference(cmp):
+    # The compressed attention alone through its Pallas (or cuDNN) path, the blocks from the minmax
+    # scorer (XLA on every backend), the selection through the block-sparse kernel.
+    cfg = tiny_model_cfg(G=3, K=2, l=16, d=8, lp=16, n=4, w=16, scorer="minmax", scorer_sub=8)
+    nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas", compressed_kernel=cmp)
+    cfg = dataclasses.replace(cfg, nsa=nsa)
+    x, params = _setup(cfg, 83, seed=5)
     out, idx = _apply(cfg, params, x)
     ref, ref_idx = nsa_layer_ref(params, x, cfg)
     np.testing.assert_array_equal(np.asarray(idx), ref_idx)

@@ -13,6 +13,9 @@ each row carries its own position, so rows of different lengths share one cache.
     positions: the not-yet-complete compression block(s) the next compressed token is built from;
   * `kcmp/vcmp` [Tc, K, D]: compressed keys/values; entry i is written when block i completes, at
     t = i*d + l - 1, and read only from then on;
+  * `kmin/kmax` [U, K, Dk]: under the `minmax` scorer (kernels/scorers.py), each sub-block's channel-wise
+    minima and maxima of the selection keys, U = S / sub, grown key by key as the sub-block fills (read
+    only once its block is complete); no slots under the other scorers;
   * `pos` [B]: tokens already in the cache = the position of the next token.
 Under dense attention (model.attention=dense, nsa/dense.py) only the ring is used: R is the dense window,
 or S with none, and the other arrays have no slots. Entries beyond a row's position may hold stale values
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
+from nsa_jax.kernels.scorers import scorer_sub
 from nsa_jax.kernels.xla import num_compressed
 from nsa_jax.nsa.layer import CACHE_NAMES, compressed_visible, ring_positions
 
@@ -44,6 +48,7 @@ class CacheSizes:
     l: int
     max_len: int
     raw: bool = True  # the selection branch's S raw slots are allocated (not under dense attention)
+    U: int = 0  # the minmax scorer's sub-block bounds (0 under the other scorers)
 
 
 def cache_sizes(cfg: ModelConfig, max_len: int) -> CacheSizes:
@@ -56,7 +61,8 @@ def cache_sizes(cfg: ModelConfig, max_len: int) -> CacheSizes:
     Tc = max(1, num_compressed(S, a.l, a.d))
     if cfg.attention == "dense":  # the ring alone (nsa/dense.py): as long as the window or the cache
         return CacheSizes(S=S, R=min(cfg.dense_window or S, S), Tc=0, l=0, max_len=max_len, raw=False)
-    return CacheSizes(S=S, R=min(a.w, S), Tc=Tc, l=a.l, max_len=max_len)
+    U = S // scorer_sub(a) if a.scorer == "minmax" else 0
+    return CacheSizes(S=S, R=min(a.w, S), Tc=Tc, l=a.l, max_len=max_len, U=U)
 
 
 @flax.struct.dataclass
@@ -69,6 +75,8 @@ class NSACache:
     vtail_LxBxlxKxDv: jax.Array
     kcmp_LxBxTcxKxDk: jax.Array
     vcmp_LxBxTcxKxDv: jax.Array
+    kmin_LxBxUxKxDk: jax.Array
+    kmax_LxBxUxKxDk: jax.Array
     pos_B: jax.Array
 
     def variables(self) -> dict:
@@ -92,6 +100,8 @@ _FIELDS = (
     "vtail_LxBxlxKxDv",
     "kcmp_LxBxTcxKxDk",
     "vcmp_LxBxTcxKxDv",
+    "kmin_LxBxUxKxDk",
+    "kmax_LxBxUxKxDk",
 )
 
 
@@ -113,5 +123,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> NSACache:
         vtail_LxBxlxKxDv=zeros(z.l, Dv),
         kcmp_LxBxTcxKxDk=zeros(z.Tc, Dk),
         vcmp_LxBxTcxKxDv=zeros(z.Tc, Dv),
+        kmin_LxBxUxKxDk=zeros(z.U, Dk),
+        kmax_LxBxUxKxDk=zeros(z.U, Dk),
         pos_B=jnp.zeros((batch,), jnp.int32),
     )

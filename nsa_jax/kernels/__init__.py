@@ -20,7 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import NSAConfig
-from nsa_jax.kernels.block_scores_pallas import compressed_attention_scores_pallas, compressed_attention_select_pallas
+from nsa_jax.kernels.block_scores_pallas import (
+    compressed_attention_only,
+    compressed_attention_scores_pallas,
+    compressed_attention_select_pallas,
+)
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
 from nsa_jax.kernels.plan import (
@@ -33,6 +37,7 @@ from nsa_jax.kernels.plan import (
     resolve_impl,
     selection_kernel_fits,
 )
+from nsa_jax.kernels.scorers import CMP_SCORERS, SCORERS, scorer_sub, select_minmax_xla
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 from nsa_jax.kernels.xla import (
     compressed_attention_xla,
@@ -45,6 +50,7 @@ __all__ = [
     "BranchCalls",
     "COMPRESSED_KERNELS",
     "CUDNN_CMP",
+    "SCORERS",
     "SELECTION_KERNELS",
     "KernelPlan",
     "compressed_attention",
@@ -122,6 +128,7 @@ def compressed_attention(
     t_T=None,
     q_offset=0,
     num_blocks=None,
+    scores=True,
 ):
     """Compressed-branch attention and the selection-block scores (or blocks) through `impl` (`pallas`,
     `cudnn` or `xla`).
@@ -138,10 +145,14 @@ def compressed_attention(
     `q_offset`: query row r stands at position r + q_offset (cuDNN's causal attention
     takes none: the kernel plan never names `cudnn` under context parallelism);
     `num_blocks`: Nb, the selection blocks of the whole sequence (default ceil(T / lp)).
-    `t_T` defaults to the rows' positions.
+    `t_T` defaults to the rows' positions. `scores`: True (Eq. 9, the `cmp` scorer) or False (the
+    attention alone: o and None, for a scorer that reads the selection keys, kernels/scorers.py).
     """
     if impl not in (*COMPRESSED_KERNELS, "xla"):
         raise ValueError(f"compressed branch impl must be one of {', '.join(COMPRESSED_KERNELS)} or xla, got {impl!r}")
+    if scores is not True and scores is not False:
+        raise ValueError(f"compressed branch scores must be True or False, got {scores!r}")
+    pool = "sum" if scores else None
     B, T, H, Dk = q.shape
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
     n_blocks = -(-T // lp) if num_blocks is None else num_blocks
@@ -149,19 +160,24 @@ def compressed_attention(
     if t_T is None and not (isinstance(q_offset, int) and q_offset == 0):
         t_T = q_offset + jnp.arange(T, dtype=jnp.int32)
     if Tc == 0:
-        o, scores = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
+        o, s = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
     elif impl in COMPRESSED_KERNELS:
         attention = "cudnn" if impl == "cudnn" else "flash"
         kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention)
         kw.update(q_offset=q_offset, num_blocks=num_blocks)
+        if pool is None:
+            return compressed_attention_only(q, kc, vc, **kw), None
         if select_n is None:
             return compressed_attention_scores_pallas(q, kc, vc, **kw)
         return compressed_attention_select_pallas(q, kc, vc, n=select_n, t_T=t_T, **kw)
     else:
-        o, scores = compressed_attention_xla(
-            q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk, q_offset=q_offset, num_blocks=num_blocks
-        )
-    return o, (scores if select_n is None else select_blocks(scores, lp, select_n, t_T))
+        o, s = compressed_attention_xla(
+            q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk, q_offset=q_offset, num_blocks=num_blocks,
+            pool=pool,
+        )  # fmt: skip
+    if pool is None:
+        return o, None
+    return o, (s if select_n is None else select_blocks(s, lp, select_n, t_T))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +196,27 @@ class BranchCalls:
         return {"interpret": self.plan.interpret, "query_chunk": self.nsa.query_chunk}
 
     def compressed(self, q, kc, vc, *, t_T=None, q_offset=0, num_blocks=None, impl=None):
-        """(o [B, T, H, Dv], the selected blocks [B, T, K, n], or None without a selection branch)."""
+        """(o [B, T, H, Dv], the selected blocks [B, T, K, n] when the scorer reads the compressed
+        probabilities (CMP_SCORERS), else None: `blocks` chooses them)."""
         a = self.nsa
-        select_n = a.n if "slc" in a.branches else None
+        cmp_scored = "slc" in a.branches and a.scorer in CMP_SCORERS
         o, idx = compressed_attention(
-            q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T, impl=impl or self.plan.cmp,
-            q_offset=q_offset, num_blocks=num_blocks, **self._run(),
+            q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=a.n if cmp_scored else None, t_T=t_T,
+            impl=impl or self.plan.cmp, q_offset=q_offset, num_blocks=num_blocks,
+            scores=cmp_scored, **self._run(),
         )  # fmt: skip
-        return o, (idx if select_n is not None else None)
+        return o, idx
+
+    def blocks(self, q, k, *, q_offset=0, num_blocks=None):
+        """The selected blocks [B, T, K, n] of a scorer that reads the selection keys (`minmax`; the
+        whole sequence's keys `k`), on XLA one query chunk at a time on every backend."""
+        a = self.nsa
+        if a.scorer != "minmax":
+            raise ValueError(f"scorer {a.scorer!r} comes with the compressed branch (BranchCalls.compressed)")
+        return select_minmax_xla(
+            q, k, lp=a.lp, n=a.n, sub=scorer_sub(a), query_chunk=a.query_chunk, q_offset=q_offset,
+            num_blocks=num_blocks,
+        )  # fmt: skip
 
     def selection(self, q, k, v, idx, *, q_offset=0, impl=None):
         kernel = "xla" if impl == "xla" else self.plan.slc

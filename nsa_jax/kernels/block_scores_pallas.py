@@ -453,6 +453,22 @@ def _selection_positions(t: int, t_T, q_offset):
     return t_T
 
 
+def compressed_attention_only(q, kc, vc, *, l, d, lp, scale=None, interpret=False, attention="flash", q_offset=0,
+                              num_blocks=None, block_sizes: CompressedBlockSizes | None = None):  # fmt: skip
+    """o_BxTxHxDv of the compressed branch alone (a scorer that does not read its probabilities):
+    the flash kernels, or cuDNN's fused attention with no log-sum-exp pass. `lp`, `num_blocks`: unused,
+    for the callers' one set of arguments."""
+    del num_blocks
+    _check_geometry(l, d, lp)
+    if attention == "cudnn":
+        if not is_static_zero(q_offset):
+            raise ValueError("compressed attention cudnn takes no query offset: use flash with q_offset")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        impl = "xla" if interpret else "cudnn"
+        return compressed_attention_grouped(q, kc, vc, l=l, d=d, scale=scale, implementation=impl)
+    return _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes, attention, q_offset)[0]
+
+
 def compressed_attention_scores_pallas(
     q_BxTxHxDk,
     kc_BxTcxKxDk,

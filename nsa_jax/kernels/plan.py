@@ -16,6 +16,8 @@ No process-wide state: a compile for another card asks for that card's backend. 
   model that suits it (bf16, equal head dims), where an H200 ran the layer's fwd+bwd 1.10-1.35x
   faster; else ``pallas`` (the flash kernels: the faster forward); ``cmp-cudnn`` in ``fallback``:
   the flash kernels.
+* The block scorer (``scorer``, kernels/scorers.py): ``cmp`` scores in the compressed branch's kernels;
+  ``minmax`` scores on XLA beside whatever runs the compressed attention.
 * Context parallelism (a ``layout``, nsa/context.py): the same kernels, each device's queries
   at an offset into the whole padded sequence (``seq``: its length). The plan carries the
   layout to the layer; the compressed branch never runs through cuDNN there (no query offset).

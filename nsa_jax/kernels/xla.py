@@ -31,13 +31,20 @@ def num_compressed(T: int, l: int, d: int) -> int:
     return 0 if T < l else (T - l) // d + 1
 
 
-def block_scores_from_cmp(p_BxCxKxTc: jax.Array, n_blocks: int, l: int, d: int, lp: int) -> jax.Array:
-    """s[j] = sum of p[i] over compressed tokens i whose span [i*d, i*d+l) overlaps block j.
+def block_scores_from_cmp(
+    p_BxCxKxTc: jax.Array, n_blocks: int, l: int, d: int, lp: int, pool: str = "sum"
+) -> jax.Array:
+    """s[j] = sum (pool "sum", Eq. 9) or max (pool "max", InfLLM-V2's pooling, screened by
+    experiments/selection_recall.py) of p[i] over the
+    compressed tokens i whose span [i*d, i*d+l) overlaps block j.
 
     With d | l and d | lp, block j overlaps exactly the contiguous tokens
-    i in [j*lp/d - l/d + 1, (j+1)*lp/d - 1]: a strided window sum (reduce_window),
-    exact and in a fixed order, O(Tc) per query instead of a Tc x Nb matmul.
+    i in [j*lp/d - l/d + 1, (j+1)*lp/d - 1]: a strided window reduction (reduce_window),
+    exact and in a fixed order, O(Tc) per query instead of a Tc x Nb matmul. p >= 0, so the
+    zero padding never wins a max.
     """
+    if pool not in ("sum", "max"):
+        raise ValueError(f"block score pool must be sum or max, got {pool!r}")
     Tc = p_BxCxKxTc.shape[-1]
     lead = l // d - 1
     win = (lp + l) // d - 1
@@ -48,7 +55,7 @@ def block_scores_from_cmp(p_BxCxKxTc: jax.Array, n_blocks: int, l: int, d: int, 
     out = jax.lax.reduce_window(
         p_BxCxKxTc,
         jnp.array(0, p_BxCxKxTc.dtype),
-        jax.lax.add,
+        jax.lax.add if pool == "sum" else jax.lax.max,
         window_dimensions=(1,) * (p_BxCxKxTc.ndim - 1) + (win,),
         window_strides=(1,) * (p_BxCxKxTc.ndim - 1) + (stride,),
         padding=pads,
@@ -271,14 +278,17 @@ def compressed_attention_xla(
     query_chunk: int = 512,
     q_offset: int | jax.Array = 0,
     num_blocks: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    pool: str | None = "sum",
+) -> tuple[jax.Array, jax.Array | None]:
     """(o [B, T, H, Dv], block scores [B, T, K, Nb]) of the compressed branch (Tc >= 1).
 
     Query t sees compressed token i iff i*d + l - 1 <= t. The scores are the
     probabilities summed over each group's heads (GQA sharing, Eq. 10), then over
     the tokens overlapping each selection block; they carry no gradient.
     `q_offset`: query row r stands at position r + q_offset; `num_blocks`: Nb, the
-    selection blocks of the whole sequence (default ceil(T / lp), T the queries').
+    selection blocks of the whole sequence (default ceil(T / lp), T the queries'). `pool`: how a
+    block's overlapping tokens combine (block_scores_from_cmp); None: no scores (the attention
+    alone, for a scorer that does not read the compressed probabilities; second output None).
     """
     B, T, H, Dk = q_BxTxHxDk.shape
     Tc, K, Dv = kc_BxTcxKxDk.shape[1], kc_BxTcxKxDk.shape[2], vc_BxTcxKxDv.shape[3]
@@ -295,9 +305,13 @@ def compressed_attention_xla(
         o = jnp.einsum(
             "bckgi,bikd->bckgd", p.astype(vc_BxTcxKxDv.dtype), vc_BxTcxKxDv, preferred_element_type=jnp.float32
         )
+        o = o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
+        if pool is None:
+            return o
         p_group = jax.lax.stop_gradient(jnp.sum(p, axis=3))  # GQA sharing, Eq. 10
-        scores = block_scores_from_cmp(p_group, n_blocks, l, d, lp)
-        return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype), scores
+        return o, block_scores_from_cmp(p_group, n_blocks, l, d, lp, pool)
 
+    if pool is None:
+        return map_query_chunks(body, query_chunk, q_BxTxHxDk), None
     o, scores = map_query_chunks(body, query_chunk, q_BxTxHxDk)
     return o, jax.lax.stop_gradient(scores)

@@ -28,6 +28,7 @@ import numpy as np
 
 from nsa_jax.config import BRANCHES, ModelConfig
 from nsa_jax.kernels import BranchCalls, KernelPlan, cudnn_fits, plan_kernels
+from nsa_jax.kernels.scorers import minmax_row_scores
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
 from nsa_jax.layers import DenseParams, RMSNorm, fused_dense, rope, rope_inv_freq, rope_rows
 from nsa_jax.nsa.compression import Compressor
@@ -36,7 +37,7 @@ from nsa_jax.nsa.distill import score_distill_kl
 
 MODES = ("train", "prefill", "decode")
 # Per-layer decode state in the `cache` collection (layout: nsa_jax/inference/cache.py).
-CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp")
+CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp", "kmin", "kmax")
 # Smallest number of compressed tokens a decode step reads (then doubling up to the cache's).
 CMP_BUCKET = 64
 
@@ -287,6 +288,7 @@ class NSAAttention(Attention):
             # What the block scorer works from, for experiments (experiments/selection_recall.py).
             self.sow("scorer_inputs", "queries", q)
             self.sow("scorer_inputs", "selection_keys", k_slc)
+            self.sow("scorer_inputs", "compressed_keys", compressed["whole"][0])
         if self.mode == "prefill":
             fill_cache(cfg, cache, layer, pos_B, kv, *compressed["whole"])
         if "slc" in a.branches:
@@ -342,6 +344,9 @@ def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_
             t_n = off + jnp.arange(n, dtype=jnp.int32)
             o_cmp, idx = calls.compressed(q_c, kc, vc, t_T=t_n, q_offset=off, num_blocks=num_blocks)
         parts["cmp"].append(o_cmp)
+        if "slc" in a.branches and idx is None:  # a scorer of the selection keys (kernels/scorers.py)
+            with jax.named_scope("nsa_score"):
+                idx = calls.blocks(q_c, full["slc"][0], q_offset=off, num_blocks=num_blocks)
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
                 parts["slc"].append(calls.selection(q_c, *full["slc"], idx, q_offset=off))
@@ -419,6 +424,16 @@ def fill_cache(cfg: ModelConfig, cache: dict, layer: jax.Array, lengths_B: jax.A
         Tp = min(x.shape[1], Tc)
         done = compressed_visible(lengths_B - 1, Tp, a.l, a.d)[:, :, None, None]
         put(name, jnp.where(done, x[:, :Tp], jnp.zeros((), x.dtype)), Tc)
+    U = cache["kmin"].value.shape[2]
+    if U:  # the minmax scorer: each sub-block's extremes over the row's live keys (0 where none is)
+        sub = S // U
+        P_sub = -(-P // sub) * sub
+        k = jnp.pad(kv["kslc"].astype(jnp.float32), [(0, 0), (0, P_sub - P), (0, 0), (0, 0)])
+        live = jnp.pad(live_BxP, [(0, 0), (0, P_sub - P)])[:, :, None, None]
+        k, live = k.reshape(B, P_sub // sub, sub, *k.shape[2:]), live.reshape(B, P_sub // sub, sub, 1, 1)
+        any_live = jnp.any(live, axis=2)
+        for name, reduce, fill in (("kmin", jnp.min, jnp.inf), ("kmax", jnp.max, -jnp.inf)):
+            put(name, jnp.where(any_live, reduce(jnp.where(live, k, fill), axis=2), 0.0), U)
 
 
 def cmp_buckets(Tc: int) -> tuple[int, ...]:
@@ -493,6 +508,14 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
         write(name, t_B % R, new[name])
     write("ktail", t_B % a.l, new["kcmp"])
     write("vtail", t_B % a.l, new["vcmp"])
+    U = cache["kmin"].value.shape[2]
+    if U:  # the minmax scorer's bounds: a sub-block's first key starts them, the others extend them
+        sub, slot_B = S // U, t_B // (S // U)
+        first_B = (t_B % sub == 0)[:, None, None]
+        for name, extend in (("kmin", jnp.minimum), ("kmax", jnp.maximum)):
+            old = cache[name].value[layer, b_B, slot_B].astype(jnp.float32)
+            k_new = new["kslc"].astype(jnp.float32)
+            write(name, slot_B, jnp.where(first_B, k_new, extend(old, k_new)))
 
     qg_BxKxGxDk = q_BxHxDk.reshape(B, K, G, Dk)
     outputs = {}
@@ -512,6 +535,9 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
         outputs["cmp"] = o_cmp.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
 
     if "slc" in a.branches:
+        if U:
+            kb = (cache["kmin"].value[layer], cache["kmax"].value[layer])
+            scores_BxKxNb = minmax_row_scores(qg_BxKxGxDk, *kb, t_B, lp=a.lp, sub=S // U, scale=scale)
         # Rows as select_blocks' query axis, so each row gets its own position.
         idx_BxKxN = select_blocks(scores_BxKxNb[None], a.lp, a.n, t_B)[0]
         used = idx_BxKxN >= 0

@@ -47,6 +47,9 @@ NUMERICS_ONLY = (
     "model.nsa.attention_impl",
     "model.nsa.query_chunk",
 )
+# Model keys that change which blocks the selection branch chooses and no parameter (every block scorer,
+# kernels/scorers.py, reads the layer's own queries and keys): a run may continue under another.
+SCORER_KEYS = ("model.nsa.scorer", "model.nsa.scorer_sub")
 # Keys that give the saved data position its meaning: the stream, its row shape, and
 # the seed of synthetic streams and shuffles. The rows per optimizer step
 # (train.global_batch x train.accumulate) count too, as a product: how they split into
@@ -150,7 +153,9 @@ def resume_conflicts(saved: dict[str, Any], cfg: Config) -> tuple[list[str], lis
         if a is missing and key in defaults and b == defaults[key]:
             continue  # a setting added after the checkpoint was written, at its default
         line = f"{key} {'<absent>' if a is missing else repr(a)} -> {'<absent>' if b is missing else repr(b)}"
-        if key.startswith("model.") and key not in NUMERICS_ONLY:
+        if key in SCORER_KEYS:
+            other.append(line + " (the block scorer has no parameters: the run continues under the new one)")
+        elif key.startswith("model.") and key not in NUMERICS_ONLY:
             blocking.append(line)
         elif key in DATA_POSITION_KEYS and cfg.checkpoint.restore_data:
             blocking.append(line)

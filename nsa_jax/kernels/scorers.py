@@ -1,0 +1,118 @@
+"""The selection branch's block scorers (model.nsa.scorer; docs/NSA.md "Block scorers").
+
+A scorer ranks, for each query and KV group, the selection blocks of lp keys; `select_blocks`
+then keeps the n best (block 0 and the two local blocks forced). Two families:
+
+* `cmp` (the paper's Eq. 9-10): the compressed branch's probabilities summed over the group's
+  heads and over the compressed tokens that overlap each block. It comes with the compressed
+  attention (kernels/xla.py `compressed_attention_xla`, the fused Pallas kernels).
+* `minmax` (Quest's bound, kept per sub-block): for a sub-block of `sub` keys with channel-wise
+  minima k_min and maxima k_max, every key's logit q . k <= relu(q) . k_max + min(q, 0) . k_min.
+  A block's logit is the largest bound over its lp / sub sub-blocks, so a block that holds one
+  strong key keeps that key's peak where a mean-pooled key averages it away. Per head, a softmax
+  over the blocks the query has complete (scale as the attention's), summed over the group's
+  heads: a group's scores sum to at most G, as cmp's do. sub = 1 makes the bound exact: the
+  block's true max logit (the ceiling of the family; it costs the full attention's scores).
+
+Everything here is stop-gradient (the choice of blocks has no gradient) and causal: a query at t
+reads only blocks it has complete ((j + 1) lp <= t + 1); the blocks it may not have complete are
+the forced ones, whose scores the ranking ignores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nsa_jax.kernels.xla import map_query_chunks, masked_softmax, select_blocks
+
+# The scorers a config may name (NSAConfig.scorer).
+SCORERS = ("cmp", "minmax")
+# Scorers that come from the compressed branch's probabilities.
+CMP_SCORERS = ("cmp",)
+
+
+def scorer_sub(nsa) -> int:
+    """The min/max bound's sub-block length of an NSAConfig (0 in the config: lp, one bound a block)."""
+    return nsa.scorer_sub or nsa.lp
+
+
+def key_bounds(k_BxTxKxDk: jax.Array, lp: int, sub: int, num_blocks: int | None = None):
+    """(k_min, k_max) [B, Nb * lp / sub, K, Dk] fp32: channel-wise minima and maxima of each sub-block
+    of `sub` consecutive keys. Keys past T are zeros: they only reach blocks no query has complete."""
+    B, T, K, Dk = k_BxTxKxDk.shape
+    n_blocks = -(-T // lp) if num_blocks is None else num_blocks
+    k = jnp.pad(k_BxTxKxDk.astype(jnp.float32), [(0, 0), (0, n_blocks * lp - T), (0, 0), (0, 0)])
+    k = k.reshape(B, n_blocks * lp // sub, sub, K, Dk)
+    return jnp.min(k, axis=2), jnp.max(k, axis=2)
+
+
+def bound_block_logits(qg_BxCxKxGxDk: jax.Array, kmin_BxSxKxDk, kmax_BxSxKxDk, lp: int, sub: int, scale: float):
+    """[B, C, K, G, Nb] fp32: each head's largest bound q . k over each block (the module docstring)."""
+    q = qg_BxCxKxGxDk.astype(jnp.float32)
+    ub = jnp.einsum("bckgd,bskd->bckgs", jnp.maximum(q, 0.0), kmax_BxSxKxDk) + jnp.einsum(
+        "bckgd,bskd->bckgs", jnp.minimum(q, 0.0), kmin_BxSxKxDk
+    )
+    per = lp // sub
+    ub = ub.reshape(*ub.shape[:-1], ub.shape[-1] // per, per)
+    return jnp.max(ub, axis=-1) * scale
+
+
+def complete_blocks(t_C: jax.Array, n_blocks: int, lp: int) -> jax.Array:
+    """[C, Nb] bool: the blocks query t has seen to their end, (j + 1) lp <= t + 1."""
+    j_Nb = jnp.arange(n_blocks, dtype=jnp.int32)
+    return (j_Nb[None, :] + 1) * lp <= t_C[:, None] + 1
+
+
+def group_block_scores(logits_BxCxKxGxNb: jax.Array, t_C: jax.Array, lp: int) -> jax.Array:
+    """[B, C, K, Nb] fp32: per head a softmax over the complete blocks, summed over the group's heads."""
+    vis = complete_blocks(t_C, logits_BxCxKxGxNb.shape[-1], lp)[None, :, None, None, :]
+    return jnp.sum(masked_softmax(logits_BxCxKxGxNb, vis), axis=3)
+
+
+def minmax_block_scores(q_BxCxHxDk, kmin, kmax, t_C, *, lp: int, sub: int, scale: float) -> jax.Array:
+    """[B, C, K, Nb] fp32: the `minmax` scores of a chunk of queries at positions t_C."""
+    B, C, H, Dk = q_BxCxHxDk.shape
+    K = kmin.shape[2]
+    qg = q_BxCxHxDk.reshape(B, C, K, H // K, Dk)
+    return group_block_scores(bound_block_logits(qg, kmin, kmax, lp, sub, scale), t_C, lp)
+
+
+def minmax_row_scores(qg_BxKxGxDk, kmin_BxUxKxDk, kmax_BxUxKxDk, t_B, *, lp: int, sub: int, scale: float):
+    """[B, K, Nb] fp32: the `minmax` scores of one query per row, row b at its own position t_B[b]
+    (decode, over a cache's sub-block bounds)."""
+    logits = bound_block_logits(qg_BxKxGxDk[:, None], kmin_BxUxKxDk.astype(jnp.float32),
+                                kmax_BxUxKxDk.astype(jnp.float32), lp, sub, scale)[:, 0]  # fmt: skip
+    vis = jax.vmap(lambda t: complete_blocks(t[None], logits.shape[-1], lp)[0])(t_B)[:, None, None, :]
+    return jnp.sum(masked_softmax(logits, vis), axis=2)
+
+
+def select_minmax_xla(
+    q_BxTxHxDk: jax.Array,
+    k_BxTxKxDk: jax.Array,
+    *,
+    lp: int,
+    n: int,
+    sub: int,
+    scale: float | None = None,
+    query_chunk: int = 512,
+    q_offset: int | jax.Array = 0,
+    num_blocks: int | None = None,
+) -> jax.Array:
+    """Block indices [B, T, K, n] int32 of the `minmax` scorer, select_blocks' contract.
+
+    `k`: the selection keys of the whole sequence (context parallelism: gathered), whose bounds are
+    made once; query row r stands at position r + q_offset. The scores exist one query chunk at a time.
+    """
+    Dk = q_BxTxHxDk.shape[-1]
+    scale = Dk**-0.5 if scale is None else scale
+    n_blocks = -(-k_BxTxKxDk.shape[1] // lp) if num_blocks is None else num_blocks
+    kmin, kmax = key_bounds(jax.lax.stop_gradient(k_BxTxKxDk), lp, sub, n_blocks)
+    q = jax.lax.stop_gradient(q_BxTxHxDk)
+
+    def body(start, q_BxCxHxDk):
+        t_C = start + q_offset + jnp.arange(q_BxCxHxDk.shape[1], dtype=jnp.int32)
+        scores = minmax_block_scores(q_BxCxHxDk, kmin, kmax, t_C, lp=lp, sub=sub, scale=scale)
+        return select_blocks(scores, lp, n, t_C)
+
+    return map_query_chunks(body, query_chunk, q)
