@@ -79,11 +79,11 @@ class NSAConfig:
     # Query chunk of the XLA path: bounds the live memory of every branch.
     query_chunk: int = 512
     # How the selection branch ranks its blocks (kernels/scorers.py; docs/NSA.md "Block scorers"):
-    # cmp (the paper's Eq. 9-10: the compressed probabilities summed over each block) or minmax
+    # cmp (the paper's Eq. 9-10: the compressed probabilities summed over each block), minmax
     # (Quest's bound on q . k from each sub-block's channel-wise key minima and maxima, a block's
-    # largest: keeps a block's peak).
-    scorer: Literal["cmp", "minmax"] = "cmp"
-    # minmax: the sub-block length of the bound (divides lp); 0: lp, one bound a block.
+    # largest: keeps a block's peak) or mix (the two scores added).
+    scorer: Literal["cmp", "minmax", "mix"] = "cmp"
+    # minmax, mix: the sub-block length of the bound (divides lp); 0: lp, one bound a block.
     scorer_sub: int = 0
 
 

@@ -130,8 +130,8 @@ def check_scorer(m, t, need) -> None:
     a = m.nsa
     need(a.scorer_sub >= 0, f"model.nsa.scorer_sub must be >= 0 (0: one bound a block of lp), got {a.scorer_sub}")
     need(
-        a.scorer_sub == 0 or a.scorer == "minmax",
-        f"model.nsa.scorer_sub ({a.scorer_sub}) is the minmax scorer's sub-block; scorer {a.scorer} has none: "
+        a.scorer_sub == 0 or a.scorer in ("minmax", "mix"),
+        f"model.nsa.scorer_sub ({a.scorer_sub}) is the minmax bound's sub-block; scorer {a.scorer} has none: "
         "set it to 0 or model.nsa.scorer=minmax",
     )
     need(

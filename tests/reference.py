@@ -51,12 +51,13 @@ def naive_selection(
     for b in range(B):
         for t in range(T):
             for k in range(K):
-                if scorer == "minmax":
+                score = np.zeros(n_blocks)
+                if scorer in ("minmax", "mix"):
                     q_G = np.asarray(q_BxTxHxD, np.float64)[b, t, k * G : (k + 1) * G]
-                    score = naive_minmax_scores(q_G, np.asarray(k_BxTxKxD, np.float64)[b, :, k], t, lp, sub or lp)
-                else:
+                    score += naive_minmax_scores(q_G, np.asarray(k_BxTxKxD, np.float64)[b, :, k], t, lp, sub or lp)
+                if scorer in ("cmp", "mix"):
                     p_G = p_cmp_BxHxTxTc[b, k * G : (k + 1) * G, t]
-                    score = naive_cmp_scores(p_G, n_blocks, l, d, lp)
+                    score += naive_cmp_scores(p_G, n_blocks, l, d, lp)
                 cur = t // lp
                 candidates = [j for j in range(n_blocks) if j * lp <= t]
                 forced = sorted({0, cur} | ({cur - 1} if cur - 1 >= 0 else set()))

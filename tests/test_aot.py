@@ -366,21 +366,24 @@ def test_fit_check_unknown_target(capsys):
 # compiled for the cards: the `aot` tier
 
 
-def layer_compile(card: str, seq_len: int, root, compressed_kernel: str = "auto") -> dict:
+def layer_compile(card: str, seq_len: int, root, compressed_kernel: str = "auto", scorer: str = "cmp") -> dict:
     """Memory and Pallas kernels of the a100_pcie layer's fwd+bwd compiled for `card` at T, once per test session
-    (with `compressed_kernel`, model.nsa's).
+    (with `compressed_kernel` and `scorer`, model.nsa's).
 
     pytest-xdist workers share `root`: the first to ask compiles under a file lock and
     writes the figures; the others wait and read them.
     """
     tag = f"{card}_{seq_len}" + ("" if compressed_kernel == "auto" else f"_{compressed_kernel}")
+    tag += "" if scorer == "cmp" else f"_{scorer}"
     result = root / f"layer_{tag}.json"
     with open(root / f"layer_{tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if result.exists():
             return json.loads(result.read_text())
         dump = str(root / f"dump_{tag}")
-        cfg = load_config("a100_pcie", [f"model.nsa.compressed_kernel={compressed_kernel}"])
+        cfg = load_config(
+            "a100_pcie", [f"model.nsa.compressed_kernel={compressed_kernel}", f"model.nsa.scorer={scorer}"]
+        )
         c = aot.compile_layer(cfg, card, seq_len, dump_dir=dump)
         t = aot.get_target(card)
         traffic = hlo_traffic.by_part(hlo_traffic.launch_traffic(dump), t.memory_bandwidth, t.bf16_tensor_flops)
@@ -462,6 +465,31 @@ def test_pallas_kernels_compile_without_spills(card, T, dump_root):
     if spills and spills == known:
         pytest.xfail(f"known spills on {card} at T={T} (bytes stored + loaded): {spills}")
     assert not spills, f"kernels spill on {card} at T={T} (bytes stored + loaded): {spills}"
+
+
+@pytest.mark.parametrize(
+    "card", [pytest.param(c, marks=[pytest.mark.aot, pytest.mark.slow, needs_plugin]) for c in CARDS]
+)
+def test_the_minmax_scorer_compiles_without_spills_and_moves_less_than_cmp_at_64k(card, dump_root):
+    """The fused minmax scoring kernel (kernels/minmax_pallas.py) in the a100_pcie layer at T = 65536:
+    no spills, the layer's temporaries within 1 GiB, and its scoring (the kernel and the XLA pass that
+    makes the sub-block extremes) moves fewer bytes than the compressed scorer's kernel."""
+    r = layer_compile(card, 65536, dump_root, "pallas", scorer="minmax")
+    kernels = {k["name"]: k for k in r["kernels"]}
+    assert "nsa_minmax_select" in kernels and "nsa_block_select" not in kernels, sorted(kernels)
+    k = kernels["nsa_minmax_select"]
+    assert k["spill_stores"] + k["spill_loads"] == 0, k
+    assert r["memory"]["temp"] <= LAYER_TEMP_LIMIT, r["memory"]
+    cmp = layer_compile(card, 65536, dump_root, "pallas")
+    assert "nsa_block_select" in {x["name"] for x in cmp["kernels"]}
+
+    def part_bytes(result, part):  # XLA's launches and the Pallas kernels of one part of the layer
+        return sum(x["bytes"] for x in result["traffic"] if x["part"] == part)
+
+    minmax_scoring = part_bytes(r, "block scorer + top-n")
+    # What cmp's scoring adds to the compressed branch: its part's bytes beyond the attention alone.
+    cmp_scoring = part_bytes(cmp, "compressed attn + top-n") - part_bytes(r, "compressed attn + top-n")
+    assert 0 < minmax_scoring <= cmp_scoring, (minmax_scoring, cmp_scoring)
 
 
 @pytest.mark.aot

@@ -53,7 +53,7 @@ def test_overrides_and_paths(tmp_path):
         ),
         (["model.nsa.compressed_kernel=cudnn"], "needs model.dtype=bfloat16 (cuDNN's fused attention takes 16-bit"),
         (["model.nsa.branches=slc,foo"], "model.nsa.branches"),
-        (["model.nsa.scorer=peak"], "model.nsa.scorer is 'peak'; it must be one of 'cmp', 'minmax'"),
+        (["model.nsa.scorer=peak"], "model.nsa.scorer is 'peak'; it must be one of 'cmp', 'minmax', 'mix'"),
         (["model.nsa.scorer_sub=16"], "scorer cmp has none: set it to 0 or model.nsa.scorer=minmax"),
         (["model.nsa.scorer=minmax", "model.nsa.scorer_sub=24"], "scorer_sub (24) must divide model.nsa.lp"),
         (["model.nsa.scorer=minmax", "model.nsa.scorer_sub=-1"], "model.nsa.scorer_sub must be >= 0"),

@@ -37,6 +37,7 @@ CONFIGS = {
     # The scorer that keeps a block's peak (kernels/scorers.py), its sub-block bounds in the cache
     # (sub-blocks of 4: prompts end inside one).
     "G3K1n4minmax": dict(G=3, K=1, n=4, scorer="minmax", scorer_sub=4),
+    "G1K2n5mix": dict(G=1, K=2, n=5, cmp_phi="avg", scorer="mix"),
 }
 _CAPTURE = ("attn_norm", "cmp_k", "cmp_v")
 _refs: dict = {}
@@ -98,7 +99,9 @@ def _roped(cfg, x_LxBxTxKD):
     return np.asarray(rope(x, jnp.arange(T_), cfg.rope_theta)).reshape(L, B, T_, K, KD // K)
 
 
-@pytest.mark.parametrize("name", [pytest.param("G1K2n5avg", marks=pytest.mark.slow), "G3K1n4", "G3K1n4minmax"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("G1K2n5avg", marks=pytest.mark.slow), "G3K1n4", "G3K1n4minmax", "G1K2n5mix"]
+)
 def test_decode_matches_forward_at_every_position(name):
     """Prefill P tokens (a different P per row), then decode to T - 1: every position's logits match."""
     cfg, params, tokens, ref, _ = _reference(name)

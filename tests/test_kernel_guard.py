@@ -172,3 +172,21 @@ def test_guard_under_context_parallelism_checks_the_kernels_at_a_query_offset(mo
     failed = guard_kernels(cfg, 1, 2 * SEQ, force=True, warn=lines.append, layout=layout)
     assert set(failed) == {"win"}
     assert lines[0].startswith("warning: kernel guard: flash_pallas (nsa_window_*) disagrees with XLA")
+
+
+@pytest.mark.slow
+def test_guard_checks_the_minmax_scoring_kernel_with_the_compressed_branch(monkeypatch):
+    """scorer=minmax: the compressed branch's check covers the fused minmax kernel's blocks too, and
+    a kernel that picks other blocks sends the branch (its attention and its scoring) to XLA."""
+    cfg = _model_cfg()
+    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, scorer="minmax", n=4))
+    assert guard_kernels(cfg, 1, SEQ, force=True, warn=pytest.fail) == {}
+    real = K.select_minmax_pallas
+    monkeypatch.setattr(K, "select_minmax_pallas", lambda *a, **k: jnp.flip(real(*a, **k), axis=1))
+    lines = []
+    failed = guard_kernels(cfg, 1, SEQ, force=True, warn=lines.append)
+    assert set(failed) == {"cmp"}, failed
+    assert (
+        lines == [f"warning: kernel guard: {failed['cmp']}; the cmp branch runs on XLA"]
+        and "minmax_pallas (nsa_minmax_select) disagrees with XLA: selected blocks agree" in lines[0]
+    )

@@ -25,11 +25,11 @@ def _run(cfg, params, tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scorer", ["cmp", "minmax"])
+@pytest.mark.parametrize("scorer", ["cmp", "minmax", "mix"])
 def test_model_is_causal(scorer):
     """Changing tokens after t changes no logit, selected index or gate at positions <= t, whatever
     the block scorer (minmax over sub-blocks of 4: position t + 1 lies in the current block's bound)."""
-    sub = 4 if scorer == "minmax" else 0
+    sub = 4 if scorer != "cmp" else 0
     cfg = tiny_model_cfg(G=2, K=2, n=4, lp=8, l=8, d=4, w=10, scorer=scorer, scorer_sub=sub)
     T, t = 57, 30
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, T), 0, cfg.vocab_size)

@@ -52,7 +52,7 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
 
 @pytest.mark.parametrize(
     "scorer,sub,G,K,T",
-    [("minmax", 0, 2, 2, 53), ("minmax", 2, 3, 1, 47), ("minmax", 1, 1, 2, 41)],
+    [("minmax", 0, 2, 2, 53), ("minmax", 2, 3, 1, 47), ("minmax", 1, 1, 2, 41), ("mix", 0, 2, 2, 53)],
 )
 def test_scorers_match_reference_forward_and_indices(scorer, sub, G, K, T):
     # Every scorer's blocks equal the float64 per-token reference's (tests/reference.py, written from

@@ -63,3 +63,60 @@ def test_selection_under_a_query_offset_equals_the_whole_sequence():
     whole = np.asarray(select_minmax_xla(jnp.asarray(q), jnp.asarray(k), **kw))
     part = jax.jit(lambda o: select_minmax_xla(jnp.asarray(q[:, T // 2 :]), jnp.asarray(k), q_offset=o, **kw))
     np.testing.assert_array_equal(np.asarray(part(jnp.int32(T // 2))), whole[:, T // 2 :])
+
+
+def _minmax_scores_f64(q, k, lp, sub, offset=0):
+    """[B, T, K, Nb] float64 minmax scores written out in numpy (the module docstring of kernels/scorers.py)."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    nb = -(-k.shape[1] // lp)
+    kk = np.zeros((b, nb * lp, kvh, d))
+    kk[:, : k.shape[1]] = k
+    kk = kk.reshape(b, nb * lp // sub, sub, kvh, d)
+    kmin, kmax = kk.min(2), kk.max(2)
+    qg = q.astype(np.float64).reshape(b, t, kvh, h // kvh, d)
+    ub = np.einsum("btkgd,bukd->btkgu", np.maximum(qg, 0), kmax) + np.einsum(
+        "btkgd,bukd->btkgu", np.minimum(qg, 0), kmin
+    )
+    logit = ub.reshape(*ub.shape[:-1], nb, lp // sub).max(-1) / np.sqrt(d)
+    pos = np.arange(t) + offset
+    done = ((np.arange(nb)[None, :] + 1) * lp <= pos[:, None] + 1)[None, :, None, None, :]
+    e = np.where(done, np.exp(logit - np.where(done, logit, -np.inf).max(-1, keepdims=True)), 0.0)
+    p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    return np.where(done.any(-1, keepdims=True), p, 0.0).sum(3)
+
+
+@pytest.mark.parametrize(
+    "t,g,kvh,dk,lp,n,sub,offset,dtype",
+    [
+        (150, 3, 2, 16, 16, 5, 4, 0, jnp.float32),
+        (100, 6, 1, 24, 16, 4, 16, 37, jnp.float32),  # a traced query offset; dk padded to 32
+        pytest.param(200, 2, 2, 32, 32, 5, 8, 0, jnp.bfloat16, marks=pytest.mark.slow),
+    ],
+)
+def test_the_fused_minmax_kernel_matches_float64(t, g, kvh, dk, lp, n, sub, offset, dtype):
+    """kernels/minmax_pallas.py (interpreted here) against the float64 scores on every row without a
+    near-tie at the cut, and against the XLA path on the same rows."""
+    from nsa_jax.kernels.block_scores_pallas import BlockSelectSizes
+    from nsa_jax.kernels.minmax_pallas import select_minmax_pallas
+    from nsa_jax.kernels.reference import reference_block_selection
+
+    rng = np.random.default_rng(t + g)
+    keys = offset + t
+    q = jnp.asarray(rng.standard_normal((1, t, g * kvh, dk)), jnp.float32).astype(dtype)
+    k = jnp.asarray(rng.standard_normal((1, keys, kvh, dk)), jnp.float32).astype(dtype)
+    kw = dict(lp=lp, n=n, sub=sub)
+    off = jnp.int32(offset) if offset else 0
+    got = np.asarray(
+        jax.jit(
+            lambda q, k, o: select_minmax_pallas(
+                q, k, interpret=True, select_sizes=BlockSelectSizes(16, 16), q_offset=o, **kw
+            )
+        )(q, k, off)  # fmt: skip
+    )
+    want = _minmax_scores_f64(np.asarray(q, np.float64), np.asarray(k, np.float64), lp, sub, offset)
+    ref_idx, clear = reference_block_selection(want, lp, n, tol=1e-4 * g, offset=offset)
+    assert clear.mean() > 0.9 and (ref_idx >= 0).sum(-1).max() == n
+    np.testing.assert_array_equal(got[clear], ref_idx[clear])
+    xla = np.asarray(select_minmax_xla(q, k, q_offset=off, **kw))
+    np.testing.assert_array_equal(got[clear], xla[clear])

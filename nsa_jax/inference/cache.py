@@ -13,7 +13,7 @@ each row carries its own position, so rows of different lengths share one cache.
     positions: the not-yet-complete compression block(s) the next compressed token is built from;
   * `kcmp/vcmp` [Tc, K, D]: compressed keys/values; entry i is written when block i completes, at
     t = i*d + l - 1, and read only from then on;
-  * `kmin/kmax` [U, K, Dk]: under the `minmax` scorer (kernels/scorers.py), each sub-block's channel-wise
+  * `kmin/kmax` [U, K, Dk]: under the `minmax` and `mix` scorers (kernels/scorers.py), each sub-block's channel-wise
     minima and maxima of the selection keys, U = S / sub, grown key by key as the sub-block fills (read
     only once its block is complete); no slots under the other scorers;
   * `pos` [B]: tokens already in the cache = the position of the next token.
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
-from nsa_jax.kernels.scorers import scorer_sub
+from nsa_jax.kernels.scorers import KEY_SCORERS, scorer_sub
 from nsa_jax.kernels.xla import num_compressed
 from nsa_jax.nsa.layer import CACHE_NAMES, compressed_visible, ring_positions
 
@@ -61,7 +61,7 @@ def cache_sizes(cfg: ModelConfig, max_len: int) -> CacheSizes:
     Tc = max(1, num_compressed(S, a.l, a.d))
     if cfg.attention == "dense":  # the ring alone (nsa/dense.py): as long as the window or the cache
         return CacheSizes(S=S, R=min(cfg.dense_window or S, S), Tc=0, l=0, max_len=max_len, raw=False)
-    U = S // scorer_sub(a) if a.scorer == "minmax" else 0
+    U = S // scorer_sub(a) if a.scorer in KEY_SCORERS else 0
     return CacheSizes(S=S, R=min(a.w, S), Tc=Tc, l=a.l, max_len=max_len, U=U)
 
 

@@ -37,6 +37,7 @@ from nsa_jax.kernels.plan import (
     resolve_impl,
     selection_kernel_fits,
 )
+from nsa_jax.kernels.minmax_pallas import select_minmax_pallas
 from nsa_jax.kernels.scorers import CMP_SCORERS, SCORERS, scorer_sub, select_minmax_xla
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 from nsa_jax.kernels.xla import (
@@ -196,27 +197,30 @@ class BranchCalls:
         return {"interpret": self.plan.interpret, "query_chunk": self.nsa.query_chunk}
 
     def compressed(self, q, kc, vc, *, t_T=None, q_offset=0, num_blocks=None, impl=None):
-        """(o [B, T, H, Dv], the selected blocks [B, T, K, n] when the scorer reads the compressed
-        probabilities (CMP_SCORERS), else None: `blocks` chooses them)."""
+        """(o [B, T, H, Dv], what the selection takes from the compressed branch: under `cmp` the
+        selected blocks [B, T, K, n]; under `mix` cmp's block scores [B, T, K, Nb] for `blocks`;
+        None under `minmax` or without a selection branch)."""
         a = self.nsa
-        cmp_scored = "slc" in a.branches and a.scorer in CMP_SCORERS
-        o, idx = compressed_attention(
-            q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=a.n if cmp_scored else None, t_T=t_T,
-            impl=impl or self.plan.cmp, q_offset=q_offset, num_blocks=num_blocks,
-            scores=cmp_scored, **self._run(),
+        scored = "slc" in a.branches and a.scorer in CMP_SCORERS
+        select = scored and a.scorer == "cmp"
+        o, out = compressed_attention(
+            q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=a.n if select else None, t_T=t_T,
+            impl=impl or self.plan.cmp, q_offset=q_offset, num_blocks=num_blocks, scores=scored, **self._run(),
         )  # fmt: skip
-        return o, idx
+        return o, out
 
-    def blocks(self, q, k, *, q_offset=0, num_blocks=None):
-        """The selected blocks [B, T, K, n] of a scorer that reads the selection keys (`minmax`; the
-        whole sequence's keys `k`), on XLA one query chunk at a time on every backend."""
+    def blocks(self, q, k, *, q_offset=0, num_blocks=None, impl=None, cmp_scores=None):
+        """The selected blocks [B, T, K, n] of a scorer that reads the selection keys (`minmax`, `mix`;
+        the whole sequence's keys `k`; `cmp_scores`: mix's other half, from `compressed`): minmax's
+        fused Pallas kernel where the plan runs the compressed branch's kernels (minmax_pallas), else
+        XLA one query chunk at a time (mix everywhere: no fused kernel adds cmp's scores)."""
         a = self.nsa
-        if a.scorer != "minmax":
-            raise ValueError(f"scorer {a.scorer!r} comes with the compressed branch (BranchCalls.compressed)")
-        return select_minmax_xla(
-            q, k, lp=a.lp, n=a.n, sub=scorer_sub(a), query_chunk=a.query_chunk, q_offset=q_offset,
-            num_blocks=num_blocks,
-        )  # fmt: skip
+        if a.scorer not in ("minmax", "mix") or (a.scorer == "mix") != (cmp_scores is not None):
+            raise ValueError(f"scorer {a.scorer!r}: blocks() takes minmax, or mix with cmp's scores")
+        kw = dict(lp=a.lp, n=a.n, sub=scorer_sub(a), q_offset=q_offset, num_blocks=num_blocks)
+        if a.scorer == "minmax" and (impl or self.plan.cmp) in COMPRESSED_KERNELS:
+            return select_minmax_pallas(q, k, interpret=_interpret(self.plan.interpret), **kw)
+        return select_minmax_xla(q, k, query_chunk=a.query_chunk, plus_scores=cmp_scores, **kw)
 
     def selection(self, q, k, v, idx, *, q_offset=0, impl=None):
         kernel = "xla" if impl == "xla" else self.plan.slc

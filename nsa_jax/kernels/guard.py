@@ -69,11 +69,20 @@ def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[s
     calls = BranchCalls(nsa, plan)
     reference = lambda impl: None if impl == "pallas" else impl  # noqa: E731 - "xla": the reference
     if branch == "cmp":
+        name = _KERNELS["cmp-cudnn" if plan.cmp == "cudnn" else "cmp"]
+        if nsa.scorer == "minmax":  # the attention alone, and the blocks from the selection keys k
+            # (mix scores on XLA: its compressed scores come with the attention, checked as cmp's are)
+
+            def cmp_minmax(impl, q, kc, vc, k, q_offset):
+                o, _ = calls.compressed(q, kc, vc, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
+                return o, calls.blocks(q, k, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
+
+            return f"{name} + minmax_pallas (nsa_minmax_select)", cmp_minmax
 
         def cmp(impl, q, kc, vc, q_offset):
             return calls.compressed(q, kc, vc, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
 
-        return _KERNELS["cmp-cudnn" if plan.cmp == "cudnn" else "cmp"], cmp
+        return name, cmp
     if branch == "win":
 
         def win(impl, q, k, v, q_offset):
@@ -95,7 +104,8 @@ def _shapes(cfg, branch: str, batch: int, seq: int, rows: int) -> list[tuple[tup
     q = ((batch, rows, H, Dk), dt)
     if branch == "cmp":
         tc = num_compressed(seq, a.l, a.d)
-        return [q, ((batch, tc, K, Dk), dt), ((batch, tc, K, Dv), dt)]
+        minmax = [((batch, seq, K, Dk), dt)] if a.scorer == "minmax" else []  # its selection keys
+        return [q, ((batch, tc, K, Dk), dt), ((batch, tc, K, Dv), dt), *minmax]
     kv = [((batch, seq, K, Dk), dt), ((batch, seq, K, Dv), dt)]
     return [q, *kv, ((batch, rows, K, a.n), jnp.int32)] if branch == "slc" else [q, *kv]
 

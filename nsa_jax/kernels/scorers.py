@@ -6,6 +6,8 @@ then keeps the n best (block 0 and the two local blocks forced). Two families:
 * `cmp` (the paper's Eq. 9-10): the compressed branch's probabilities summed over the group's
   heads and over the compressed tokens that overlap each block. It comes with the compressed
   attention (kernels/xla.py `compressed_attention_xla`, the fused Pallas kernels).
+* `mix`: cmp's scores plus minmax's (each sums to G over a query's blocks), so a block wins a slot
+  by its compressed mass or by its peak.
 * `minmax` (Quest's bound, kept per sub-block): for a sub-block of `sub` keys with channel-wise
   minima k_min and maxima k_max, every key's logit q . k <= relu(q) . k_max + min(q, 0) . k_min.
   A block's logit is the largest bound over its lp / sub sub-blocks, so a block that holds one
@@ -27,9 +29,10 @@ import jax.numpy as jnp
 from nsa_jax.kernels.xla import map_query_chunks, masked_softmax, select_blocks
 
 # The scorers a config may name (NSAConfig.scorer).
-SCORERS = ("cmp", "minmax")
-# Scorers that come from the compressed branch's probabilities.
-CMP_SCORERS = ("cmp",)
+SCORERS = ("cmp", "minmax", "mix")
+# Scorers that read the compressed branch's probabilities, and those that read the selection keys.
+CMP_SCORERS = ("cmp", "mix")
+KEY_SCORERS = ("minmax", "mix")
 
 
 def scorer_sub(nsa) -> int:
@@ -38,11 +41,14 @@ def scorer_sub(nsa) -> int:
 
 
 def key_bounds(k_BxTxKxDk: jax.Array, lp: int, sub: int, num_blocks: int | None = None):
-    """(k_min, k_max) [B, Nb * lp / sub, K, Dk] fp32: channel-wise minima and maxima of each sub-block
-    of `sub` consecutive keys. Keys past T are zeros: they only reach blocks no query has complete."""
+    """(k_min, k_max) [B, Nb * lp / sub, K, Dk] in the keys' dtype (a minimum is one of the values:
+    exact): channel-wise minima and maxima of each sub-block of `sub` consecutive keys. Keys past T
+    are zeros: they only reach blocks no query has complete."""
     B, T, K, Dk = k_BxTxKxDk.shape
     n_blocks = -(-T // lp) if num_blocks is None else num_blocks
-    k = jnp.pad(k_BxTxKxDk.astype(jnp.float32), [(0, 0), (0, n_blocks * lp - T), (0, 0), (0, 0)])
+    k = k_BxTxKxDk
+    if n_blocks * lp != T:
+        k = jnp.pad(k, [(0, 0), (0, n_blocks * lp - T), (0, 0), (0, 0)])
     k = k.reshape(B, n_blocks * lp // sub, sub, K, Dk)
     return jnp.min(k, axis=2), jnp.max(k, axis=2)
 
@@ -50,8 +56,9 @@ def key_bounds(k_BxTxKxDk: jax.Array, lp: int, sub: int, num_blocks: int | None 
 def bound_block_logits(qg_BxCxKxGxDk: jax.Array, kmin_BxSxKxDk, kmax_BxSxKxDk, lp: int, sub: int, scale: float):
     """[B, C, K, G, Nb] fp32: each head's largest bound q . k over each block (the module docstring)."""
     q = qg_BxCxKxGxDk.astype(jnp.float32)
-    ub = jnp.einsum("bckgd,bskd->bckgs", jnp.maximum(q, 0.0), kmax_BxSxKxDk) + jnp.einsum(
-        "bckgd,bskd->bckgs", jnp.minimum(q, 0.0), kmin_BxSxKxDk
+    kmin, kmax = (x.astype(jnp.float32) for x in (kmin_BxSxKxDk, kmax_BxSxKxDk))
+    ub = jnp.einsum("bckgd,bskd->bckgs", jnp.maximum(q, 0.0), kmax) + jnp.einsum(
+        "bckgd,bskd->bckgs", jnp.minimum(q, 0.0), kmin
     )
     per = lp // sub
     ub = ub.reshape(*ub.shape[:-1], ub.shape[-1] // per, per)
@@ -98,8 +105,10 @@ def select_minmax_xla(
     query_chunk: int = 512,
     q_offset: int | jax.Array = 0,
     num_blocks: int | None = None,
+    plus_scores: jax.Array | None = None,
 ) -> jax.Array:
-    """Block indices [B, T, K, n] int32 of the `minmax` scorer, select_blocks' contract.
+    """Block indices [B, T, K, n] int32 of the `minmax` scorer, select_blocks' contract; with
+    `plus_scores` [B, T, K, Nb] (the `mix` scorer: cmp's), ranked by the sum of the two.
 
     `k`: the selection keys of the whole sequence (context parallelism: gathered), whose bounds are
     made once; query row r stands at position r + q_offset. The scores exist one query chunk at a time.
@@ -110,9 +119,9 @@ def select_minmax_xla(
     kmin, kmax = key_bounds(jax.lax.stop_gradient(k_BxTxKxDk), lp, sub, n_blocks)
     q = jax.lax.stop_gradient(q_BxTxHxDk)
 
-    def body(start, q_BxCxHxDk):
+    def body(start, q_BxCxHxDk, *plus):
         t_C = start + q_offset + jnp.arange(q_BxCxHxDk.shape[1], dtype=jnp.int32)
         scores = minmax_block_scores(q_BxCxHxDk, kmin, kmax, t_C, lp=lp, sub=sub, scale=scale)
-        return select_blocks(scores, lp, n, t_C)
+        return select_blocks(scores + plus[0] if plus else scores, lp, n, t_C)
 
-    return map_query_chunks(body, query_chunk, q)
+    return map_query_chunks(body, query_chunk, q, *([] if plus_scores is None else [plus_scores]))

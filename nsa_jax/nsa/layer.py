@@ -344,9 +344,10 @@ def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_
             t_n = off + jnp.arange(n, dtype=jnp.int32)
             o_cmp, idx = calls.compressed(q_c, kc, vc, t_T=t_n, q_offset=off, num_blocks=num_blocks)
         parts["cmp"].append(o_cmp)
-        if "slc" in a.branches and idx is None:  # a scorer of the selection keys (kernels/scorers.py)
+        if "slc" in a.branches and a.scorer != "cmp":  # a scorer of the selection keys (kernels/scorers.py)
             with jax.named_scope("nsa_score"):
-                idx = calls.blocks(q_c, full["slc"][0], q_offset=off, num_blocks=num_blocks)
+                cmp_scores = idx if a.scorer == "mix" else None
+                idx = calls.blocks(q_c, full["slc"][0], q_offset=off, num_blocks=num_blocks, cmp_scores=cmp_scores)
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
                 parts["slc"].append(calls.selection(q_c, *full["slc"], idx, q_offset=off))
@@ -535,9 +536,10 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
         outputs["cmp"] = o_cmp.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
 
     if "slc" in a.branches:
-        if U:
+        if U:  # minmax's scores (mix: added to cmp's)
             kb = (cache["kmin"].value[layer], cache["kmax"].value[layer])
-            scores_BxKxNb = minmax_row_scores(qg_BxKxGxDk, *kb, t_B, lp=a.lp, sub=S // U, scale=scale)
+            mm = minmax_row_scores(qg_BxKxGxDk, *kb, t_B, lp=a.lp, sub=S // U, scale=scale)
+            scores_BxKxNb = mm + scores_BxKxNb if a.scorer == "mix" else mm
         # Rows as select_blocks' query axis, so each row gets its own position.
         idx_BxKxN = select_blocks(scores_BxKxNb[None], a.lp, a.n, t_B)[0]
         used = idx_BxKxN >= 0

@@ -20,6 +20,7 @@ LAYER_PARTS = (
     ("selection", "nsa_slc"),
     ("compression MLP", "nsa_cmp/compress"),
     ("compressed attn + top-n", "nsa_cmp"),
+    ("block scorer + top-n", "nsa_score"),
     ("window", "nsa_win"),
     ("qkv proj + RoPE", "nsa_qkv"),
     ("gates", "nsa_gates"),
@@ -32,6 +33,7 @@ LAYER_PARTS = (
 KERNEL_PARTS = (
     ("selection", ("nsa_selection",)),
     ("compressed attn + top-n", ("nsa_cmp", "nsa_block_s", "nsa_select_from_scores")),
+    ("block scorer + top-n", ("nsa_minmax",)),
     ("window", ("nsa_window",)),
 )
 # The rest of the model, by words of the op_name path (first match wins).
