@@ -27,6 +27,7 @@ from nsa_jax.kernels.block_scores_pallas import (
 )
 from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_pallas
 from nsa_jax.kernels.flash_pallas import window_attention_pallas
+from nsa_jax.kernels.minmax_pallas import select_minmax_pallas
 from nsa_jax.kernels.plan import (
     COMPRESSED_KERNELS,
     CUDNN_CMP,
@@ -37,7 +38,6 @@ from nsa_jax.kernels.plan import (
     resolve_impl,
     selection_kernel_fits,
 )
-from nsa_jax.kernels.minmax_pallas import select_minmax_pallas
 from nsa_jax.kernels.scorers import CMP_SCORERS, SCORERS, scorer_sub, select_minmax_xla
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 from nsa_jax.kernels.xla import (
