@@ -10,11 +10,13 @@ cards in all (data x seq).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from launch.cli import add_overrides
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.info import describe
+from nsa_jax.runbook_env import config_from_env
 from nsa_jax.tools import aot
 from nsa_jax.words import count
 
@@ -64,7 +66,9 @@ def describe_fit(r: dict, cfg, description: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.info", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="a100_pcie", help="config name in configs/ or a YAML path")
+    parser.add_argument(
+        "--config", default=None, help="config name in configs/ or a YAML path (default: $CONFIG, else a100_pcie)"
+    )
     add_overrides(parser)
     parser.add_argument("--target", default=None, help="GPU card to check the step against: a100-40, a100-80, h100")
     parser.add_argument(
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         # Compiling for a card runs on this host's CPU: set before jax starts (a GPU-less host's CUDA check fails).
         aot.compile_on_host()
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config or config_from_env(os.environ) or "a100_pcie", args.overrides)
         if args.target is not None:
             target = aot.get_target(args.target)
             C = cfg.parallel.context

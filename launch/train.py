@@ -12,6 +12,8 @@ Environment variables (the torch runbooks' names):
   NSA_TB_DISABLE, NSA_DISABLE_CSV_LOGS, NSA_DISABLE_AUX_STATS = 1|0
       -> logging.tensorboard, logging.csv, logging.aux_stats off|on
   NSA_PG_TIMEOUT_MIN -> ops.stall_seconds (minutes; the in-process stall watchdog)
+  CONFIG=configs/x.yaml -> the config where --config is not given (before --init-from's; env.json
+      records it)
 Multi-process (one process per host): --coordinator/--num-processes/--process-id, or
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM (nsa_jax/ops/distributed.py);
 python -m launch.spawn --nproc N -- python -m launch.train ... starts N local processes.
@@ -68,7 +70,7 @@ from nsa_jax.data.check import check_data, repeat_note
 from nsa_jax.data.sources import FILE_DATASETS
 from nsa_jax.data.tokenizers import fitted_vocab_size
 from nsa_jax.ops import distributed as dist
-from nsa_jax.runbook_env import env_overrides
+from nsa_jax.runbook_env import config_from_env, env_overrides
 from nsa_jax.rundir import files as rf
 from nsa_jax.rundir import lock, resume
 
@@ -127,11 +129,15 @@ _FLAG_KEYS = {
 }
 
 
-def config_source(args: argparse.Namespace) -> tuple[str, bool]:
-    """(the config to load, whether the project saved it): --config, else --init-from's own
-    config.yaml (a converted model's shape and tokenizer), else a100_pcie."""
+def config_source(args: argparse.Namespace, environ=os.environ) -> tuple[str, bool]:
+    """(the config to load, whether the project saved it): --config, else the runbooks' CONFIG=
+    variable, else --init-from's own config.yaml (a converted model's shape and tokenizer), else
+    a100_pcie."""
     if args.config is not None:
         return args.config, False
+    from_env = config_from_env(environ)
+    if from_env is not None:
+        return from_env, False
     if args.init_from is not None and (pathlib.Path(args.init_from) / rf.MODEL_CONFIG_FILE).is_file():
         return str(pathlib.Path(args.init_from) / rf.MODEL_CONFIG_FILE), True
     return "a100_pcie", False
@@ -265,6 +271,8 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         env_sets, applied = env_overrides(os.environ)
         name, saved = config_source(args)
+        if args.config is None and config_from_env(os.environ) is not None:
+            applied["CONFIG"] = f"the config ({name})"
         cfg = load_config(name, env_sets + flag_overrides(args), saved=saved)
         resume.check_init_from(cfg)
         cfg, vocab_note = fit_vocab_to_tokenizer(cfg)

@@ -7,7 +7,7 @@ A bad value is one ConfigError line naming the variable. No jax.
 
 from __future__ import annotations
 
-from nsa_jax.config import ConfigError
+from nsa_jax.config import ConfigError, resolve_path
 
 # variable -> (config key, value converter)
 _NUMERIC_ENV = {
@@ -24,6 +24,19 @@ _DISABLE_ENV = {
     "NSA_DISABLE_CSV_LOGS": "logging.csv",
     "NSA_DISABLE_AUX_STATS": "logging.aux_stats",
 }
+
+
+def config_from_env(environ: dict[str, str]) -> str | None:
+    """The runbooks' `CONFIG=configs/x.yaml` (the config where no --config is given), or None when unset;
+    a ConfigError line naming the variable when it names no config."""
+    raw = environ.get("CONFIG", "").strip()
+    if not raw:
+        return None
+    try:
+        resolve_path(raw)
+    except ConfigError as e:
+        raise ConfigError(f"CONFIG={raw} (environment) names no config: {str(e).removeprefix('config: ')}") from None
+    return raw
 
 
 def env_overrides(environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:

@@ -394,6 +394,26 @@ def test_halts_anomalies_and_non_finite_loss_are_no_go(tmp_path):
         assert piece in detail
 
 
+def test_a_stack_dump_asked_for_by_sigusr1_is_a_note_and_a_stall_dump_an_anomaly(tmp_path):
+    """The playbook's "attach a stackdump" (SIGUSR1) keeps a healthy run GO, named in the detail; a
+    stall's dump (the watchdog's) still turns it NO-GO."""
+    asked = [{"event": "watchdog_dump", "step": 20, "msg": "SIGUSR1: stacks in x", "reason": "sigusr1"}]
+    d = write_run(tmp_path / "asked", extra_events=asked)
+    name = "stackdump_20250101T000000_rank0.txt"
+    (d / name).write_text("stack dump: SIGUSR1 (training continues)\ntime: ...\n")
+    s = judge(d)
+    detail = next(c.detail for c in s.criteria if c.name == "anomalies")
+    assert status(s)["anomalies"] == "GO" and s.verdict == "GO", detail
+    assert detail.endswith(f"; noted: 1 SIGUSR1 stack dump: {name}"), detail
+    stall = [{"event": "watchdog_dump", "step": 20, "msg": "stall", "reason": "stall"}]
+    d = write_run(tmp_path / "stall", extra_events=stall)
+    (d / name).write_text("stack dump: stall: no training step ended for 900s (ops.stall_seconds=900)\n")
+    s = judge(d)
+    detail = next(c.detail for c in s.criteria if c.name == "anomalies")
+    assert status(s)["anomalies"] == "NO-GO" and "rank0 watchdog_dump at step 20" in detail
+    assert f"1 stack dump: {name}" in detail
+
+
 def test_memory_growth_gates_and_step_time_follow_their_flags(tmp_path):
     mem = [int(2 * C.GIB * (1 + 0.01 * s)) for s in range(1, 41)]  # ~+10% across the last 20 steps
     st = [0.3 if s % 2 else 0.9 for s in range(40)]  # every other step three times as long

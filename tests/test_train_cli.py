@@ -51,6 +51,8 @@ def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"^compile: [\d.]+s \| per device: arguments ", r.stdout, re.M), r.stdout
     assert re.search(r"^step 2/3 \| loss \d+\.\d{4} \| lr \d\.\d\de-\d\d \| [\d,]+ tok/s \| ETA \S+", r.stdout, re.M)
+    # The reduction as the torch runbook's `[ddp] gradient compression` line says it (NSA_DDP_COMPRESS=off).
+    assert "strategy dp, gradients reduced in float32 (combine threshold 25 MB) ->" in r.stdout, r.stdout
 
     with open(out / "training.csv") as f:
         rows = list(csv.reader(f))
@@ -77,6 +79,8 @@ def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
     events = [b["event"] for b in beats]
     assert {"boot", "compile", "step_start", "progress", "step_end", "done"} <= set(events)
     assert [b["step"] for b in beats if b["event"] == "step_end"] == [1, 2, 3]
+    boot = next(b for b in beats if b["event"] == "boot")
+    assert (boot["strategy"], boot["grad_reduce_dtype"], boot["bucket_mb"]) == ("dp", "float32", 25.0), boot
     assert all(b["memory"]["bytes_in_use"] > 0 and b["rank"] == 0 for b in beats)
     # Every step is announced before it ends.
     for s in (1, 2, 3):
@@ -111,9 +115,11 @@ def test_run_writes_documented_artifacts_on_two_devices(tmp_path):
 @pytest.mark.slow
 def test_env_toggles_switch_artifacts_off(tmp_path):
     out = tmp_path / "quiet"
-    # Only the compressed branch: the artifacts are the point here, and it compiles fastest.
-    args = ["--config", "cpu_tiny", "--steps", "1", "--out-dir", str(out), *sets(TINY + ["model.nsa.branches=[cmp]"])]
-    r = launch(args, env={"NSA_DISABLE_CSV_LOGS": "1", "NSA_TB_DISABLE": "1", "NSA_DISABLE_AUX_STATS": "1"}, devices=1)
+    # Only the compressed branch: the artifacts are the point here, and it compiles fastest. The
+    # config by the runbooks' CONFIG= variable (no --config).
+    args = ["--steps", "1", "--out-dir", str(out), *sets(TINY + ["model.nsa.branches=[cmp]"])]
+    env = {"NSA_DISABLE_CSV_LOGS": "1", "NSA_TB_DISABLE": "1", "NSA_DISABLE_AUX_STATS": "1"}
+    r = launch(args, env={**env, "CONFIG": "configs/cpu_tiny.yaml"}, devices=1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not (out / "training.csv").exists() and not (out / "tb").exists()
     assert [b["step"] for b in read_heartbeat(out / "heartbeat_rank0.jsonl") if b["event"] == "step_end"] == [1]
@@ -121,6 +127,13 @@ def test_env_toggles_switch_artifacts_off(tmp_path):
     assert env["config"]["logging"]["csv"] is False and env["config"]["logging"]["tensorboard"] is False
     assert env["config"]["logging"]["aux_stats"] is False
     assert env["toggles"]["NSA_DISABLE_CSV_LOGS"]["effect"] == "applied: logging.csv=false"
+    assert env["toggles"]["CONFIG"] == {
+        "value": "configs/cpu_tiny.yaml",
+        "effect": "applied: the config (configs/cpu_tiny.yaml)",
+    }
+    # cpu_tiny's own settings, not a100_pcie's (the default without --config).
+    assert env["config"]["model"]["dtype"] == "float32" and env["config"]["parallel"]["strategy"] == "dp"
+    assert env["config"]["model"]["nsa"]["attention_impl"] == load_config("cpu_tiny").model.nsa.attention_impl == "xla"
 
 
 @pytest.mark.parametrize(
@@ -133,12 +146,15 @@ def test_env_toggles_switch_artifacts_off(tmp_path):
         (["--set", "train.no_such_key=1"], {}),
         ([], {"NSA_DDP_COMPRESS": "fp8"}),
         ([], {"NSA_ACCUM": "two"}),
+        (["--config", None], {"CONFIG": "configs/no_such.yaml"}),  # the runbooks' way, naming no file
         (["--set", "train.global_batch=3", *sets(t for t in TINY if "global_batch" not in t)], {}),  # 3 rows, 2 devices
     ],
 )
 @pytest.mark.slow
 def test_bad_input_gives_one_error_line_and_status_2(tmp_path, args, env):
-    r = launch(["--config", "cpu_tiny", "--out-dir", str(tmp_path / "x"), *args], env=env)
+    base = ["--config", "cpu_tiny"] if args[:2] != ["--config", None] else []
+    args = args[2:] if not base else args
+    r = launch([*base, "--out-dir", str(tmp_path / "x"), *args], env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import statistics
 import time
 from typing import Any, Iterable, Sequence
@@ -376,21 +377,37 @@ def _gates(run: Run, rows: list[dict], th: Thresholds, fig: dict) -> Criterion:
     )
 
 
+def _asked_for(dump: pathlib.Path) -> bool:
+    """Whether a stack dump was asked for (SIGUSR1: the playbook's "attach a stackdump"), not a stall's."""
+    try:
+        with open(dump, errors="replace") as f:
+            return "SIGUSR1" in f.readline()
+    except OSError:
+        return False
+
+
 def _anomalies(run: Run, fig: dict) -> Criterion:
-    found = []
+    """Anomalies turn a run NO-GO; a stack dump an operator asked for (SIGUSR1) is only noted."""
+    found, noted = [], []
     if run.halt is not None:
         found.append(f".HALT present ({run.halt})")
     if run.anomaly_type is not None:
         found.append(f".anomaly_type {run.anomaly_type}")
     for rank, evs in sorted(run.heartbeats.items()):
         for e in evs:
+            if e.get("event") == "watchdog_dump" and e.get("reason") == "sigusr1":
+                continue  # the dump itself is noted below
             if e.get("event") in ANOMALY_EVENTS:
                 kind = f" {e['anomaly_type']}" if e.get("anomaly_type") else ""
                 msg = f": {e['msg']}" if e.get("msg") else ""
                 found.append(f"rank{rank} {e['event']}{kind} at step {e.get('step')}{msg}")
-    dumps = sorted(p.name for p in run.path.glob("stackdump_*.txt"))
-    if dumps:
-        found.append(f"{count(len(dumps), 'stack dump')}: {', '.join(dumps[:3])}{'...' if len(dumps) > 3 else ''}")
+    all_dumps = sorted(run.path.glob("stackdump_*.txt"))
+    for dumps, into, what in (
+        ([p.name for p in all_dumps if not _asked_for(p)], found, "stack dump"),
+        ([p.name for p in all_dumps if _asked_for(p)], noted, "SIGUSR1 stack dump"),
+    ):
+        if dumps:
+            into.append(f"{count(len(dumps), what)}: {', '.join(dumps[:3])}{'...' if len(dumps) > 3 else ''}")
     skipped = [int(r["step"]) for r in run.rows if r.get("skipped")]
     if skipped:
         found.append(
@@ -405,7 +422,7 @@ def _anomalies(run: Run, fig: dict) -> Criterion:
         + (", heartbeat events" if run.heartbeats else "")
         + (", skipped column" if run.has_column("skipped") else "")
     )
-    return Criterion("anomalies", GO, f"none ({checked})")
+    return Criterion("anomalies", GO, f"none ({checked})" + (f"; noted: {'; '.join(noted)}" if noted else ""))
 
 
 def _segments(events: list[dict]) -> list[list[dict]]:

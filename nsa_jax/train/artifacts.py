@@ -117,11 +117,13 @@ def _version(module: str) -> str | None:
 
 
 def toggle_effects(environ: dict[str, str], applied: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Every NSA_* variable set -> its value and what it does in this run."""
+    """Every NSA_* variable set, and the runbooks' CONFIG -> its value and what it does in this run."""
     out = {}
-    for name in sorted(k for k in environ if k.startswith("NSA_")):
+    for name in sorted(k for k in environ if k.startswith("NSA_") or k == "CONFIG"):
         if name in applied:
             effect = f"applied: {applied[name]}"
+        elif name == "CONFIG":
+            effect = "not used: --config names the config"
         elif name in NOOP_TOGGLES:
             effect = f"accepted, no effect: {NOOP_TOGGLES[name]}"
         else:

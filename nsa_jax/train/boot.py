@@ -125,7 +125,8 @@ def boot(
         f"boot: {count(jax.process_count(), 'process', 'processes')}, "
         f"{count(plan.n_devices, jax.default_backend() + ' device')} on the data axis{_context_words(plan)}, "
         f"per-device batch {cfg.train.global_batch // plan.n_devices} x accumulate {cfg.train.accumulate}, "
-        f"{tokens_per_step:,} tokens/step -> {out}" + (f" (resized on resume: {elastic})" if elastic else "")
+        f"{tokens_per_step:,} tokens/step, {_reduction_words(cfg, plan)} -> {out}"
+        + (f" (resized on resume: {elastic})" if elastic else "")
     )
     _say_settings(cfg, int(state.step if state is not None else 0), eval_off, art, say)
     # What the config asks of the kernels that this backend runs otherwise (env.json has the whole plan).
@@ -134,10 +135,23 @@ def boot(
         say("note: kernels: " + "; ".join(asked))
     if undivided := whole_leaves(plan):
         say(f"note: {undivided}")
-    art.event("boot", 0, "boot", devices=plan.n_devices, processes=jax.process_count(), tokens_per_step=tokens_per_step)
+    p = cfg.parallel
+    art.event(
+        "boot", 0, "boot", devices=plan.n_devices, processes=jax.process_count(), tokens_per_step=tokens_per_step,
+        strategy=p.strategy, grad_reduce_dtype=p.grad_reduce_dtype, bucket_mb=p.bucket_mb,
+    )  # fmt: skip
     doing("boot: reading the first batch")
     cfg, data, first = _first_batch(cfg, data, art, say, process_rows(mesh))
     return RunParts(cfg, mesh, plan, train_step, tokens_per_step, data, checkpointer, art, state, first)
+
+
+def _reduction_words(cfg, plan: ShardingPlan) -> str:
+    """The boot line's words on the gradient reduction (the torch runbook's `[ddp] gradient compression
+    enabled: bf16`): the strategy, the dtype on the wire and XLA's combine threshold."""
+    p = cfg.parallel
+    if plan.n_devices * (plan.layout.context if plan.layout is not None else 1) == 1:
+        return f"strategy {p.strategy} (one device: no gradient reduction)"
+    return f"strategy {p.strategy}, gradients reduced in {p.grad_reduce_dtype} (combine threshold {p.bucket_mb:g} MB)"
 
 
 def _context_words(plan: ShardingPlan) -> str:
