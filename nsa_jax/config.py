@@ -254,6 +254,9 @@ class LoggingConfig:
     heartbeat: bool = True
     aux_stats: bool = True
     env_json: bool = True
+    # Every N optimizer steps each process writes its devices' memory profile (pprof, jax's
+    # save_device_memory_profile) to <out_dir>/memory/step<N>_rank<r>.prof; 0: none (NSA_MEM_DUMP_EVERY).
+    mem_dump_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,7 @@ def validate(cfg):
         "model.attention=dense does not have: set both to 0",
     )
     need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    need(cfg.logging.mem_dump_every >= 0, f"logging.mem_dump_every must be >= 0 (0: none), got {cfg.logging.mem_dump_every}")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
     need(

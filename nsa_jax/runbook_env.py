@@ -18,6 +18,7 @@ _NUMERIC_ENV = {
     "NSA_DDP_BUCKET_MB": ("parallel.bucket_mb", float),
     # The torch process-group timeout: here a step that does not end in time ends the process.
     "NSA_PG_TIMEOUT_MIN": ("ops.stall_seconds", lambda raw: float(raw) * 60),
+    "NSA_MEM_DUMP_EVERY": ("logging.mem_dump_every", int),
 }
 _DISABLE_ENV = {
     "NSA_TB_DISABLE": "logging.tensorboard",

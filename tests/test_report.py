@@ -690,3 +690,23 @@ def test_sweep_comparison_puts_problems_on_stderr(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err.splitlines() == [f"warning: {bad}: training.csv: line 5 has 3 fields, header 18; skipped"]
     assert "rank  run" in out and "warning:" not in out
+
+
+def test_the_heartbeat_memory_keeps_each_device_where_the_backend_reports_it(monkeypatch):
+    """Two GPUs of different use: the max (what the gates read) and each device's bytes (the balance)."""
+    import nsa_jax.train.artifacts as A
+
+    class Dev:
+        def __init__(self, used):
+            self.used = used
+
+        def memory_stats(self):
+            return {"bytes_in_use": self.used, "peak_bytes_in_use": 2 * self.used}
+
+    monkeypatch.setattr(A.jax, "local_devices", lambda: [Dev(3 << 30), Dev(5 << 30)])
+    snap = A.memory_snapshot()
+    assert snap == {
+        "source": "device", "bytes_in_use": 5 << 30, "peak_bytes_in_use": 10 << 30, "per_device": [3 << 30, 5 << 30]
+    }  # fmt: skip
+    monkeypatch.setattr(A.jax, "local_devices", lambda: [type("Cpu", (), {"memory_stats": lambda self: None})()])
+    assert A.memory_snapshot()["source"] == "process_rss"

@@ -118,7 +118,7 @@ def test_env_toggles_switch_artifacts_off(tmp_path):
     # Only the compressed branch: the artifacts are the point here, and it compiles fastest. The
     # config by the runbooks' CONFIG= variable (no --config).
     args = ["--steps", "1", "--out-dir", str(out), *sets(TINY + ["model.nsa.branches=[cmp]"])]
-    env = {"NSA_DISABLE_CSV_LOGS": "1", "NSA_TB_DISABLE": "1", "NSA_DISABLE_AUX_STATS": "1"}
+    env = {"NSA_DISABLE_CSV_LOGS": "1", "NSA_TB_DISABLE": "1", "NSA_DISABLE_AUX_STATS": "1", "NSA_MEM_DUMP_EVERY": "1"}
     r = launch(args, env={**env, "CONFIG": "configs/cpu_tiny.yaml"}, devices=1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not (out / "training.csv").exists() and not (out / "tb").exists()
@@ -127,6 +127,8 @@ def test_env_toggles_switch_artifacts_off(tmp_path):
     assert env["config"]["logging"]["csv"] is False and env["config"]["logging"]["tensorboard"] is False
     assert env["config"]["logging"]["aux_stats"] is False
     assert env["toggles"]["NSA_DISABLE_CSV_LOGS"]["effect"] == "applied: logging.csv=false"
+    # NSA_MEM_DUMP_EVERY: each step's device memory profile, gzip'd pprof as jax writes it.
+    assert (out / "memory" / "step1_rank0.prof").read_bytes()[:2] == b"\x1f\x8b"
     assert env["toggles"]["CONFIG"] == {
         "value": "configs/cpu_tiny.yaml",
         "effect": "applied: the config (configs/cpu_tiny.yaml)",

@@ -59,7 +59,6 @@ NOOP_TOGGLES = {
     "NSA_SCALER_GROWTH_INTERVAL": "no fp16 path; bf16 needs no loss scaling",
     "NSA_SCALER_GROWTH_FACTOR": "no fp16 path; bf16 needs no loss scaling",
     "NSA_SCALER_BACKOFF_FACTOR": "no fp16 path; bf16 needs no loss scaling",
-    "NSA_MEM_DUMP_EVERY": "not implemented yet",
 }
 
 
@@ -83,7 +82,9 @@ def _rss_bytes() -> int | None:
 
 
 def memory_snapshot() -> dict[str, Any]:
-    """Device bytes in use (max over local devices) where the backend reports it, else process RSS."""
+    """Device bytes in use (max over local devices, and each device's in `per_device`, in
+    jax.local_devices() order, so the balance between GPUs can be read) where the backend reports
+    it, else process RSS."""
     in_use, peak = [], []
     for d in jax.local_devices():
         try:
@@ -94,7 +95,7 @@ def memory_snapshot() -> dict[str, Any]:
             in_use.append(int(stats["bytes_in_use"]))
             peak.append(int(stats.get("peak_bytes_in_use", stats["bytes_in_use"])))
     if in_use:
-        return {"source": "device", "bytes_in_use": max(in_use), "peak_bytes_in_use": max(peak)}
+        return {"source": "device", "bytes_in_use": max(in_use), "peak_bytes_in_use": max(peak), "per_device": in_use}
     return {"source": "process_rss", "bytes_in_use": _rss_bytes()}
 
 
@@ -335,6 +336,19 @@ class RunArtifacts:
     def event(self, event: str, step: int, msg: str = "", **fields: Any) -> None:
         if self.hb is not None:
             self.hb.event(event, step, msg, **fields)
+
+    def memory_profile(self, step: int) -> None:
+        """This process's devices' memory profile after `step` (logging.mem_dump_every), for pprof."""
+        path = self.out / "memory" / f"step{step}_rank{self.rank}.prof"
+
+        def write():
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            jax.profiler.save_device_memory_profile(str(tmp))
+            os.replace(tmp, path)
+
+        self._write(path, write)
+        self.event("memory_profile", step, f"device memory profile in {path.relative_to(self.out)}", path=str(path))
 
     def row(self, row: dict[str, Any]) -> None:
         if self.csv is not None:

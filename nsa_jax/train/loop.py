@@ -415,6 +415,8 @@ class Trainer:
         self.art.row(row)
         self.art.event("step_end", p.step, "", loss=loss, lr=lr, step_time_s=step_time)
         self.health.step_ended(p.step)
+        if cfg.logging.mem_dump_every and p.step % cfg.logging.mem_dump_every == 0:
+            self.art.memory_profile(p.step)
         scalars = metrics.train_scalars(row)
         if val is not None:
             scalars.update(self._log_eval(p.step, row, val, eval_s, long))
