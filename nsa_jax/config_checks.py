@@ -65,6 +65,23 @@ def validate(cfg):
         f"inputs), got {m.dtype}; use compressed_kernel=auto",
     )
 
+    check_train(cfg, need)
+    need(
+        cfg.data.needle_answer_weight > 0,
+        f"data.needle_answer_weight must be positive (1: the key weighs as text), got {cfg.data.needle_answer_weight}",
+    )
+    need(0.0 <= cfg.data.val_fraction < 1.0, f"data.val_fraction must lie in [0, 1), got {cfg.data.val_fraction}")
+    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
+    n_dev = cfg.parallel.num_devices
+    need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
+    check_context(cfg, need)
+    check_run(cfg, need)
+    return cfg
+
+
+def check_train(cfg, need) -> None:
+    """The train section: counts, the LR schedule, the selection's learning options."""
+    m, t = cfg.model, cfg.train
     for key in ("seq_len", "global_batch", "accumulate", "steps", "log_every", "eval_every", "eval_batches"):
         need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
     need(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
@@ -92,18 +109,12 @@ def validate(cfg):
         "model.attention=dense does not have: set both to 0",
     )
     need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
-    need(cfg.logging.mem_dump_every >= 0, f"logging.mem_dump_every must be >= 0 (0: none), got {cfg.logging.mem_dump_every}")
     need(0 <= t.min_lr <= t.lr, f"train.min_lr must lie in [0, train.lr], got {t.min_lr}")
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
-    need(
-        cfg.data.needle_answer_weight > 0,
-        f"data.needle_answer_weight must be positive (1: the key weighs as text), got {cfg.data.needle_answer_weight}",
-    )
-    need(0.0 <= cfg.data.val_fraction < 1.0, f"data.val_fraction must lie in [0, 1), got {cfg.data.val_fraction}")
-    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
-    n_dev = cfg.parallel.num_devices
-    need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")
-    check_context(cfg, need)
+
+
+def check_run(cfg, need) -> None:
+    """What surrounds training: checkpoints, evaluation suites, logging, the watchdogs."""
     need(cfg.checkpoint.save_every > 0, f"checkpoint.save_every must be positive, got {cfg.checkpoint.save_every}")
     need(
         cfg.checkpoint.save_minutes >= 0,
@@ -123,7 +134,10 @@ def validate(cfg):
         o.init_timeout_s > 0 and o.peer_timeout_s > 0,
         f"ops.init_timeout_s and ops.peer_timeout_s must be positive, got {o.init_timeout_s}, {o.peer_timeout_s}",
     )
-    return cfg
+    need(
+        cfg.logging.mem_dump_every >= 0,
+        f"logging.mem_dump_every must be >= 0 (0: none), got {cfg.logging.mem_dump_every}",
+    )
 
 
 def check_scorer(m, t, need) -> None:
