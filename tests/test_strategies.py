@@ -32,6 +32,8 @@ from helpers import host_train_state, rel_err, tiny_model_cfg
 
 T, B, A, STEPS = 32, 4, 2, 3
 CASES = [("dp", "bfloat16"), ("pmap", "float32"), ("gspmd", "bfloat16"), ("zero1", "float32"), ("fsdp", "float32")]
+# dp with each layer's gradients reduced in the backward (parallel.overlap_reduce), both reduction dtypes.
+CASES += [("dp+overlap", "float32"), ("dp+overlap", "bfloat16")]
 TRAIN = [
     f"train.seq_len={T}",
     f"train.global_batch={B}",
@@ -46,7 +48,10 @@ TRAIN = [
 
 
 def cfg_for(strategy: str, reduce_dtype: str = "float32"):
-    cfg = load_config(None, TRAIN + [f"parallel.strategy={strategy}", f"parallel.grad_reduce_dtype={reduce_dtype}"])
+    """The case's config; `dp+overlap` is dp with parallel.overlap_reduce."""
+    strategy, _, overlap = strategy.partition("+")
+    sets = [f"parallel.strategy={strategy}", f"parallel.grad_reduce_dtype={reduce_dtype}"]
+    cfg = load_config(None, TRAIN + sets + (["parallel.overlap_reduce=true"] if overlap else []))
     return dataclasses.replace(cfg, model=tiny_model_cfg(T_hint=T, branches=("win",)))
 
 
@@ -263,6 +268,38 @@ def test_fsdp_gathers_each_layer_inside_the_layer_scan():
     assert not any("all_gather" in names for names in found["dp"].values())
     layers = strategies.make_plan(cfg_for("fsdp"), mesh_of(2)).state.params["layers"]
     assert all(sharding.spec[0] is None for sharding in jax.tree.leaves(layers))
+
+
+def _psums_by_depth(jaxpr, depth=0, out=None) -> list[tuple[int, str]]:
+    """[(loop depth, operand dtype)] of every psum in a jaxpr and the jaxprs nested in it."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "psum":
+            out.extend((depth, str(v.aval.dtype)) for v in eqn.invars)
+        deeper = depth + (eqn.primitive.name in ("scan", "while"))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _psums_by_depth(inner, deeper, out)
+    return out
+
+
+def test_overlap_reduces_each_layer_inside_the_layer_scan_in_the_reduction_dtype():
+    """parallel.overlap_reduce: the scanned layers' gradients are all-reduced inside the layer scan's
+    backward (inside the micro-batch scan: two loops deep), in bf16; plain dp reduces after both scans."""
+    found = {}
+    for strategy in ("dp+overlap", "dp"):
+        plan = strategies.make_plan(cfg_for(strategy, "bfloat16"), mesh_of(2))
+        params = plan.abstract_state().params
+        tokens = jax.ShapeDtypeStruct((A, B, T + 1), np.int32, sharding=plan.batch)
+        found[strategy] = _psums_by_depth(jax.make_jaxpr(S.make_grad_fn(plan))(params, tokens).jaxpr)
+    deep = [dtype for depth, dtype in found["dp+overlap"] if depth >= 2]
+    n_layer_leaves = len(jax.tree.leaves(strategies.state_shapes(cfg_for("dp")).params["layers"]))
+    # One per layer parameter the loss reaches (this model runs the window branch alone).
+    assert 10 <= len(deep) <= n_layer_leaves and set(deep) == {"bfloat16"}, found["dp+overlap"]
+    assert not [d for depth, d in found["dp"] if depth >= 2], found["dp"]
+    assert {d for depth, d in found["dp"] if depth == 0 and d == "bfloat16"}  # dp's one reduction, after
 
 
 def test_unknown_strategy_is_one_clear_line():

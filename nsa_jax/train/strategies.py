@@ -330,6 +330,32 @@ def param_gather(strategy: str, param_shardings=None) -> ParamGather:
 REDUCED = P("reduced")
 
 
+def reduce_in_backward(dtype) -> Callable:
+    """parallel.overlap_reduce (dp): one layer's variables -> the same, each parameter through an
+    identity whose transpose sums its gradient over every device in `dtype` (bf16 halves the bytes)
+    and back in fp32. Applied inside the layer scan (model.NSALM's layer_gather), the backward
+    reduces each layer's gradients as it leaves the layer, where XLA can overlap the all-reduce
+    with the backward of the layers below. The division by the step's micro-batches stays in
+    `reduce_grads`, as for fsdp's per-layer reduce-scatter."""
+
+    @jax.custom_vjp
+    def reduced(x):
+        return x
+
+    def fwd(x):
+        return x, None
+
+    def bwd(_, ct):
+        return (lax.psum(ct.astype(dtype), (DATA, SEQ)).astype(ct.dtype),)
+
+    reduced.defvjp(fwd, bwd)
+
+    def layer(variables: dict) -> dict:
+        return {c: jax.tree.map(reduced, tree) if c == "params" else tree for c, tree in variables.items()}
+
+    return layer
+
+
 def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     """dp, zero1, fsdp: one shard_map over (data, seq), each device's gradient summed over its
     micro-batches, then one explicit reduction over every device in grad_reduce_dtype.
@@ -354,9 +380,13 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     out_specs = jax.tree.map(lambda sh: sh.spec, plan.grads)  # P() (dp), or a leaf's slice (zero1, fsdp)
     grad_specs = out_specs  # how each leaf is reduced: as it is placed, or REDUCED already
     gather = param_gather(plan.strategy, plan.state.params)
-    if gather.layer is not None:
-        loss = dataclasses.replace(loss, layer_gather=gather.layer)
-        # The per-layer gather's transpose (autodiff) reduce-scatters those gradients over every device.
+    per_layer = gather.layer
+    if plan.strategy == "dp" and plan.cfg.parallel.overlap_reduce and "layers" in grad_specs:
+        per_layer = reduce_in_backward(reduce_dtype)
+    if per_layer is not None:
+        loss = dataclasses.replace(loss, layer_gather=per_layer)
+        # The per-layer gather's transpose (autodiff) reduce-scatters those gradients over every device,
+        # or (overlap_reduce) the per-layer identity's transpose all-reduces them.
         grad_specs = {**grad_specs, "layers": jax.tree.map(lambda _: REDUCED, grad_specs["layers"])}
 
     value_and_grad = jax.value_and_grad(loss.part, has_aux=True)
