@@ -16,33 +16,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
+
+from nsa_jax.config import load_config
+from nsa_jax.tools import aot, hlo_traffic, xla_dump
 
 COMPUTE = ("gemm", "fusions", "pallas")
 
 
 def schedule(dump_dir: str) -> dict:
     """The all-reduces in launch order: [{index, bytes, backward_after}] and the launch count."""
-    from nsa_jax.tools import hlo_traffic, xla_dump
-
     traffic = hlo_traffic.launch_traffic(dump_dir, xla_dump.read_launches(dump_dir))
-    backward = [
-        i for i, t in enumerate(traffic) if t.launch.category in COMPUTE and "transpose(" in (t.op_name or "")
-    ]
+    backward = [i for i, t in enumerate(traffic) if t.launch.category in COMPUTE and "transpose(" in (t.op_name or "")]
     rows = []
     for i, t in enumerate(traffic):
         kind = t.launch.kind.lower()
         if "allreduce" in kind.replace("-", "").replace("_", "") and "done" not in kind:
-            rows.append({"index": i, "hlo": t.launch.hlo, "bytes": t.bytes, "backward_after": sum(b > i for b in backward)})
+            after = sum(b > i for b in backward)
+            rows.append({"index": i, "hlo": t.launch.hlo, "bytes": t.bytes, "backward_after": after})
     return {"launches": len(traffic), "backward_launches": len(backward), "all_reduces": rows}
 
 
 def measure(config: str, target: str, devices: int, sets: list[str]) -> dict:
-    from nsa_jax.config import load_config
-    from nsa_jax.tools import aot
-
     out = {}
     for overlap in (False, True):
         cfg = load_config(config, [*sets, f"parallel.overlap_reduce={str(overlap).lower()}"])
@@ -76,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from nsa_jax.tools import aot
-
     if not aot.cuda_plugin_available():
         print(f"error: compiling for {args.target} needs jax's CUDA plugin: {aot.INSTALL_HINT}", file=sys.stderr)
         return 2
