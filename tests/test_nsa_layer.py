@@ -52,7 +52,12 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
 
 @pytest.mark.parametrize(
     "scorer,sub,G,K,T",
-    [("minmax", 0, 2, 2, 53), ("minmax", 2, 3, 1, 47), ("minmax", 1, 1, 2, 41), ("mix", 0, 2, 2, 53)],
+    [
+        ("minmax", 0, 2, 2, 53),
+        pytest.param("minmax", 2, 3, 1, 47, marks=pytest.mark.slow),
+        pytest.param("minmax", 1, 1, 2, 41, marks=pytest.mark.slow),
+        ("mix", 0, 2, 2, 53),
+    ],
 )
 def test_scorers_match_reference_forward_and_indices(scorer, sub, G, K, T):
     # Every scorer's blocks equal the float64 per-token reference's (tests/reference.py, written from
@@ -95,7 +100,11 @@ def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel, cmp
 
 
 @pytest.mark.parametrize(
-    "cmp", ["pallas", pytest.param("cudnn", marks=pytest.mark.skipif(ON_GPU, reason="cuDNN takes 16-bit inputs"))]
+    "cmp",
+    [
+        "pallas",
+        pytest.param("cudnn", marks=[pytest.mark.slow, pytest.mark.skipif(ON_GPU, reason="cuDNN takes 16-bit inputs")]),
+    ],
 )
 def test_pallas_layer_with_the_minmax_scorer_matches_reference(cmp):
     # The compressed attention alone through its Pallas (or cuDNN) path, the blocks from the minmax

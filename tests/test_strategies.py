@@ -285,6 +285,7 @@ def _psums_by_depth(jaxpr, depth=0, out=None) -> list[tuple[int, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_overlap_reduces_each_layer_inside_the_layer_scan_in_the_reduction_dtype():
     """parallel.overlap_reduce: the scanned layers' gradients are all-reduced inside the layer scan's
     backward (inside the micro-batch scan: two loops deep), in bf16; plain dp reduces after both scans."""
