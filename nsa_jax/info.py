@@ -104,7 +104,7 @@ def describe(cfg: Config) -> str:
         f"(G={m.n_heads // m.n_kv_heads}) head_dim={m.head_dim}/{m.v_head_dim} d_ff={m.d_ff} vocab={m.vocab_size} "
         f"dtype={m.dtype}",
         f"nsa: l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} phi={a.cmp_phi} branches={','.join(a.branches)} "
-        f"attention_impl={a.attention_impl}",
+        f"scorer={a.scorer}{f'/{a.scorer_sub}' if a.scorer_sub else ''} attention_impl={a.attention_impl}",
         f"nsa learning options: {learning_options(cfg) or 'none'}",
         _sequence_line(cfg),
         f"parameters: {counts['total']:,} total",

@@ -254,6 +254,12 @@ def test_learning_options_names_what_is_on():
     assert "nsa learning options: gate_bias_init=-2.0,2.0,-2.0 dense_selection_steps=500" in describe(cfg)
 
 
+def test_the_nsa_line_names_the_block_scorer():
+    assert " scorer=cmp attention_impl=" in describe(load_config("cpu_tiny"))
+    cfg = load_config("cpu_tiny", ["model.nsa.scorer=minmax", "model.nsa.scorer_sub=16"])
+    assert " scorer=minmax/16 attention_impl=" in describe(cfg)
+
+
 @pytest.mark.slow
 def test_info_cli():
     out = subprocess.run(
