@@ -100,16 +100,22 @@ def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel, cmp
 
 
 @pytest.mark.parametrize(
-    "cmp",
+    "scorer,cmp",
     [
-        "pallas",
-        pytest.param("cudnn", marks=[pytest.mark.slow, pytest.mark.skipif(ON_GPU, reason="cuDNN takes 16-bit inputs")]),
+        ("minmax", "pallas"),
+        pytest.param(
+            "minmax",
+            "cudnn",
+            marks=[pytest.mark.slow, pytest.mark.skipif(ON_GPU, reason="cuDNN takes 16-bit inputs")],
+        ),
+        pytest.param("mix", "pallas", marks=pytest.mark.slow),
     ],
 )
-def test_pallas_layer_with_the_minmax_scorer_matches_reference(cmp):
-    # The compressed attention alone through its Pallas (or cuDNN) path, the blocks from the minmax
-    # scorer (XLA on every backend), the selection through the block-sparse kernel.
-    cfg = tiny_model_cfg(G=3, K=2, l=16, d=8, lp=16, n=4, w=16, scorer="minmax", scorer_sub=8)
+def test_pallas_layer_with_the_key_scorers_matches_reference(scorer, cmp):
+    # The compressed attention through its Pallas (or cuDNN) path, the blocks from minmax's fused kernel
+    # (mix: cmp's scores from the Pallas scoring kernel, added to minmax's on XLA), the selection through
+    # the block-sparse kernel.
+    cfg = tiny_model_cfg(G=3, K=2, l=16, d=8, lp=16, n=4, w=16, scorer=scorer, scorer_sub=8)
     nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas", compressed_kernel=cmp)
     cfg = dataclasses.replace(cfg, nsa=nsa)
     x, params = _setup(cfg, 83, seed=5)
