@@ -85,6 +85,45 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert not any(tmp_path.glob("o*")) and not any(tmp_path.glob(".o*"))
 
 
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("config_not_json", "config.json is not valid JSON: line 2, column 1: Expecting property name"),
+        ("truncated", "model.safetensors is not a complete safetensors file: tensor"),
+        ("header_cut", "model.safetensors is not a complete safetensors file: its header claims"),
+        ("header_garbage", "model.safetensors is not a complete safetensors file: its header is not JSON"),
+        ("tiny", "model.safetensors is not a complete safetensors file (5 bytes)"),
+        ("missing_shard", "misses 1 of the 2 shards its index names (model-00002-of-00002.safetensors)"),
+    ],
+)
+def test_a_damaged_folder_is_one_line_naming_the_file(tmp_path, capsys, damage, words):
+    """Files the import reads are checked against their own headers before use (no traceback)."""
+    src = _hf_folder(tmp_path)
+    st = src / "model.safetensors"
+    raw = st.read_bytes()
+    if damage == "config_not_json":
+        (src / "config.json").write_text('{"model_type": "llama",\n')
+    elif damage == "truncated":
+        st.write_bytes(raw[: len(raw) // 2])
+    elif damage == "header_cut":
+        st.write_bytes(raw[:100])
+    elif damage == "header_garbage":
+        n = int.from_bytes(raw[:8], "little")
+        st.write_bytes(raw[:8] + b"\xff" * n + raw[8 + n :])
+    elif damage == "tiny":
+        st.write_bytes(b"abcde")
+    else:
+        names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        st.rename(src / names[0])
+        index = {"weight_map": {"model.embed_tokens.weight": names[0], "lm_head.weight": names[1]}}
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    assert convert([str(src), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists() and not any(tmp_path.glob(".out*"))
+
+
 def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
     src = _hf_folder(tmp_path)
     assert convert([str(src), str(tmp_path / "nsa")]) == 0

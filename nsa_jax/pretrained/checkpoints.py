@@ -112,10 +112,19 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def __init__(self, path: pathlib.Path):
         self.path = path
-        self.hf_config = json.loads((path / "config.json").read_text())
+        self.hf_config = read_json(path / "config.json")
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise PretrainedError(f"{index} has no weight_map; a sharded folder's index names each tensor's file")
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (path / f).is_file()]
+            if missing:
+                raise PretrainedError(
+                    f"{path} misses {len(missing)} of the {len(files)} shards its index names "
+                    f"({', '.join(missing[:3])}); download the whole folder again"
+                )
         else:
             files = sorted(q.name for q in path.glob("*.safetensors"))
         if not files:
@@ -146,10 +155,49 @@ class SafetensorsCheckpoint(Checkpoint):
         return raw.view(dtype).reshape(info["shape"]).astype(np.float32)
 
 
+def read_json(path: pathlib.Path) -> dict:
+    """A JSON object from `path`; PretrainedError naming the file, line and column when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise PretrainedError(f"{path} is not text (not UTF-8); it should be a JSON file") from None
+    except json.JSONDecodeError as e:
+        raise PretrainedError(f"{path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise PretrainedError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def _safetensors_header(file: pathlib.Path) -> tuple[dict, int]:
+    """(the header, the data's start) of a safetensors file, checked against the file's size: a truncated
+    file or a corrupt header is one PretrainedError naming the file."""
+    size = file.stat().st_size
+    broken = f"{file} is not a complete safetensors file"
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise PretrainedError(f"{broken} ({size} bytes); download it again")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise PretrainedError(f"{broken}: its header claims {n:,} bytes, the file has {size:,}; download it again")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise PretrainedError(f"{broken}: its header is not JSON; download it again") from None
+    if not isinstance(header, dict):
+        raise PretrainedError(f"{broken}: its header is not a JSON object")
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            ok = 0 <= begin <= end and 8 + n + end <= size
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise PretrainedError(
+                f"{broken}: tensor {key}'s data lies outside the file ({size:,} bytes); download it again"
+            )
     return header, 8 + n
 
 
@@ -158,7 +206,7 @@ def _hf_special_ids(path: pathlib.Path, hf: dict, tokenizer_json: str | None) ->
     ids = {"bos": hf.get("bos_token_id"), "eos": hf.get("eos_token_id"), "add_bos": False}
     tc_file = path / "tokenizer_config.json"
     if tc_file.is_file() and tokenizer_json:
-        tc = json.loads(tc_file.read_text())
+        tc = read_json(tc_file)
         vocab = {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
         for key in ("bos", "eos"):
             token = tc.get(f"{key}_token")
