@@ -200,3 +200,8 @@ def test_a_gguf_file_imports_as_its_hf_folder(tmp_path):
     _write_gguf(tmp_path / "fp4.gguf", GOLDEN / "llama2", gguf.GGMLQuantizationType.MXFP4)
     with pytest.raises(PretrainedError, match="GGUF type MXFP4; supported"):
         _load(tmp_path / "fp4.gguf")
+    # A truncated download: refused when opened, naming the first tensor whose data is cut.
+    whole = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) - 100])
+    with pytest.raises(PretrainedError, match=r"cut.gguf is not a complete GGUF file: tensor \S+'s data ends"):
+        open_checkpoint(tmp_path / "cut.gguf")

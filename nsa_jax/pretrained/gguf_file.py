@@ -96,6 +96,14 @@ class GGUFFile:
             rows = int(np.prod(dims[1:], dtype=np.int64))
             self.tensors[name] = (tuple(int(d) for d in reversed(dims)), qtype.name)
             self._where[name] = (start + offset, rows, dims[0] // block * size)
+        # Every tensor's data within the file, checked before any is read: a truncated download is one line.
+        size = len(self._map)
+        for name, (offset, rows, row_bytes) in self._where.items():
+            if offset + rows * row_bytes > size:
+                raise PretrainedError(
+                    f"{self.path} is not a complete GGUF file: tensor {name}'s data ends at byte "
+                    f"{offset + rows * row_bytes:,}, the file has {size:,}; download it again"
+                )
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes, memory-mapped: [rows, bytes a row] (float types: the values, numpy order)."""
