@@ -9,7 +9,9 @@ OUT` read), tokenizer.json and special_tokens.json (the checkpoint's own tokeniz
 EOS; config.yaml's data.tokenizer names it). `--attention dense`: the model as it was;
 `nsa` (default): NSA started from it (nsa_jax/pretrained/weights.py nsa_params), its NSA
 hyper-parameters from `--set model.nsa.KEY=VALUE`. Bad input is one `error:` line, exit 2,
-and nothing written: OUT is written under a temporary name and renamed when complete.
+and nothing written: OUT is written under a temporary name and renamed when complete. Ctrl-C
+(SIGINT) or SIGTERM while converting removes that temporary folder and says so in one line
+(exit 130 / 143): nothing is left behind.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import sys
+import threading
 import time
 
 from launch.cli import Parser, UsageError, add_overrides, run_main
@@ -58,10 +62,21 @@ def available_host_bytes() -> int | None:
 
 
 def check_out(out: pathlib.Path) -> None:
+    """OUT is new or an empty folder whose parent can be written: checked before any work."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"OUT {out} is not an empty folder; name a new folder (nothing was written)")
-    if not out.parent.is_dir():
-        raise UsageError(f"OUT {out}: its parent folder {out.parent} does not exist")
+    parent = out.parent
+    below = next((p for p in [parent, *parent.parents] if p.exists()), None)
+    if below is not None and not below.is_dir():
+        raise UsageError(f"OUT {out}: {below} is a file, not a folder; name a folder to write into")
+    if not parent.is_dir():
+        raise UsageError(f"OUT {out}: its parent folder {parent} does not exist")
+    probe = parent / f".{out.name}.probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise UsageError(f"OUT {out}: its parent folder {parent} cannot be written ({e.strerror}); nothing was written")
 
 
 def converted_config(ckpt, attention: str, overrides: list[str], out: pathlib.Path):
@@ -111,6 +126,8 @@ def run(args) -> int:
         flush=True,
     )
     tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")
+    # SIGTERM as Ctrl-C: either unwinds through the cleanup below.
+    previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         write_model(ckpt, cfg, args.attention, args.seed, tmp)
         if out.exists():
@@ -118,11 +135,30 @@ def run(args) -> int:
         tmp.rename(out)
     except PretrainedError as e:
         raise UsageError(str(e)) from None
+    except (KeyboardInterrupt, _Terminated) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        how = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C"
+        print(f"convert: stopped by {how}; nothing was written ({out} does not exist)", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(f"convert: wrote {out} (config.yaml, params.safetensors, tokenizer.json) in {time.monotonic() - t0:.0f}s")
     print(f"  try: python -m launch.generate --ckpt {out} --prompt 'def fibonacci(n):' --temperature 0")
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM while converting (a BaseException, as KeyboardInterrupt: no handler swallows it)."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def write_model(ckpt, cfg, attention: str, seed: int, folder: pathlib.Path) -> None:
@@ -142,7 +178,11 @@ def write_model(ckpt, cfg, attention: str, seed: int, folder: pathlib.Path) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(build_parser, run, argv)
+    try:
+        return run_main(build_parser, run, argv)
+    except KeyboardInterrupt:  # before the write began (reading SRC, starting jax)
+        print("convert: stopped by Ctrl-C before writing; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -124,6 +124,45 @@ def test_a_damaged_folder_is_one_line_naming_the_file(tmp_path, capsys, damage, 
     assert not out.exists() and not any(tmp_path.glob(".out*"))
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stop_during_the_write_leaves_nothing_behind(tmp_path, capsys, monkeypatch, how):
+    """Ctrl-C or SIGTERM while the model folder is being written: the temporary folder goes, one line, 130 / 143."""
+    import os
+    import signal
+
+    import launch.convert as C
+
+    real = C.write_model
+
+    def stopped(ckpt, cfg, attention, seed, folder):
+        real(ckpt, cfg, attention, seed, folder)  # a whole folder under the temporary name, then the stop
+        assert folder.is_dir() and folder.name.startswith(".out.converting-")
+        if how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(C, "write_model", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    assert convert([str(_hf_folder(tmp_path)), str(tmp_path / "out")]) == (143 if how == "sigterm" else 130)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"convert: stopped by {'SIGTERM' if how == 'sigterm' else 'Ctrl-C'}; nothing was written "
+                   f"({tmp_path / 'out'} does not exist)"]  # fmt: skip
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the caller's again
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    src = str(_hf_folder(tmp_path))
+    assert convert([src, str(tmp_path / "file" / "sub" / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: OUT {tmp_path / 'file' / 'sub' / 'out'}: {tmp_path / 'file'} is a file, not a folder; "
+        "name a folder to write into"
+    )
+    # A read-only parent is refused the same way, before reading SRC ("... cannot be written (Read-only file
+    # system)"): seen by hand on a read-only tmpfs mount; root writes through file permissions.
+
+
 def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
     src = _hf_folder(tmp_path)
     assert convert([str(src), str(tmp_path / "nsa")]) == 0
