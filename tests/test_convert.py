@@ -166,9 +166,12 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, caps
 def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
     src = _hf_folder(tmp_path)
     assert convert([str(src), str(tmp_path / "nsa")]) == 0
-    cfg = load_config(
-        str(tmp_path / "nsa" / model_dir.CONFIG_FILE), [f"train.init_from={tmp_path / 'nsa'}"], saved=True
-    )
+    folder_cfg = str(tmp_path / "nsa" / model_dir.CONFIG_FILE)
+    # The folder's config.yaml names the folder itself as train.out_dir: a run must write elsewhere.
+    with pytest.raises(Exception, match="the model folder train.init_from reads: .* pass --out-dir RUN"):
+        check_init_from(load_config(folder_cfg, [f"train.init_from={tmp_path / 'nsa'}"], saved=True))
+    init = [f"train.init_from={tmp_path / 'nsa'}", f"train.out_dir={tmp_path / 'run'}"]
+    cfg = load_config(folder_cfg, init, saved=True)
     check_init_from(cfg)
     from nsa_jax.mesh import make_mesh
     from nsa_jax.train import step

@@ -435,7 +435,8 @@ def _check_resumable(out: pathlib.Path, steps: list[int], cfg: Config) -> None:
 
 
 def check_init_from(cfg) -> None:
-    """ConfigError unless train.init_from (if set) is a model folder whose tokenizer is the run's."""
+    """ConfigError unless train.init_from (if set) is a model folder whose tokenizer is the run's, and the
+    run's out dir is not that folder (a converted model's config.yaml names itself as train.out_dir)."""
     src = cfg.train.init_from
     if not src:
         return
@@ -443,6 +444,11 @@ def check_init_from(cfg) -> None:
         raise ConfigError(
             f"config: train.init_from {src} is not a model folder (no {rf.MODEL_PARAMS_FILE}); "
             "make one with python -m launch.convert SRC OUT"
+        )
+    if pathlib.Path(cfg.train.out_dir).resolve() == pathlib.Path(src).resolve():
+        raise ConfigError(
+            f"config: train.out_dir is {cfg.train.out_dir}, the model folder train.init_from reads: the run would "
+            "write its checkpoints and run files into it; pass --out-dir RUN (a folder of its own)"
         )
     cfg_file = pathlib.Path(src) / rf.MODEL_CONFIG_FILE
     if cfg_file.is_file():
