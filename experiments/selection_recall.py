@@ -167,7 +167,7 @@ def measure(path: str, length: int | None, rows: int, text: list[str], scorers=(
         rb = recalls(q[i], k[i], chosen, lp=a.lp)
         layers.append({f"{lo}-{hi}": rb[:, lo:hi].mean(axis=(0, 1, 2)).tolist() for lo, hi in spans})
     mean = {key: np.mean([r[key] for r in layers], axis=0).tolist() for key in layers[0]}
-    columns = [f"selected ({a.scorer})", *scorers, "best n"]
+    columns = [f"selected ({a.scorer})", *scorers, "best n blocks"]
     return dict(checkpoint=path, length=L, rows=rows, lp=a.lp, n=a.n, columns=columns, layers=layers, mean=mean)
 
 
