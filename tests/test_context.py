@@ -146,11 +146,12 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragg
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scorer", ["cmp", "minmax", "mix"])
+@pytest.mark.parametrize("scorer", ["mix"])
 def test_each_scorer_under_two_devices_equals_one(tokens_ragged, scorer):
-    """Each block scorer (kernels/scorers.py; minmax over sub-blocks of 4, whose bounds come from the
-    gathered selection keys): C = 2 against C = 1, loss and every gradient. Blocks of 8 with n = 4: a
-    free block to choose from position 24 on (the file's other tests select every block)."""
+    """The block scorers under a split sequence (kernels/scorers.py): mix holds both halves, cmp's scores
+    of each device's pieces and minmax's bounds over sub-blocks of 4 from the gathered selection keys.
+    C = 2 against C = 1, loss and every gradient. Blocks of 8 with n = 4: a free block to choose from
+    position 24 on (the file's other tests select every block)."""
     extra = ["model.n_layers=1", f"model.nsa.scorer={scorer}", "train.accumulate=1", "model.nsa.lp=8", "model.nsa.n=4"]
     extra += ["model.nsa.scorer_sub=4"] if scorer != "cmp" else []
     g1, l1, s1 = grads_loss_stats(cfg_of(RAGGED_T, 1, 1, *extra), tokens_ragged)
