@@ -147,7 +147,7 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragg
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scorer", ["mix"])
-def test_each_scorer_under_two_devices_equals_one(tokens_ragged, scorer):
+def test_the_scorers_under_two_devices_equal_one(tokens_ragged, scorer):
     """The block scorers under a split sequence (kernels/scorers.py): mix holds both halves, cmp's scores
     of each device's pieces and minmax's bounds over sub-blocks of 4 from the gathered selection keys.
     C = 2 against C = 1, loss and every gradient. Blocks of 8 with n = 4: a free block to choose from
