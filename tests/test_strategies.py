@@ -238,18 +238,24 @@ def test_plan_holds_the_strategy_shardings_and_checks_the_batch():
         strategies.make_plan(bad, mesh_of(2))
 
 
-def _primitives_by_depth(jaxpr, depth=0, out=None) -> dict[int, set[str]]:
-    """{loop depth: primitive names} of a jaxpr and every jaxpr nested in it (scan and while bodies
-    one loop deeper)."""
-    out = {} if out is None else out
+def _eqns_by_depth(jaxpr, depth=0):
+    """(loop depth, eqn) of every equation of a jaxpr and of every jaxpr nested in it (scan and while
+    bodies one loop deeper)."""
     for eqn in jaxpr.eqns:
-        out.setdefault(depth, set()).add(eqn.primitive.name)
+        yield depth, eqn
         deeper = depth + (eqn.primitive.name in ("scan", "while"))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else [value]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    _primitives_by_depth(inner, deeper, out)
+                    yield from _eqns_by_depth(inner, deeper)
+
+
+def _primitives_by_depth(jaxpr) -> dict[int, set[str]]:
+    """{loop depth: primitive names} of a jaxpr and the jaxprs nested in it."""
+    out: dict[int, set[str]] = {}
+    for depth, eqn in _eqns_by_depth(jaxpr):
+        out.setdefault(depth, set()).add(eqn.primitive.name)
     return out
 
 
@@ -270,19 +276,11 @@ def test_fsdp_gathers_each_layer_inside_the_layer_scan():
     assert all(sharding.spec[0] is None for sharding in jax.tree.leaves(layers))
 
 
-def _psums_by_depth(jaxpr, depth=0, out=None) -> list[tuple[int, str]]:
+def _psums_by_depth(jaxpr) -> list[tuple[int, str]]:
     """[(loop depth, operand dtype)] of every psum in a jaxpr and the jaxprs nested in it."""
-    out = [] if out is None else out
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "psum":
-            out.extend((depth, str(v.aval.dtype)) for v in eqn.invars)
-        deeper = depth + (eqn.primitive.name in ("scan", "while"))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _psums_by_depth(inner, deeper, out)
-    return out
+    return [
+        (d, str(v.aval.dtype)) for d, eqn in _eqns_by_depth(jaxpr) if eqn.primitive.name == "psum" for v in eqn.invars
+    ]
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 
 from nsa_jax.kernels.block_scores_pallas import (
     BlockSelectSizes,
+    _block_count,
     _floor_div,
     _merge_top_n,
     _ranking,
@@ -197,7 +198,7 @@ def select_minmax_pallas(
         raise ValueError(f"lp={lp}, n={n} and sub={sub} must be >= 1 with sub dividing lp")
     b, t, h, dk = q_BxTxHxDk.shape
     check_query_offset(q_offset, t)
-    nb = -(-k_BxTxKxDk.shape[1] // lp) if num_blocks is None else int(num_blocks)
+    nb = _block_count(k_BxTxKxDk.shape[1], lp, num_blocks)
     ssz = fit_select_sizes(select_sizes, padded_dim(dk), q_BxTxHxDk.dtype.itemsize)
     scale = dk**-0.5 if scale is None else scale
     sg = lax.stop_gradient
