@@ -32,6 +32,8 @@ from nsa_jax.config import to_dict as config_dict
 from nsa_jax.data.tokenizers import SPECIALS_FILE
 from nsa_jax.pretrained import PretrainedError
 
+NSA_MODEL_TYPE = "nsa_jax"  # config.json's model_type of an NSA export (nsa_jax/pretrained/export.py)
+
 # Host memory the conversion may take, per byte of the model's fp32 parameters (the parameters,
 # the copy written out, and a tensor in flight).
 HOST_BYTES_PER_PARAM_BYTE = 1.3
@@ -83,11 +85,23 @@ def converted_config(ckpt, attention: str, overrides: list[str], out: pathlib.Pa
     """The run config of the converted model: its ModelConfig, its tokenizer, a seq_len it was trained to."""
     from nsa_jax.pretrained.families import model_config  # noqa: PLC0415 - jax loads after the flag checks
 
-    model = config_dict(model_config(ckpt.hf_config))
+    hf = ckpt.hf_config
+    exported_nsa = hf.get("model_type") == NSA_MODEL_TYPE
+    if exported_nsa:  # launch.export of an NSA model: its family's keys, and its NSA settings to keep
+        if attention != "nsa":
+            raise UsageError(
+                f"{ckpt.path} is an NSA model; --attention dense does not apply (launch.export --drop-nsa "
+                "writes the approximate dense model)"
+            )
+        hf = hf | {"model_type": hf.get("base_model_type")}
+    model = config_dict(model_config(hf))
     if attention == "nsa":
         model["attention"] = "nsa"
         model["dense_window"] = 0  # NSA's own window is model.nsa.w
-        model["nsa"]["gate_bias_init"] = list(NSA_GATE_BIAS)
+        if exported_nsa:
+            model["nsa"] = dict(ckpt.hf_config.get("nsa") or {})
+        else:
+            model["nsa"]["gate_bias_init"] = list(NSA_GATE_BIAS)
     # The length the model was trained to (what the notes of generate and evaluate measure against), at most 8k.
     seq_len = min(8192, int(ckpt.hf_config.get("max_position_embeddings") or 2048))
     base = config_dict(load_config(None))
@@ -165,15 +179,21 @@ def write_model(ckpt, cfg, attention: str, seed: int, folder: pathlib.Path) -> N
     import jax  # noqa: PLC0415 - after the checks above, which need no backend
 
     from launch.generate import write_inference_dir  # noqa: PLC0415
-    from nsa_jax.pretrained.weights import dense_params, nsa_params  # noqa: PLC0415
+    from nsa_jax.pretrained.export import SOURCE_CONFIG_FILE  # noqa: PLC0415
+    from nsa_jax.pretrained.weights import dense_params, nsa_checkpoint_params, nsa_params  # noqa: PLC0415
 
-    dense_cfg = replace(cfg, ["model.attention=dense", "model.nsa.gate_bias_init=[]"])
-    params = dense_params(ckpt, dense_cfg.model)
-    if attention == "nsa":
-        params = nsa_params(params, cfg.model, jax.random.PRNGKey(seed))
+    if ckpt.hf_config.get("model_type") == NSA_MODEL_TYPE:
+        params = nsa_checkpoint_params(ckpt, cfg.model)
+    else:
+        dense_cfg = replace(cfg, ["model.attention=dense", "model.nsa.gate_bias_init=[]"])
+        params = dense_params(ckpt, dense_cfg.model)
+        if attention == "nsa":
+            params = nsa_params(params, cfg.model, jax.random.PRNGKey(seed))
     folder.mkdir(parents=True)
     (folder / "tokenizer.json").write_text(ckpt.tokenizer_json)
     (folder / SPECIALS_FILE).write_text(json.dumps(ckpt.special_ids) + "\n")
+    # The checkpoint's own config (HF keys): what launch.export writes back beside the model's shape.
+    (folder / SOURCE_CONFIG_FILE).write_text(json.dumps(ckpt.hf_config, indent=2) + "\n")
     write_inference_dir(folder, cfg, params)
 
 

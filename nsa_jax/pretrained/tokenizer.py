@@ -79,3 +79,20 @@ def gguf_tokenizer_json(metadata: dict) -> tuple[str | None, dict]:
     user = [t for t, k in zip(tokens, types) if k == USER_DEFINED and t in vocab]
     tok.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False) for t in user])
     return tok.to_str(), special
+
+
+BYTE_SPECIALS = ("<|endoftext|>", "<pad>")  # ids 256 and 257: ByteTokenizer's EOS and PAD
+
+
+def byte_tokenizer_json() -> str:
+    """The byte tokenizer (data.tokenizer: byte) as a tokenizers JSON: each UTF-8 byte b is id b (a
+    byte-level BPE with no merges), EOS 256 and PAD 257 as special tokens; what an exported model of
+    the project's byte vocabulary ships as tokenizer.json."""
+    alphabet = _byte_alphabet()
+    tok = tokenizers.Tokenizer(
+        models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[], continuing_subword_prefix="", fuse_unk=False)
+    )
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True) for t in BYTE_SPECIALS])
+    return tok.to_str()

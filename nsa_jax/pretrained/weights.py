@@ -55,10 +55,7 @@ def _get(tree: dict, path: tuple[str, ...]):
     return tree
 
 
-def dense_params(ckpt: Checkpoint, cfg: ModelConfig) -> dict:
-    """NSALM(cfg) parameters (cfg.attention == "dense", scanned layers) from `ckpt`'s tensors."""
-    want = jax.tree.map(lambda s: s.shape, _shapes(cfg))
-
+def _reader(ckpt: Checkpoint):
     def read(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
         if name not in ckpt.names:
             raise PretrainedError(f"{ckpt.path.name}: tensor {name} is missing")
@@ -71,8 +68,18 @@ def dense_params(ckpt: Checkpoint, cfg: ModelConfig) -> dict:
         x = ckpt.tensor(name)
         return x.T if transpose else x
 
+    return read
+
+
+def dense_params(ckpt: Checkpoint, cfg: ModelConfig, kv: bool = True) -> dict:
+    """NSALM(cfg) parameters (cfg.attention == "dense", scanned layers) from `ckpt`'s tensors
+    (`kv=False`: all but the attention's k and v, for an NSA export's shared part)."""
+    want = jax.tree.map(lambda s: s.shape, _shapes(cfg))
+    read = _reader(ckpt)
     params: dict = {}
     table = LAYER_TENSORS + (BIASES if cfg.qkv_bias else ()) + (QK_NORMS if cfg.qk_norm else ())
+    if not kv:
+        table = tuple(t for t in table if t[0][:2] not in (("attn", "k"), ("attn", "v")))
     for path, hf_name, transpose in table:
         full = ("layers", *path)
         shape = _get(want, full)
@@ -84,6 +91,30 @@ def dense_params(ckpt: Checkpoint, cfg: ModelConfig) -> dict:
     _put(params, ("final_norm", "scale"), read("model.norm.weight", _get(want, ("final_norm", "scale")), False))
     if not cfg.tie_embeddings:
         _put(params, ("lm_head", "kernel"), read("lm_head.weight", _get(want, ("lm_head", "kernel")), True))
+    return params
+
+
+# An NSA export's own parts (pretrained/export.py nsa_hf_tensors): a layer's attention by its path, as stored.
+NSA_PREFIX = "self_attn.nsa."
+NSA_SHARED = ("q", "o", "q_norm", "k_norm")
+
+
+def nsa_checkpoint_params(ckpt: Checkpoint, cfg: ModelConfig) -> dict:
+    """NSALM(cfg) parameters (NSA) from an NSA export: the shared part by HF names, the rest of
+    each layer's attention from `model.layers.{i}.self_attn.nsa.<path>`."""
+    dense_cfg = dataclasses.replace(cfg, attention="dense", dense_window=0)
+    params = dense_params(ckpt, dense_cfg, kv=False)
+    want = jax.tree.map(lambda s: s.shape, _shapes(cfg))["layers"]["attn"]
+    read = _reader(ckpt)
+    attn = params["layers"]["attn"]
+    for path, shape in jax.tree_util.tree_leaves_with_path(want, is_leaf=lambda x: isinstance(x, tuple)):
+        keys = tuple(p.key for p in path)
+        if keys[0] in NSA_SHARED:
+            continue
+        stack = np.empty(shape, np.float32)
+        for i in range(cfg.n_layers):
+            stack[i] = read(LAYER.format(i=i) + NSA_PREFIX + ".".join(keys), shape[1:], False)
+        _put(attn, keys, stack)
     return params
 
 
