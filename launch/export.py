@@ -181,8 +181,9 @@ def run(args) -> int:
         tok_json, specials, tok_what = tokenizer_files(cfg, folder)
     except PretrainedError as e:
         raise UsageError(str(e)) from None
+    what = "nsa -> dense (--drop-nsa, approximate)" if args.drop_nsa else cfg.model.attention
     print(
-        f"export: {args.src}: {cfg.model.attention}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
+        f"export: {args.src}: {what}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
         f"vocab {cfg.model.vocab_size} -> {args.format} ({args.dtype}) {out}",
         flush=True,
     )

@@ -451,6 +451,7 @@ def test_resume_with_another_model_is_refused(env, reference, tmp_path):
     assert resume.complete_steps(resume.checkpoint_dir(out)) == [4, 6, 8]  # nothing moved aside
 
 
+@pytest.mark.slow  # 22 s of training
 def test_a_stage_that_trains_the_new_parts_alone_resumes_with_every_parameter_training(env, tmp_path):
     """train.trainable changes between the stages of one run: the optimizer state restores, the
     first stage moved nothing but the gates, the second moves the rest from where it was."""

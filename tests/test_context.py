@@ -172,6 +172,7 @@ def test_a_chunked_loss_under_two_devices_equals_whole_logits_on_one(tokens_ragg
         assert rel(a, b) < GRAD_TOL, jax.tree_util.keystr(path[0])
 
 
+@pytest.mark.slow  # 35 s; the fast tier keeps zero1 and C = 2 apart
 def test_zero1_under_context_parallelism_steps_as_dp_with_the_moments_split(tokens_ragged):
     """parallel.strategy=zero1 at C = 2 (data 1 x seq 2): two whole train steps (the reduced gradient,
     clipping, Adam on slices, the parameters gathered) give dp's state at C = 2, whose gradients the
