@@ -49,7 +49,14 @@ from nsa_jax.inference.progress import Progress
 from nsa_jax.info import param_shapes
 from nsa_jax.model import init_params
 from nsa_jax.rundir.checkpoint import load_for_inference
-from nsa_jax.rundir.model_dir import CONFIG_FILE, is_model_dir, mismatched_leaf, read_params, write_model_dir
+from nsa_jax.rundir.model_dir import (
+    CONFIG_FILE,
+    is_model_dir,
+    mismatched_leaf,
+    read_config,
+    read_params,
+    write_model_dir,
+)
 from nsa_jax.words import count
 
 
@@ -111,7 +118,7 @@ def write_inference_dir(path, cfg, params) -> None:
 
 def _load_dir(path: pathlib.Path, args):
     if (path / CONFIG_FILE).is_file():
-        cfg = load_config(str(path / CONFIG_FILE), args.overrides, saved=True)
+        cfg = read_config(path, args.overrides)
     elif args.config is not None:
         cfg = load_config(args.config, args.overrides)
     else:

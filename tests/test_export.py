@@ -277,3 +277,20 @@ def test_a_stop_during_the_export_leaves_nothing(tmp_path, capsys, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing was written" in err[0]
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_moved_model_folder_reads_its_own_tokenizer(tmp_path, capsys):
+    """config.yaml names the tokenizer where convert wrote it; moved elsewhere, the folder reads the copy
+    beside it (launch.generate, and the export's tokenizer files)."""
+    from launch.generate import main as generate
+
+    _, folder = _dense_folder(tmp_path, "llama2")
+    moved = tmp_path / "elsewhere" / "model"
+    moved.parent.mkdir()
+    shutil.move(str(folder), str(moved))
+    cfg, _ = model_dir.load_model(moved)
+    assert cfg.data.tokenizer == str((moved / "tokenizer.json").absolute())
+    argv = ["--ckpt", str(moved), "--prompt", "ab", "--max-new-tokens", "2", "--temperature", "0"]
+    assert generate(argv) == 0
+    assert export([str(moved), str(tmp_path / "hf")]) == 0
+    assert f"tokenizer: {moved / 'tokenizer.json'}" in capsys.readouterr().out

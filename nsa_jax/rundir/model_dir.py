@@ -15,6 +15,7 @@ folder before jax starts).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import struct
@@ -120,9 +121,23 @@ def initial_params(cfg) -> dict | None:
     return params
 
 
+def read_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()):
+    """A model folder's Config. config.yaml names the tokenizer by the path it was written at; a
+    folder moved or copied elsewhere reads its own copy beside it when that path is gone."""
+    path = pathlib.Path(path)
+    cfg = load_config(str(path / CONFIG_FILE), overrides, saved=True)
+    name = cfg.data.tokenizer
+    if name == "byte" or name.startswith(("gpt2", "tiktoken:")) or pathlib.Path(name).is_file():
+        return cfg
+    own = path / pathlib.Path(name).name
+    if not own.is_file():
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(own.absolute())))
+
+
 def load_model(path: str | pathlib.Path):
     """(Config, params) of a model folder or of the newest readable checkpoint at `path` (an out_dir,
     its checkpoints/, or one step)."""
     if is_model_dir(path):
-        return load_config(str(pathlib.Path(path) / CONFIG_FILE), saved=True), read_params(path)
+        return read_config(path), read_params(path)
     return load_for_inference(path)
