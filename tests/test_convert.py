@@ -195,10 +195,16 @@ def test_launch_train_continues_a_converted_model(tmp_path):
     assert convert([str(src), str(tmp_path / "nsa")]) == 0
     run = tmp_path / "run"
     args = ["--init-from", str(tmp_path / "nsa"), "--dataset", "synthetic", "--steps", "2", "--out-dir", str(run)]
-    sets = ["train.seq_len=64", "train.global_batch=2", "train.warmup=1", "train.log_every=1", "train.eval_every=100"]
+    # The folder's config keeps a 2,000-step warm-up: a 2-step continuation says where its LR ends.
+    sets = ["train.seq_len=64", "train.global_batch=2", "train.log_every=1", "train.eval_every=100"]
     proc = run_module("launch.train", *args, *[a for s in sets for a in ("--set", s)], env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"init: parameters from {tmp_path / 'nsa'}" in proc.stdout
+    lr = load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), saved=True).train.lr
+    assert (
+        f"note: train.warmup 2,000 is longer than train.steps 2: the run ends inside its warm-up, "
+        f"the learning rate rising to {lr * 2 / 2000:.3g} at most" in proc.stderr
+    )
     rows = (run / "training.csv").read_text().splitlines()
     assert len(rows) == 3
 

@@ -214,6 +214,15 @@ def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifact
         art.event("eval_off", 0, eval_off)
     if learning_options(cfg):
         say(f"nsa learning options: {learning_options(cfg)}")
+    t = cfg.train
+    if t.warmup > t.steps and step < t.steps:
+        # A continuation from a model folder keeps the folder's 2,000-step warm-up unless told otherwise.
+        top = t.lr * t.steps / t.warmup
+        say(
+            f"note: train.warmup {t.warmup:,} is longer than train.steps {t.steps:,}: the run ends inside its "
+            f"warm-up, the learning rate rising to {top:.3g} at most (train.lr {t.lr:g}); "
+            f"set train.warmup below {t.steps:,} to reach it"
+        )
     dense_until = schedule.dense_selection_steps(cfg)
     if step < dense_until:
         n = cfg.model.nsa.n
