@@ -1,22 +1,25 @@
-"""`python -m launch.info --config NAME [--set key=value ...] [--target a100-40 [--devices N]]`.
+"""`python -m launch.info --config NAME|FOLDER [--set key=value ...] [--target a100-40 [--devices N]]`.
 
 Parameter counts and NSA cost; with `--target`, whether the config's train step fits
 that card (compiled on this host for it: no GPU needed, only jax's CUDA plugin) and
 the largest micro-batch per device that does; with parallel.context > 1 (each sequence
 over several cards) the longest train.seq_len that does instead. `--devices`: the
-cards in all (data x seq).
+cards in all (data x seq). FOLDER: a model folder (its config.yaml); a dense model's lines
+say it is dense, without the NSA settings and the NSA-vs-dense table.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
 from launch.cli import add_overrides
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.info import describe
 from nsa_jax.runbook_env import config_from_env
+from nsa_jax.rundir.files import MODEL_CONFIG_FILE
 from nsa_jax.tools import aot
 from nsa_jax.words import count
 
@@ -82,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         # Compiling for a card runs on this host's CPU: set before jax starts (a GPU-less host's CUDA check fails).
         aot.compile_on_host()
     try:
-        cfg = load_config(args.config or config_from_env(os.environ) or "a100_pcie", args.overrides)
+        name = args.config or config_from_env(os.environ) or "a100_pcie"
+        folder = pathlib.Path(name) / MODEL_CONFIG_FILE
+        if folder.is_file():  # a model folder (launch.convert's) or any folder holding a saved config.yaml
+            cfg = load_config(str(folder), args.overrides, saved=True)
+        else:
+            cfg = load_config(name, args.overrides)
         if args.target is not None:
             target = aot.get_target(args.target)
             C = cfg.parallel.context

@@ -99,19 +99,29 @@ def describe(cfg: Config) -> str:
     """The text `launch.info` prints."""
     m, a = cfg.model, cfg.model.nsa
     counts = parameter_counts(m)
+    dense = m.attention == "dense"
+    window = f", a sliding window of {m.dense_window:,} keys" if m.dense_window else ""
     lines = [
         f"model: d_model={m.d_model} layers={m.n_layers} heads={m.n_heads} kv_heads={m.n_kv_heads} "
         f"(G={m.n_heads // m.n_kv_heads}) head_dim={m.head_dim}/{m.v_head_dim} d_ff={m.d_ff} vocab={m.vocab_size} "
         f"dtype={m.dtype}",
-        f"nsa: l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} phi={a.cmp_phi} branches={','.join(a.branches)} "
-        f"scorer={a.scorer}{f'/{a.scorer_sub}' if a.scorer_sub else ''} attention_impl={a.attention_impl}",
-        f"nsa learning options: {learning_options(cfg) or 'none'}",
+        *(
+            [f"attention: dense (model.attention=dense): causal softmax attention{window}; model.nsa does not apply"]
+            if dense
+            else [
+                f"nsa: l={a.l} d={a.d} lp={a.lp} n={a.n} w={a.w} phi={a.cmp_phi} branches={','.join(a.branches)} "
+                f"scorer={a.scorer}{f'/{a.scorer_sub}' if a.scorer_sub else ''} attention_impl={a.attention_impl}",
+                f"nsa learning options: {learning_options(cfg) or 'none'}",
+            ]
+        ),
         _sequence_line(cfg),
         f"parameters: {counts['total']:,} total",
     ]
     for part, n in counts.items():
         if part != "total":
             lines.append(f"  {part:<18} {n:>13,}  ({100.0 * n / counts['total']:5.1f}%)")
+    if dense:  # NSA against dense is a question for an NSA config
+        return "\n".join(lines)
     lines.append("attention keys read per query (mean over positions), NSA vs dense causal:")
     lines.append(f"  {'T':>7} {'cmp':>8} {'slc':>8} {'win':>8} {'nsa':>8} {'dense':>9} {'ratio':>7}")
     for T in sorted({cfg.train.seq_len, 8192, 16384, 32768, 65536}):

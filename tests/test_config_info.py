@@ -260,6 +260,20 @@ def test_the_nsa_line_names_the_block_scorer():
     assert " scorer=minmax/16 attention_impl=" in describe(cfg)
 
 
+def test_info_on_a_model_folder_of_a_dense_model_says_it_is_dense(tmp_path, capsys):
+    """--config FOLDER reads its config.yaml; a dense model has no NSA lines and no NSA-vs-dense table."""
+    from launch.info import main as info
+    from nsa_jax.config import to_dict
+
+    cfg = load_config("cpu_tiny", ["model.attention=dense", "model.dense_window=48"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    assert info(["--config", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "attention: dense (model.attention=dense): causal softmax attention, a sliding window of 48 keys" in out
+    assert "nsa:" not in out and "keys read per query" not in out
+    assert "nsa:" in describe(load_config("cpu_tiny")) and "keys read per query" in describe(load_config("cpu_tiny"))
+
+
 @pytest.mark.slow
 def test_info_cli():
     out = subprocess.run(
