@@ -710,3 +710,21 @@ def test_the_heartbeat_memory_keeps_each_device_where_the_backend_reports_it(mon
     }  # fmt: skip
     monkeypatch.setattr(A.jax, "local_devices", lambda: [type("Cpu", (), {"memory_stats": lambda self: None})()])
     assert A.memory_snapshot()["source"] == "process_rss"
+
+
+def test_gates_started_on_purpose_are_shown_not_judged(tmp_path):
+    """launch.convert's NSA start (gate biases [-6, 6, -6]: the selection branch carries the dense
+    attention) is far past the collapse limits by design: the gates line says so and stays out of the
+    verdict; without gate_bias_init the same gates are NO-GO."""
+    d = write_run(tmp_path / "converted")
+    csv_path = d / "training.csv"
+    csv_path.write_text(csv_path.read_text().replace(",0.4,0.5,0.6,1.08,", ",0.0025,0.995,0.0025,0.04,"))
+    assert status(judge(d))["gates"] == "NO-GO"
+    nsa = {"gate_bias_init": [-6.0, 6.0, -6.0], "branches": ["cmp", "slc", "win"]}
+    env = {"process_count": 1, "config": {"train": {"steps": 40}, "model": {"nsa": nsa}}}
+    (d / "env.json").write_text(json.dumps(env))
+    s = judge(d)
+    gates = next(c for c in s.criteria if c.name == "gates")
+    assert gates.status == "N/A" and s.verdict == "GO", gates.detail
+    assert gates.detail.startswith("started on purpose at cmp 0.002, slc 0.998, win 0.002 (model.nsa.gate_bias_init)")
+    assert "window means cmp 0.003, slc 0.995, win 0.003" in gates.detail
