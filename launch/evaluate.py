@@ -173,8 +173,20 @@ def _check_args(args) -> None:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for f in args.text:
-        if not pathlib.Path(f).is_file():
-            raise UsageError(f"--text {f} not found")
+        p = pathlib.Path(f)
+        if p.is_dir():
+            raise UsageError(f"--text {f} is a folder; name its text files (e.g. --text {f}/*.txt)")
+        if not p.is_file():
+            raise UsageError(f"--text {f} not found; name a UTF-8 text file")
+        try:
+            with open(p, encoding="utf-8") as fh:
+                while fh.read(1 << 20):  # the whole file decodes, read in pieces
+                    pass
+        except UnicodeDecodeError as e:
+            raise UsageError(
+                f"--text {f} is not UTF-8 text (byte {e.start:,} does not decode); pass a text file, "
+                "or convert it first (e.g. iconv -f latin1 -t utf-8)"
+            ) from None
 
 
 def notes(args, cfg) -> list[str]:

@@ -235,4 +235,14 @@ def test_text_and_passkey_through_launch_evaluate_kept_and_continued(tmp_path, c
     assert capsys.readouterr().err.strip() == (
         "error: --suites text needs --text FILE [FILE ...]: the text whose loss it measures"
     )
+    # A folder, a binary file and a missing one as --text: the file named, and the fix.
+    (tmp_path / "bin.txt").write_bytes(b"text\xff\xfe\x00 more")
+    for bad, said in (
+        (tmp_path, f"error: --text {tmp_path} is a folder; name its text files (e.g. --text {tmp_path}/*.txt)"),
+        (tmp_path / "bin.txt", f"error: --text {tmp_path / 'bin.txt'} is not UTF-8 text (byte 4 does not decode)"),
+        (tmp_path / "nope.txt", f"error: --text {tmp_path / 'nope.txt'} not found; name a UTF-8 text file"),
+    ):
+        assert main([*argv[:3], str(bad), *argv[4:], "--suites", "text", "--lengths", "128"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(said), err
     assert json.loads((out / "evaluation.json").read_text()) == doc2
