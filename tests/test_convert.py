@@ -187,6 +187,20 @@ def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
     narrower = [f"train.init_from={tmp_path / 'nsa'}", "model.d_ff=64"]
     with pytest.raises(Exception, match="w1.*has shape"):
         model_dir.initial_params(load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), narrower, saved=True))
+    # Through launch.train: the same mismatch is one line, exit 2, and the out dir is never made.
+    run = tmp_path / "narrow_run"
+    sets = [
+        f"train.init_from={tmp_path / 'nsa'}",
+        "model.d_ff=64",
+        f"data.tokenizer={tmp_path / 'nsa' / 'tokenizer.json'}",
+    ]
+    argv = ["--config", folder_cfg, "--out-dir", str(run), "--steps", "1", "--dataset", "synthetic"]
+    argv += [a for x in sets for a in ("--set", x)]
+    proc = run_module("launch.train", *argv, env=cpu_env())
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith(f"error: config: train.init_from {tmp_path / 'nsa'}: ") and "has shape" in err[-1]
+    assert "Traceback" not in proc.stderr and not run.exists()
 
 
 @pytest.mark.slow

@@ -83,6 +83,9 @@ class Trainer:
         data before the out dir is touched, nsa_jax/data/check.py); None evaluates every
         train.eval_every steps."""
         check_trainable(cfg)  # before boot writes anything in the out dir
+        # train.init_from's parameters (memory-mapped), their shapes checked against the model here, before
+        # boot writes anything: a folder of another shape is one ConfigError and the out dir stays as it was.
+        self._init_params = initial_params(cfg) if state is None else None
         self.cfg = cfg
         self.out = pathlib.Path(cfg.train.out_dir)
         self.lead = jax.process_index() == 0
@@ -136,7 +139,7 @@ class Trainer:
         guard = getattr(self, "_preempt", None)
         init = None
         if self.state is None:
-            start = initial_params(self.cfg)  # train.init_from's, or None: random
+            start = self._init_params  # train.init_from's, or None: random
             if start is not None:
                 self.say(f"init: parameters from {self.cfg.train.init_from} (train.init_from)")
             init = functools.partial(create_state, self.plan, params=start)
