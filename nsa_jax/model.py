@@ -23,8 +23,9 @@ import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
 from nsa_jax.layers import DenseParams, RMSNorm, SwiGLU
+from nsa_jax.nsa.attention import MODES, ModelPart
 from nsa_jax.nsa.dense import DenseAttention
-from nsa_jax.nsa.layer import MODES, ModelPart, NSAAttention
+from nsa_jax.nsa.layer import NSAAttention
 
 _REMAT_POLICIES = {
     "full": None,

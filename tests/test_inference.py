@@ -211,7 +211,7 @@ def test_decode_reads_compressed_buckets_across_their_boundary():
     """A cache with more compressed slots than the smallest read bucket: rows decode while the
     visible compressed tokens grow past it (the step switches buckets), and rows far behind the
     others share the larger read; logits equal the forward's throughout."""
-    from nsa_jax.nsa.layer import CMP_BUCKET, cmp_buckets
+    from nsa_jax.nsa.decode import CMP_BUCKET, cmp_buckets
 
     T_end = 8 - 1 + 4 * CMP_BUCKET + 6  # l - 1 + d * bucket: token number bucket + 1 completes at T_end - 6
     cfg = tiny_model_cfg(T_hint=T_end, l=8, d=4, lp=8, w=12, G=2, K=1, n=3)

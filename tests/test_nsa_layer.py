@@ -11,7 +11,8 @@ import pytest
 from reference import nsa_layer_ref
 
 from nsa_jax.layers import matmul_parts
-from nsa_jax.nsa.layer import NSAAttention, aux_stat_sums, aux_stats
+from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.nsa.stats import aux_stat_sums, aux_stats
 
 from helpers import rel_err, tiny_model_cfg
 

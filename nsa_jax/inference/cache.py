@@ -3,7 +3,7 @@
 Owns the fixed-size cache pytree, its sizes for a maximum length, and its map to the model's `cache`
 variable collection (`NSACache.variables()` / `NSACache.from_variables`), which NSAAttention reads and
 writes in prefill and decode mode (the slot arithmetic, `ring_positions` / `compressed_visible`, lives in
-nsa_jax/nsa/layer.py). Every array has a leading layer axis L (the scanned layers) and a batch axis B;
+nsa_jax/nsa/decode.py). Every array has a leading layer axis L (the scanned layers) and a batch axis B;
 each row carries its own position, so rows of different lengths share one cache. Per layer and row:
   * `kslc/vslc` [S, K, D]: raw selection keys/values of every position < S (S = max length rounded up to
     a multiple of lp, so a selected block is never cut by the end of the buffer);
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from nsa_jax.config import ModelConfig
 from nsa_jax.kernels.scorers import KEY_SCORERS, scorer_sub
 from nsa_jax.kernels.xla import num_compressed
-from nsa_jax.nsa.layer import CACHE_NAMES, compressed_visible, ring_positions
+from nsa_jax.nsa.decode import CACHE_NAMES, compressed_visible, ring_positions
 
 __all__ = ["CacheSizes", "NSACache", "cache_sizes", "compressed_visible", "init_cache", "ring_positions"]
 

@@ -13,7 +13,7 @@ The loss is the weighted mean next-token loss (data/targets.py loss_weights) of
 layers compute only because the `losses` collection is mutable then. With
 train.scorer_distill on, stats carry `ce` (the next-token loss alone) and `distill_kl`
 in every phase (0 in one without it). With logging.aux_stats, stats carry what
-nsa/layer.aux_stats makes of the sums the layers sow in `aux`: gate_mean [L, 3],
+nsa/stats.aux_stats makes of the sums the layers sow in `aux`: gate_mean [L, 3],
 gate_entropy, sel_far_frac, cmp_k_ratio, cmp_v_ratio [L].
 """
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, chunked_nll_sum, head_matrix, per_layer, token_nll
-from nsa_jax.nsa.layer import aux_stats
+from nsa_jax.nsa.stats import aux_stats
 from nsa_jax.train import schedule
 from nsa_jax.train.rows import Rows, denominators, lay_out_rows
 
