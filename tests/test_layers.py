@@ -214,6 +214,31 @@ def test_no_module_outside_the_kernels_passes_600_lines(tree):
     assert not found, f"split these along their concerns (at most {MAX_LINES} lines a module): {found}"
 
 
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(path: pathlib.Path, root: pathlib.Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """The functions and methods of `path` longer than `limit` lines (decorators excluded, docstring in)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        n = node.end_lineno - node.lineno + 1 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else 0
+        if n > limit:
+            found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n})")
+    return found
+
+
+@pytest.mark.parametrize("tree", ["nsa_jax", "launch"])
+def test_no_function_passes_100_lines(tree):
+    found = [f for p in sorted((ROOT / tree).rglob("*.py")) for f in long_functions(p)]
+    assert not found, f"split these (at most {MAX_FUNCTION_LINES} lines a function): {found}"
+
+
+def test_the_function_rule_catches_a_long_one(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
+    assert long_functions(tmp_path / "m.py", tmp_path) == [f"m.py:5 long ({MAX_FUNCTION_LINES + 1})"]
+
+
 def test_counts_are_said_in_the_singular_for_one():
     assert count(1, "step") == "1 step" and count(0, "step") == "0 steps" and count(1234, "row") == "1,234 rows"
     assert count(1, "process", "processes") == "1 process" and count(2, "process", "processes") == "2 processes"
