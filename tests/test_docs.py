@@ -51,6 +51,12 @@ def test_paths_named_in_the_docs_exist(doc):
     assert not gone, f"{doc.name} names paths that do not exist: {gone}"
 
 
+def test_the_readme_stays_an_entry_point():
+    # The README says how to run each thing; the details live in docs/ (it links them).
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= 450, f"README.md has {n} lines; move reference material to docs/"
+
+
 @pytest.mark.parametrize("doc", CURRENT_DOCS, ids=lambda p: p.name)
 def test_current_docs_stay_short(doc):
     # A current doc says what holds now; history goes to docs/lab/ (docs/lab/README.md).
