@@ -43,7 +43,7 @@ from nsa_jax.evaluation.scorer import scored_chunks
 from nsa_jax.evaluation.scoring import answer_scores
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, ROW_EXTRA, TextRows, needle_rows
 from nsa_jax.inference.decode import inference_config
-from nsa_jax.model import NSALM, head_matrix, per_layer
+from nsa_jax.model import NSALM, per_layer
 from nsa_jax.rundir.model_dir import load_model
 from nsa_jax.rundir.resume import CheckpointError
 
@@ -110,7 +110,7 @@ def diagnose(path: str, args: argparse.Namespace) -> dict:
         x_BxTxD, state = NSALM(icfg).apply(
             {"params": p}, tokens_BxT1[:, :-1], head=False, mutable=["intermediates", "scorer_inputs"]
         )
-        return scored_chunks(icfg, head_matrix(icfg, p), x_BxTxD, tokens_BxT1[:, 1:]), state
+        return scored_chunks(icfg, p, x_BxTxD, tokens_BxT1[:, 1:]), state
 
     exact, logp, shares, masses = [], [], [], []
     for start in range(0, len(built), args.batch_size):

@@ -177,7 +177,7 @@ class TrainConfig:
     # A model folder (launch.convert's OUT; nsa_jax/rundir/model_dir.py) whose parameters start a
     # fresh run instead of a random initialisation; a resume restores the run's own checkpoint.
     init_from: str = ""
-    # The loss's logits made this many positions at a time (model.chunked_nll_sum; forward and
+    # The loss's logits made this many positions at a time (model.rows_nll; forward and
     # recomputed backward), never [rows, T, vocab] at once: the largest buffers of a step at long T
     # with a large vocabulary. 0: all positions at once.
     loss_chunk: int = 0

@@ -206,34 +206,38 @@ def head_logits(cfg: ModelConfig, w: jax.Array, x_BxTxD: jax.Array) -> jax.Array
     return jnp.dot(x_BxTxD.astype(dtype), w.astype(dtype)).astype(jnp.float32)
 
 
-def chunked_nll_sum(
-    cfg: ModelConfig, head: jax.Array, x_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array, chunk: int
-) -> jax.Array:
-    """sum(token_nll * weights) of the final-normed x (`head`: head_matrix) with the logits made
-    `chunk` positions at a time.
+def rows_nll(
+    cfg: ModelConfig, params, out: jax.Array, targets_BxL: jax.Array, chunk: int = 0, hits: bool = False
+) -> tuple[jax.Array, jax.Array | None]:
+    """(nll_BxL fp32, argmax == target [B, L] or None): the one NLL of rows, for training, held-out
+    evaluation and the long-context scorer.
 
-    The logits of one chunk live at a time, in the forward and, recomputed, in the backward
-    (jax.checkpoint per chunk): [B, chunk, V] instead of [B, L, V] and its gradient, the
-    largest buffers of a step at long T and a large vocabulary (train.loss_chunk).
+    `out` is what NSALM.apply gave with `head=not chunk`: the logits [B, L, V] (chunk 0), or the
+    final-normed hidden states, whose logits are then made `chunk` positions at a time and, under
+    differentiation, recomputed in the backward (jax.checkpoint per chunk): [B, chunk, V] at once
+    instead of [B, L, V] and its gradient, the largest buffers of a step at long T and a large
+    vocabulary (train.loss_chunk).
     """
-    B, L = x_BxLxD.shape[:2]
+    if not chunk:
+        return token_nll(out, targets_BxL), (jnp.argmax(out, axis=-1) == targets_BxL) if hits else None
+    head = head_matrix(cfg, params)
+    B, L = out.shape[:2]
     n = -(-L // chunk)
     pad = ((0, 0), (0, n * chunk - L))
-    x = jnp.pad(x_BxLxD, (*pad, (0, 0)))
-    targets, weights = jnp.pad(targets_BxL, pad), jnp.pad(weights_BxL.astype(jnp.float32), pad)
+    x, targets = jnp.pad(out, (*pad, (0, 0))), jnp.pad(targets_BxL, pad)
 
     def chunks(a):  # [B, n*chunk, ...] -> [n, B, chunk, ...]
         return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
 
     @jax.checkpoint
-    def one(x_Bxc, t_Bxc, w_Bxc):
-        return jnp.sum(token_nll(head_logits(cfg, head, x_Bxc), t_Bxc) * w_Bxc)
+    def one(xt):
+        logits_BxcxV = head_logits(cfg, head, xt[0])
+        nll = token_nll(logits_BxcxV, xt[1])
+        return (nll, jnp.argmax(logits_BxcxV, axis=-1) == xt[1]) if hits else (nll, None)
 
-    def body(total, xs):
-        return total + one(*xs), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (chunks(x), chunks(targets), chunks(weights)))
-    return total
+    nll, hit = jax.lax.map(one, (chunks(x), chunks(targets)))  # [n, B, chunk]
+    unchunk = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, n * chunk)[:, :L]  # noqa: E731
+    return unchunk(nll), unchunk(hit) if hits else None
 
 
 def token_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

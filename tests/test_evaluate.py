@@ -7,6 +7,7 @@ positions from the data generator's own answer mask) for the accuracy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -69,6 +70,9 @@ def test_evaluator_matches_host_reference_on_two_devices():
     assert m["retrieval_acc"] is None and m["answers"] is None
     # Same rows, same numbers: a second evaluation is identical.
     assert Evaluator.finish(ev.dispatch(params)) == m
+    # train.loss_chunk makes the logits a few positions at a time here too (model.rows_nll): the same loss.
+    chunked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk=7))
+    assert abs(Evaluator.finish(Evaluator(chunked, mesh).dispatch(params))["val_loss"] - loss) < 1e-5 * loss
     # Different params, different loss (the evaluator really reads them).
     other = jax.tree.map(lambda p: p * 1.5, params)
     assert abs(Evaluator.finish(ev.dispatch(other))["val_loss"] - m["val_loss"]) > 1e-4
@@ -104,7 +108,7 @@ def test_evaluator_retrieval_accuracy_matches_data_module(monkeypatch):
         def __init__(self, model_cfg, kernels=None, layer_gather=None):  # NSALM(cfg.model, ...)
             self.V = model_cfg.vocab_size
 
-        def apply(self, variables, inputs_BxT):
+        def apply(self, variables, inputs_BxT, head=True):
             return jax.nn.one_hot(jax.numpy.full(inputs_BxT.shape, guess), self.V)
 
     monkeypatch.setattr("nsa_jax.evaluation.heldout.NSALM", AlwaysGuess)

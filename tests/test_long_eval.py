@@ -200,7 +200,8 @@ def test_chunked_scores_of_an_untied_head_match_its_whole_logits():
     logits = x.astype(np.float64) @ w.astype(np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    nll, hit = jax.jit(lambda *a: scored_chunks(cfg, *a, chunk=32))(w, x, targets)
+    params = {"lm_head": {"kernel": w}}
+    nll, hit = jax.jit(lambda p, *a: scored_chunks(cfg, p, *a, chunk=32))(params, x, targets)
     np.testing.assert_allclose(nll, -np.take_along_axis(logp, targets[..., None], -1)[..., 0], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(hit, logits.argmax(-1) == targets)
 

@@ -34,7 +34,7 @@ from nsa_jax.config import Config
 from nsa_jax.data import make_dataset
 from nsa_jax.kernels import plan_kernels
 from nsa_jax.mesh import DATA, SEQ, process_rows
-from nsa_jax.model import NSALM, token_nll
+from nsa_jax.model import NSALM, rows_nll
 from nsa_jax.nsa.context import seq_layout
 from nsa_jax.train.rows import Rows, lay_out_rows, rows_spec
 from nsa_jax.train.strategies import param_gather, state_shardings
@@ -57,10 +57,13 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
 
     def local(params, rows: Rows, plan):
         model = NSALM(cfg.model, kernels=plan, layer_gather=gather.layer)
-        logits_bxLxV = model.apply({"params": gather.early(params)}, rows.inputs)
-        hit = (logits_bxLxV.argmax(-1) == rows.targets) & rows.answers
+        params = gather.early(params)
+        chunk = cfg.train.loss_chunk  # the logits a chunk at a time, as the train step makes them
+        out = model.apply({"params": params}, rows.inputs, head=not chunk)
+        nll, hit = rows_nll(cfg.model, params, out, rows.targets, chunk, hits=True)
+        hit = hit & rows.answers
         sums = {
-            "loss_sum": jnp.sum(token_nll(logits_bxLxV, rows.targets) * rows.weights),
+            "loss_sum": jnp.sum(nll * rows.weights),
             "tokens": jnp.sum(rows.weights),
             "correct": jnp.sum(hit).astype(jnp.float32),
             "scored": jnp.sum(rows.answers).astype(jnp.float32),

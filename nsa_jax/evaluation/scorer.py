@@ -24,33 +24,16 @@ import numpy as np
 from nsa_jax.config import ModelConfig
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.kernels import plan_kernels
-from nsa_jax.model import NSALM, head_logits, head_matrix, token_nll
+from nsa_jax.model import NSALM, rows_nll
 from nsa_jax.ops.memory import WontFitError, compiled_memory, device_memory_limit
 
 SCORE_CHUNK = 2048  # positions whose logits exist at once
 
 
-def scored_chunks(cfg: ModelConfig, head, x_BxTxD, targets_BxT, chunk: int = SCORE_CHUNK):
+def scored_chunks(cfg: ModelConfig, params, x_BxTxD, targets_BxT, chunk: int = SCORE_CHUNK):
     """(nll_BxT fp32, hit_BxT bool) of the final-normed hidden states, the logits made `chunk`
-    positions at a time (one chunk when T <= chunk)."""
-    B, T = targets_BxT.shape
-    n = -(-T // chunk)
-    if n == 1:
-        logits_BxTxV = head_logits(cfg, head, x_BxTxD)
-        return token_nll(logits_BxTxV, targets_BxT), jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
-    pad = ((0, 0), (0, n * chunk - T))
-    x, targets = jnp.pad(x_BxTxD, (*pad, (0, 0))), jnp.pad(targets_BxT, pad)
-
-    def chunks(a):  # [B, n*chunk, ...] -> [n, B, chunk, ...]
-        return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
-
-    def one(xt):
-        logits_BxcxV = head_logits(cfg, head, xt[0])
-        return token_nll(logits_BxcxV, xt[1]), jnp.argmax(logits_BxcxV, axis=-1) == xt[1]
-
-    nll, hit = jax.lax.map(one, (chunks(x), chunks(targets)))  # [n, B, chunk]
-    unchunk = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731
-    return unchunk(nll), unchunk(hit)
+    positions at a time (model.rows_nll)."""
+    return rows_nll(cfg, params, x_BxTxD, targets_BxT, chunk, hits=True)
 
 
 def make_score_fn(cfg: ModelConfig, kernel_fallback: frozenset = frozenset(), chunk: int = SCORE_CHUNK):
@@ -66,7 +49,7 @@ def make_score_fn(cfg: ModelConfig, kernel_fallback: frozenset = frozenset(), ch
         inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
         plan = plan_kernels(cfg.nsa, inputs_BxT.shape[1], jax.default_backend(), kernel_fallback, backward=False)
         x_BxTxD = NSALM(cfg, kernels=plan).apply({"params": params}, inputs_BxT, head=False)
-        return scored_chunks(cfg, head_matrix(cfg, params), x_BxTxD, targets_BxT, chunk)
+        return scored_chunks(cfg, params, x_BxTxD, targets_BxT, chunk)
 
     return score
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan
-from nsa_jax.model import NSALM, cast_dense_kernels, chunked_nll_sum, head_matrix, per_layer, token_nll
+from nsa_jax.model import NSALM, cast_dense_kernels, per_layer, rows_nll
 from nsa_jax.nsa.stats import aux_stats
 from nsa_jax.train import schedule
 from nsa_jax.train.rows import Rows, denominators, lay_out_rows
@@ -60,13 +60,8 @@ class Loss:
         out, variables = model.apply(
             {"params": params}, rows.inputs, rope_positions_T=rows.rope, head=not chunk, mutable=mutable
         )
-        if chunk:  # out: the final-normed hidden states; the logits made a chunk at a time
-            nll_sum = chunked_nll_sum(
-                phase.model, head_matrix(phase.model, params), out, rows.targets, rows.weights, chunk
-            )
-        else:
-            nll_sum = jnp.sum(token_nll(out, rows.targets) * rows.weights)
-        loss = nll_sum / denom
+        nll, _ = rows_nll(phase.model, params, out, rows.targets, chunk)
+        loss = jnp.sum(nll * rows.weights) / denom
         sums = {"aux": per_layer(variables, "aux", "stat_sums", cfg.model) or {}}
         if schedule.scorer_distill(cfg):
             kl_L = per_layer(variables, "losses", "scorer_kl", cfg.model)
