@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from nsa_jax.config import ModelConfig
 from nsa_jax.layers import DenseParams, RMSNorm, SwiGLU
 from nsa_jax.nsa.attention import MODES, ModelPart
+from nsa_jax.nsa.decode import missing_cache
 from nsa_jax.nsa.dense import DenseAttention
 from nsa_jax.nsa.layer import NSAAttention
 
@@ -111,30 +112,16 @@ class NSALM(ModelPart):
                 raise ValueError("prefill/decode run the scanned layers: set scan_layers (inference_config)")
             if self.mode == "prefill" and lengths_B is None:
                 lengths_B = jnp.full((tokens_BxT.shape[0],), tokens_BxT.shape[1], jnp.int32)
-            pos = self.variable("cache", "pos", _missing_pos)
+            pos = self.variable("cache", "pos", missing_cache("NSALM"), "pos")
             pos_B = lengths_B.astype(jnp.int32) if self.mode == "prefill" else pos.value
             # The cache rides in the scan carry (every layer indexes its own slice), not
             # as scanned xs/ys: a scan's ys would rewrite the whole cache every step.
-            stack = nn.scan(
-                block,
-                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0, "scorer_inputs": 0},
-                variable_carry="cache",
-                split_rngs={"params": True},
-                in_axes=(0, nn.broadcast),
-                length=cfg.n_layers,
-            )
+            stack = layer_stack(block, cfg, variable_carry="cache", in_axes=(0, nn.broadcast))
             layer_L = jnp.arange(cfg.n_layers, dtype=jnp.int32)
             x, _ = stack(cfg, self.mode, self.kernels, name="layers")(x, layer_L, pos_B)
             pos.value = pos_B if self.mode == "prefill" else pos_B + 1
         elif cfg.scan_layers:
-            stack = nn.scan(
-                block,
-                variable_axes={"params": 0, "intermediates": 0, "aux": 0, "losses": 0, "scorer_inputs": 0},
-                split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.n_layers,
-                unroll=cfg.scan_unroll,
-            )
+            stack = layer_stack(block, cfg, in_axes=(nn.broadcast,) * 3, unroll=cfg.scan_unroll)
             x, _ = stack(cfg, "train", self.kernels, name="layers")(x, None, None, rope_positions_T)
         else:
             for i in range(cfg.n_layers):
@@ -163,11 +150,11 @@ def per_layer(variables: dict, collection: str, name: str, cfg: ModelConfig):
     return jax.tree.map(lambda *v: jnp.stack(v), *[v[0] for v in values]) if all(values) else None
 
 
-def _missing_pos():
-    raise ValueError(
-        "NSALM prefill/decode found no cache: pass variables "
-        "{'params': ..., 'cache': nsa_jax.inference.init_cache(...).variables()} with mutable=['cache']"
-    )
+def layer_stack(block, cfg: ModelConfig, **scan):
+    """The layers as one nn.scan over `block` (a layer axis on every per-layer collection); `scan`:
+    the mode's in_axes, and the cache as a carry in prefill/decode or the unroll in training."""
+    per_layer = {"params": 0, "intermediates": 0, "aux": 0, "losses": 0, "scorer_inputs": 0}
+    return nn.scan(block, variable_axes=per_layer, split_rngs={"params": True}, length=cfg.n_layers, **scan)
 
 
 def cast_dense_kernels(params, dtype):
