@@ -274,6 +274,11 @@ def _main(argv: list[str] | None = None) -> int:
         if args.config is None and config_from_env(os.environ) is not None:
             applied["CONFIG"] = f"the config ({name})"
         cfg = load_config(name, env_sets + flag_overrides(args), saved=saved)
+        folder = pathlib.Path(name).parent
+        if name.endswith(rf.MODEL_CONFIG_FILE) and any((folder / f).is_file() for f in rf.MODEL_PARAMS_FILES):
+            # A model folder's config: its own tokenizer beside it when the folder was moved.
+            own = rf.folder_tokenizer(folder, cfg.data.tokenizer)
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=own))
         resume.check_init_from(cfg)
         cfg, vocab_note = fit_vocab_to_tokenizer(cfg)
         # Data problems are found before the out dir is locked or touched (nsa_jax/data/check.py).

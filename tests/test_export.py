@@ -32,6 +32,8 @@ from nsa_jax.pretrained.tokenizer import _byte_alphabet
 from nsa_jax.pretrained.weights import dense_params
 from nsa_jax.rundir import model_dir
 
+from helpers import cpu_env, run_module
+
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "pretrained"
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
 # config.json keys that define the model (what transformers builds it from).
@@ -294,3 +296,10 @@ def test_a_moved_model_folder_reads_its_own_tokenizer(tmp_path, capsys):
     assert generate(argv) == 0
     assert export([str(moved), str(tmp_path / "hf")]) == 0
     assert f"tokenizer: {moved / 'tokenizer.json'}" in capsys.readouterr().out
+    # A run starts from the moved folder with the folder's config and tokenizer.
+    run = tmp_path / "run"
+    sets = ["train.seq_len=32", "train.global_batch=2", "train.warmup=1", "train.eval_every=100"]
+    argv = ["--init-from", str(moved), "--dataset", "synthetic", "--steps", "1", "--out-dir", str(run)]
+    proc = run_module("launch.train", *argv, *[a for s in sets for a in ("--set", s)], env=cpu_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"init: parameters from {moved}" in proc.stdout

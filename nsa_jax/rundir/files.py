@@ -44,6 +44,17 @@ CHECKPOINT_DIR = "checkpoints"
 MODEL_CONFIG_FILE = "config.yaml"
 MODEL_PARAMS_FILE = "params.safetensors"
 MODEL_PARAMS_FILES = (MODEL_PARAMS_FILE, "params.msgpack")  # the one written; an earlier version's, still read
+
+
+def folder_tokenizer(folder: str | os.PathLike, name: str) -> str:
+    """The tokenizer of model folder `folder` whose config.yaml names `name`: `name` itself, or, when
+    that file is gone (the folder was moved or copied elsewhere), the copy of it beside config.yaml."""
+    if name == "byte" or name.startswith(("gpt2", "tiktoken:")) or pathlib.Path(name).is_file():
+        return name
+    own = pathlib.Path(folder) / pathlib.Path(name).name
+    return str(own.absolute()) if own.is_file() else name
+
+
 CORRUPT_DIR = "checkpoints_corrupt"
 PREVIOUS_DIR = "previous"
 # Files of a run, besides the globbed heartbeats and stack dumps and the tb/ folder.

@@ -28,7 +28,7 @@ from nsa_jax.config import ConfigError, load_config
 from nsa_jax.rundir.checkpoint import load_for_inference
 from nsa_jax.rundir.files import MODEL_CONFIG_FILE as CONFIG_FILE
 from nsa_jax.rundir.files import MODEL_PARAMS_FILE as PARAMS_FILE
-from nsa_jax.rundir.files import MODEL_PARAMS_FILES
+from nsa_jax.rundir.files import MODEL_PARAMS_FILES, folder_tokenizer
 
 SEP = "."
 DTYPES = {"F32": np.float32, "I32": np.int32}
@@ -124,15 +124,9 @@ def initial_params(cfg) -> dict | None:
 def read_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()):
     """A model folder's Config. config.yaml names the tokenizer by the path it was written at; a
     folder moved or copied elsewhere reads its own copy beside it when that path is gone."""
-    path = pathlib.Path(path)
-    cfg = load_config(str(path / CONFIG_FILE), overrides, saved=True)
-    name = cfg.data.tokenizer
-    if name == "byte" or name.startswith(("gpt2", "tiktoken:")) or pathlib.Path(name).is_file():
-        return cfg
-    own = path / pathlib.Path(name).name
-    if not own.is_file():
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(own.absolute())))
+    cfg = load_config(str(pathlib.Path(path) / CONFIG_FILE), overrides, saved=True)
+    name = folder_tokenizer(path, cfg.data.tokenizer)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=name))
 
 
 def load_model(path: str | pathlib.Path):

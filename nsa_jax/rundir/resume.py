@@ -453,6 +453,7 @@ def check_init_from(cfg) -> None:
     cfg_file = pathlib.Path(src) / rf.MODEL_CONFIG_FILE
     if cfg_file.is_file():
         theirs = (yaml.safe_load(cfg_file.read_text()) or {}).get("data", {}).get("tokenizer")
+        theirs = None if theirs is None else rf.folder_tokenizer(src, theirs)
         if theirs is not None and not _same_tokenizer(theirs, cfg.data.tokenizer):
             raise ConfigError(
                 f"config: train.init_from {src} reads text with the tokenizer {theirs}, but data.tokenizer is "
