@@ -107,8 +107,10 @@ def converted_config(ckpt, attention: str, overrides: list[str], out: pathlib.Pa
     base = config_dict(load_config(None))
     base["model"] = model
     base["train"]["seq_len"] = seq_len
-    base["train"]["out_dir"] = str(out)
-    base["data"]["tokenizer"] = str((out / "tokenizer.json").absolute())
+    # Names relative to the folder only, so it loads from wherever it is moved (rundir/files.py
+    # folder_tokenizer); a run started from it writes elsewhere by default, never into the folder.
+    base["train"]["out_dir"] = f"artifacts/{out.name}-run"
+    base["data"]["tokenizer"] = "tokenizer.json"
     base["data"]["dataset"] = "text"  # a pretrained model learnt text; data.path names the files to continue on
     cfg = validate(from_dict(Config, base))
     return replace(cfg, overrides) if overrides else cfg

@@ -59,7 +59,10 @@ def test_converted_folders_give_the_dense_logits(tmp_path, capsys):
     saved = load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), saved=True)
     assert saved.model.attention == "nsa" and saved.model.nsa.w == 16
     assert json.loads((tmp_path / "nsa" / "special_tokens.json").read_text())["eos"] == 2
-    assert saved.data.tokenizer == str((tmp_path / "nsa" / "tokenizer.json").absolute())
+    assert saved.data.tokenizer == "tokenizer.json"  # relative: the folder's own file, wherever it is moved
+    assert model_dir.read_config(tmp_path / "nsa").data.tokenizer == str(
+        (tmp_path / "nsa" / "tokenizer.json").absolute()
+    )
     assert "wrote" in capsys.readouterr().out
 
 
@@ -167,10 +170,14 @@ def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
     src = _hf_folder(tmp_path)
     assert convert([str(src), str(tmp_path / "nsa")]) == 0
     folder_cfg = str(tmp_path / "nsa" / model_dir.CONFIG_FILE)
-    # The folder's config.yaml names the folder itself as train.out_dir: a run must write elsewhere.
+    # The folder's config.yaml names a run folder of its own (relative, beside the folder's name), never
+    # the folder itself; a run told to write into the folder it starts from is refused.
+    assert load_config(folder_cfg, saved=True).train.out_dir == "artifacts/nsa-run"
+    into = [f"train.init_from={tmp_path / 'nsa'}", f"train.out_dir={tmp_path / 'nsa'}"]
     with pytest.raises(Exception, match="the model folder train.init_from reads: .* pass --out-dir RUN"):
-        check_init_from(load_config(folder_cfg, [f"train.init_from={tmp_path / 'nsa'}"], saved=True))
+        check_init_from(load_config(folder_cfg, into, saved=True))
     init = [f"train.init_from={tmp_path / 'nsa'}", f"train.out_dir={tmp_path / 'run'}"]
+    init.append(f"data.tokenizer={tmp_path / 'nsa' / 'tokenizer.json'}")
     cfg = load_config(folder_cfg, init, saved=True)
     check_init_from(cfg)
     from nsa_jax.mesh import make_mesh

@@ -47,11 +47,18 @@ MODEL_PARAMS_FILES = (MODEL_PARAMS_FILE, "params.msgpack")  # the one written; a
 
 
 def folder_tokenizer(folder: str | os.PathLike, name: str) -> str:
-    """The tokenizer of model folder `folder` whose config.yaml names `name`: `name` itself, or, when
-    that file is gone (the folder was moved or copied elsewhere), the copy of it beside config.yaml."""
-    if name == "byte" or name.startswith(("gpt2", "tiktoken:")) or pathlib.Path(name).is_file():
+    """The tokenizer of model folder `folder` whose config.yaml names `name`, as a path to read: a
+    relative name is the folder's own file (launch.convert writes `tokenizer.json`), an absolute one
+    itself, or, when that file is gone (the folder was moved or copied elsewhere), the copy beside
+    config.yaml; a built-in tokenizer (byte, gpt2, tiktoken:...) stays as it is."""
+    if name == "byte" or name.startswith(("gpt2", "tiktoken:")):
         return name
-    own = pathlib.Path(folder) / pathlib.Path(name).name
+    path = pathlib.Path(name)
+    if not path.is_absolute() and (pathlib.Path(folder) / path).is_file():
+        return str((pathlib.Path(folder) / path).absolute())
+    if path.is_file():
+        return name
+    own = pathlib.Path(folder) / path.name
     return str(own.absolute()) if own.is_file() else name
 
 

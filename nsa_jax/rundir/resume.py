@@ -436,7 +436,7 @@ def _check_resumable(out: pathlib.Path, steps: list[int], cfg: Config) -> None:
 
 def check_init_from(cfg) -> None:
     """ConfigError unless train.init_from (if set) is a model folder whose tokenizer is the run's, and the
-    run's out dir is not that folder (a converted model's config.yaml names itself as train.out_dir)."""
+    run's out dir is not that folder."""
     src = cfg.train.init_from
     if not src:
         return
