@@ -215,8 +215,9 @@ def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifact
     if learning_options(cfg):
         say(f"nsa learning options: {learning_options(cfg)}")
     t = cfg.train
-    if t.warmup > t.steps and step < t.steps:
-        # A continuation from a model folder keeps the folder's 2,000-step warm-up unless told otherwise.
+    if t.init_from and t.warmup > t.steps and step < t.steps:
+        # A continuation from a model folder keeps the folder's 2,000-step warm-up unless told otherwise:
+        # a short one would train at a tiny fraction of train.lr without a word.
         top = t.lr * t.steps / t.warmup
         say(
             f"note: train.warmup {t.warmup:,} is longer than train.steps {t.steps:,}: the run ends inside its "
