@@ -67,6 +67,11 @@ def check_out(out: pathlib.Path) -> None:
     """OUT is new or an empty folder whose parent can be written: checked before any work."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"OUT {out} is not an empty folder; name a new folder (nothing was written)")
+    check_parent(out)
+
+
+def check_parent(out: pathlib.Path) -> None:
+    """OUT's parent is a folder that can be written (a file or folder made there then renamed to OUT)."""
     parent = out.parent
     below = next((p for p in [parent, *parent.parents] if p.exists()), None)
     if below is not None and not below.is_dir():

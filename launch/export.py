@@ -1,4 +1,4 @@
-"""A model here -> a HF folder or a GGUF file the usual tools read (docs/PRETRAINED.md "Export").
+"""A model here -> a HF folder or a GGUF file the usual tools read (docs/EXPORT.md).
 
     python -m launch.export SRC OUT [--format hf|gguf] [--dtype float32|bfloat16|float16|q8_0]
                             [--drop-nsa [--heldout TEXT] [--heldout-len L]]
@@ -34,6 +34,7 @@ import threading
 import time
 
 from launch.cli import Parser, UsageError, run_main
+from launch.convert import check_out, check_parent
 from nsa_jax.pretrained import PretrainedError
 
 DTYPES = ("float32", "bfloat16", "float16", "q8_0")
@@ -77,22 +78,9 @@ def check_args(args) -> None:
             raise UsageError(f"OUT {out} exists; name a new .gguf file (nothing was written)")
         if out.suffix != ".gguf":
             raise UsageError(f"OUT {out}: a GGUF export is one file; name it NAME.gguf")
-        _check_parent(out)
+        check_parent(out)
     else:
-        from launch.convert import check_out  # noqa: PLC0415 - the same rule as a converted folder's
-
         check_out(out)
-
-
-def _check_parent(out: pathlib.Path) -> None:
-    parent = out.parent
-    below = next((p for p in [parent, *parent.parents] if p.exists()), None)
-    if below is not None and not below.is_dir():
-        raise UsageError(f"OUT {out}: {below} is a file, not a folder")
-    if not parent.is_dir():
-        raise UsageError(f"OUT {out}: its parent folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"OUT {out}: its parent folder {parent} cannot be written; nothing was written")
 
 
 def load_source(src: str):
@@ -110,20 +98,16 @@ def load_source(src: str):
     return cfg, stack_layers(cfg.model, params), (path if is_model_dir(path) else None)
 
 
-def tokenizer_files(cfg, folder) -> tuple[str | None, dict, str]:
+def tokenizer_files(cfg) -> tuple[str | None, dict, str]:
     """(tokenizers JSON text or None, {bos, eos, pad, add_bos}, what it is) of the model's tokenizer."""
     from nsa_jax.data.tokenizers import SPECIALS_FILE, ByteTokenizer  # noqa: PLC0415
     from nsa_jax.pretrained.tokenizer import byte_tokenizer_json  # noqa: PLC0415
 
-    name = cfg.data.tokenizer
+    name = cfg.data.tokenizer  # a model folder's: already its own file (model_dir.read_config)
     if name == "byte":
         b = ByteTokenizer()
         return byte_tokenizer_json(), {"eos": b.eos_id, "pad": b.pad_id, "add_bos": False}, "byte"
     path = pathlib.Path(name)
-    if not path.is_absolute() and folder is not None and (folder / path).is_file():
-        path = folder / path
-    if folder is not None and not path.is_file() and (folder / "tokenizer.json").is_file():
-        path = folder / "tokenizer.json"  # a moved folder: its own copy
     if not path.is_file():
         return None, {}, f"{name} (not exported: no tokenizers JSON here)"
     specials_file = path.with_name(SPECIALS_FILE)
@@ -178,7 +162,7 @@ def run(args) -> int:
             cfg, params = dropped_nsa(cfg, params)
         if cfg.model.attention == "dense":
             ex.hf_family(cfg.model)  # what no family expresses, before any work
-        tok_json, specials, tok_what = tokenizer_files(cfg, folder)
+        tok_json, specials, tok_what = tokenizer_files(cfg)
     except PretrainedError as e:
         raise UsageError(str(e)) from None
     what = "nsa -> dense (--drop-nsa, approximate)" if args.drop_nsa else cfg.model.attention

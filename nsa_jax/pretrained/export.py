@@ -29,7 +29,7 @@ import numpy as np
 
 from nsa_jax.config import Config, ModelConfig
 from nsa_jax.pretrained import PretrainedError
-from nsa_jax.pretrained.checkpoints import GGUF_NAMES
+from nsa_jax.pretrained.checkpoints import GGUF_CONFIG, GGUF_NAMES
 from nsa_jax.pretrained.weights import BIASES, LAYER, LAYER_TENSORS, NSA_PREFIX, NSA_SHARED, QK_NORMS
 
 # model_type -> the transformers class that loads it with no custom code.
@@ -316,18 +316,13 @@ def write_gguf(
     w = gguf.GGUFWriter(path, arch)
     w.add_name(name)
     w.add_file_type(GGUF_TYPES[kind])
-    w.add_block_count(hf["num_hidden_layers"])
-    w.add_context_length(hf["max_position_embeddings"])
-    w.add_embedding_length(hf["hidden_size"])
-    w.add_feed_forward_length(hf["intermediate_size"])
-    w.add_head_count(hf["num_attention_heads"])
-    w.add_head_count_kv(hf["num_key_value_heads"])
-    w.add_key_length(hf["head_dim"])
+    # The importer's table of GGUF keys (checkpoints.GGUF_CONFIG), written back; a window is refused above.
+    for key, hf_key in GGUF_CONFIG.items():
+        value = hf.get(hf_key)
+        if value is not None and key != "attention.sliding_window":
+            _add_kv(w, f"{arch}.{key}", value)
     w.add_value_length(hf["head_dim"])
     w.add_rope_dimension_count(hf["head_dim"])
-    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    w.add_rope_freq_base(hf["rope_theta"])
-    w.add_vocab_size(hf["vocab_size"])
     if hf.get("rope_scaling"):
         raise PretrainedError(
             "llama3 RoPE scaling is not written to GGUF here (llama.cpp keeps it as a tensor); use --format hf"
@@ -367,6 +362,8 @@ def _add_kv(w: gguf.GGUFWriter, key: str, value) -> None:
         w.add_bool(key, value)
     elif isinstance(value, int):
         w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
     elif isinstance(value, str):
         w.add_string(key, value)
     elif value and isinstance(value[0], int):
