@@ -61,7 +61,8 @@
 # e.g. "--dense cudnn"), TRAIN_BATCHES (train: comma-separated global batches, one row each).
 # DEADLINE=S: no part starts after S seconds and each part's limit is cut to what is left
 # (for a machine lent by the minute). ARCHIVE=FILE.tgz: OUT_DIR is packed into FILE after every
-# part, so what finished survives a run stopped from outside.
+# part, so what finished survives a run stopped from outside; the profile traces (*_trace) stay out of it
+# unless ARCHIVE_TRACES=1 (a 64k trace can pass what a lent machine hands back).
 set -uo pipefail
 
 out=${1:?usage: bash benchmarks/gpu_validate.sh OUT_DIR [PART ...]}
@@ -78,7 +79,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 deadline=${DEADLINE:-0}
 
 pack() {
-    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE.tmp" -C "$(dirname "$out")" "$(basename "$out")" && mv "$ARCHIVE.tmp" "$ARCHIVE"
+    local skip=(--exclude='*_trace')
+    [ "${ARCHIVE_TRACES:-0}" = 1 ] && skip=()
+    [ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE.tmp" "${skip[@]}" -C "$(dirname "$out")" "$(basename "$out")" && mv "$ARCHIVE.tmp" "$ARCHIVE"
     return 0
 }
 

@@ -12,6 +12,7 @@ import pytest
 from nsa_jax.kernels.scorers import bound_block_logits, key_bounds, minmax_block_scores, select_minmax_xla
 
 B, T, K, G, D, LP = 2, 96, 2, 3, 8, 16
+INTERPRET = jax.default_backend() not in ("gpu", "cuda")
 
 
 def _qk(seed=0):
@@ -95,8 +96,8 @@ def _minmax_scores_f64(q, k, lp, sub, offset=0):
     ],
 )
 def test_the_fused_minmax_kernel_matches_float64(t, g, kvh, dk, lp, n, sub, offset, dtype):
-    """kernels/minmax_pallas.py (interpreted here) against the float64 scores on every row without a
-    near-tie at the cut, and against the XLA path on the same rows."""
+    """kernels/minmax_pallas.py (interpreted on a CPU, compiled through Triton on a GPU) against the
+    float64 scores on every row without a near-tie at the cut, and against the XLA path on the same rows."""
     from nsa_jax.kernels.block_scores_pallas import BlockSelectSizes
     from nsa_jax.kernels.minmax_pallas import select_minmax_pallas
     from nsa_jax.kernels.reference import reference_block_selection
@@ -110,7 +111,7 @@ def test_the_fused_minmax_kernel_matches_float64(t, g, kvh, dk, lp, n, sub, offs
     got = np.asarray(
         jax.jit(
             lambda q, k, o: select_minmax_pallas(
-                q, k, interpret=True, select_sizes=BlockSelectSizes(16, 16), q_offset=o, **kw
+                q, k, interpret=INTERPRET, select_sizes=BlockSelectSizes(16, 16), q_offset=o, **kw
             )
         )(q, k, off)  # fmt: skip
     )
