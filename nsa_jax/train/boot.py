@@ -257,16 +257,22 @@ def compile_step(
     """(compiled step, compile seconds, the state `init` built, or None without `init`); None once `stopped()`.
 
     The step is lowered against `abstract` (the state's shapes), so XLA compiles it in
-    one worker thread while another builds (compiles and runs) the init. The caller only
-    waits, so a stop signal (SIGINT, SIGTERM) ends the wait at once: None then, and the
-    threads (daemons, named nsa-compile and nsa-init-state) are left behind.
+    one worker thread while another builds (compiles and runs) the init. The init starts
+    once the step is lowered: two threads tracing flax modules at once can race in
+    flax's class machinery (seen: "dictionary changed size during iteration" inside
+    dataclasses.fields), while XLA's compile, the long part, runs beside the init safely.
+    The caller only waits, so a stop signal (SIGINT, SIGTERM) ends the wait at once: None
+    then, and the threads (daemons, named nsa-compile and nsa-init-state) are left behind.
     """
     box: dict[str, Any] = {}
-    compiled_done, state_done = threading.Event(), threading.Event()
+    compiled_done, state_done, lowered_done = threading.Event(), threading.Event(), threading.Event()
 
     def timed_compile():
         try:
-            lowered = train_step.lower(abstract, batch)
+            try:
+                lowered = train_step.lower(abstract, batch)
+            finally:
+                lowered_done.set()
             t0 = time.perf_counter()
             box["compiled"] = lowered.compile()
             box["seconds"] = time.perf_counter() - t0
@@ -276,6 +282,9 @@ def compile_step(
 
     def init_state():
         try:
+            while not lowered_done.wait(0.25):  # no trace beside the step's (above)
+                if stopped():
+                    return
             box["state"] = init()
         except BaseException as e:  # noqa: BLE001 - raised in the main thread
             box.setdefault("error", e)

@@ -1,0 +1,65 @@
+"""train/boot.compile_step: the init thread starts only once the step is lowered (two threads tracing
+flax modules at once raced in flax's class machinery), the compile still overlaps the init, a stop
+ends the wait, and an error in either thread reaches the caller."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from nsa_jax.train.boot import compile_step
+
+
+class _Step:
+    """A stand-in for the jitted step: lower() takes `lower_s`, compile() `compile_s`; both log times."""
+
+    def __init__(self, log, lower_s=0.3, compile_s=0.6, fail=False):
+        self.log, self.lower_s, self.compile_s, self.fail = log, lower_s, compile_s, fail
+
+    def lower(self, abstract, batch):
+        self.log.append(("lower_start", time.perf_counter()))
+        time.sleep(self.lower_s)
+        self.log.append(("lower_end", time.perf_counter()))
+        if self.fail:
+            raise ValueError("bad step")
+        return self
+
+    def compile(self):
+        time.sleep(self.compile_s)
+        self.log.append(("compile_end", time.perf_counter()))
+        return "compiled"
+
+
+def _init(log, seconds=0.3):
+    def init():
+        log.append(("init_start", time.perf_counter()))
+        time.sleep(seconds)
+        log.append(("init_end", time.perf_counter()))
+        return "state"
+
+    return init
+
+
+def test_the_init_waits_for_the_lowering_and_overlaps_the_compile():
+    log = []
+    compiled, seconds, state = compile_step(_Step(log), None, None, _init(log), lambda: False)
+    at = dict(log)
+    assert (compiled, state) == ("compiled", "state") and seconds >= 0.6
+    assert at["init_start"] >= at["lower_end"]  # no trace beside the step's
+    assert at["init_start"] < at["compile_end"]  # but the compile still runs beside the init
+
+
+def test_a_failed_lowering_reaches_the_caller():
+    log = []
+    with pytest.raises(ValueError, match="bad step"):
+        compile_step(_Step(log, fail=True), None, None, _init(log), lambda: False)
+
+
+def test_a_stop_during_the_lowering_returns_none_without_starting_the_init():
+    log, stop = [], threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    assert compile_step(_Step(log, lower_s=1.0), None, None, _init(log), stop.is_set) is None
+    time.sleep(1.2)  # the lowering thread finishes; the init thread has seen the stop
+    assert "init_start" not in dict(log)
