@@ -72,6 +72,26 @@ def instruction_sources(hlo_text: str) -> dict[str, dict[str, str]]:
     return instrs
 
 
+_CUSTOM_CALL = re.compile(
+    r'custom_call_target="([^"]*)".*?op_name="([^"]*)"|op_name="([^"]*)".*?custom_call_target="([^"]*)"'
+)
+
+
+def cudnn_part(hlo_text: str) -> str | None:
+    """The part of the model (tools/parts.py) that every cuDNN custom call of the module sits in, or None
+    (none, or several parts). Inside a CUDA graph a cuDNN kernel names no instruction, and its CUDA name
+    ('cudnn_generated_fort_native_sdpa_...') no scope; in the NSA layer only the compressed branch calls
+    cuDNN (kernels/cudnn.py), so a layer's trace can put those kernels where they belong."""
+    found = set()
+    for line in hlo_text.splitlines():
+        m = _CUSTOM_CALL.search(line)
+        if m:
+            target, op_name = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
+            if "cudnn" in target.lower():
+                found.add(part_of(op_name))
+    return found.pop() if len(found) == 1 else None
+
+
 def trace_events(trace_dir: pathlib.Path) -> list[dict]:
     files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
@@ -161,11 +181,12 @@ def profile(run_once, compiled_text: str, steps: int, trace_dir: pathlib.Path) -
         for _ in range(steps):
             run_once()
     wall_s = (time.perf_counter() - t0) / steps
-    return summarise(trace_events(trace_dir), sources, steps, wall_s)
+    return summarise(trace_events(trace_dir), sources, steps, wall_s, cudnn_part(compiled_text))
 
 
-def summarise(events: list[dict], sources: dict, steps: int, wall_s: float | None) -> dict:
-    """Per-instruction (or per-kernel) totals per step, by part and by kind, from trace events."""
+def summarise(events: list[dict], sources: dict, steps: int, wall_s: float | None, cudnn: str | None = None) -> dict:
+    """Per-instruction (or per-kernel) totals per step, by part and by kind, from trace events; `cudnn`:
+    the part that kernels named cudnn* without an instruction belong to (cudnn_part)."""
     per_instr, calls, read_from = instruction_times(events, sources)
     if not per_instr:
         raise SystemExit("error: the trace has no XLA instruction events; this jax/XLA build does not emit them")
@@ -182,7 +203,9 @@ def summarise(events: list[dict], sources: dict, steps: int, wall_s: float | Non
                 "op_name": info["op_name"],
                 "source": info["source"],
                 "kind": info["kind"],
-                "part": part_of(info["op_name"] or name),
+                "part": cudnn
+                if cudnn and not info["op_name"] and "cudnn" in name.lower()
+                else part_of(info["op_name"] or name),
             }
         )
     per_step = total / steps

@@ -251,6 +251,38 @@ def test_profile_attributes_kernels_inside_cuda_graphs():
     assert abs(res["op_ms_per_step"] - 4.0) < 1e-9
 
 
+def test_profile_step_puts_cudnn_kernels_in_the_part_of_the_modules_cudnn_calls():
+    """Inside a CUDA graph cuDNN's kernels name no instruction; the module's cuDNN custom calls say where
+    they sit (in the NSA layer: the compressed branch), and a module whose calls sit in two parts names none."""
+    cmp_call = (
+        "  %custom-call.3 = (bf16[1,12,64,64]{3,2,1,0}, u8[0]{0}) custom-call(%a, %b, %c), "
+        'custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(f)/jvp(NSAAttention)/nsa_cmp/attn"}'
+    )
+    win_call = cmp_call.replace("%custom-call.3", "%custom-call.4").replace("nsa_cmp", "nsa_win")
+    other = (
+        '  %custom-call.5 = f32[8]{0} custom-call(%a), custom_call_target="Sharding", metadata={op_name="x/nsa_win/y"}'
+    )
+    module = "ENTRY %main {\n" + cmp_call + "\n" + other + "\n}"
+    assert profile_step.cudnn_part(module) == "compressed attn + top-n"
+    assert profile_step.cudnn_part(module.replace("}", "\n" + win_call + "\n}", 1)) is None
+    assert profile_step.cudnn_part("ENTRY %main {\n" + other + "\n}") is None
+    buf = {"hlo_op": "command_buffer_1"}
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "cudnn_generated_fort_native_sdpa_sm90", "dur": 2400.0, "args": buf},
+        {"ph": "X", "pid": 1, "name": "nsa_window_fwd", "dur": 700.0, "args": buf},
+    ]
+    parts = {
+        r["instruction"]: r["part"]
+        for r in profile_step.summarise(events, {}, 1, None, cudnn="compressed attn + top-n")["rows"]
+    }
+    assert parts == {
+        "kernel:cudnn_generated_fort_native_sdpa_sm90": "compressed attn + top-n",
+        "kernel:nsa_window_fwd": "window",
+    }
+    assert profile_step.summarise(events, {}, 1, None)["rows"][0]["part"] == "other"  # without the module's word
+
+
 def test_profile_step_reads_a_saved_trace(tmp_path):
     """--read-trace summarises a trace folder written elsewhere, by kernel name, without compiling."""
     folder = tmp_path / "trace" / "plugins" / "profile" / "run1"
