@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import shlex
@@ -99,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-on-fail", action="store_true", help="fall back to synthetic data on a loader timeout")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="model.dtype bfloat16 | float32")
     p.add_argument("--ddp", type=int, choices=(0, 1), help="0: one device only (parallel.num_devices=1); 1: all")
+    p.add_argument(
+        "--profile-steps",
+        metavar="A:B",
+        help="logging.profile_steps: trace optimizer steps A..B into OUT/traces/rank<r>/ "
+        "(python -m launch.trace_summary OUT summarises them)",
+    )
     add_overrides(p)
     p.add_argument("--overwrite", action="store_true", help="replace the artifacts of an earlier run in the out dir")
     p.add_argument(
@@ -146,6 +153,8 @@ def config_source(args: argparse.Namespace, environ=os.environ) -> tuple[str, bo
 def flag_overrides(args: argparse.Namespace) -> list[str]:
     """The config overrides the convenience flags stand for, then the --set ones (which win)."""
     out = [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None]
+    if args.profile_steps is not None:  # quoted: unquoted YAML reads 10:12 as a base-60 number
+        out.append(f"logging.profile_steps={json.dumps(args.profile_steps)}")
     if args.synthetic_on_fail:
         out.append("data.synthetic_on_fail=true")
     if args.precision is not None:

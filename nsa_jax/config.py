@@ -263,6 +263,10 @@ class LoggingConfig:
     # Every N optimizer steps each process writes its devices' memory profile (pprof, jax's
     # save_device_memory_profile) to <out_dir>/memory/step<N>_rank<r>.prof; 0: none (NSA_MEM_DUMP_EVERY).
     mem_dump_every: int = 0
+    # "A:B" or "A-B" (quote A:B in YAML): each process traces optimizer steps A..B (jax.profiler, all its devices) into
+    # <out_dir>/traces/rank<r>/; `python -m launch.trace_summary OUT_DIR` summarises them per rank.
+    # "": no trace (launch.train --profile-steps A:B).
+    profile_steps: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

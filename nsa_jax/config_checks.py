@@ -8,6 +8,8 @@ so config.py imports these checks and the shell validates before the backend sta
 
 from __future__ import annotations
 
+import re
+
 from nsa_jax.config_text import ConfigError
 from nsa_jax.seq_layout import split_problem
 
@@ -144,6 +146,28 @@ def check_run(cfg, need) -> None:
         cfg.logging.mem_dump_every >= 0,
         f"logging.mem_dump_every must be >= 0 (0: none), got {cfg.logging.mem_dump_every}",
     )
+    window = profile_window(cfg.logging.profile_steps)
+    need(
+        window is not False,
+        f"logging.profile_steps must be A:B or A-B, the first and last optimizer step to trace (e.g. 10-12), "
+        f"got {cfg.logging.profile_steps!r}",
+    )
+    if window:
+        a, b = window
+        need(
+            1 <= a <= b <= cfg.train.steps,
+            f"logging.profile_steps {a}:{b} lies outside the run's steps 1..{cfg.train.steps}: "
+            f"pick 1 <= A <= B <= train.steps",
+        )
+
+
+def profile_window(text: str) -> tuple[int, int] | None | bool:
+    """logging.profile_steps "A:B" or "A-B" -> (A, B); "" -> None; anything else -> False. (Unquoted in
+    YAML, 10:12 reads as a base-60 number: quote it or write 10-12.)"""
+    if not str(text).strip():
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*[:-]\s*(\d+)\s*", str(text))
+    return (int(m.group(1)), int(m.group(2))) if m else False
 
 
 def check_scorer(m, t, need) -> None:

@@ -48,6 +48,7 @@ def spawn(*args: str, timeout: float = 400, **kw) -> subprocess.CompletedProcess
 def test_two_process_training_run(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "launch.train", "--config", "cpu_tiny", "--steps", "3", "--out-dir", str(out)]
+    cmd += ["--profile-steps", "2:3"]
     r = spawn("--nproc", "2", "--grace", "5", "--", *cmd, *set_flags(TINY))
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     # Both ranks joined one run, and each line says whose it is.
@@ -75,6 +76,34 @@ def test_two_process_training_run(tmp_path):
     assert all(abs(float(x["loss"]) - v) < 1e-4 and 0 < v < 10 for x, v in zip(rows, losses[0]))
     env_json = json.loads((out / "env.json").read_text())
     assert env_json["process_count"] == 2 and env_json["mesh"]["shape"] == {"data": 2, "seq": 1}
+    _check_trace_summaries(out)
+
+
+def _check_trace_summaries(out):
+    """Each rank traced steps 2-3 (its own device), and launch.trace_summary made its summary.csv / .html:
+    the categories add up to the device's window read from the raw trace (first op to last) within 5%,
+    and the gradient all-reduce shows as a collective."""
+    from nsa_jax.tools import trace_summary as ts
+
+    beats = [json.loads(x) for x in (out / "heartbeat_rank1.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in beats if e["event"].startswith("profile_")] == [
+        ("profile_start", 2), ("profile_stop", 3)]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "launch.trace_summary", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    for rank in (0, 1):
+        raw = ts.read_trace(ts.find_trace(out / "traces" / f"rank{rank}"))
+        thunks = [e for e in raw if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
+        window_ms = (max(e["ts"] + e["dur"] for e in thunks) - min(e["ts"] for e in thunks)) / 1e3
+        rows = list(csv.DictReader(open(out / "trace_summary" / f"rank{rank}" / "summary.csv")))
+        cats = {x["name"]: float(x["ms"]) for x in rows if x["section"] == "category" and x["name"] != "wall"}
+        assert set(cats) == {"compute", "collective (exposed)", "memory copy (exposed)", "idle"}
+        assert abs(sum(cats.values()) - window_ms) <= 0.05 * window_ms, (cats, window_ms)
+        collective = [x for x in rows if x["section"] == "overlap"]
+        assert len(collective) == 1 and float(collective[0]["ms"]) > 0
+        assert "<svg" in (out / "trace_summary" / f"rank{rank}" / "summary.html").read_text()
+        assert f"rank {rank} CPU:" in r.stdout
 
 
 @pytest.mark.slow

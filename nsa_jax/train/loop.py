@@ -47,6 +47,7 @@ from nsa_jax.train.boot import boot, compile_step
 from nsa_jax.train.saves import RunSaves
 from nsa_jax.train.state import TrainState, check_trainable
 from nsa_jax.train.step import create_state
+from nsa_jax.train.trace import StepTrace
 from nsa_jax.words import count
 
 # Steps at least this long run one at a time: the next step is dispatched once the one in
@@ -170,6 +171,9 @@ class Trainer:
         start = int(self.state.step) if self.state is not None else 0
         self.summary = dict(first_loss=None, last_loss=None, steps_done=start, halted=None, skipped_steps=0, error=None)
         self.saves = RunSaves(self.cfg, self.ckpt, self.art, self.summary, self._doing)
+        self.trace = StepTrace(
+            self.cfg.logging.profile_steps, self.out, jax.process_index(), start, self.say, self.art.event
+        )
         self._t_loop = self._last_done = time.perf_counter()
         self._lines = progress.StepLines(
             self.cfg.train.steps, self.cfg.train.log_every, start + 1, self.tokens_per_step, self._t_loop
@@ -241,6 +245,8 @@ class Trainer:
                 break
             if batch is None:
                 batch = self._next_batch()
+            if self.trace.starts_at(step):
+                self.trace.start(step)
             self.art.event("step_start", step)
             t_dispatch = time.perf_counter()
             self.state, metrics = step_fn(self.state, batch)
@@ -253,11 +259,15 @@ class Trainer:
             evaluate = step % cfg.train.eval_every == 0 and not self.eval_off
             save = cfg.checkpoint.enabled and (step % cfg.checkpoint.save_every == 0 or self.saves.due(step))
             pending = _Pending(step, metrics, t_dispatch, evaluate)
-            if evaluate or save:
+            trace_end = self.trace.ends_at(step)
+            if evaluate or save or trace_end:
                 # Wait for step t now, so its time is its own; evaluation and the save's
                 # blocking part are timed separately. Logged before it is saved, so
                 # training.csv never lacks a saved step.
                 ok, pending = self._record(pending), None
+                if trace_end:  # the window's last step has finished
+                    with self.health.paused():
+                        self.trace.stop(step)
                 if not ok:
                     break
                 # A refused row must not be followed by a save of its step: training.csv never
@@ -308,6 +318,7 @@ class Trainer:
         """Closes what the run opened; the summary's times, and `done` (or `crash`) in the heartbeat."""
         # The stall clock stops first: the final checkpoint commit below is no training step.
         self.health.close()
+        self.trace.stop(self.summary["steps_done"])  # a run stopped inside its profile window
         self.ckpt.close()  # waits until the last save is committed (a second signal quits at once)
         self.reporter.close()
         self._preempt.uninstall()
