@@ -121,3 +121,58 @@ def test_the_fused_minmax_kernel_matches_float64(t, g, kvh, dk, lp, n, sub, offs
     np.testing.assert_array_equal(got[clear], ref_idx[clear])
     xla = np.asarray(select_minmax_xla(q, k, q_offset=off, **kw))
     np.testing.assert_array_equal(got[clear], xla[clear])
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_minmax_layers_reach_the_listed_layers_of_the_model(scan):
+    """The layer index reaches each layer (scanned or not): listing layer 0 gives layer 0 minmax's blocks,
+    listing layer 1 leaves layer 0 with cmp's (layer 0's input is the embedding either way)."""
+    import dataclasses
+
+    from nsa_jax.model import NSALM, init_params, per_layer
+
+    from helpers import tiny_model_cfg
+
+    base = dataclasses.replace(tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=4, w=16), scan_layers=scan)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 96), 0, base.vocab_size)
+    params = init_params(base, jax.random.PRNGKey(4), 96)
+
+    def layer0_blocks(**nsa):
+        cfg = dataclasses.replace(base, nsa=dataclasses.replace(base.nsa, **nsa))
+        _, state = NSALM(cfg).apply({"params": params}, tokens, mutable=["intermediates"])
+        return np.asarray(per_layer(state, "intermediates", "block_idx", cfg)[0])
+
+    cmp, minmax = layer0_blocks(), layer0_blocks(scorer="minmax")
+    assert (cmp != minmax).any()
+    np.testing.assert_array_equal(layer0_blocks(minmax_layers=(0,)), minmax)
+    np.testing.assert_array_equal(layer0_blocks(minmax_layers=(1,)), cmp)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.nsa.scorer=minmax", "model.nsa.minmax_layers=[1]"], "needs model.nsa.scorer=cmp"),
+        (["model.nsa.minmax_layers=[0,12]"], r"distinct layer indices in 0\.\.11"),
+        (["model.nsa.minmax_layers=[2,2]"], "distinct layer indices"),
+        (["model.nsa.minmax_layers=[1]", "parallel.context=2", "train.seq_len=2048"], "not under parallel.context"),
+    ],
+)
+def test_bad_minmax_layers_are_one_line(overrides, message):
+    from nsa_jax.config import load_config
+    from nsa_jax.config_text import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("a100_pcie", overrides)
+
+
+def test_generation_refuses_minmax_layers_in_one_line():
+    import dataclasses
+
+    from nsa_jax.inference import generate
+
+    from helpers import tiny_model_cfg
+
+    base = tiny_model_cfg()
+    cfg = dataclasses.replace(base, nsa=dataclasses.replace(base.nsa, minmax_layers=(1,)))
+    with pytest.raises(ValueError, match="generation \\(prefill and decode\\) does not"):
+        generate(cfg, {}, [[1, 2]], 2)
