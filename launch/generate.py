@@ -43,7 +43,7 @@ from launch.cli import Parser, UsageError, add_overrides, run_main
 from nsa_jax.config import ConfigError, load_config, replace
 from nsa_jax.data.tokenizers import make_tokenizer
 from nsa_jax.inference import generate, stack_layers
-from nsa_jax.inference.decode import check_decodable, inference_config
+from nsa_jax.inference.decode import inference_config
 from nsa_jax.inference.notes import TEXT_DATASETS, synthetic_note, times, trained_positions
 from nsa_jax.inference.progress import Progress
 from nsa_jax.info import param_shapes
@@ -252,7 +252,6 @@ def run(args, out=None) -> int:
         progress.doing("initialising parameters" if args.random_init else f"loading the checkpoint {args.ckpt}")
         try:
             cfg, params = load_model(args)
-            check_decodable(cfg.model)
             tok = make_tokenizer(cfg.data)
         except (ConfigError, ValueError, OSError) as e:
             raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None

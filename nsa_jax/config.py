@@ -85,10 +85,6 @@ class NSAConfig:
     scorer: Literal["cmp", "minmax", "mix"] = "cmp"
     # minmax, mix: the sub-block length of the bound (divides lp); 0: lp, one bound a block.
     scorer_sub: int = 0
-    # With scorer cmp: the layers (0-based) whose blocks minmax picks instead, the rest keeping cmp's;
-    # `experiments.selection_recall --scorers minmax` shows where it gains (docs/PRETRAINED.md). Both
-    # scorers run in those layers' programs (one scanned body); training and evaluation forwards only.
-    minmax_layers: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,16 +173,6 @@ def profile_window(text: str) -> tuple[int, int] | None | bool:
 def check_scorer(m, t, need) -> None:
     """The selection branch's block scorer (kernels/scorers.py): its sub-block, what trains it."""
     a = m.nsa
-    layers = list(a.minmax_layers)
-    need(
-        not layers or (a.scorer == "cmp" and "slc" in a.branches and m.attention == "nsa"),
-        f"model.nsa.minmax_layers picks some layers' blocks by minmax beside cmp's: it needs "
-        f"model.nsa.scorer=cmp with the slc branch (got scorer {a.scorer}); drop it or set scorer=cmp",
-    )
-    need(
-        all(0 <= i < m.n_layers for i in layers) and len(set(layers)) == len(layers),
-        f"model.nsa.minmax_layers must be distinct layer indices in 0..{m.n_layers - 1}, got {layers}",
-    )
     need(a.scorer_sub >= 0, f"model.nsa.scorer_sub must be >= 0 (0: one bound a block of lp), got {a.scorer_sub}")
     need(
         a.scorer_sub == 0 or a.scorer in ("minmax", "mix"),
@@ -225,11 +215,6 @@ def check_context(cfg, need) -> None:
     need(C >= 1, f"parallel.context must be >= 1 (1: no context parallelism), got {C}")
     if C == 1:
         return
-    need(
-        not a.minmax_layers,
-        f"model.nsa.minmax_layers runs on one device's whole sequence, not under parallel.context={C}: "
-        "drop it or set parallel.context=1",
-    )
     need(
         cfg.parallel.strategy in CONTEXT_STRATEGIES,
         f"parallel.context={C} runs with parallel.strategy=dp, zero1 or fsdp (their shard_map step); "

@@ -121,15 +121,11 @@ class NSALM(ModelPart):
             x, _ = stack(cfg, self.mode, self.kernels, name="layers")(x, layer_L, pos_B)
             pos.value = pos_B if self.mode == "prefill" else pos_B + 1
         elif cfg.scan_layers:
-            # The layer index rides along only where a layer's scorer depends on it (model.nsa.minmax_layers).
-            by_layer = cfg.attention == "nsa" and bool(cfg.nsa.minmax_layers)
-            axes = (0 if by_layer else nn.broadcast, nn.broadcast, nn.broadcast)
-            stack = layer_stack(block, cfg, in_axes=axes, unroll=cfg.scan_unroll)
-            layer_L = jnp.arange(cfg.n_layers, dtype=jnp.int32) if by_layer else None
-            x, _ = stack(cfg, "train", self.kernels, name="layers")(x, layer_L, None, rope_positions_T)
+            stack = layer_stack(block, cfg, in_axes=(nn.broadcast,) * 3, unroll=cfg.scan_unroll)
+            x, _ = stack(cfg, "train", self.kernels, name="layers")(x, None, None, rope_positions_T)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, "train", self.kernels, name=f"layer_{i}")(x, jnp.int32(i), None, rope_positions_T)
+                x, _ = block(cfg, "train", self.kernels, name=f"layer_{i}")(x, None, None, rope_positions_T)
         x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
         if cfg.tie_embeddings:
             w = embed.embedding

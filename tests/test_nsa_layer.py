@@ -126,26 +126,6 @@ def test_pallas_layer_with_the_key_scorers_matches_reference(scorer, cmp):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
-def test_minmax_layers_pick_by_minmax_where_listed_and_by_cmp_elsewhere(impl):
-    # model.nsa.minmax_layers: the layer at a listed index against the float64 reference of the minmax
-    # scorer, at another index against cmp's: blocks exactly, outputs to 1e-5.
-    base = tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=4, w=16)
-    cfg = dataclasses.replace(base, nsa=dataclasses.replace(base.nsa, minmax_layers=(1,), attention_impl=impl))
-    x, params = _setup(base, 83, seed=7)  # the same parameters: minmax_layers adds none
-    refs = {s: nsa_layer_ref(params, x, dataclasses.replace(base, nsa=dataclasses.replace(base.nsa, scorer=s)))
-            for s in ("minmax", "cmp")}  # fmt: skip
-    assert (refs["minmax"][1] != refs["cmp"][1]).any()  # the two scorers disagree here: the test can tell
-    apply = jax.jit(lambda p, xx, i: NSAAttention(cfg).apply({"params": p}, xx, layer=i, mutable=["intermediates"]))
-    for layer, scorer in ((1, "minmax"), (0, "cmp")):
-        out, state = apply(params, x, jnp.int32(layer))
-        ref, ref_idx = refs[scorer]
-        np.testing.assert_array_equal(np.asarray(state["intermediates"]["block_idx"][0]), ref_idx)
-        assert rel_err(out, ref) < 1e-5
-    with pytest.raises(ValueError, match="minmax_layers picks blocks per layer"):
-        NSAAttention(cfg).apply({"params": params}, x)  # no layer index: refused, not silently cmp
-
-
 def _live_primitives(cfg, T, used):
     """Primitives of the layer's jaxpr that survive dead-code elimination for outputs `used`."""
     from jax._src.interpreters import partial_eval as pe

@@ -30,15 +30,6 @@ def inference_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, remat="none", scan_layers=True)
 
 
-def check_decodable(cfg: ModelConfig) -> None:
-    """ValueError for a model whose settings prefill and decode do not implement (one line)."""
-    if cfg.attention == "nsa" and cfg.nsa.minmax_layers:
-        raise ValueError(
-            "model.nsa.minmax_layers picks blocks per layer in forwards only; generation (prefill and decode) "
-            "does not: use model.nsa.scorer=minmax or mix to generate"
-        )
-
-
 def stack_layers(cfg: ModelConfig, params: dict) -> dict:
     """Params with scanned layers (`layers`, leading layer axis), whichever way they were trained."""
     if "layers" in params:
@@ -172,7 +163,6 @@ def generate(
     A row stops at `eos_id` (not included in its output). `on_token(step,
     ids[B], active[B])` is called after each sampled token (for streaming).
     """
-    check_decodable(cfg)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:

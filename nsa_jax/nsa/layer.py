@@ -12,8 +12,6 @@ and `"decode"` run the same submodules with the cache (nsa/decode.py).
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -96,11 +94,6 @@ class NSAAttention(Attention):
         seq = layout or WholeSequence(T)  # the positions this device's rows hold
         positions_T = seq.positions()
         decode = self.mode == "decode"
-        if a.minmax_layers and (self.mode != "train" or layer is None):
-            raise ValueError(
-                f"model.nsa.minmax_layers picks blocks per layer in training and evaluation forwards; {self.mode} "
-                "does not: use model.nsa.scorer=minmax or mix there"
-            )
         if self.kernels is None:  # this config's plan here; prefill and decode are never differentiated
             backward, fits = self.mode == "train", cudnn_fits(cfg)
             calls = BranchCalls(
@@ -144,9 +137,8 @@ class NSAAttention(Attention):
         cmp_k, cmp_v = compressor("cmp_k"), compressor("cmp_v")
         k_slc, v_slc = kv["kslc"], kv["vslc"]
         outputs, idx, compressed = branch_outputs(
-            a, calls, seq, q, (kv["kcmp"], kv["vcmp"]), (k_slc, v_slc), (kv["kwin"], kv["vwin"]), (cmp_k, cmp_v),
-            layer,
-        )  # fmt: skip
+            a, calls, seq, q, (kv["kcmp"], kv["vcmp"]), (k_slc, v_slc), (kv["kwin"], kv["vwin"]), (cmp_k, cmp_v)
+        )
         if "slc" in a.branches and self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
             with jax.named_scope("nsa_slc"):
                 kl = scorer_kl(a, x_BxTxD, p, cmp_k, dtype)
@@ -178,9 +170,7 @@ def scorer_kl(a, x_BxTxD, p: Projected, cmp_k, dtype) -> jax.Array:
     return score_distill_kl(p.q, kc, p.k["k_slc"], l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
 
 
-def branch_outputs(
-    a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_cmp, kv_slc, kv_win, compressors, layer=None
-):
+def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_cmp, kv_slc, kv_win, compressors):
     """The three branches of this device's queries: (outputs per branch [B, T, H, Dv], the selected
     blocks [B, T, K, n] or None, {"whole": the sequence's compressed keys and values, "own": this
     device's, "real": which of its own count (None: all)}).
@@ -189,9 +179,7 @@ def branch_outputs(
     the rows are the whole sequence) or a SeqLayout (context parallelism), whose `gather` brings the
     compressed tokens and the selection and window K/V of the whole sequence; each piece of
     consecutive positions then runs every branch's kernel with its first position as the query offset.
-    `layer`: this layer's index, where model.nsa.minmax_layers makes the scorer depend on it.
     """
-    minmax = BranchCalls(dataclasses.replace(a, scorer="minmax"), calls.plan) if a.minmax_layers else None
     lp = a.lp
     num_blocks = None if isinstance(seq, WholeSequence) else seq.seq_len // lp
     with jax.named_scope("nsa_cmp"), jax.named_scope("compress"):  # the compression MLP, apart from attention
@@ -217,10 +205,6 @@ def branch_outputs(
             with jax.named_scope("nsa_score"):
                 cmp_scores = idx if a.scorer == "mix" else None
                 idx = calls.blocks(q_c, full["slc"][0], q_offset=off, num_blocks=num_blocks, cmp_scores=cmp_scores)
-        if "slc" in a.branches and minmax is not None:  # this layer's blocks by minmax where it is listed
-            with jax.named_scope("nsa_score"):
-                by_minmax = minmax.blocks(q_c, full["slc"][0], q_offset=off, num_blocks=num_blocks)
-                idx = jnp.where(jnp.isin(layer, jnp.asarray(a.minmax_layers, jnp.int32)), by_minmax, idx)
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):
                 parts["slc"].append(calls.selection(q_c, *full["slc"], idx, q_offset=off))
