@@ -13,6 +13,7 @@
 #   STEPS1, STEPS2, STEPS3   300, 1000, and the config's 50000
 #   INTERCONNECT auto (default: NVLink if `nvidia-smi topo -m` shows NV#), pcie or nvlink
 #   STALL_SECONDS  in-process stall watchdog (default 1800); WATCHDOG=0 skips launch.watchdog in phase 3
+#   ALLOW_BUSY_GPU=1  start although a GPU holds another process's memory (the preflight refuses, else)
 #   PYTHON     the interpreter (default python)
 set -euo pipefail
 
@@ -152,26 +153,10 @@ preflight() {
     say "nvidia-smi not found: no NVIDIA driver on this machine"
   fi
   say "interconnect: $INTERCONNECT"
-  run "$PYTHON" - "$OUT/preflight.json" <<'PY'
-import json, os, platform, shutil, subprocess, sys
-import jax
-def sh(*cmd):
-    if not shutil.which(cmd[0]):
-        return None
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
-info = {
-    "python": platform.python_version(), "jax": jax.__version__,
-    "jaxlib": __import__("jaxlib").__version__, "backend": jax.default_backend(),
-    "devices": [f"{d} ({d.device_kind})" for d in jax.devices()], "device_count": jax.device_count(),
-    "nvidia_smi_L": sh("nvidia-smi", "-L"), "nvidia_smi_topo": sh("nvidia-smi", "topo", "-m"),
-    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NSA_", "NCCL_", "XLA_", "JAX_", "CUDA_"))},
-}
-open(sys.argv[1], "w").write(json.dumps(info, indent=2) + "\n")
-print(f"preflight: jax {info['jax']} on {info['backend']}: {info['device_count']} device(s) -> {sys.argv[1]}")
-if info["backend"] != "gpu" or info["device_count"] < 2:
-    print("preflight: WARNING: expected 2 GPUs", file=sys.stderr)
-PY
+  local busy=()
+  [[ ${ALLOW_BUSY_GPU:-0} == 1 ]] && busy=(--allow-busy)
+  # preflight.json, nvidia_smi_q.xml, each GPU's PCIe link; refuses a GPU that holds another process's memory
+  run "$PYTHON" -m launch.preflight "$OUT" "${busy[@]}"
 }
 
 phase0() {  # DP wiring and the bf16 path: synthetic data, 1 step
