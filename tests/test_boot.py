@@ -63,3 +63,18 @@ def test_a_stop_during_the_lowering_returns_none_without_starting_the_init():
     assert compile_step(_Step(log, lower_s=1.0), None, None, _init(log), stop.is_set) is None
     time.sleep(1.2)  # the lowering thread finishes; the init thread has seen the stop
     assert "init_start" not in dict(log)
+
+
+def test_settings_the_dataset_ignores_are_said():
+    import dataclasses
+
+    from nsa_jax.config import load_config
+    from nsa_jax.train.boot import unused_data_settings
+
+    data = load_config("cpu_tiny").data
+    assert unused_data_settings(data) is None  # synthetic, byte tokenizer, no path
+    note = unused_data_settings(dataclasses.replace(data, tokenizer="gpt2"))
+    assert note.startswith("data.tokenizer (gpt2) is not used by data.dataset=synthetic") and "fineweb_edu" in note
+    both = unused_data_settings(dataclasses.replace(data, dataset="kv_recall", tokenizer="gpt2", path="/data"))
+    assert "data.tokenizer (gpt2) and data.path (/data) are not used by data.dataset=kv_recall" in both
+    assert unused_data_settings(dataclasses.replace(data, dataset="text", tokenizer="gpt2", path="/d")) is None

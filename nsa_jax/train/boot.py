@@ -214,6 +214,9 @@ def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifact
         art.event("eval_off", 0, eval_off)
     if learning_options(cfg):
         say(f"nsa learning options: {learning_options(cfg)}")
+    unused = unused_data_settings(cfg.data)
+    if unused:
+        say(f"note: {unused}")
     t = cfg.train
     if t.init_from and t.warmup > t.steps and step < t.steps:
         # A continuation from a model folder keeps the folder's 2,000-step warm-up unless told otherwise:
@@ -228,6 +231,27 @@ def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifact
     if step < dense_until:
         n = cfg.model.nsa.n
         say(f"selection: every block for steps 1-{dense_until}, then top-{n} (evaluation: top-{n})")
+
+
+# Datasets that make their own token ids: a tokenizer or a data path means nothing to them.
+GENERATED_DATASETS = ("synthetic", "kv_recall")
+
+
+def unused_data_settings(data) -> str | None:
+    """A note naming data settings the chosen dataset ignores (e.g. --tokenizer with synthetic data), or None."""
+    if data.dataset not in GENERATED_DATASETS:
+        return None
+    ignored = []
+    if data.tokenizer != "byte":
+        ignored.append(f"data.tokenizer ({data.tokenizer})")
+    if data.path:
+        ignored.append(f"data.path ({data.path})")
+    if not ignored:
+        return None
+    return (
+        f"{' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} not used by data.dataset={data.dataset}, "
+        "which makes its own token ids; for real text use --dataset fineweb_edu, jsonl, text or tokenized"
+    )
 
 
 def _first_batch(
