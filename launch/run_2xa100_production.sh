@@ -96,8 +96,10 @@ if rows:
     # As launch.report: total tokens / total step time, and the median step (a mean of
     # per-step rates overweights the fast steps).
     rate = sum(t * s for t, s in zip(toks, secs)) / max(sum(secs), 1e-9)
+    spread = st.stdev(toks) if len(toks) > 1 else 0.0
     line = f"{out}: steps {rows[0]['step']}..{rows[-1]['step']}, toks_per_s last {len(toks)}: " \
-           f"{rate:,.0f} (median step {st.median(toks):,.0f}), loss {float(rows[-1]['loss']):.4f}"
+           f"{rate:,.0f} (median step {st.median(toks):,.0f}; per-step mean {st.mean(toks):,.0f}, " \
+           f"stdev {spread:,.0f}), loss {float(rows[-1]['loss']):.4f}"
     if rows[-1].get("gate_entropy"):
         line += ", gate_entropy " + rows[-1]["gate_entropy"] + ", sel_far_frac " + rows[-1]["sel_far_frac"]
     print(line)
@@ -117,7 +119,9 @@ for name in (".HALT", ".anomaly_type"):
 PY
 }
 
-check_phase() {  # check_phase <out_dir> <steps>: a step_end for the last step, no .HALT
+check_phase() {  # check_phase <out_dir> <steps> [judge]: a step_end for the last step, no .HALT; with
+  # judge, launch.report --strict over the last 50 steps as well (loss, step-time spread, memory plateau,
+  # gates, heartbeats: each GO)
   [[ $DRY_RUN == 1 ]] && return 0
   local dir=$1 steps=$2
   if [[ -e $dir/.HALT ]]; then
@@ -141,7 +145,10 @@ PY
   then
     return 1
   fi
-  say "ok: $dir reached step $steps on every rank"
+  if [[ ${3:-} == judge ]] && ! "$PYTHON" -m launch.report "$dir" --strict --last 50; then
+    say "FAIL: launch.report $dir --strict: a criterion is not GO (above; report in $dir/report)"; return 1
+  fi
+  say "ok: $dir reached step $steps on every rank${3:+; launch.report: GO}"
 }
 
 preflight() {
@@ -168,14 +175,14 @@ phase1() {  # real data I/O and the loop: 300 steps
   need_data
   # shellcheck disable=SC2046
   train "$OUT/phase1" --overwrite-checkpoints $(data_args) --steps "$STEPS1" --set logging.tensorboard=false
-  check_phase "$OUT/phase1" "$STEPS1" && summary "$OUT/phase1"
+  check_phase "$OUT/phase1" "$STEPS1" judge && summary "$OUT/phase1"
 }
 
 phase2() {  # confidence before the long run: 1000 steps, one evaluation
   need_data
   # shellcheck disable=SC2046
   train "$OUT/phase2" --overwrite-checkpoints $(data_args) --steps "$STEPS2" --set logging.tensorboard=false
-  check_phase "$OUT/phase2" "$STEPS2" && summary "$OUT/phase2"
+  check_phase "$OUT/phase2" "$STEPS2" judge && summary "$OUT/phase2"
 }
 
 phase3() {  # production: the config's 50k steps, TensorBoard on, resumes from $OUT's checkpoints
