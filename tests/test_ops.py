@@ -125,7 +125,9 @@ def test_launch_train_reports_incomplete_settings_in_one_line(tmp_path):
     assert r.stderr.startswith("error: a multi-process run needs --coordinator, --process-id")
 
 
-@pytest.mark.parametrize("name", ["a100_pcie", "a100_pcie_32k", "a100_pcie_64k", "a100_pcie_256k", "llama8b_64k"])
+@pytest.mark.parametrize(
+    "name", ["a100_pcie", "a100_pcie_tuned", "a100_pcie_32k", "a100_pcie_64k", "a100_pcie_256k", "llama8b_64k"]
+)
 def test_gpu_configs_time_a_hang_out_after_fifteen_minutes(name):
     """torch's process-group timeout (15 minutes) as the GPU configs' default: a hung collective ends the run."""
     assert load_config(name).ops.stall_seconds == 900.0
