@@ -340,7 +340,8 @@ def plan_out_dir(cfg: Config, *, overwrite: bool = False, overwrite_checkpoints:
                 out,
                 f"done: {out} already holds step {steps[-1]} (train.steps={cfg.train.steps}); nothing to run - "
                 "raise --steps to train further (the LR schedule is then recomputed for the new train.steps: a "
-                "cosine that ended at min_lr rises again; train.decay_steps holds the peak until the last N steps)",
+                "cosine that ended at min_lr rises again; train.decay_steps holds the peak until the last N steps); "
+                "a variant of the run (another bucket size, say) needs its own --out-dir, or python -m launch.sweep",
                 steps,
             )
         return OutDirPlan("resume", out, f"resume: newest checkpoint step {steps[-1]} in {checkpoint_dir(out)}", steps)
