@@ -36,7 +36,8 @@ from nsa_jax.report.reading import RunPathError, load_run, resolve_run_dir
 from nsa_jax.report.text import format_summary, format_table, markdown_summary, markdown_table, warning_lines
 
 _THRESHOLD_HELP = {
-    "min_toks_per_s": "throughput: lowest window tok/s, total tokens / total step time (runbook: 39 on 2xA100)",
+    "min_toks_per_s": "throughput: lowest window tok/s, total tokens / total step time (the torch runbook's 39 on "
+    "2xA100 is no floor here: one H200 runs a100_pcie at 231k; take your box's phase 1 figure less 10%%)",
     "min_loss_drop": "loss: the last-k mean must be below the first-k mean by more than this",
     "max_step_cv": "step time: highest robust coefficient of variation (1.4826 x MAD / median) over the window",
     "max_mem_growth": "memory: highest growth of bytes in use, last vs first half of the window (0.05 = 5%%)",
