@@ -141,3 +141,13 @@ def test_a_resumed_run_traces_what_is_left_of_its_window(tmp_path):
     assert inside.window == (4, 6) and inside.starts_at(4) and not inside.starts_at(2)
     fresh = StepTrace("2:6", tmp_path, 1, start_step=0, say=said.append, event=lambda *a, **k: None)
     assert fresh.window == (2, 6) and fresh.folder == tmp_path / "traces" / "rank1" and len(said) == 2
+
+
+def test_a_trace_folder_that_cannot_be_made_costs_the_trace_not_the_run(tmp_path):
+    said = []
+    (tmp_path / "traces").write_text("a file where the folder should be")
+    trace = StepTrace("1:2", tmp_path, 0, start_step=0, say=said.append, event=lambda *a, **k: None)
+    trace.start(1)
+    assert not trace.active and trace.window is None and "training goes on untraced" in said[-1]
+    assert not trace.ends_at(2) and not trace.starts_at(1)
+    trace.stop(2)  # nothing to stop: no error

@@ -39,8 +39,14 @@ class StepTrace:
         return self.active and step == self.window[1]
 
     def start(self, step: int) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        jax.profiler.start_trace(str(self.folder), create_perfetto_trace=True)
+        """Starts the trace before `step`; a folder that cannot be written costs the trace, not the run."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.folder), create_perfetto_trace=True)
+        except (OSError, RuntimeError) as e:
+            self.say(f"warning: profile: cannot trace into {self.folder} ({e}); training goes on untraced")
+            self.window = None
+            return
         self.active = True
         self.event("profile_start", step, f"tracing steps {step}-{self.window[1]} into {self.folder}")
 
@@ -49,7 +55,11 @@ class StepTrace:
         if not self.active:
             return
         self.active = False
-        jax.profiler.stop_trace()
+        try:
+            jax.profiler.stop_trace()
+        except (OSError, RuntimeError) as e:  # the trace is lost (a full disk, say); the run is not
+            self.say(f"warning: profile: the trace of steps {self.window[0]}-{step} could not be written ({e})")
+            return
         self.event(
             "profile_stop", step, f"trace of steps {self.window[0]}-{step} in {self.folder}", path=str(self.folder)
         )
