@@ -5,7 +5,7 @@ such `rank<r>` folders, or one trace folder (jax.profiler's, e.g. benchmarks.pro
 For each rank it writes `<out>/rank<r>/summary.csv` and a self-contained `summary.html` (time per
 category per device: compute, exposed collectives, exposed memory copies, idle; the share of collective
 time overlapped by compute; the top kernels; a timeline), default out `<RUN>/trace_summary`, and prints
-a line per device (nsa_jax/tools/trace_summary.py).
+a line per device (nsa_jax/report/traces.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import sys
 
 from launch.cli import Parser, UsageError, run_main
-from nsa_jax.tools import trace_summary as ts
+from nsa_jax.report import traces as ts
 
 
 def build_parser() -> Parser:

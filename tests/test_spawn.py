@@ -83,7 +83,7 @@ def _check_trace_summaries(out):
     """Each rank traced steps 2-3 (its own device), and launch.trace_summary made its summary.csv / .html:
     the categories add up to the device's window read from the raw trace (first op to last) within 5%,
     and the gradient all-reduce shows as a collective."""
-    from nsa_jax.tools import trace_summary as ts
+    from nsa_jax.report import traces as ts
 
     beats = [json.loads(x) for x in (out / "heartbeat_rank1.jsonl").read_text().splitlines()]
     assert [(e["event"], e["step"]) for e in beats if e["event"].startswith("profile_")] == [

@@ -15,7 +15,7 @@ import pytest
 from launch import trace_summary as cli
 from nsa_jax.config import load_config
 from nsa_jax.config_text import ConfigError
-from nsa_jax.tools import trace_summary as ts
+from nsa_jax.report import traces as ts
 from nsa_jax.train.trace import StepTrace
 
 
