@@ -1,5 +1,5 @@
 """Run reports: a run's files read (`reading`), judged go/no-go (`criteria`), written as text
-and markdown (`text`), and its plots (`plots`).
+and markdown (`text`), its plots (`plots`), and its profiler traces summarised per device (`traces`).
 
 `reading`, `criteria` and `text` are plain Python over the files a run writes; `plots`
 needs matplotlib. The command lines are `python -m launch.report` and `python -m launch.sweep`.
