@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import shlex
@@ -153,8 +152,8 @@ def config_source(args: argparse.Namespace, environ=os.environ) -> tuple[str, bo
 def flag_overrides(args: argparse.Namespace) -> list[str]:
     """The config overrides the convenience flags stand for, then the --set ones (which win)."""
     out = [f"{key}={getattr(args, flag)}" for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None]
-    if args.profile_steps is not None:  # quoted: unquoted YAML reads 10:12 as a base-60 number
-        out.append(f"logging.profile_steps={json.dumps(args.profile_steps)}")
+    if args.profile_steps is not None:
+        out.append(f"logging.profile_steps={args.profile_steps}")
     if args.synthetic_on_fail:
         out.append("data.synthetic_on_fail=true")
     if args.precision is not None:

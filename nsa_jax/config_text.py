@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import pathlib
+import re
 from typing import Any
 
 import yaml
@@ -21,10 +22,39 @@ class ConfigError(ValueError):
     """A config problem, phrased as one line that names the key and how to fix it."""
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 without its base-60 numbers: `10:12` (logging.profile_steps' A:B) stays the text it is,
+    not the integer 612."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """A YAML document as plain data, base-60 numbers read as text (_Loader)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
 def read_yaml(path: pathlib.Path) -> Any:
     """The YAML document in `path` ({} when empty); ConfigError naming the line and column of a syntax error."""
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        return load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config: {yaml_error_line(path, e)}; fix the file") from None
 
@@ -54,7 +84,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if len(path) < 2:
         raise ConfigError(f"config: override key '{key}' must name a section and a key, e.g. train.steps=100")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return path, value

@@ -121,16 +121,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 )  # fmt: skip
 def test_a_profile_window_outside_the_run_is_refused(spec, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("cpu_tiny", ["train.steps=4", f"logging.profile_steps={json.dumps(spec)}"])
+        load_config("cpu_tiny", ["train.steps=4", f"logging.profile_steps={spec}"])
     assert load_config("cpu_tiny", ["train.steps=4", "logging.profile_steps=2-3"]).logging.profile_steps == "2-3"
 
 
-def test_the_flag_quotes_the_window_so_yaml_keeps_it_a_string():
+def test_a_window_stays_text_from_the_flag_an_override_and_a_file(tmp_path):
+    # YAML 1.1 reads 10:12 as the base-60 integer 612; the config's loader does not.
     from launch.train import build_parser, flag_overrides
 
     overrides = flag_overrides(build_parser().parse_args(["--profile-steps", "10:12"]))
-    cfg = load_config("cpu_tiny", ["train.steps=20", *overrides])
-    assert cfg.logging.profile_steps == "10:12"
+    assert load_config("cpu_tiny", ["train.steps=20", *overrides]).logging.profile_steps == "10:12"
+    assert load_config("cpu_tiny", ["train.steps=20", "logging.profile_steps=10:12"]).logging.profile_steps == "10:12"
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 20\n  lr: 1.5e-4\nlogging:\n  profile_steps: 10:12\n")
+    cfg = load_config(str(path))
+    assert (cfg.logging.profile_steps, cfg.train.steps, cfg.train.lr) == ("10:12", 20, 1.5e-4)
 
 
 def test_a_resumed_run_traces_what_is_left_of_its_window(tmp_path):
