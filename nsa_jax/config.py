@@ -91,7 +91,8 @@ class NSAConfig:
 class RopeScaling:
     """RoPE frequencies rescaled by wavelength band, as a pretrained model was trained (docs/PRETRAINED.md)."""
 
-    kind: Literal["none", "llama3"] = "none"  # none: theta ** (-2i / Dk) as they are
+    # none: theta ** (-2i / Dk) as they are; linear: all divided by `factor` (Gemma 3's global layers)
+    kind: Literal["none", "llama3", "linear"] = "none"
     factor: float = 1.0  # long wavelengths are divided by it
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -109,7 +110,7 @@ class ModelConfig:
     n_kv_heads: int = 2
     head_dim: int = 64  # Dk
     v_head_dim: int = 64  # Dv
-    d_ff: int = 2048  # SwiGLU hidden width F
+    d_ff: int = 2048  # the gated MLP's hidden width F
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
@@ -130,6 +131,20 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
     rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    # Gemma 2/3's features (docs/PRETRAINED.md). Every RMSNorm scales by (1 + weight):
+    norm_plus_one: bool = False
+    embed_scale: bool = False  # the embedding's output times sqrt(d_model)
+    mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP: SwiGLU (silu) or GeGLU (gelu, tanh form)
+    post_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output before each residual add
+    query_scale: float = 0.0  # scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim's
+    attn_softcap: float = 0.0  # dense only: scores -> c * tanh(scores / c) before the softmax (Gemma 2); 0: off
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (Gemma 2); 0: off
+    # Local and global layers (dense only, with dense_window): layer i is global (sees every
+    # earlier key) when (i + 1) % global_every == 0, local (dense_window keys) otherwise (Gemma 2:
+    # 2, Gemma 3: 6); 0: every layer alike. local_rope_theta: the local layers' RoPE base, unscaled
+    # (Gemma 3); 0: rope_theta and rope_scaling, as the global layers.
+    global_every: int = 0
+    local_rope_theta: float = 0.0
     nsa: NSAConfig = dataclasses.field(default_factory=NSAConfig)
 
 

@@ -191,7 +191,7 @@ def check_scorer(m, t, need) -> None:
 
 
 def check_family(m, need) -> None:
-    """What a pretrained model brings (docs/PRETRAINED.md): a dense window, RoPE scaling."""
+    """What a pretrained model brings (docs/PRETRAINED.md): a dense window, RoPE scaling, Gemma's features."""
     need(m.dense_window >= 0, f"model.dense_window must be >= 0 (0: every key before the query), got {m.dense_window}")
     need(
         m.dense_window == 0 or m.attention == "dense",
@@ -206,6 +206,29 @@ def check_family(m, need) -> None:
             f"{r.high_freq_factor}",
         )
         need(r.original_max_len > 0, f"model.rope_scaling.original_max_len must be positive, got {r.original_max_len}")
+    if r.kind == "linear":
+        need(r.factor > 0, f"model.rope_scaling.factor must be positive, got {r.factor}")
+    for key in ("query_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
+        need(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0: off), got {getattr(m, key)}")
+    need(
+        m.attn_softcap == 0 or m.attention == "dense",
+        f"model.attn_softcap ({m.attn_softcap}) runs in dense attention only (NSA's kernels do not cap scores): "
+        "convert with --attention dense, or set model.attn_softcap=0",
+    )
+    need(m.global_every >= 0, f"model.global_every must be >= 0 (0: every layer alike), got {m.global_every}")
+    need(
+        m.global_every == 0 or m.attention == "dense",
+        f"model.global_every ({m.global_every}: Gemma's local and global layers) runs with model.attention=dense "
+        "only; NSA in the global layers is not supported yet: convert with --attention dense",
+    )
+    need(
+        m.global_every == 0 or m.dense_window > 0,
+        f"model.global_every ({m.global_every}) needs model.dense_window, the local layers' window",
+    )
+    need(
+        m.local_rope_theta == 0 or m.global_every > 0,
+        "model.local_rope_theta is the local layers' RoPE base: set model.global_every too",
+    )
 
 
 def check_context(cfg, need) -> None:

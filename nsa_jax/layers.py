@@ -1,4 +1,4 @@
-"""Building blocks shared by the model: RMSNorm, rotary embeddings, fused input projections, SwiGLU MLP."""
+"""Building blocks shared by the model: RMSNorm, rotary embeddings, fused input projections, the gated MLP."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ import numpy as np
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale, computed in fp32."""
+    """x / rms(x) * scale, computed in fp32; `plus_one` (Gemma's norms): * (1 + scale), scale starting at 0."""
 
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x_BxTxD.shape[-1],), jnp.float32)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x_BxTxD.shape[-1],), jnp.float32)
         x = x_BxTxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * scale).astype(self.dtype)
+        return (x * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
@@ -32,6 +34,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None or scaling.kind == "none":
         return inv.astype(np.float32)
+    if scaling.kind == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+        return (inv / scaling.factor).astype(np.float32)
     old, low, high, factor = scaling.original_max_len, scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
     wavelen = 2 * np.pi / inv
     scaled = np.where(wavelen > old / low, inv / factor, inv)
@@ -124,13 +128,18 @@ def fused_dense(x_BxTxD: jax.Array, parts: Sequence[DenseParams], dtype) -> list
     return [y if b is None else y + b.astype(dtype) for y, (_, b) in zip(ys, pairs)]
 
 
-class SwiGLU(nn.Module):
-    """silu(x W1) * (x W3) W2."""
+# The gated MLP's activations: SwiGLU's, and GeGLU's gelu in its tanh form (HF's gelu_pytorch_tanh, Gemma).
+MLP_ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class GatedMLP(nn.Module):
+    """act(x W1) * (x W3) W2: SwiGLU (act silu) or GeGLU (gelu_tanh)."""
 
     d_ff: int
     dtype: jnp.dtype = jnp.float32
     init_std: float = 0.02
     out_std: float = 0.02
+    act: str = "silu"
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -138,7 +147,7 @@ class SwiGLU(nn.Module):
         init = nn.initializers.normal(self.init_std)
         w1, w3 = (DenseParams(self.d_ff, kernel_init=init, name=n) for n in ("w1", "w3"))
         gate, up = fused_dense(x_BxTxD, [w1, w3], self.dtype)
-        h = nn.silu(gate) * up
+        h = MLP_ACTIVATIONS[self.act](gate) * up
         return nn.Dense(
             D, use_bias=False, dtype=self.dtype, kernel_init=nn.initializers.normal(self.out_std), name="w2"
         )(h)

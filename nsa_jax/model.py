@@ -1,7 +1,8 @@
 """The decoder-only NSA language model.
 
-tokens[B, T] -> embedding -> L x (pre-RMSNorm NSA attention (or dense, model.attention) + pre-RMSNorm SwiGLU)
--> final RMSNorm -> LM head -> fp32 logits[B, T, V]. Layers are scanned
+tokens[B, T] -> embedding -> L x (pre-RMSNorm NSA attention (or dense, model.attention) + pre-RMSNorm gated
+MLP) -> final RMSNorm -> LM head -> fp32 logits[B, T, V]; Gemma's features (model.embed_scale,
+post_norms, final_softcap, norm_plus_one, global_every) where the config sets them. Layers are scanned
 (`nn.scan`), so the compiled program does not grow with depth; each block can
 be rematerialised (`remat`).
 
@@ -15,6 +16,7 @@ nsa_jax/inference builds the cache and drives generation.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import flax.linen as nn
@@ -22,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
-from nsa_jax.layers import DenseParams, RMSNorm, SwiGLU
+from nsa_jax.kernels.xla import soft_cap
+from nsa_jax.layers import DenseParams, GatedMLP, RMSNorm
 from nsa_jax.nsa.attention import MODES, ModelPart
 from nsa_jax.nsa.decode import missing_cache
 from nsa_jax.nsa.dense import DenseAttention
@@ -35,9 +38,10 @@ _REMAT_POLICIES = {
 
 
 class Block(ModelPart):
-    """x + attn(norm(x)), then x + mlp(norm(x)).
+    """x + attn(norm(x)), then x + mlp(norm(x)); model.post_norms: x + norm(attn(norm(x))), the MLP alike.
 
-    `layer` (the index into the cache's layer axis) and `pos_B` are for prefill/decode only.
+    `layer` (the index into the cache's layer axis) and `pos_B` are for prefill/decode, and
+    under model.global_every for training too (whether the layer is local).
     """
 
     @nn.compact
@@ -50,15 +54,18 @@ class Block(ModelPart):
     ):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
-        h = RMSNorm(cfg.norm_eps, dtype=dtype, name="attn_norm")(x_BxTxD)
+        norm = partial(RMSNorm, cfg.norm_eps, dtype, cfg.norm_plus_one)
+        post = (lambda name: norm(name=name)) if cfg.post_norms else (lambda name: lambda y: y)
+        h = norm(name="attn_norm")(x_BxTxD)
         if cfg.attention == "dense":
             attn = DenseAttention(cfg, self.mode, self.kernels, name="attn")
         else:
             attn = NSAAttention(cfg, self.mode, self.kernels, name="attn")
-        x_BxTxD = x_BxTxD + attn(h, layer=layer, pos_B=pos_B, rope_positions_T=rope_positions_T)
-        h = RMSNorm(cfg.norm_eps, dtype=dtype, name="mlp_norm")(x_BxTxD)
+        x_BxTxD = x_BxTxD + post("attn_post_norm")(attn(h, layer=layer, pos_B=pos_B, rope_positions_T=rope_positions_T))
+        h = norm(name="mlp_norm")(x_BxTxD)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        x_BxTxD = x_BxTxD + SwiGLU(cfg.d_ff, dtype=dtype, init_std=cfg.init_std, out_std=out_std, name="mlp")(h)
+        mlp = GatedMLP(cfg.d_ff, dtype=dtype, init_std=cfg.init_std, out_std=out_std, act=cfg.mlp_act, name="mlp")
+        x_BxTxD = x_BxTxD + post("mlp_post_norm")(mlp(h))
         return x_BxTxD, None
 
 
@@ -94,6 +101,8 @@ class NSALM(ModelPart):
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std), name="embed")
         x = embed(tokens_BxT).astype(dtype)
+        if cfg.embed_scale:  # Gemma: sqrt(D) in the activations' dtype, as the checkpoints were trained
+            x = x * jnp.asarray(cfg.d_model**0.5, dtype)
         block = Block
         if self.layer_gather is not None:
             # Inside the remat below: the backward gathers a layer again instead of keeping it.
@@ -120,13 +129,18 @@ class NSALM(ModelPart):
             layer_L = jnp.arange(cfg.n_layers, dtype=jnp.int32)
             x, _ = stack(cfg, self.mode, self.kernels, name="layers")(x, layer_L, pos_B)
             pos.value = pos_B if self.mode == "prefill" else pos_B + 1
+        elif cfg.scan_layers and cfg.global_every:  # each layer's index: is it local?
+            stack = layer_stack(block, cfg, in_axes=(0, nn.broadcast, nn.broadcast), unroll=cfg.scan_unroll)
+            layer_L = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+            x, _ = stack(cfg, "train", self.kernels, name="layers")(x, layer_L, None, rope_positions_T)
         elif cfg.scan_layers:
             stack = layer_stack(block, cfg, in_axes=(nn.broadcast,) * 3, unroll=cfg.scan_unroll)
             x, _ = stack(cfg, "train", self.kernels, name="layers")(x, None, None, rope_positions_T)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, "train", self.kernels, name=f"layer_{i}")(x, None, None, rope_positions_T)
-        x = RMSNorm(cfg.norm_eps, dtype=dtype, name="final_norm")(x)
+                layer = i if cfg.global_every else None
+                x, _ = block(cfg, "train", self.kernels, name=f"layer_{i}")(x, layer, None, rope_positions_T)
+        x = RMSNorm(cfg.norm_eps, dtype, cfg.norm_plus_one, name="final_norm")(x)
         if cfg.tie_embeddings:
             w = embed.embedding
         else:  # an nn.Dense's kernel, applied by head_logits
@@ -186,11 +200,13 @@ def head_matrix(cfg: ModelConfig, params) -> jax.Array:
 
 def head_logits(cfg: ModelConfig, w: jax.Array, x_BxTxD: jax.Array) -> jax.Array:
     """Logits [B, T, V] fp32 of the final-normed x: x @ embedding^T in fp32 (tied, as nn.Embed.attend),
-    else x @ kernel in the model dtype (as nn.Dense)."""
+    else x @ kernel in the model dtype (as nn.Dense); capped by model.final_softcap."""
     if cfg.tie_embeddings:
-        return jnp.dot(x_BxTxD.astype(jnp.float32), w.astype(jnp.float32).T)
-    dtype = jnp.dtype(cfg.dtype)
-    return jnp.dot(x_BxTxD.astype(dtype), w.astype(dtype)).astype(jnp.float32)
+        logits = jnp.dot(x_BxTxD.astype(jnp.float32), w.astype(jnp.float32).T)
+    else:
+        dtype = jnp.dtype(cfg.dtype)
+        logits = jnp.dot(x_BxTxD.astype(dtype), w.astype(dtype)).astype(jnp.float32)
+    return soft_cap(logits, cfg.final_softcap)
 
 
 def rows_nll(

@@ -66,6 +66,18 @@ def test_converted_folders_give_the_dense_logits(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_a_gemma_converts_dense_and_is_refused_as_nsa_in_one_line(tmp_path, capsys):
+    src = _hf_folder(tmp_path, "gemma3")
+    golden = np.load(src / "golden.npz")
+    assert convert([str(src), str(tmp_path / "dense"), "--attention", "dense"]) == 0
+    np.testing.assert_allclose(_logits(tmp_path / "dense", golden["input_ids"]), golden["logits"], rtol=1e-5, atol=2e-5)
+    capsys.readouterr()
+    assert convert([str(src), str(tmp_path / "nsa"), "--attention", "nsa"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Gemma's local and global layers" in err[0] and "--attention dense" in err[0], err
+    assert not (tmp_path / "nsa").exists()
+
+
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     src = _hf_folder(tmp_path)
     taken = tmp_path / "taken"

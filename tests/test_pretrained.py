@@ -11,6 +11,7 @@ real-model tests need that file: NSA_SMOLLM2_GGUF names it (.ci/run fetches it),
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,15 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nsa_jax.config import Config, ConfigError
+from nsa_jax.config import validate as validate_config
 from nsa_jax.inference import generate
-from nsa_jax.model import NSALM, token_nll
+from nsa_jax.model import NSALM, cross_entropy, token_nll
 from nsa_jax.pretrained import PretrainedError
 from nsa_jax.pretrained.checkpoints import open_checkpoint
+from nsa_jax.pretrained.export import hf_family
 from nsa_jax.pretrained.families import model_config
 from nsa_jax.pretrained.weights import dense_params
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "pretrained"
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2", "gemma2", "gemma3")
 GGUF = os.environ.get("NSA_SMOLLM2_GGUF", "")
 needs_gguf = pytest.mark.skipif(
     not pathlib.Path(GGUF).is_file(),
@@ -205,3 +209,84 @@ def test_a_gguf_file_imports_as_its_hf_folder(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) - 100])
     with pytest.raises(PretrainedError, match=r"cut.gguf is not a complete GGUF file: tensor \S+'s data ends"):
         open_checkpoint(tmp_path / "cut.gguf")
+
+
+GEMMA = ("gemma2", "gemma3")
+
+
+def _unrolled(params, n_layers):
+    """Scanned parameters ([L, ...] under `layers`) as the unrolled model's `layer_i`."""
+    layers = {f"layer_{i}": jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n_layers)}
+    return {k: v for k, v in params.items() if k != "layers"} | layers
+
+
+@pytest.mark.parametrize("family", GEMMA)
+@pytest.mark.parametrize("layout", ["unrolled", "remat"])
+def test_gemma_s_local_and_global_layers_are_transformers_in_every_layout(family, layout):
+    # Scanned (above), each layer's kind is traced: both windows compile and lax.cond runs its own.
+    # Unrolled, it is a Python bool; rematerialised, remat traces the index again.
+    _, cfg, params = _load(GOLDEN / family)
+    golden = np.load(GOLDEN / family / "golden.npz")
+    if layout == "unrolled":
+        cfg, params = dataclasses.replace(cfg, scan_layers=False), _unrolled(params, cfg.n_layers)
+    else:
+        cfg = dataclasses.replace(cfg, remat="full")
+    logits = NSALM(cfg).apply({"params": params}, jnp.asarray(golden["input_ids"]))
+    np.testing.assert_allclose(np.asarray(logits), golden["logits"], rtol=1e-5, atol=2e-5)
+
+
+def test_gemma_s_gradient_is_the_same_through_the_traced_and_the_static_layer_kinds():
+    # The traced kinds (lax.cond per scanned layer) against the unrolled model's static ones,
+    # whose forward is held to transformers above.
+    _, cfg, params = _load(GOLDEN / "gemma3")
+    ids = jnp.asarray(np.load(GOLDEN / "gemma3" / "golden.npz")["input_ids"])
+
+    def loss(p, c):
+        return cross_entropy(NSALM(c).apply({"params": p}, ids[:, :-1]), ids[:, 1:])
+
+    g_scan = _unrolled(jax.grad(loss)(params, cfg), cfg.n_layers)
+    g_unrolled = jax.grad(loss)(_unrolled(params, cfg.n_layers), dataclasses.replace(cfg, scan_layers=False))
+    flat = jax.tree_util.tree_leaves_with_path(g_unrolled)
+    assert len(flat) == len(jax.tree.leaves(g_scan)) > 0
+    for (path, want), got in zip(flat, jax.tree.leaves(g_scan)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6, err_msg=str(path))
+    assert float(jnp.abs(g_scan["layer_0"]["attn"]["q"]["kernel"]).max()) > 0
+
+
+def test_what_gemma_brings_is_read_from_either_config_format():
+    new = {f: json.loads((GOLDEN / f / "config.json").read_text()) for f in GEMMA}
+    g2, g3 = model_config(new["gemma2"]), model_config(new["gemma3"])
+    assert (g2.global_every, g2.dense_window, g2.attn_softcap, g2.final_softcap) == (2, 12, 2.0, 3.0)
+    assert (g2.query_scale, g2.local_rope_theta, g2.qk_norm) == (24.0, 0.0, False)
+    assert (g3.global_every, g3.dense_window, g3.local_rope_theta, g3.rope_theta) == (6, 10, 10000.0, 1e6)
+    assert (g3.rope_scaling.kind, g3.rope_scaling.factor, g3.qk_norm, g3.attn_softcap) == ("linear", 4.0, True, 0.0)
+    assert all(c.norm_plus_one and c.embed_scale and c.post_norms and c.mlp_act == "gelu_tanh" for c in (g2, g3))
+    # transformers 4.x wrote Gemma 3's RoPE as rope_theta / rope_local_base_freq / rope_scaling, and the
+    # pattern as sliding_window_pattern (no layer_types).
+    drop = ("rope_parameters", "layer_types", "_sliding_window_pattern")
+    old3 = {k: v for k, v in new["gemma3"].items() if k not in drop} | {
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "sliding_window_pattern": 6,
+    }
+    old2 = {k: v for k, v in new["gemma2"].items() if k not in drop} | {"rope_theta": 10000.0}
+    assert model_config(old3) == g3 and model_config(old2) == g2
+
+
+def test_gemma_variants_not_supported_are_one_line_naming_them():
+    hf = json.loads((GOLDEN / "gemma3" / "config.json").read_text())
+    types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    cases = [
+        ({"layer_types": [*types, "full_attention"]}, "layer_types .* is not supported"),
+        ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+        ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "'gemma3'.*gemma3_text"),
+    ]  # fmt: skip
+    for change, words in cases:
+        with pytest.raises(PretrainedError, match=words):
+            model_config({**hf, **change})
+    with pytest.raises(PretrainedError, match="Gemma's model.norm_plus_one.*exporting Gemma is not supported"):
+        hf_family(model_config(hf))
+    with pytest.raises(ConfigError, match="Gemma's local and global layers\\) runs with model.attention=dense only"):
+        validate_config(Config(model=dataclasses.replace(model_config(hf), attention="nsa", dense_window=0)))

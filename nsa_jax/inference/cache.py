@@ -60,7 +60,9 @@ def cache_sizes(cfg: ModelConfig, max_len: int) -> CacheSizes:
     # before a block completes, and none completes when S < l.
     Tc = max(1, num_compressed(S, a.l, a.d))
     if cfg.attention == "dense":  # the ring alone (nsa/dense.py): as long as the window or the cache
-        return CacheSizes(S=S, R=min(cfg.dense_window or S, S), Tc=0, l=0, max_len=max_len, raw=False)
+        # (global layers among local ones, model.global_every: the cache's, each local layer masking to its window)
+        window = 0 if cfg.global_every else cfg.dense_window
+        return CacheSizes(S=S, R=min(window or S, S), Tc=0, l=0, max_len=max_len, raw=False)
     U = S // scorer_sub(a) if a.scorer in KEY_SCORERS else 0
     return CacheSizes(S=S, R=min(a.w, S), Tc=Tc, l=a.l, max_len=max_len, U=U)
 

@@ -106,11 +106,16 @@ def selection_attention(
     return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk, q_offset=q_offset)
 
 
-def window_attention(q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512, q_offset=0):
-    """Sliding-window attention through `impl` (`pallas` or `xla`)."""
+def window_attention(
+    q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512, q_offset=0, softcap=0.0
+):
+    """Sliding-window attention through `impl` (`pallas` or `xla`); `softcap` (Gemma 2's scores
+    c * tanh(s / c)) runs in XLA only."""
     if impl == "pallas":
+        if softcap:
+            raise ValueError("window attention with softcap runs in XLA only (impl='xla')")
         return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret), q_offset=q_offset)
-    return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk, q_offset=q_offset)
+    return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk, q_offset=q_offset, softcap=softcap)
 
 
 def compressed_attention(
@@ -226,7 +231,9 @@ class BranchCalls:
         kernel = "xla" if impl == "xla" else self.plan.slc
         return selection_attention(q, k, v, idx, self.nsa.lp, kernel=kernel, q_offset=q_offset, **self._run())
 
-    def window(self, q, k, v, *, window=None, q_offset=0, impl=None):
-        """`window`: keys a query sees (default model.nsa.w; dense attention passes its own)."""
+    def window(self, q, k, v, *, window=None, q_offset=0, impl=None, softcap=0.0):
+        """`window`: keys a query sees (default model.nsa.w; dense attention passes its own and, with
+        model.attn_softcap, its cap, which runs in XLA: the Pallas kernel does not cap scores)."""
         w = self.nsa.w if window is None else window
-        return window_attention(q, k, v, w, impl=impl or self.plan.win, q_offset=q_offset, **self._run())
+        impl = "xla" if softcap else impl or self.plan.win
+        return window_attention(q, k, v, w, impl=impl, q_offset=q_offset, softcap=softcap, **self._run())

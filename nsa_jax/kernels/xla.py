@@ -126,6 +126,11 @@ def masked_softmax(s_f32: jax.Array, visible: jax.Array) -> jax.Array:
     return p / jnp.where(denom > 0, denom, 1.0)
 
 
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """c * tanh(x / c) (Gemma 2's capped scores and logits); x itself when cap is 0."""
+    return cap * jnp.tanh(x / cap) if cap else x
+
+
 def masked_softmax_attend(s_f32: jax.Array, visible: jax.Array, v: jax.Array, spec: str) -> jax.Array:
     """masked_softmax(s) contracted with v by einsum `spec`, accumulated in fp32."""
     p = masked_softmax(s_f32, visible)
@@ -231,11 +236,12 @@ def window_attention_xla(
     *,
     query_chunk: int = 512,
     q_offset: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Attention of q_t over positions [max(0, t - w + 1), t].
 
     `q_offset`: query row r stands at position t = r + q_offset of the keys
-    (q_offset + T_q <= T_k; selection_attention_xla).
+    (q_offset + T_q <= T_k; selection_attention_xla). `softcap` c > 0: scores c * tanh(s / c).
     """
     B, T, H, Dk = q_BxTxHxDk.shape
     K, Dv = k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
@@ -258,7 +264,7 @@ def window_attention_xla(
         p_S = first - (w - 1) + jnp.arange(S, dtype=jnp.int32)
         visible_CxS = (p_S[None, :] <= t_C[:, None]) & (p_S[None, :] > t_C[:, None] - w) & (p_S[None, :] >= 0)
         qg = _group(q_BxCxHxDk, K)
-        s = jnp.einsum("bckgd,bskd->bckgs", qg, kc, preferred_element_type=jnp.float32) * scale
+        s = soft_cap(jnp.einsum("bckgd,bskd->bckgs", qg, kc, preferred_element_type=jnp.float32) * scale, softcap)
         vis = visible_CxS[None, :, None, None, :]
         o = masked_softmax_attend(s, vis, vc, "bckgs,bskd->bckgd")
         return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)

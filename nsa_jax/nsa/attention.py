@@ -4,6 +4,7 @@
 are NSAAttention (nsa/layer.py: gates and the three branches) and DenseAttention
 (nsa/dense.py: causal or windowed softmax attention). Both start from the same input stage and
 end in the same output projection (nsa/inputs.py); their decode state is nsa/decode.py's.
+`local_layer`: which layers are local under model.global_every (Gemma's local/global pattern).
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import KernelPlan
 
 MODES = ("train", "prefill", "decode")
+
+
+def local_layer(cfg: ModelConfig, layer):
+    """Whether layer `layer` is local (model.global_every: it sees model.dense_window keys, a global
+    one every earlier key): None when every layer is alike, a bool for a static index, a traced
+    bool for the scan's."""
+    if not cfg.global_every:
+        return None
+    if layer is None:
+        raise ValueError("model.global_every: the attention needs its layer's index")
+    local = (layer + 1) % cfg.global_every != 0
+    return bool(local) if isinstance(layer, int) else local
 
 
 def check_mode(mode: str, T: int, layer, pos_B) -> None:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
 from nsa_jax.kernels.scorers import minmax_row_scores
-from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks
+from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks, soft_cap
 
 # Per-layer decode state in the `cache` collection (layout: nsa_jax/inference/cache.py).
 CACHE_NAMES = ("kslc", "vslc", "kwin", "vwin", "ktail", "vtail", "kcmp", "vcmp", "kmin", "kmax")
@@ -224,15 +224,16 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
     return outputs
 
 
-def ring_attend(qg_BxKxGxDk, kw_BxRxKxDk, vw_BxRxKxDv, t_B, window: int) -> jax.Array:
+def ring_attend(qg_BxKxGxDk, kw_BxRxKxDk, vw_BxRxKxDv, t_B, window, softcap: float = 0.0) -> jax.Array:
     """One decode query per row over a ring of the last R keys (the window branch's, and dense
     attention's): [B, K, G, Dv] fp32. Ring slots hold positions in (t - R, t]; with R <= window
-    only never-written slots and those older than the window are masked."""
+    only never-written slots and those older than the window are masked. `window` may be traced
+    (a local or global layer of the scan); `softcap`: model.attn_softcap."""
     wp_BxR = ring_positions(t_B, kw_BxRxKxDk.shape[1])
     vis = ((wp_BxR >= 0) & (wp_BxR > t_B[:, None] - window))[:, None, None, :]
     scale = qg_BxKxGxDk.shape[-1] ** -0.5
     s = jnp.einsum("bkgd,brkd->bkgr", qg_BxKxGxDk, kw_BxRxKxDk, preferred_element_type=jnp.float32) * scale
-    return masked_softmax_attend(s, vis, vw_BxRxKxDv, "bkgr,brkd->bkgd")
+    return masked_softmax_attend(soft_cap(s, softcap), vis, vw_BxRxKxDv, "bkgr,brkd->bkgd")
 
 
 def fill_ring(ring: dict, k_BxPxKxD, v_BxPxKxD, layer, lengths_B) -> None:
@@ -244,7 +245,7 @@ def fill_ring(ring: dict, k_BxPxKxD, v_BxPxKxD, layer, lengths_B) -> None:
         ring[name].value = cache.at[layer].set(gather_rows(x, pos_BxR).astype(cache.dtype))
 
 
-def decode_ring(ring: dict, q_BxHxDk, k_BxKxDk, v_BxKxDv, layer, t_B, window: int) -> jax.Array:
+def decode_ring(ring: dict, q_BxHxDk, k_BxKxDk, v_BxKxDv, layer, t_B, window, softcap: float = 0.0) -> jax.Array:
     """Dense attention's decode step: writes position t_B[b] of each row into the ring, then attends over
     it: [B, H, Dv]."""
     B, H, Dk = q_BxHxDk.shape
@@ -256,5 +257,5 @@ def decode_ring(ring: dict, q_BxHxDk, k_BxKxDk, v_BxKxDv, layer, t_B, window: in
         cache = ring[name].value
         ring[name].value = cache.at[layer, b_B, t_B % R].set(x.astype(cache.dtype))
     qg = q_BxHxDk.reshape(B, K, H // K, Dk)
-    o = ring_attend(qg, ring["kwin"].value[layer], ring["vwin"].value[layer], t_B, window)
+    o = ring_attend(qg, ring["kwin"].value[layer], ring["vwin"].value[layer], t_B, window, softcap)
     return o.reshape(B, H, -1).astype(q_BxHxDk.dtype)

@@ -13,13 +13,15 @@ whose length is the window, or the cache's length with no window.
 
 from __future__ import annotations
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
 from nsa_jax.kernels import BranchCalls, plan_kernels
-from nsa_jax.nsa.attention import Attention
+from nsa_jax.nsa.attention import Attention, local_layer
 from nsa_jax.nsa.decode import decode_ring, fill_ring, missing_cache
 from nsa_jax.nsa.inputs import output_projection, project
 
@@ -34,24 +36,37 @@ def dense_window(cfg: ModelConfig) -> int:
 
 class DenseAttention(Attention):
     """x[B, T, D] -> causal attention output [B, T, D]; `mode` and its arguments as NSAAttention's
-    (config validation keeps dense attention off context parallelism)."""
+    (config validation keeps dense attention off context parallelism). Under model.global_every
+    `layer` is given in every mode: a local layer sees model.dense_window keys, a global one all."""
 
     @nn.compact
     def attend(self, x_BxTxD, layer, pos_B, rope_positions_T) -> jax.Array:
         cfg = self.cfg
         B, T, _ = x_BxTxD.shape
         decode = self.mode == "decode"
+        local = local_layer(cfg, layer)
         positions_T = jnp.arange(T, dtype=jnp.int32) if rope_positions_T is None else rope_positions_T
-        p = project(cfg, x_BxTxD, ("k",), ("v",), None if decode else positions_T, pos_B)
+        p = project(cfg, x_BxTxD, ("k",), ("v",), None if decode else positions_T, pos_B, local=local)
         q, k, v = p.q, p.k["k"], p.v["v"]
         out_proj = output_projection(cfg)
         if self.mode != "train":
             ring = {n: self.variable("cache", n, missing_cache("dense attention"), n) for n in ("kwin", "vwin")}
         if decode:
-            o = decode_ring(ring, q[:, 0], k[:, 0], v[:, 0], layer, pos_B, dense_window(cfg))[:, None]
+            window = dense_window(cfg) if local is None else jnp.where(local, cfg.dense_window, UNBOUNDED)
+            o = decode_ring(ring, q[:, 0], k[:, 0], v[:, 0], layer, pos_B, window, cfg.attn_softcap)[:, None]
         else:
-            plan = self.kernels or plan_kernels(cfg.nsa, T, jax.default_backend())
-            o = BranchCalls(cfg.nsa, plan).window(q, k, v, window=dense_window(cfg))
+            calls = BranchCalls(cfg.nsa, self.kernels or plan_kernels(cfg.nsa, T, jax.default_backend()))
+
+            def attend(window, q, k, v):
+                return calls.window(q, k, v, window=window, softcap=cfg.attn_softcap)
+
+            if local is None:
+                o = attend(dense_window(cfg), q, k, v)
+            elif isinstance(local, bool):  # an unrolled layer
+                o = attend(cfg.dense_window if local else UNBOUNDED, q, k, v)
+            else:  # a scanned layer: both windows compiled, the layer's run
+                local_o, global_o = partial(attend, cfg.dense_window), partial(attend, UNBOUNDED)
+                o = jax.lax.cond(local, local_o, global_o, q, k, v)
             if self.mode == "prefill":
                 fill_ring(ring, k, v, layer, pos_B)
         return out_proj(o.astype(jnp.dtype(cfg.dtype)).reshape(B, T, -1))

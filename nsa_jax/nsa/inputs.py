@@ -3,7 +3,8 @@
 x[B, T, D] -> the query and each named key and value projection (biases with model.qkv_bias),
 Qwen3's per-head RMSNorm of the query and of every key (model.qk_norm: one q_norm, one k_norm
 shared by the keys), RoPE with its scaling (model.rope_scaling) at the given positions or, in
-decode, at each row's own; and the output projection `o`. A family's feature of this stage is
+decode, at each row's own (a local layer's base: model.local_rope_theta), the query's scale
+(model.query_scale); and the output projection `o`. A family's feature of this stage is
 written here once; the cores only say which keys and values they project (dense: k, v; NSA:
 one per branch) and what else shares the input's matmul (NSA's gate MLP).
 
@@ -47,10 +48,13 @@ def project(
     positions_T: jax.Array | None,
     pos_B: jax.Array | None = None,
     extra: Sequence[DenseParams] = (),
+    local=None,
 ) -> Projected:
     """The projections of x, one matmul for x's gradient (layers.fused_dense; each stays its own Dense):
     q, then `keys`, `values` and `extra`, in that order. RoPE at `positions_T` [T], or with
-    positions_T None (decode) at pos_B[b] for row b."""
+    positions_T None (decode) at pos_B[b] for row b; a local layer's (`local`, attention.local_layer)
+    at model.local_rope_theta. The query comes out scaled so the cores' head_dim ** -0.5 scales
+    the scores by model.query_scale ** -0.5."""
     B, T, _ = x_BxTxD.shape
     H, K, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
     dtype = jnp.dtype(cfg.dtype)
@@ -61,8 +65,12 @@ def project(
     value_parts = [DenseParams(K * Dv, use_bias=bias, kernel_init=init, name=n) for n in values]
     q_norm, k_norm = (None, None)
     if cfg.qk_norm:  # Qwen3's per-head norms: one for the query, one shared by every key
-        q_norm, k_norm = (RMSNorm(cfg.norm_eps, dtype=dtype, name=n) for n in ("q_norm", "k_norm"))
+        q_norm, k_norm = (RMSNorm(cfg.norm_eps, dtype, cfg.norm_plus_one, name=n) for n in ("q_norm", "k_norm"))
     inv_freq = rope_inv_freq(Dk, cfg.rope_theta, cfg.rope_scaling)
+    if local is not None and cfg.local_rope_theta:
+        inv_local = rope_inv_freq(Dk, cfg.local_rope_theta)
+        static = isinstance(local, bool)
+        inv_freq = (inv_local if local else inv_freq) if static else jnp.where(local, inv_local, inv_freq)
 
     def roped(y):
         return rope_rows(y, pos_B, inv_freq) if positions_T is None else rope(y, positions_T, inv_freq=inv_freq)
@@ -73,8 +81,11 @@ def project(
     ks = [y.reshape(B, T, K, Dk) for y in ks]
     if cfg.qk_norm:
         q, ks = q_norm(q), [k_norm(y) for y in ks]
+    q = roped(q)
+    if cfg.query_scale and cfg.query_scale != Dk:  # Gemma's query_pre_attn_scalar
+        q = q * jnp.asarray((Dk / cfg.query_scale) ** 0.5, q.dtype)
     return Projected(
-        q=roped(q),
+        q=q,
         k={n: roped(y) for n, y in zip(keys, ks)},
         v={n: y.reshape(B, T, K, Dv) for n, y in zip(values, vs)},
         extra=out[1 + len(keys) + len(values) :],

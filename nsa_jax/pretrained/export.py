@@ -30,7 +30,7 @@ import numpy as np
 from nsa_jax.config import Config, ModelConfig
 from nsa_jax.pretrained import PretrainedError
 from nsa_jax.pretrained.checkpoints import GGUF_CONFIG, GGUF_NAMES
-from nsa_jax.pretrained.weights import BIASES, LAYER, LAYER_TENSORS, NSA_PREFIX, NSA_SHARED, QK_NORMS
+from nsa_jax.pretrained.weights import LAYER, NSA_PREFIX, NSA_SHARED, layer_tensors
 
 # model_type -> the transformers class that loads it with no custom code.
 ARCHITECTURES = {
@@ -50,6 +50,11 @@ SOURCE_CONFIG_FILE = "hf_config.json"
 _DERIVED = {"rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version"}
 
 Tensor = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
+# ModelConfig's Gemma fields (families.gemma_config): no family hf_family writes has them.
+GEMMA_FEATURES = (
+    "norm_plus_one", "embed_scale", "mlp_act", "post_norms", "query_scale", "attn_softcap", "final_softcap",
+    "global_every", "local_rope_theta",
+)  # fmt: skip
 
 
 def hf_family(m: ModelConfig) -> str:
@@ -58,6 +63,12 @@ def hf_family(m: ModelConfig) -> str:
         raise PretrainedError(
             "the model is NSA; a dense format holds a dense model: pass --drop-nsa for the approximate "
             "dense model, or --format nsa for the NSA weights under HF names"
+        )
+    gemma = [f for f in GEMMA_FEATURES if getattr(m, f) != getattr(ModelConfig, f)]
+    if gemma:
+        raise PretrainedError(
+            f"the model has Gemma's {', '.join(f'model.{f}' for f in gemma)}: exporting Gemma is not supported yet "
+            "(the model folder itself keeps the weights; launch.convert reads the original checkpoint)"
         )
     if m.v_head_dim != m.head_dim:
         raise PretrainedError(
@@ -159,7 +170,7 @@ def hf_tensors(params: dict, m: ModelConfig) -> Iterator[Tensor]:
         shape(leaf(("embed", "embedding")), False),
         make(lambda: leaf(("embed", "embedding")), False),
     )
-    table = LAYER_TENSORS + (BIASES if m.qkv_bias else ()) + (QK_NORMS if m.qk_norm else ())
+    table = layer_tensors(m)
     for i in range(m.n_layers):
         for path, hf_name, transpose in table:
             get = lambda i=i, path=path: layer(i, path)

@@ -41,6 +41,21 @@ LAYER_TENSORS = (
 )
 BIASES = tuple((("attn", n, "bias"), f"self_attn.{n}_proj.bias", False) for n in "qkv")
 QK_NORMS = tuple((("attn", f"{n}_norm", "scale"), f"self_attn.{n}_norm.weight", False) for n in "qk")
+# Gemma's norms (model.post_norms): its post_attention_layernorm is the attention's output norm,
+# and the MLP's input norm is pre_feedforward_layernorm.
+POST_NORMS = (
+    (("attn_post_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", False),
+    (("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", False),
+)
+
+
+def layer_tensors(cfg: ModelConfig) -> tuple:
+    """(project path, HF name, transpose) of every per-layer tensor the config's model has."""
+    table = LAYER_TENSORS
+    if cfg.post_norms:
+        table = tuple(t for t in table if t[0][0] != "mlp_norm") + POST_NORMS
+    return table + (BIASES if cfg.qkv_bias else ()) + (QK_NORMS if cfg.qk_norm else ())
 
 
 def _put(tree: dict, path: tuple[str, ...], value) -> None:
@@ -77,7 +92,7 @@ def dense_params(ckpt: Checkpoint, cfg: ModelConfig, kv: bool = True) -> dict:
     want = jax.tree.map(lambda s: s.shape, _shapes(cfg))
     read = _reader(ckpt)
     params: dict = {}
-    table = LAYER_TENSORS + (BIASES if cfg.qkv_bias else ()) + (QK_NORMS if cfg.qk_norm else ())
+    table = layer_tensors(cfg)
     if not kv:
         table = tuple(t for t in table if t[0][:2] not in (("attn", "k"), ("attn", "v")))
     for path, hf_name, transpose in table:

