@@ -69,7 +69,7 @@ def test_settings_the_dataset_ignores_are_said():
     import dataclasses
 
     from nsa_jax.config import load_config
-    from nsa_jax.train.boot import unused_data_settings
+    from nsa_jax.data import unused_data_settings
 
     data = load_config("cpu_tiny").data
     assert unused_data_settings(data) is None  # synthetic, byte tokenizer, no path

@@ -1,6 +1,7 @@
 """Data entry points: `make_dataset`, `make_tokenizer`, `first_batch_with_timeout`.
 
-Owns the choice of dataset from `cfg.data.dataset` and the per-process batch size.
+Owns the choice of dataset from `cfg.data.dataset`, the per-process batch size, and the note
+naming data settings a generated dataset ignores (`unused_data_settings`).
 Every dataset yields int32 arrays tokens_BxT1 of shape
 [cfg.train.global_batch // process_count, cfg.train.seq_len + 1]; the trainer takes
 inputs = tokens_BxT1[:, :-1] and targets = tokens_BxT1[:, 1:]. Streams have an exact,
@@ -39,7 +40,29 @@ __all__ = [
     "padded_vocab_size",
     "first_batch_with_timeout",
     "per_process_batch",
+    "unused_data_settings",
 ]
+
+
+# Datasets that make their own token ids: a tokenizer or a data path means nothing to them.
+GENERATED_DATASETS = ("synthetic", "kv_recall")
+
+
+def unused_data_settings(data) -> str | None:
+    """A note naming data settings the chosen dataset ignores (e.g. --tokenizer with synthetic data), or None."""
+    if data.dataset not in GENERATED_DATASETS:
+        return None
+    ignored = []
+    if data.tokenizer != "byte":
+        ignored.append(f"data.tokenizer ({data.tokenizer})")
+    if data.path:
+        ignored.append(f"data.path ({data.path})")
+    if not ignored:
+        return None
+    return (
+        f"{' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} not used by data.dataset={data.dataset}, "
+        "which makes its own token ids; for real text use --dataset fineweb_edu, jsonl, text or tokenized"
+    )
 
 
 def per_process_batch(global_batch: int, process_count: int) -> int:

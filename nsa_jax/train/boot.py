@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config
-from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset
+from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset, unused_data_settings
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.kernels.plan import FALLBACKS, substitutions
@@ -231,27 +231,6 @@ def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifact
     if step < dense_until:
         n = cfg.model.nsa.n
         say(f"selection: every block for steps 1-{dense_until}, then top-{n} (evaluation: top-{n})")
-
-
-# Datasets that make their own token ids: a tokenizer or a data path means nothing to them.
-GENERATED_DATASETS = ("synthetic", "kv_recall")
-
-
-def unused_data_settings(data) -> str | None:
-    """A note naming data settings the chosen dataset ignores (e.g. --tokenizer with synthetic data), or None."""
-    if data.dataset not in GENERATED_DATASETS:
-        return None
-    ignored = []
-    if data.tokenizer != "byte":
-        ignored.append(f"data.tokenizer ({data.tokenizer})")
-    if data.path:
-        ignored.append(f"data.path ({data.path})")
-    if not ignored:
-        return None
-    return (
-        f"{' and '.join(ignored)} {'are' if len(ignored) > 1 else 'is'} not used by data.dataset={data.dataset}, "
-        "which makes its own token ids; for real text use --dataset fineweb_edu, jsonl, text or tokenized"
-    )
 
 
 def _first_batch(
