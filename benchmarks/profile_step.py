@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import pathlib
 import re
 import tempfile
@@ -40,6 +38,7 @@ from benchmarks.common import add_config_args, print_header, write_json
 from nsa_jax.config import load_config
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.nsa.layer import NSAAttention
+from nsa_jax.report.traces import device_tracks, find_trace, read_trace
 from nsa_jax.tools.hlo_traffic import parse_module
 from nsa_jax.tools.parts import part_of
 from nsa_jax.train.step import create_state, make_train_step
@@ -72,44 +71,26 @@ def instruction_sources(hlo_text: str) -> dict[str, dict[str, str]]:
     return instrs
 
 
-_CUSTOM_CALL = re.compile(
-    r'custom_call_target="([^"]*)".*?op_name="([^"]*)"|op_name="([^"]*)".*?custom_call_target="([^"]*)"'
-)
-
-
 def cudnn_part(hlo_text: str) -> str | None:
     """The part of the model (tools/parts.py) that every cuDNN custom call of the module sits in, or None
     (none, or several parts). Inside a CUDA graph a cuDNN kernel names no instruction, and its CUDA name
     ('cudnn_generated_fort_native_sdpa_...') no scope; in the NSA layer only the compressed branch calls
     cuDNN (kernels/cudnn.py), so a layer's trace can put those kernels where they belong."""
-    found = set()
-    for line in hlo_text.splitlines():
-        m = _CUSTOM_CALL.search(line)
-        if m:
-            target, op_name = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
-            if "cudnn" in target.lower():
-                found.add(part_of(op_name))
+    found = {
+        part_of(ins.op_name)
+        for body in parse_module(hlo_text).values()
+        for ins in body.values()
+        if ins.opcode == "custom-call" and "cudnn" in ins.target.lower()
+    }
     return found.pop() if len(found) == 1 else None
 
 
 def trace_events(trace_dir: pathlib.Path) -> list[dict]:
-    files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
-    if not files:
+    """The events of the newest trace under `trace_dir` (report/traces.py reads it)."""
+    path = find_trace(trace_dir)
+    if path is None:
         raise SystemExit(f"error: no perfetto_trace.json.gz under {trace_dir}; the profiler wrote nothing")
-    with gzip.open(files[-1]) as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def device_pids(events: list[dict]) -> set:
-    """Process ids of the accelerator tracks ('/device:GPU:0 ...'); empty on a CPU-only trace."""
-    return {
-        e.get("pid")
-        for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and re.search(r"/device:(GPU|TPU)", str(e.get("args", {}).get("name", "")))
-    }
+    return read_trace(path)
 
 
 def kernel_info(kernel: str) -> dict[str, str]:
@@ -147,7 +128,7 @@ def instruction_times(events: list[dict], sources: dict) -> tuple[collections.Co
     themselves, named after the instruction, are the work.
     """
     per_instr, calls = collections.Counter(), collections.Counter()
-    devices = device_pids(events)
+    devices = device_tracks(events)
     by_kernel_name = {re.sub(r"[.\-]", "_", n): n for n in sources}
     for e in events:
         if e.get("ph") != "X":

@@ -262,10 +262,13 @@ def test_profile_step_puts_cudnn_kernels_in_the_part_of_the_modules_cudnn_calls(
     other = (
         '  %custom-call.5 = f32[8]{0} custom-call(%a), custom_call_target="Sharding", metadata={op_name="x/nsa_win/y"}'
     )
-    module = "ENTRY %main {\n" + cmp_call + "\n" + other + "\n}"
-    assert profile_step.cudnn_part(module) == "compressed attn + top-n"
-    assert profile_step.cudnn_part(module.replace("}", "\n" + win_call + "\n}", 1)) is None
-    assert profile_step.cudnn_part("ENTRY %main {\n" + other + "\n}") is None
+
+    def module(*calls):
+        return "\n".join(["ENTRY %main (a: f32[8]) -> f32[8] {", *calls, "}"])
+
+    assert profile_step.cudnn_part(module(cmp_call, other)) == "compressed attn + top-n"
+    assert profile_step.cudnn_part(module(cmp_call, win_call, other)) is None
+    assert profile_step.cudnn_part(module(other)) is None
     buf = {"hlo_op": "command_buffer_1"}
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},

@@ -66,14 +66,20 @@ class Op:
     end_us: float
 
 
-def device_ops(events: list[dict]) -> list[Op]:
-    """Every op the devices ran, as (device, name, start, end) in microseconds."""
+def device_tracks(events: list[dict]) -> dict:
+    """{pid: 'GPU:0'} of the accelerator tracks ('/device:GPU:0 ...'); empty on a CPU-only trace."""
     tracks = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             m = re.search(r"/device:(GPU|TPU):(\d+)", str((e.get("args") or {}).get("name", "")))
             if m:
                 tracks[e.get("pid")] = f"{m.group(1)}:{m.group(2)}"
+    return tracks
+
+
+def device_ops(events: list[dict]) -> list[Op]:
+    """Every op the devices ran, as (device, name, start, end) in microseconds."""
+    tracks = device_tracks(events)
     ops = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
@@ -126,10 +132,10 @@ def summarise_device(ops: list[Op]) -> dict:
     spans = {c: _merge([(o.start_us, o.end_us) for o in ops if category_of(o.name) == c]) for c in COLORS}
     start, end = min(o.start_us for o in ops), max(o.end_us for o in ops)
     comp, coll, mem = spans["compute"], spans["collective"], spans["memory copy"]
-    busy = _length(_merge(comp + coll + mem))
+    comp_or_coll = _merge(comp + coll)
+    busy = _length(_merge(comp_or_coll + mem))
     coll_len = _length(coll)
     coll_hidden = _length(_intersect(coll, comp))
-    comp_or_coll = _merge(comp + coll)
     ms = {
         "compute": _length(comp) / 1e3,
         "collective (exposed)": (coll_len - coll_hidden) / 1e3,

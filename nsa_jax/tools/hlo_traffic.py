@@ -29,6 +29,7 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 _CALLS = re.compile(r"calls=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DIMS = re.compile(r"\[([\d,]*)\]")
 # Ops that read only part of an operand: inside a fusion, such an operand counts at what they read.
@@ -46,6 +47,7 @@ class Instr:
     root: bool
     contracting: list[int]
     source: str  # 'file.py:line' where the module names it inline, else ''
+    target: str = ""  # a custom-call's custom_call_target (cuDNN's, a Pallas kernel's), else ''
 
 
 def _split_call(rest: str) -> tuple[str, str]:
@@ -76,6 +78,7 @@ def parse_module(hlo_text: str) -> dict[str, dict[str, Instr]]:
         op = _OP_NAME.search(attrs)
         contract = _CONTRACT.search(attrs)
         src = _SOURCE.search(attrs)
+        target = _TARGET.search(attrs)
         current[name] = Instr(
             name,
             shape,
@@ -86,6 +89,7 @@ def parse_module(hlo_text: str) -> dict[str, dict[str, Instr]]:
             bool(root),
             [int(d) for d in contract.group(1).split(",") if d] if contract else [],
             f"{src.group(1).rsplit('/', 1)[-1]}:{src.group(2)}" if src else "",
+            target.group(1) if target else "",
         )
     return comps
 
