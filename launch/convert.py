@@ -102,7 +102,8 @@ def converted_config(ckpt, attention: str, overrides: list[str], out: pathlib.Pa
     model = config_dict(model_config(hf))
     if attention == "nsa":
         model["attention"] = "nsa"
-        model["dense_window"] = 0  # NSA's own window is model.nsa.w
+        if not model["global_every"]:  # NSA's own window is model.nsa.w; Gemma's local layers keep theirs
+            model["dense_window"] = 0
         if exported_nsa:
             model["nsa"] = dict(ckpt.hf_config.get("nsa") or {})
         else:
@@ -140,10 +141,17 @@ def run(args) -> int:
             f"{args.src}: converting needs about {need / 2**30:.1f} GiB of host memory "
             f"({ckpt.fp32_bytes / 2**30:.1f} GiB of fp32 parameters); {have / 2**30:.1f} GiB is available"
         )
+    m = cfg.model
+    pattern = ""
+    if m.global_every:
+        n_global = m.n_layers // m.global_every
+        pattern = (
+            f" ({n_global} global, {m.n_layers - n_global} local over {m.dense_window} keys"
+            f"{': their window branch alone' if args.attention == 'nsa' else ''})"
+        )
     print(
-        f"convert: {args.src}: {ckpt.hf_config.get('model_type')}, {cfg.model.n_layers} layers, "
-        f"d_model {cfg.model.d_model}, {cfg.model.n_heads} heads over {cfg.model.n_kv_heads}, "
-        f"vocab {cfg.model.vocab_size} -> {args.attention}",
+        f"convert: {args.src}: {ckpt.hf_config.get('model_type')}, {m.n_layers} layers{pattern}, "
+        f"d_model {m.d_model}, {m.n_heads} heads over {m.n_kv_heads}, vocab {m.vocab_size} -> {args.attention}",
         flush=True,
     )
     tmp = out.with_name(f".{out.name}.converting-{os.getpid()}")

@@ -194,8 +194,9 @@ def check_family(m, need) -> None:
     """What a pretrained model brings (docs/PRETRAINED.md): a dense window, RoPE scaling, Gemma's features."""
     need(m.dense_window >= 0, f"model.dense_window must be >= 0 (0: every key before the query), got {m.dense_window}")
     need(
-        m.dense_window == 0 or m.attention == "dense",
-        f"model.dense_window ({m.dense_window}) is for model.attention=dense; NSA's window is model.nsa.w",
+        m.dense_window == 0 or m.attention == "dense" or m.global_every > 0,
+        f"model.dense_window ({m.dense_window}) is for model.attention=dense, or NSA's local layers "
+        "(model.global_every); NSA's window is model.nsa.w",
     )
     r = m.rope_scaling
     if r.kind == "llama3":
@@ -217,9 +218,9 @@ def check_family(m, need) -> None:
     )
     need(m.global_every >= 0, f"model.global_every must be >= 0 (0: every layer alike), got {m.global_every}")
     need(
-        m.global_every == 0 or m.attention == "dense",
-        f"model.global_every ({m.global_every}: Gemma's local and global layers) runs with model.attention=dense "
-        "only; NSA in the global layers is not supported yet: convert with --attention dense",
+        m.global_every == 0 or m.attention == "dense" or "win" in m.nsa.branches,
+        f"model.global_every ({m.global_every}): NSA's local layers attend through the window branch; "
+        "add win to model.nsa.branches",
     )
     need(
         m.global_every == 0 or m.dense_window > 0,
@@ -238,6 +239,11 @@ def check_context(cfg, need) -> None:
     need(C >= 1, f"parallel.context must be >= 1 (1: no context parallelism), got {C}")
     if C == 1:
         return
+    need(
+        cfg.model.global_every == 0,
+        f"parallel.context={C} with model.global_every (local and global layers) is not supported yet: "
+        "set parallel.context=1",
+    )
     need(
         cfg.parallel.strategy in CONTEXT_STRATEGIES,
         f"parallel.context={C} runs with parallel.strategy=dp, zero1 or fsdp (their shard_map step); "

@@ -49,3 +49,29 @@ def test_pallas_training_steps_match_xla():
     np.testing.assert_allclose(got, ref, rtol=1e-2)
     # Well inside bf16 tolerance in fp32:
     assert np.max(np.abs(got - ref)) < 1e-3
+
+
+def test_local_and_global_layers_run_the_pallas_kernels_inside_their_cond():
+    # Gemma 3 as NSA: the global layer's branches and the local layers' window run the Pallas
+    # kernels (interpreted) under lax.cond per scanned layer; the XLA path is the reference.
+    import pathlib
+
+    import jax.numpy as jnp
+
+    from nsa_jax.config import NSAConfig
+    from nsa_jax.kernels.plan import KernelPlan
+    from nsa_jax.pretrained.checkpoints import open_checkpoint
+    from nsa_jax.pretrained.families import model_config
+    from nsa_jax.pretrained.weights import dense_params, nsa_params
+
+    folder = pathlib.Path(__file__).parent / "golden" / "pretrained" / "gemma3"
+    ckpt = open_checkpoint(folder)
+    dense = model_config(ckpt.hf_config)
+    nsa = NSAConfig(l=16, d=8, lp=16, n=3, w=16, gate_bias_init=(-6.0, 6.0, -6.0))
+    cfg = dataclasses.replace(dense, attention="nsa", nsa=nsa)
+    params = nsa_params(dense_params(ckpt, dense), cfg, jax.random.PRNGKey(0))
+    ids = jnp.asarray(np.load(folder / "golden.npz")["input_ids"])
+    ref = NSALM(cfg, kernels=KernelPlan()).apply({"params": params}, ids)
+    plan = KernelPlan(cmp="pallas", slc="blocksparse", win="pallas", interpret=True)
+    got = NSALM(cfg, kernels=plan).apply({"params": params}, ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=2e-5)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nsa_jax.config import Config, ConfigError
+from nsa_jax.config import Config, ConfigError, NSAConfig
 from nsa_jax.config import validate as validate_config
 from nsa_jax.inference import generate
 from nsa_jax.model import NSALM, cross_entropy, token_nll
@@ -30,7 +30,7 @@ from nsa_jax.pretrained import PretrainedError
 from nsa_jax.pretrained.checkpoints import open_checkpoint
 from nsa_jax.pretrained.export import hf_family
 from nsa_jax.pretrained.families import model_config
-from nsa_jax.pretrained.weights import dense_params
+from nsa_jax.pretrained.weights import dense_params, nsa_params
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "pretrained"
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2", "gemma2", "gemma3")
@@ -235,11 +235,16 @@ def test_gemma_s_local_and_global_layers_are_transformers_in_every_layout(family
     np.testing.assert_allclose(np.asarray(logits), golden["logits"], rtol=1e-5, atol=2e-5)
 
 
-def test_gemma_s_gradient_is_the_same_through_the_traced_and_the_static_layer_kinds():
+@pytest.mark.parametrize("attention", ["dense", "nsa"])
+def test_gemma_s_gradient_is_the_same_through_the_traced_and_the_static_layer_kinds(attention):
     # The traced kinds (lax.cond per scanned layer) against the unrolled model's static ones,
-    # whose forward is held to transformers above.
+    # whose forward is held to transformers above (dense) or to dense (test_convert, NSA).
     _, cfg, params = _load(GOLDEN / "gemma3")
     ids = jnp.asarray(np.load(GOLDEN / "gemma3" / "golden.npz")["input_ids"])
+    if attention == "nsa":
+        nsa = NSAConfig(l=16, d=8, lp=16, n=3, w=16, gate_bias_init=(-6.0, 6.0, -6.0))
+        cfg = dataclasses.replace(cfg, attention="nsa", nsa=nsa)
+        params = nsa_params(params, cfg, jax.random.PRNGKey(0))
 
     def loss(p, c):
         return cross_entropy(NSALM(c).apply({"params": p}, ids[:, :-1]), ids[:, 1:])
@@ -288,5 +293,8 @@ def test_gemma_variants_not_supported_are_one_line_naming_them():
             model_config({**hf, **change})
     with pytest.raises(PretrainedError, match="Gemma's model.norm_plus_one.*exporting Gemma is not supported"):
         hf_family(model_config(hf))
-    with pytest.raises(ConfigError, match="Gemma's local and global layers\\) runs with model.attention=dense only"):
-        validate_config(Config(model=dataclasses.replace(model_config(hf), attention="nsa", dense_window=0)))
+    nsa = dataclasses.replace(model_config(hf), attention="nsa")
+    with pytest.raises(ConfigError, match="local layers attend through the window branch; add win"):
+        validate_config(Config(model=dataclasses.replace(nsa, nsa=NSAConfig(branches=("cmp", "slc")))))
+    with pytest.raises(ConfigError, match="needs model.dense_window, the local layers' window"):
+        validate_config(Config(model=dataclasses.replace(nsa, dense_window=0)))

@@ -64,7 +64,9 @@ def cache_sizes(cfg: ModelConfig, max_len: int) -> CacheSizes:
         window = 0 if cfg.global_every else cfg.dense_window
         return CacheSizes(S=S, R=min(window or S, S), Tc=0, l=0, max_len=max_len, raw=False)
     U = S // scorer_sub(a) if a.scorer in KEY_SCORERS else 0
-    return CacheSizes(S=S, R=min(a.w, S), Tc=Tc, l=a.l, max_len=max_len, U=U)
+    # Local layers (model.global_every) read the ring too, over their own window.
+    R = min(max(a.w, cfg.dense_window if cfg.global_every else 0), S)
+    return CacheSizes(S=S, R=R, Tc=Tc, l=a.l, max_len=max_len, U=U)
 
 
 @flax.struct.dataclass

@@ -144,11 +144,13 @@ def _compressed_step(qg_BxKxGxDk, kcmp, vcmp, layer, t_B, a, n_blocks: int, scal
     return o, scores
 
 
-def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: dict, compressor) -> dict:
+def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: dict, compressor, window=None) -> dict:
     """One decode step of every branch; writes position t_B[b] of each row into the cache first.
 
     `new` holds the token's RoPE'd keys/values per branch [B, K, D]; `compressor`
-    builds the layer's Compressor submodules by name. Returns branch outputs [B, H, Dv].
+    builds the layer's Compressor submodules by name; `window`: the window branch's keys
+    (default model.nsa.w; a local layer's model.dense_window, maybe traced). Returns branch
+    outputs [B, H, Dv].
     """
     a = cfg.nsa
     B, H, Dk = q_BxHxDk.shape
@@ -219,7 +221,8 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
         outputs["slc"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
 
     if "win" in a.branches:
-        o = ring_attend(qg_BxKxGxDk, cache["kwin"].value[layer], cache["vwin"].value[layer], t_B, a.w)
+        w = a.w if window is None else window
+        o = ring_attend(qg_BxKxGxDk, cache["kwin"].value[layer], cache["vwin"].value[layer], t_B, w)
         outputs["win"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
     return outputs
 

@@ -8,6 +8,11 @@ the training logs). When the caller makes the `losses` collection mutable, it so
 scorer's distillation KL there (distill.py; the train step weighs it); a mutable
 `scorer_inputs` gets the queries and selection keys the scorer works from. `mode="prefill"`
 and `"decode"` run the same submodules with the cache (nsa/decode.py).
+
+Local layers (model.global_every, Gemma's pattern): every layer has NSA's parameters (one layout
+for the scan), and a local one attends with its window branch alone over model.dense_window keys,
+its gates fixed at [0, 0, 1], so a converted local layer is the checkpoint's own; the kernels of
+the other branches run in the global layers only (lax.cond per scanned layer).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import jax.numpy as jnp
 from nsa_jax.config import BRANCHES
 from nsa_jax.kernels import BranchCalls, cudnn_fits, plan_kernels
 from nsa_jax.layers import DenseParams
-from nsa_jax.nsa.attention import Attention
+from nsa_jax.nsa.attention import Attention, local_layer
 from nsa_jax.nsa.compression import Compressor
 from nsa_jax.nsa.context import SeqLayout, WholeSequence
 from nsa_jax.nsa.decode import CACHE_NAMES, decode_branches, fill_cache, missing_cache
@@ -94,6 +99,7 @@ class NSAAttention(Attention):
         seq = layout or WholeSequence(T)  # the positions this device's rows hold
         positions_T = seq.positions()
         decode = self.mode == "decode"
+        local = local_layer(cfg, layer)
         if self.kernels is None:  # this config's plan here; prefill and decode are never differentiated
             backward, fits = self.mode == "train", cudnn_fits(cfg)
             calls = BranchCalls(
@@ -110,7 +116,7 @@ class NSAAttention(Attention):
         gate_fc1 = DenseParams(a.gate_hidden, use_bias=True, kernel_init=init, name="gate_fc1")
         with jax.named_scope("nsa_qkv"):
             rope_T = None if decode else positions_T if rope_positions_T is None else rope_positions_T
-            p = project(cfg, x_BxTxD, KEYS, VALUES, rope_T, pos_B, extra=[gate_fc1])
+            p = project(cfg, x_BxTxD, KEYS, VALUES, rope_T, pos_B, extra=[gate_fc1], local=local)
         (gh,) = p.extra
         q = p.q
         kv = {n[0] + n[2:]: x for n, x in {**p.k, **p.v}.items()}  # k_cmp -> kcmp: the cache's names
@@ -121,6 +127,8 @@ class NSAAttention(Attention):
         with jax.named_scope("nsa_gates"):
             g = gate_fc2(nn.silu(gh))
             g_BxTxHx3 = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, T, H, 3)
+            if local is not None:  # a local layer: the window branch alone
+                g_BxTxHx3 = jnp.where(local, jnp.asarray([0.0, 0.0, 1.0]), g_BxTxHx3)
 
         def compressor(name):
             return Compressor(a.l, a.d, a.cmp_phi, a.cmp_mlp_hidden, dtype=dtype, init_std=cfg.init_std, name=name)
@@ -129,20 +137,21 @@ class NSAAttention(Attention):
         if self.mode != "train":  # prefill fills the cache, decode reads and advances it
             cache = {n: self.variable("cache", n, missing_cache("NSA"), n) for n in CACHE_NAMES}
         if decode:
+            window = a.w if local is None else jnp.where(local, cfg.dense_window, a.w)
             outputs = decode_branches(
-                cfg, cache, layer, pos_B, q[:, 0], {k: x[:, 0] for k, x in kv.items()}, compressor
+                cfg, cache, layer, pos_B, q[:, 0], {k: x[:, 0] for k, x in kv.items()}, compressor, window
             )
             return gated_output(g_BxTxHx3, {k: x[:, None] for k, x in outputs.items()}, a.branches, out_proj, dtype)
 
         cmp_k, cmp_v = compressor("cmp_k"), compressor("cmp_v")
         k_slc, v_slc = kv["kslc"], kv["vslc"]
-        outputs, idx, compressed = branch_outputs(
-            a, calls, seq, q, (kv["kcmp"], kv["vcmp"]), (k_slc, v_slc), (kv["kwin"], kv["vwin"]), (cmp_k, cmp_v)
-        )
+        compressed = compress(a, seq, (kv["kcmp"], kv["vcmp"]), (cmp_k, cmp_v))
+        kv_win = (kv["kwin"], kv["vwin"])
+        outputs, idx = layer_kernels(a, calls, seq, q, compressed, (k_slc, v_slc), kv_win, local, cfg.dense_window)
         if "slc" in a.branches and self.is_mutable_collection("losses"):  # the caller asked for the scorer loss
             with jax.named_scope("nsa_slc"):
                 kl = scorer_kl(a, x_BxTxD, p, cmp_k, dtype)
-            self.sow("losses", "scorer_kl", kl)
+            self.sow("losses", "scorer_kl", kl if local is None else jnp.where(local, 0.0, kl))
         if "slc" in a.branches and self.is_mutable_collection("scorer_inputs"):
             # What the block scorer works from, for experiments (experiments/selection_recall.py).
             self.sow("scorer_inputs", "queries", q)
@@ -170,10 +179,53 @@ def scorer_kl(a, x_BxTxD, p: Projected, cmp_k, dtype) -> jax.Array:
     return score_distill_kl(p.q, kc, p.k["k_slc"], l=a.l, d=a.d, lp=a.lp, query_chunk=a.query_chunk)
 
 
-def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_cmp, kv_slc, kv_win, compressors):
+def compress(a, seq: SeqLayout | WholeSequence, kv_cmp, compressors) -> dict:
+    """The compression branch's tokens: {"whole": the sequence's compressed keys and values, "own":
+    this device's, "real": which of its own count (None: all)} (nsa/context.py's compress_chunks)."""
+    with jax.named_scope("nsa_cmp"), jax.named_scope("compress"):  # the compression MLP, apart from attention
+        kc, kc_own, real_Tc = seq.compress_chunks(kv_cmp[0], compressors[0], a.l, a.d)
+        vc, vc_own, _ = seq.compress_chunks(kv_cmp[1], compressors[1], a.l, a.d)
+    return {"whole": (kc, vc), "own": (kc_own, vc_own), "real": real_Tc}
+
+
+def layer_kernels(a, calls: BranchCalls, seq, q, compressed, kv_slc, kv_win, local, local_window: int):
+    """branch_outputs of a global layer; of a local one (`local`, attention.local_layer), the window
+    branch over `local_window` keys and zeros for the others (its gates are [0, 0, 1]), with no
+    selected block (-1). A scanned layer's `local` is traced: lax.cond runs one of the two."""
+
+    def global_layer(q, compressed, kv_slc, kv_win):
+        return branch_outputs(a, calls, seq, q, compressed, kv_slc, kv_win)
+
+    def local_layer_(q, compressed, kv_slc, kv_win):
+        o, idx = global_shapes
+        win = {"win": window_pieces(calls, seq, q, tuple(seq.gather(x) for x in kv_win), local_window)}
+        zeros = {name: jnp.zeros(x.shape, x.dtype) for name, x in o.items() if name != "win"}
+        return zeros | win, None if idx is None else jnp.full(idx.shape, -1, idx.dtype)
+
+    operands = (q, compressed, kv_slc, kv_win)
+    if local is None:
+        return global_layer(*operands)
+    global_shapes = jax.eval_shape(global_layer, *operands)
+    if isinstance(local, bool):
+        return (local_layer_ if local else global_layer)(*operands)
+    return jax.lax.cond(local, local_layer_, global_layer, *operands)
+
+
+def window_pieces(calls: BranchCalls, seq, q, full_win, window=None) -> jax.Array:
+    """The window branch of this device's queries over the whole sequence's keys (`full_win`), one
+    kernel per piece of consecutive positions (nsa/context.py); `window`: default model.nsa.w."""
+    pieces = seq.pieces()
+    parts = []
+    for start, n, off in pieces:
+        q_c = q if len(pieces) == 1 else q[:, start : start + n]
+        with jax.named_scope("nsa_win"):
+            parts.append(calls.window(q_c, *full_win, window=window, q_offset=off))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, compressed, kv_slc, kv_win):
     """The three branches of this device's queries: (outputs per branch [B, T, H, Dv], the selected
-    blocks [B, T, K, n] or None, {"whole": the sequence's compressed keys and values, "own": this
-    device's, "real": which of its own count (None: all)}).
+    blocks [B, T, K, n] or None), from the compressed tokens (`compress`).
 
     `seq` says which positions this device's rows hold (nsa/context.py): WholeSequence (one device,
     the rows are the whole sequence) or a SeqLayout (context parallelism), whose `gather` brings the
@@ -182,14 +234,10 @@ def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_
     """
     lp = a.lp
     num_blocks = None if isinstance(seq, WholeSequence) else seq.seq_len // lp
-    with jax.named_scope("nsa_cmp"), jax.named_scope("compress"):  # the compression MLP, apart from attention
-        kc, kc_own, real_Tc = seq.compress_chunks(kv_cmp[0], compressors[0], a.l, a.d)
-        vc, vc_own, _ = seq.compress_chunks(kv_cmp[1], compressors[1], a.l, a.d)
+    kc, vc = compressed["whole"]
     full = {}
     if "slc" in a.branches:
         full["slc"] = tuple(seq.gather(x) for x in kv_slc)
-    if "win" in a.branches:
-        full["win"] = tuple(seq.gather(x) for x in kv_win)
     parts = {name: [] for name in BRANCHES}  # the compressed branch always runs: it selects the blocks
     idx_parts = []
     pieces = seq.pieces()
@@ -209,9 +257,8 @@ def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, kv_
             with jax.named_scope("nsa_slc"):
                 parts["slc"].append(calls.selection(q_c, *full["slc"], idx, q_offset=off))
             idx_parts.append(idx)
-        if "win" in a.branches:
-            with jax.named_scope("nsa_win"):
-                parts["win"].append(calls.window(q_c, *full["win"], q_offset=off))
     outputs = {name: x[0] if len(x) == 1 else jnp.concatenate(x, axis=1) for name, x in parts.items() if x}
+    if "win" in a.branches:
+        outputs["win"] = window_pieces(calls, seq, q, tuple(seq.gather(x) for x in kv_win))
     idx = None if not idx_parts else idx_parts[0] if len(idx_parts) == 1 else jnp.concatenate(idx_parts, axis=1)
-    return outputs, idx, {"whole": (kc, vc), "own": (kc_own, vc_own), "real": real_Tc}
+    return outputs, idx
