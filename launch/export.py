@@ -117,13 +117,24 @@ def tokenizer_files(cfg) -> tuple[str | None, dict, str]:
 
 def dropped_nsa(cfg, params):
     """(dense Config, dense params) of an NSA model: the selection branch's keys and values as the
-    attention's, q/o/norms as they are; compression, window branch and gates dropped."""
+    attention's, q/o/norms as they are; compression, window branch and gates dropped. Local layers
+    (model.global_every) keep their window branch's keys and values, which is all they attend with."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
     from nsa_jax.config import replace  # noqa: PLC0415
 
-    dense = replace(cfg, ["model.attention=dense", "model.dense_window=0", "model.nsa.gate_bias_init=[]"])
+    window = cfg.model.dense_window if cfg.model.global_every else 0
+    dense = replace(cfg, ["model.attention=dense", f"model.dense_window={window}", "model.nsa.gate_bias_init=[]"])
     attn = params["layers"]["attn"]
     keep = {n: attn[n] for n in ("q", "o", "q_norm", "k_norm") if n in attn}
     keep["k"], keep["v"] = attn["k_slc"], attn["v_slc"]
+    if cfg.model.global_every:
+        is_local = (np.arange(cfg.model.n_layers) + 1) % cfg.model.global_every != 0
+        for name, branch in (("k", "k_win"), ("v", "v_win")):
+            keep[name] = jax.tree.map(
+                lambda s, w: np.where(is_local.reshape(-1, *[1] * (np.ndim(s) - 1)), w, s), keep[name], attn[branch]
+            )
     layers = dict(params["layers"]) | {"attn": keep}
     return dense, dict(params) | {"layers": layers}
 

@@ -35,7 +35,7 @@ from nsa_jax.rundir import model_dir
 from helpers import cpu_env, run_module
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "pretrained"
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "smollm2", "gemma2", "gemma3")
 # config.json keys that define the model (what transformers builds it from).
 MODEL_KEYS = (
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -193,6 +193,42 @@ def test_an_nsa_model_exports_under_hf_names_and_converts_back(tmp_path, capsys)
     # --attention dense of an NSA export is refused, naming --drop-nsa.
     assert convert([str(tmp_path / "hf"), str(tmp_path / "d"), "--attention", "dense"]) == 2
     assert "--drop-nsa" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+def test_a_gemma_as_nsa_exports_and_converts_back_with_its_layer_pattern(tmp_path, capsys):
+    src = _hf_folder(tmp_path, "gemma3")
+    assert convert([str(src), str(tmp_path / "nsa"), "--set", "model.nsa.w=16"]) == 0
+    assert export([str(tmp_path / "nsa"), str(tmp_path / "hf")]) == 0
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["base_model_type"] == "gemma3_text" and hf["layer_types"][-1] == "full_attention"
+    assert convert([str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    cfg = load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), saved=True).model
+    back = load_config(str(tmp_path / "back" / model_dir.CONFIG_FILE), saved=True).model
+    assert back == cfg and (back.global_every, back.dense_window) == (6, 10)
+    a, b = model_dir.read_params(tmp_path / "nsa"), model_dir.read_params(tmp_path / "back")
+    flat_a = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(a)}
+    flat_b = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(b)}
+    assert flat_a.keys() == flat_b.keys()
+    for key in flat_a:
+        np.testing.assert_array_equal(np.asarray(flat_b[key]), np.asarray(flat_a[key]), err_msg=key)
+    capsys.readouterr()
+    assert export([str(tmp_path / "nsa"), str(tmp_path / "g.gguf"), "--format", "gguf", "--drop-nsa"]) == 2
+    assert "Gemma 3 (text) is not written to GGUF here" in capsys.readouterr().err
+    # --drop-nsa: the local layers keep their window branch's keys, the global one its selection branch's
+    # (here zeroed, so the two differ).
+    saved = load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), saved=True)
+    params = model_dir.read_params(tmp_path / "nsa")
+    attn = params["layers"]["attn"]
+    attn["k_slc"] = jax.tree.map(np.zeros_like, attn["k_slc"])
+    model_dir.write_model_dir(tmp_path / "zeroed", saved, params)
+    shutil.copy(tmp_path / "nsa" / "tokenizer.json", tmp_path / "zeroed" / "tokenizer.json")
+    assert export([str(tmp_path / "zeroed"), str(tmp_path / "dropped"), "--drop-nsa"]) == 0
+    dense, dropped = open_checkpoint(src), open_checkpoint(tmp_path / "dropped")
+    for i in range(5):
+        name = f"model.layers.{i}.self_attn.k_proj.weight"
+        np.testing.assert_array_equal(dropped.tensor(name), dense.tensor(name), err_msg=name)
+    assert not np.any(dropped.tensor("model.layers.5.self_attn.k_proj.weight"))
+    assert model_config(dropped.hf_config) == model_config(dense.hf_config)
 
 
 def test_drop_nsa_writes_the_selection_branch_as_the_attention_and_measures_it(tmp_path, capsys):

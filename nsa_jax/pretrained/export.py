@@ -30,6 +30,7 @@ import numpy as np
 from nsa_jax.config import Config, ModelConfig
 from nsa_jax.pretrained import PretrainedError
 from nsa_jax.pretrained.checkpoints import GGUF_CONFIG, GGUF_NAMES
+from nsa_jax.pretrained.families import FAMILIES, GEMMA
 from nsa_jax.pretrained.weights import LAYER, NSA_PREFIX, NSA_SHARED, layer_tensors
 
 # model_type -> the transformers class that loads it with no custom code.
@@ -38,6 +39,8 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -50,11 +53,14 @@ SOURCE_CONFIG_FILE = "hf_config.json"
 _DERIVED = {"rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version"}
 
 Tensor = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
-# ModelConfig's Gemma fields (families.gemma_config): no family hf_family writes has them.
+# ModelConfig's Gemma fields (families.gemma_config); the first four make a model a Gemma.
 GEMMA_FEATURES = (
     "norm_plus_one", "embed_scale", "mlp_act", "post_norms", "query_scale", "attn_softcap", "final_softcap",
     "global_every", "local_rope_theta",
 )  # fmt: skip
+GEMMA_CORE = {"norm_plus_one": True, "embed_scale": True, "mlp_act": "gelu_tanh", "post_norms": True}
+# Keys of a source Gemma config.json the export writes itself in transformers 5's form.
+_GEMMA_DERIVED = {"layer_types", "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"}
 
 
 def hf_family(m: ModelConfig) -> str:
@@ -64,12 +70,8 @@ def hf_family(m: ModelConfig) -> str:
             "the model is NSA; a dense format holds a dense model: pass --drop-nsa for the approximate "
             "dense model, or --format nsa for the NSA weights under HF names"
         )
-    gemma = [f for f in GEMMA_FEATURES if getattr(m, f) != getattr(ModelConfig, f)]
-    if gemma:
-        raise PretrainedError(
-            f"the model has Gemma's {', '.join(f'model.{f}' for f in gemma)}: exporting Gemma is not supported yet "
-            "(the model folder itself keeps the weights; launch.convert reads the original checkpoint)"
-        )
+    if any(getattr(m, f) != getattr(ModelConfig, f) for f in GEMMA_FEATURES):
+        return _gemma_family(m)
     if m.v_head_dim != m.head_dim:
         raise PretrainedError(
             f"model.v_head_dim {m.v_head_dim} != model.head_dim {m.head_dim}: no HF Llama-family model has "
@@ -87,11 +89,51 @@ def hf_family(m: ModelConfig) -> str:
     return kind
 
 
+def _gemma_family(m: ModelConfig) -> str:
+    """gemma2 or gemma3_text for a model with Gemma's features; PretrainedError naming what neither has."""
+    missing = [f"model.{f}={v}" for f, v in GEMMA_CORE.items() if getattr(m, f) != v]
+    if missing:
+        raise PretrainedError(f"Gemma's features without {', '.join(missing)}: no HF family has this mix")
+    if m.qkv_bias or m.v_head_dim != m.head_dim:
+        raise PretrainedError("a Gemma with q/k/v biases or values of another width than its keys: no HF Gemma has it")
+    if not float(m.query_scale).is_integer():
+        raise PretrainedError(f"model.query_scale {m.query_scale}: HF's query_pre_attn_scalar is an integer")
+    if m.dense_window and not m.global_every:
+        raise PretrainedError("a Gemma whose every layer is local: HF's Gemma has global layers among them")
+    kind = "gemma3_text" if m.qk_norm else "gemma2"
+    if m.rope_scaling.kind not in ("none", "linear") or (kind == "gemma2" and m.rope_scaling.kind != "none"):
+        raise PretrainedError(f"RoPE scaling {m.rope_scaling.kind!r} with a {kind} model: transformers ignores it")
+    if m.global_every and m.rope_scaling.kind != "none" and not m.local_rope_theta:
+        raise PretrainedError("a Gemma whose local layers scale RoPE: HF's Gemma 3 scales its global layers only")
+    if kind == "gemma2" and m.local_rope_theta:
+        raise PretrainedError("a Gemma 2 with model.local_rope_theta: HF's Gemma 2 has one RoPE base")
+    return kind
+
+
+def _gemma_config(m: ModelConfig, kind: str) -> dict:
+    """The Gemma keys of config.json (transformers 5's layer_types and rope_parameters)."""
+    p = m.global_every or 1
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling.kind == "linear":
+        rope = {"rope_type": "linear", "rope_theta": m.rope_theta, "factor": m.rope_scaling.factor}
+    local = {"rope_type": "default", "rope_theta": m.local_rope_theta or m.rope_theta}
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": int(m.query_scale or m.head_dim),  # transformers' field is an int
+        "sliding_window": m.dense_window or None,
+        "layer_types": ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(m.n_layers)],
+        "attn_logit_softcapping": m.attn_softcap or None,
+        "final_logit_softcapping": m.final_softcap or None,
+        "rope_parameters": rope if kind == "gemma2" else {"full_attention": rope, "sliding_attention": local},
+    }
+
+
 def hf_config(cfg: Config, specials: dict, source: dict | None = None, dtype: str = "float32") -> dict:
     """config.json of `cfg.model` (dense): families.model_config of it is cfg.model's shape."""
     m = cfg.model
     kind = hf_family(m)
-    base = {k: v for k, v in (source or {}).items() if k not in _DERIVED}
+    drop = _DERIVED | (_GEMMA_DERIVED if kind in GEMMA else set())
+    base = {k: v for k, v in (source or {}).items() if k not in drop}
     scaling = m.rope_scaling
     longest = int(cfg.train.seq_len)
     if scaling.kind == "llama3":
@@ -125,6 +167,9 @@ def hf_config(cfg: Config, specials: dict, source: dict | None = None, dtype: st
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_len,
         }
+    if kind in GEMMA:
+        del hf["hidden_act"], hf["mlp_bias"], hf["rope_theta"], hf["rope_scaling"]
+        hf |= _gemma_config(m, kind)
     if kind == "mistral":
         hf["sliding_window"] = m.dense_window
     if kind in ("qwen2", "qwen3"):
@@ -311,6 +356,8 @@ def write_gguf(
     """A GGUF file of the dense model `hf` (hf_config's dict) and its `tensors` (hf_tensors');
     `kind` in GGUF_TYPES (2-D tensors; 1-D ones stay F32). Returns {GGUF tensor name: type}."""
     arch = hf["model_type"]
+    if arch in GEMMA:
+        raise PretrainedError(f"{FAMILIES[arch]} is not written to GGUF here; export --format hf")
     if hf.get("rope_scaling"):
         raise PretrainedError("llama3 RoPE scaling is not written to GGUF (llama.cpp keeps it as a tensor); use hf")
     if arch == "mistral":

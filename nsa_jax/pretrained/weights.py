@@ -117,7 +117,7 @@ NSA_SHARED = ("q", "o", "q_norm", "k_norm")
 def nsa_checkpoint_params(ckpt: Checkpoint, cfg: ModelConfig) -> dict:
     """NSALM(cfg) parameters (NSA) from an NSA export: the shared part by HF names, the rest of
     each layer's attention from `model.layers.{i}.self_attn.nsa.<path>`."""
-    dense_cfg = dataclasses.replace(cfg, attention="dense", dense_window=0)
+    dense_cfg = dataclasses.replace(cfg, attention="dense")  # Gemma's local layers keep their window
     params = dense_params(ckpt, dense_cfg, kv=False)
     want = jax.tree.map(lambda s: s.shape, _shapes(cfg))["layers"]["attn"]
     read = _reader(ckpt)
