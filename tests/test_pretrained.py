@@ -291,8 +291,9 @@ def test_gemma_variants_not_supported_are_one_line_naming_them():
     for change, words in cases:
         with pytest.raises(PretrainedError, match=words):
             model_config({**hf, **change})
-    with pytest.raises(PretrainedError, match="Gemma's model.norm_plus_one.*exporting Gemma is not supported"):
-        hf_family(model_config(hf))
+    assert hf_family(model_config(hf)) == "gemma3_text"
+    with pytest.raises(PretrainedError, match="Gemma's features without model.post_norms=True: no HF family"):
+        hf_family(dataclasses.replace(model_config(hf), post_norms=False))
     nsa = dataclasses.replace(model_config(hf), attention="nsa")
     with pytest.raises(ConfigError, match="local layers attend through the window branch; add win"):
         validate_config(Config(model=dataclasses.replace(nsa, nsa=NSAConfig(branches=("cmp", "slc")))))
