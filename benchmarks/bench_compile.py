@@ -15,7 +15,7 @@ then the AdamW update. It reports
 
 Nothing is allocated or run: parameters, optimizer state and batch are
 `jax.ShapeDtypeStruct`s from `jax.eval_shape`. The step is
-`nsa_jax.train.step.make_train_step` (data-parallel shard_map over a mesh of
+`nsa_jax.step.step.make_train_step` (data-parallel shard_map over a mesh of
 `--devices` devices, donated state), or with `--step minimal` a minimal
 equivalent built here.
 
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
         "--step",
         default="auto",
         choices=("auto", "project", "minimal"),
-        help="project (and auto) = nsa_jax.train.step.make_train_step; minimal = a step built here",
+        help="project (and auto) = nsa_jax.step.step.make_train_step; minimal = a step built here",
     )
     opts = parser.parse_args(argv)
 

@@ -38,9 +38,9 @@ from launch.cli import Parser, UsageError
 from nsa_jax import config
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.mesh import make_mesh
+from nsa_jax.step.step import create_state, make_train_step
+from nsa_jax.step.strategies import make_plan
 from nsa_jax.tools import aot, xla_dump
-from nsa_jax.train.step import create_state, make_train_step
-from nsa_jax.train.strategies import make_plan
 
 
 def _branch_kv_bytes(cfg, T: int) -> int:

@@ -2,8 +2,8 @@
 
 For a config (default `cpu_tiny`) on every visible device (on a CPU host it sets
 `--xla_force_host_platform_device_count=2` itself when XLA_FLAGS is unset), each
-variant of `parallel.strategy` (nsa_jax/train/strategies.py) builds the real train
-step (`nsa_jax.train.step.make_train_step`) and reports
+variant of `parallel.strategy` (nsa_jax/step/strategies.py) builds the real train
+step (`nsa_jax.step.step.make_train_step`) and reports
 
 * step time: median (and min, max, process CPU time) of `--steps` timed steps
   after `--warmup` untimed ones, on one fixed random batch;
@@ -49,8 +49,8 @@ from benchmarks.common import MiB, add_config_args, config_meta, fmt, log, print
 from nsa_jax.config import load_config
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.ops.memory import compiled_memory
-from nsa_jax.train import strategies
-from nsa_jax.train.step import create_state, make_train_step
+from nsa_jax.step import strategies
+from nsa_jax.step.step import create_state, make_train_step
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 SHORT = {

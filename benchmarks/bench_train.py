@@ -1,6 +1,6 @@
 """Training throughput and model-FLOPs utilisation, against this machine's matmul peak.
 
-For each config: tokens/s of the real jitted train step (nsa_jax.train.step),
+For each config: tokens/s of the real jitted train step (nsa_jax.step.step),
 the model FLOPs per token (6 x matmul parameters, plus the attention FLOPs NSA
 actually does: QK and PV over the keys each branch reads, from nsa_jax.info),
 and MFU = achieved FLOP/s / peak, where the peak is a large matmul in the
@@ -24,8 +24,8 @@ import numpy as np
 from nsa_jax.config import load_config
 from nsa_jax.info import keys_per_query, parameter_counts
 from nsa_jax.mesh import make_mesh, put_batch
-from nsa_jax.train.step import create_state, make_train_step
-from nsa_jax.train.strategies import make_plan
+from nsa_jax.step.step import create_state, make_train_step
+from nsa_jax.step.strategies import make_plan
 
 
 def matmul_peak(dtype: str, n: int, iters: int = 20) -> float:

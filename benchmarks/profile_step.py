@@ -39,10 +39,10 @@ from nsa_jax.config import load_config
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.report.traces import device_tracks, find_trace, read_trace
+from nsa_jax.step.step import create_state, make_train_step
+from nsa_jax.step.strategies import make_plan
 from nsa_jax.tools.hlo_traffic import parse_module
 from nsa_jax.tools.parts import part_of
-from nsa_jax.train.step import create_state, make_train_step
-from nsa_jax.train.strategies import make_plan
 
 # Instructions that only contain others: their time is their children's.
 CONTAINERS = ("while", "conditional", "call")

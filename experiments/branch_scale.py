@@ -32,7 +32,7 @@ from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM
-from nsa_jax.train import step as S
+from nsa_jax.step import step as S
 
 # The branch tensors measured (docs above): the compressors' outputs, and the selection
 # and window keys and values (the projections of the attention input, before RoPE, which

@@ -49,7 +49,7 @@ from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
 from nsa_jax.data.targets import loss_weights
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM, cross_entropy, per_layer
-from nsa_jax.train import step as S
+from nsa_jax.step import step as S
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:

@@ -35,7 +35,7 @@ from nsa_jax.data import make_dataset
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM
 from nsa_jax.nsa import layer as nsa_layer
-from nsa_jax.train import step as S
+from nsa_jax.step import step as S
 
 
 def free_blocks(t: int, lp: int) -> list[int]:

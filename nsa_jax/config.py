@@ -162,7 +162,7 @@ class TrainConfig:
     # 0: after the warm-up a cosine from lr to min_lr over the rest of train.steps. N > 0
     # (warmup-stable-decay): lr holds after the warm-up and the cosine runs over the last N
     # updates only, so a run continued to a larger train.steps (a longer stage) resumes at
-    # the peak, not part-way down a cosine (train/optimizer.py learning_rate).
+    # the peak, not part-way down a cosine (step/optimizer.py learning_rate).
     decay_steps: int = 0
     weight_decay: float = 0.01
     b1: float = 0.9
@@ -175,7 +175,7 @@ class TrainConfig:
     seed: int = 1337
     out_dir: str = "artifacts/run"
     # Training schedule of the selection branch (docs/NSA.md "Learning options"; the phases:
-    # nsa_jax/train/schedule.py). Dense selection: for the first N steps every block of seq_len
+    # nsa_jax/step/schedule.py). Dense selection: for the first N steps every block of seq_len
     # is selected (evaluation and decode always use model.nsa.n); 0: off.
     dense_selection_steps: int = 0
     # Block-scorer distillation: adds weight * KL(dense selection attention per block ||
@@ -185,7 +185,7 @@ class TrainConfig:
     scorer_distill_steps: int = 0
     # Randomized RoPE positions: 0 (off) RoPE sees positions 0..seq_len-1; N > seq_len: every
     # micro-batch's rows sit in [0, N) as a few contiguous pieces with random gaps between
-    # them (train/positions.py random_rope_positions), so a short row trains the rotary distances
+    # them (step/positions.py random_rope_positions), so a short row trains the rotary distances
     # of a row of N (docs/LONG_CONTEXT.md). Only RoPE moves: blocks, window and causality
     # stay at the token indices; evaluation uses 0..L-1.
     rope_positions: int = 0
@@ -259,7 +259,7 @@ class ParallelConfig:
     # data x seq = devices/C x C; nsa_jax/nsa/context.py). 1: each device holds whole sequences.
     context: int = 1
     # dp: reduce each scanned layer's gradients as the backward leaves that layer (the study's
-    # async/bucketed DDP; train/strategies.py reduce_in_backward), so the all-reduces can overlap
+    # async/bucketed DDP; step/strategies.py reduce_in_backward), so the all-reduces can overlap
     # the backward of the layers below, instead of one reduction after the whole backward. With
     # train.accumulate > 1 each micro-batch's backward reduces (DDP without no_sync). Off until
     # a GPU measures it no slower.

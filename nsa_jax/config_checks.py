@@ -17,7 +17,7 @@ from nsa_jax.seq_layout import split_problem
 BRANCHES = ("cmp", "slc", "win")
 # Long-context suites (nsa_jax/evaluation, `python -m launch.evaluate`).
 EVAL_SUITES = ("needle", "loss-by-position", "kv_recall")
-# The strategies whose step splits a sequence over `seq` (train/strategies.make_mapped_grad_fn).
+# The strategies whose step splits a sequence over `seq` (step/strategies.make_mapped_grad_fn).
 CONTEXT_STRATEGIES = ("dp", "zero1", "fsdp")
 
 

@@ -85,7 +85,7 @@ class NSALM(ModelPart):
     given, are theirs too.
     """
 
-    # fsdp (train/strategies.py): one layer's variables with their parameter slices gathered whole,
+    # fsdp (step/strategies.py): one layer's variables with their parameter slices gathered whole,
     # applied as each layer runs; None: the parameters come whole.
     layer_gather: Callable | None = None
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.config import load_config
-from nsa_jax.train import optimizer as O
+from nsa_jax.step import optimizer as O
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

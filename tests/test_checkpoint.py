@@ -33,10 +33,10 @@ from nsa_jax.ops import preemption
 from nsa_jax.rundir import checkpoint as C
 from nsa_jax.rundir import checksums, resume
 from nsa_jax.rundir import files as rf
-from nsa_jax.train import step as S
+from nsa_jax.step import step as S
+from nsa_jax.step.strategies import make_plan
 from nsa_jax.train.loop import Trainer
 from nsa_jax.train.saves import RunSaves
-from nsa_jax.train.strategies import make_plan
 
 from helpers import NSA_CSV_COLUMNS, TINY_RUN, TINY_SAVING_RUN, cpu_env, set_flags
 

@@ -35,7 +35,7 @@ from nsa_jax.kernels import plan_kernels
 from nsa_jax.mesh import SEQ, make_mesh
 from nsa_jax.nsa import context as CX
 from nsa_jax.seq_layout import device_order, natural_slots
-from nsa_jax.train import step as S
+from nsa_jax.step import step as S
 
 from helpers import LAUNCH_TRAIN, TINY_NSA, cpu_env, python_c, run_module, set_flags
 
@@ -308,7 +308,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 sys.path.insert(0, "tests")
 from test_context import cfg_of, grads_loss_stats, rel
 from nsa_jax.mesh import make_mesh
-from nsa_jax.train import step as S
+from nsa_jax.step import step as S
 rng = np.random.default_rng(1)
 out = {}
 # One reference on one device: loss and gradients do not depend on the data split (equal rows per

@@ -215,7 +215,7 @@ def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
     cfg = load_config(folder_cfg, init, saved=True)
     check_init_from(cfg)
     from nsa_jax.mesh import make_mesh
-    from nsa_jax.train import step
+    from nsa_jax.step import step
 
     state = step.create_state(cfg, make_mesh(cfg, jax.devices()[:1]), params=model_dir.initial_params(cfg))
     want = model_dir.read_params(tmp_path / "nsa")

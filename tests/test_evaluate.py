@@ -19,8 +19,8 @@ from nsa_jax.data import kv_recall, make_dataset
 from nsa_jax.evaluation.heldout import Evaluator
 from nsa_jax.mesh import DATA, make_mesh
 from nsa_jax.model import NSALM
-from nsa_jax.train.loss import loss_and_stats
-from nsa_jax.train.state import init_state
+from nsa_jax.step.loss import loss_and_stats
+from nsa_jax.step.state import init_state
 
 from helpers import TINY_NSA
 

@@ -28,8 +28,9 @@ from nsa_jax.config import load_config
 from nsa_jax.ops import preemption
 from nsa_jax.progress_text import fmt_duration
 from nsa_jax.rundir import resume
-from nsa_jax.train import loop, progress, schedule
-from nsa_jax.train import optimizer as O
+from nsa_jax.step import optimizer as O
+from nsa_jax.step import schedule
+from nsa_jax.train import loop, progress
 
 from helpers import TINY_SAVING_RUN, cpu_env, set_flags
 

@@ -38,13 +38,7 @@ LAYERS = (
     ("kernels", ("nsa_jax.kernels",)),
     ("model", ("nsa_jax.layers", "nsa_jax.nsa", "nsa_jax.model", "nsa_jax.info")),
     ("pretrained", ("nsa_jax.pretrained",)),
-    (
-        "train step",
-        tuple(
-            f"nsa_jax.train.{m}"
-            for m in ("step", "strategies", "loss", "rows", "optimizer", "state", "schedule", "positions")
-        ),
-    ),
+    ("train step", ("nsa_jax.step",)),
     ("run directory", ("nsa_jax.rundir",)),
     ("operations", ("nsa_jax.ops",)),
     ("inference", ("nsa_jax.inference",)),

@@ -21,10 +21,10 @@ from nsa_jax.data.kv_recall import make_kv_batch, pair_len
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.nsa.distill import score_distill_kl
 from nsa_jax.nsa.layer import NSAAttention
-from nsa_jax.train import schedule
-from nsa_jax.train import step as S
-from nsa_jax.train.loss import loss_and_stats
-from nsa_jax.train.positions import ROPE_PIECES, random_rope_positions
+from nsa_jax.step import schedule
+from nsa_jax.step import step as S
+from nsa_jax.step.loss import loss_and_stats
+from nsa_jax.step.positions import ROPE_PIECES, random_rope_positions
 
 from helpers import rel_err, tiny_model_cfg
 

@@ -12,7 +12,7 @@ import pytest
 from nsa_jax.config import load_config
 from nsa_jax.kernels.plan import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, cross_entropy, init_params, per_layer
-from nsa_jax.train.loss import loss_and_stats
+from nsa_jax.step.loss import loss_and_stats
 
 from helpers import TINY_NSA, assert_close, rel_err, tiny_model_cfg
 

@@ -1,4 +1,4 @@
-"""Data-parallel strategies (nsa_jax/train/strategies.py): same math, different placement.
+"""Data-parallel strategies (nsa_jax/step/strategies.py): same math, different placement.
 
 Every `parallel.strategy` runs a few optimizer steps (accumulate 2) on 2 devices and
 is compared with an independent single-device reference written here: a plain
@@ -25,8 +25,8 @@ from nsa_jax.config import load_config
 from nsa_jax.mesh import DATA, make_mesh, put_batch
 from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.rundir import checkpoint as C
-from nsa_jax.train import step as S
-from nsa_jax.train import strategies
+from nsa_jax.step import step as S
+from nsa_jax.step import strategies
 
 from helpers import host_train_state, rel_err, tiny_model_cfg
 

@@ -20,10 +20,10 @@ from nsa_jax.config import load_config
 from nsa_jax.mesh import batch_sharding, make_mesh, put_batch, replicated
 from nsa_jax.model import NSALM, cross_entropy
 from nsa_jax.progress_text import fmt_duration
-from nsa_jax.train import optimizer as O
-from nsa_jax.train import step as S
+from nsa_jax.step import optimizer as O
+from nsa_jax.step import step as S
+from nsa_jax.step.state import init_state
 from nsa_jax.train.progress import progress_line
-from nsa_jax.train.state import init_state
 
 from helpers import TINY_NSA, host_train_state, rel_err
 
@@ -313,7 +313,7 @@ def test_trainable_freezes_every_other_parameter_and_clips_by_the_trained_ones_a
 
 def test_trainable_names_no_parameter_is_refused_with_the_models_names():
     from nsa_jax.config import ConfigError
-    from nsa_jax.train.state import check_trainable
+    from nsa_jax.step.state import check_trainable
 
     cfg = tiny_cfg()
     check_trainable(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, trainable=("gate_fc1", "k_cmp"))))

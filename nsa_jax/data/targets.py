@@ -1,6 +1,6 @@
 """Which targets of a dataset's rows count, and how much: the loss weights and the answer positions.
 
-The train step (nsa_jax/train/step.py) weights its next-token loss with `loss_weights`
+The train step (nsa_jax/step/step.py) weights its next-token loss with `loss_weights`
 and the held-out evaluation (nsa_jax/evaluation/heldout.py) uses the same weights and
 scores its retrieval accuracy on `answer_mask`; neither names a dataset. Both are
 functions of the tokens (and the config) alone, traced inside the jitted step.

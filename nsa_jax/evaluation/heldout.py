@@ -9,7 +9,7 @@ Owns which rows are evaluated and what is measured on them:
     and `needle` the retrieval accuracy (argmax at the answer positions of
     targets.answer_mask: kv_recall's values, the needle's pass key).
 
-The jitted function lays the rows out as the train step does (nsa_jax/train/rows.py) and
+The jitted function lays the rows out as the train step does (nsa_jax/step/rows.py) and
 scores them inside one shard_map over (data, seq): each device its rows, and under
 context parallelism its positions of them (a row need not fit one device). It takes
 the parameters as the training strategy keeps them and gathers them as the step does
@@ -36,8 +36,8 @@ from nsa_jax.kernels import plan_kernels
 from nsa_jax.mesh import DATA, SEQ, process_rows
 from nsa_jax.model import NSALM, rows_nll
 from nsa_jax.nsa.context import seq_layout
-from nsa_jax.train.rows import Rows, lay_out_rows, rows_spec
-from nsa_jax.train.strategies import param_gather, state_shardings
+from nsa_jax.step.rows import Rows, lay_out_rows, rows_spec
+from nsa_jax.step.strategies import param_gather, state_shardings
 
 
 def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):

@@ -2,7 +2,7 @@
 
 Owns the layout of a sequence over C devices and the collectives the NSA layer needs under
 it; the layer (nsa/layer.py) reads its sequence through `SeqLayout` (it reaches the layer
-inside the kernel plan, `KernelPlan.layout`), and the batch record (train/rows.py) is laid
+inside the kernel plan, `KernelPlan.layout`), and the batch record (step/rows.py) is laid
 out with `SeqLayout.lay_out`. `WholeSequence` reads a sequence one device holds whole through
 the same methods, so the layer has one path.
 

@@ -3,7 +3,7 @@
 Owns the KL between where the selection branch's attention would go with every
 block visible and the compressed block scores (Eq. 9-10) that choose its blocks.
 The layer computes it only when its caller makes the `losses` collection mutable
-(nsa/layer.py); the train step weighs it into the loss (train/step.py). The block
+(nsa/layer.py); the train step weighs it into the loss (step/step.py). The block
 scores and top-n the forward uses live in kernels/xla.py, beside the kernels that
 must agree with them. The KL's pieces (the free blocks, the full attention's block
 mass, the compressed block scores) also measure a model's selections

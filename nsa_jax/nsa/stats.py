@@ -3,7 +3,7 @@ blocks beyond the window, the compressed against the selection keys' and values'
 
 The layer sows `aux_stat_sums` (two reductions per layer, whatever the number of statistics);
 the train step adds them over micro-batches and devices and `aux_stats` finishes them outside
-the layers (nsa_jax/train/loss.py).
+the layers (nsa_jax/step/loss.py).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class Checkpointer:
         warn: Callable[[str], None] = print,
         verify: bool = True,
     ):
-        # plan: the run's ShardingPlan (nsa_jax/train/strategies.py): its config, mesh and the
+        # plan: the run's ShardingPlan (nsa_jax/step/strategies.py): its config, mesh and the
         # shapes and shardings of the state, which a restore reads straight into.
         self.plan, self.cfg, self.mesh = plan, plan.cfg, plan.mesh
         self.out, self._warn = pathlib.Path(out_dir), warn

@@ -1,4 +1,4 @@
-"""The training loss of one micro-batch, on the rows one device holds (nsa_jax/train/rows.py).
+"""The training loss of one micro-batch, on the rows one device holds (nsa_jax/step/rows.py).
 
 `Loss.part` is what every strategy differentiates: the model's next-token loss on this
 device's part of a micro-batch's rows (all of them without context parallelism; its
@@ -29,8 +29,8 @@ from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan
 from nsa_jax.model import NSALM, cast_dense_kernels, per_layer, rows_nll
 from nsa_jax.nsa.stats import aux_stats
-from nsa_jax.train import schedule
-from nsa_jax.train.rows import Rows, denominators, lay_out_rows
+from nsa_jax.step import schedule
+from nsa_jax.step.rows import Rows, denominators, lay_out_rows
 
 
 @dataclasses.dataclass(frozen=True)

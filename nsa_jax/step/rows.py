@@ -21,7 +21,7 @@ from nsa_jax.config import Config
 from nsa_jax.data.targets import answer_mask, loss_weights
 from nsa_jax.mesh import DATA, SEQ
 from nsa_jax.nsa.context import SeqLayout
-from nsa_jax.train.positions import random_rope_positions
+from nsa_jax.step.positions import random_rope_positions
 
 
 class Rows(NamedTuple):

@@ -8,7 +8,7 @@ so the train step compiles one loss per phase and the step counter picks one
 
 `lr_change_on_resume` says what a resume with changed learning-rate settings does: the
 LR is a function of the step and of train.steps, warmup, lr, min_lr and decay_steps
-(nsa_jax/train/optimizer.py), so the resumed run follows the new schedule from the
+(nsa_jax/step/optimizer.py), so the resumed run follows the new schedule from the
 restored step on; a cosine that had reached min_lr rises again when train.steps grows.
 """
 

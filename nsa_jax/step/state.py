@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from nsa_jax.config import Config
 from nsa_jax.model import init_params
-from nsa_jax.train.optimizer import frozen_mask, make_optimizer
+from nsa_jax.step.optimizer import frozen_mask, make_optimizer
 
 
 @flax.struct.dataclass

@@ -13,7 +13,7 @@ One optimizer step:
 
 Placement and reduction are `parallel.strategy`'s (strategies.py), held for one run by a
 `ShardingPlan` (`make_plan`, built once; the step builders also take (cfg, mesh) for one-off
-steps). This module builds each schedule phase's loss (train/loss.py) and the update, and hands
+steps). This module builds each schedule phase's loss (step/loss.py) and the update, and hands
 the loss to strategies.make_grad_fn, which never calls back here. No I/O: the loop owns files,
 clocks and printing.
 """
@@ -30,11 +30,11 @@ from jax import lax
 from jax.sharding import Mesh
 
 from nsa_jax.config import Config
-from nsa_jax.train import schedule, strategies
-from nsa_jax.train.loss import Loss
-from nsa_jax.train.optimizer import apply_lr, learning_rate, make_optimizer
-from nsa_jax.train.state import TrainState, init_state
-from nsa_jax.train.strategies import ShardingPlan, make_plan
+from nsa_jax.step import schedule, strategies
+from nsa_jax.step.loss import Loss
+from nsa_jax.step.optimizer import apply_lr, learning_rate, make_optimizer
+from nsa_jax.step.state import TrainState, init_state
+from nsa_jax.step.strategies import ShardingPlan, make_plan
 
 
 def as_plan(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> ShardingPlan:
@@ -68,7 +68,7 @@ def make_grad_fn(
     plan: ShardingPlan | Config, mesh: Mesh | None = None, *, phase: schedule.Phase | None = None
 ) -> Callable:
     """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy
-    (strategies.make_grad_fn) for the loss of `phase` (train/loss.py; default: cfg.model)."""
+    (strategies.make_grad_fn) for the loss of `phase` (step/loss.py; default: cfg.model)."""
     plan = as_plan(plan, mesh)
     kernels = plan.kernels(phase.model if phase else plan.cfg.model)
     return strategies.make_grad_fn(plan, Loss(plan.cfg, phase, kernels))

@@ -2,7 +2,7 @@
 
 Owns, per `parallel.strategy`, the state's shardings on the (data, seq) mesh (`state_shardings`,
 `grad_shardings`), the `ShardingPlan` that holds them for one run (`make_plan`) and the function
-from a batch to the mean gradient (`make_grad_fn`, the dispatch). The loss is train/loss.py's;
+from a batch to the mean gradient (`make_grad_fn`, the dispatch). The loss is step/loss.py's;
 the update and the step are step.py's. Every strategy computes the same update: the mean
 gradient over the global batch, summed locally over the micro-batches, reduced once per step
 in parallel.grad_reduce_dtype by `reduce_grads` (the one reduction all call), then optax.
@@ -14,7 +14,7 @@ in parallel.grad_reduce_dtype by `reduce_grads` (the one reduction all call), th
   gspmd     whole    whole           make_partitioned_grad_fn: jit + shardings, XLA's all-reduce
   pmap      whole    whole           make_pmap_step: jax.pmap, the whole step per device
 
-dp, zero1 and fsdp run one path at every context degree C (train/rows.py); gspmd and pmap at
+dp, zero1 and fsdp run one path at every context degree C (step/rows.py); gspmd and pmap at
 C = 1. "Slices": the largest axis the device count divides (`data_spec`; never the stacked [L]
 axis), over `data`, or over `data` and `seq` together when C > 1.
 """
@@ -36,9 +36,9 @@ from nsa_jax.config import Config
 from nsa_jax.kernels import KernelPlan, cudnn_fits, plan_kernels
 from nsa_jax.mesh import DATA, SEQ
 from nsa_jax.nsa.context import SeqLayout, seq_layout
-from nsa_jax.train.loss import Loss
-from nsa_jax.train.rows import Rows, denominators, lay_out_rows, rows_spec
-from nsa_jax.train.state import TrainState, init_state
+from nsa_jax.step.loss import Loss
+from nsa_jax.step.rows import Rows, denominators, lay_out_rows, rows_spec
+from nsa_jax.step.state import TrainState, init_state
 from nsa_jax.words import count
 
 STRATEGIES = ("dp", "pmap", "gspmd", "zero1", "fsdp")
@@ -243,21 +243,26 @@ def make_plan(cfg: Config, mesh: Mesh) -> ShardingPlan:
 # gradients
 
 
+def accumulate(micro: Callable, xs):
+    """The sum over xs' leading axis (the micro-batches) of micro(x), a pytree, in fp32: the one
+    accumulation loop of every strategy (one lax.scan, so the program does not grow with train.accumulate)."""
+    shapes = jax.eval_shape(micro, jax.tree.map(lambda x: x[0], xs))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+    def body(carry, x):
+        return jax.tree.map(jnp.add, carry, micro(x)), None
+
+    return lax.scan(body, zeros, xs)[0]
+
+
 def local_sums(value_and_grad: Callable, params, tokens_AxbxT1: jax.Array):
     """Sums over the A micro-batches of (grads fp32, loss, stats) on this device's rows; no collective."""
-    (_, stats_shape), _ = jax.eval_shape(value_and_grad, params, tokens_AxbxT1[0])
-    zeros = (
-        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-        jnp.zeros((), jnp.float32),
-        jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_shape),
-    )
 
-    def micro(carry, tokens_bxT1):
+    def micro(tokens_bxT1):
         (loss, stats), grads = value_and_grad(params, tokens_bxT1)
-        return jax.tree.map(jnp.add, carry, (grads, loss, stats)), None
+        return grads, loss, stats
 
-    sums, _ = lax.scan(micro, zeros, tokens_AxbxT1)
-    return sums
+    return accumulate(micro, tokens_AxbxT1)
 
 
 def reduce_grads(grads, n: int, dtype, over_devices: Callable, places=None):
@@ -407,20 +412,13 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
             rope = None if rows.rope is None else rows.rope[0]
             return value_and_grad(params, rows._replace(rope=rope), denom_1[0])
 
-        def micro(carry, xs):
+        def micro(xs):
             (share, sums), grads = pair_loss(xs)
             # The sequence's sums before any ratio: the statistics of the pair, as at C = 1.
             stats = loss.finish(jax.tree.map(lambda x: lax.psum(x, SEQ), sums))
-            return jax.tree.map(jnp.add, carry, (grads, lax.psum(share, SEQ), stats)), None
+            return grads, lax.psum(share, SEQ), stats
 
-        xs = (rows_Axbx, denom_Ax1)
-        (_, sums_shape), _ = jax.eval_shape(pair_loss, jax.tree.map(lambda x: x[0], xs))
-        zeros = (
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-            jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(loss.finish, sums_shape)),
-        )
-        (grads, total, stats), _ = lax.scan(micro, zeros, xs)
+        grads, total, stats = accumulate(micro, (rows_Axbx, denom_Ax1))
         n = denom_Ax1.shape[0] * n_devices
         grads = reduce_grads(grads, n, reduce_dtype, over_devices, grad_specs)
         return grads, lax.psum(total, DATA) / n, jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)

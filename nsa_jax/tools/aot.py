@@ -48,8 +48,8 @@ from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.nsa.layer import NSAAttention
 from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.seq_layout import chunk_len
-from nsa_jax.train.step import make_train_step
-from nsa_jax.train.strategies import make_plan, per_device_batch
+from nsa_jax.step.step import make_train_step
+from nsa_jax.step.strategies import make_plan, per_device_batch
 from nsa_jax.words import count
 
 MiB = 1024 * 1024

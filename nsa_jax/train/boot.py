@@ -36,13 +36,13 @@ from nsa_jax.kernels.plan import FALLBACKS, substitutions
 from nsa_jax.mesh import DATA, make_mesh, process_rows
 from nsa_jax.rundir import checkpoint as ckpt
 from nsa_jax.rundir import resume
-from nsa_jax.train import schedule
+from nsa_jax.step import schedule
+from nsa_jax.step.optimizer import learning_rate
+from nsa_jax.step.state import TrainState
+from nsa_jax.step.step import make_train_step
+from nsa_jax.step.strategies import ShardingPlan, make_plan, whole_leaves
 from nsa_jax.train.artifacts import RunArtifacts
-from nsa_jax.train.optimizer import learning_rate
 from nsa_jax.train.progress import gpu_config_warning
-from nsa_jax.train.state import TrainState
-from nsa_jax.train.step import make_train_step
-from nsa_jax.train.strategies import ShardingPlan, make_plan, whole_leaves
 from nsa_jax.words import count
 
 Say = Callable[[str], None]

@@ -42,11 +42,12 @@ from nsa_jax.progress_text import fmt_duration
 from nsa_jax.rundir import resume
 from nsa_jax.rundir.files import HALT_FILE, write_halt
 from nsa_jax.rundir.model_dir import initial_params
-from nsa_jax.train import metrics, progress, schedule
+from nsa_jax.step import schedule
+from nsa_jax.step.state import TrainState, check_trainable
+from nsa_jax.step.step import create_state
+from nsa_jax.train import metrics, progress
 from nsa_jax.train.boot import boot, compile_step
 from nsa_jax.train.saves import RunSaves
-from nsa_jax.train.state import TrainState, check_trainable
-from nsa_jax.train.step import create_state
 from nsa_jax.train.trace import StepTrace
 from nsa_jax.words import count
 
