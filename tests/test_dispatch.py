@@ -37,6 +37,11 @@ def test_plan_names_every_branch():
     assert _plan(backend="cpu").describe() == {"cmp": "xla-chunked", "slc": "xla-chunked", "win": "xla-chunked"}
     assert _plan(backend="cpu", attention_impl="pallas").describe()["slc"] == "pallas-interpret/gather"
     assert _plan(backend="cpu", attention_impl="pallas").interpret and not _plan().interpret
+    # The block scorer's kernel is named where it is not cmp's own (kernels.BranchCalls.blocks).
+    assert "score" not in _plan().describe("cmp")
+    assert _plan().describe("minmax")["score"] == "pallas-triton/minmax"
+    assert _plan().describe("mix")["score"] == "xla-chunked/mix"
+    assert _plan(backend="cpu").describe("minmax")["score"] == "xla-chunked/minmax"
 
 
 def test_auto_keeps_selection_on_xla_when_the_kernel_cannot_take_the_blocks():

@@ -87,12 +87,14 @@ class KernelPlan:
                     f"KernelPlan.{branch} must be one of {', '.join(allowed)}, got {getattr(self, branch)!r}"
                 )
 
-    def describe(self) -> dict[str, str]:
+    def describe(self, scorer: str = "cmp") -> dict[str, str]:
         """Per branch, for env.json and the boot line: ``pallas-triton`` (selection:
         ``pallas-triton/gather``, ...), ``pallas-interpret`` or ``xla-chunked``; the compressed
         branch through cuDNN ``cudnn+pallas-triton`` (scoring on Pallas), ``xla-attention+pallas-interpret``
         off a GPU, where jax's fused attention runs on XLA. Under context parallelism a
-        ``context`` entry says how the sequence is split and what crosses devices."""
+        ``context`` entry says how the sequence is split and what crosses devices. A block scorer
+        other than cmp's (model.nsa.scorer) adds ``score``: minmax fused with top-n on Pallas where
+        the compressed branch runs its kernels (``pallas-triton/minmax``), else ``xla-chunked/<scorer>``."""
         pallas = "pallas-interpret" if self.interpret else "pallas-triton"
         slc = "xla-chunked" if self.slc == "xla" else f"{pallas}/{self.slc}"
         cmp = {"pallas": pallas, "xla": "xla-chunked"}.get(self.cmp)
@@ -103,6 +105,9 @@ class KernelPlan:
             "slc": slc,
             "win": pallas if self.win == "pallas" else "xla-chunked",
         }
+        if scorer != "cmp":  # the kernel BranchCalls.blocks runs
+            fused = scorer == "minmax" and self.cmp in COMPRESSED_KERNELS
+            out["score"] = f"{pallas}/minmax" if fused else f"xla-chunked/{scorer}"
         if self.context > 1:
             out["context"] = f"{self.context} devices per sequence (zig-zag chunks; K/V all-gathered over seq)"
         return out

@@ -141,7 +141,8 @@ def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None, kernel_pl
     if kernel_plans is None:
         backend = mesh.devices.flat[0].platform
         kernel_plans = [(0, plan_kernels(cfg.model.nsa, cfg.train.seq_len, backend, cudnn_ok=cudnn_fits(cfg.model)))]
-    phases = [{"from_step": start, **plan.describe()} for start, plan in kernel_plans]
+    scorer = cfg.model.nsa.scorer
+    phases = [{"from_step": start, **plan.describe(scorer)} for start, plan in kernel_plans]
     return {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -168,7 +169,7 @@ def env_info(cfg: Config, mesh, applied: dict[str, str] | None = None, kernel_pl
             "shape": dict(mesh.shape),
             "devices": [str(d) for d in mesh.devices.flat],
         },
-        "attention_impl": kernel_plans[-1][1].describe(),
+        "attention_impl": kernel_plans[-1][1].describe(scorer),
         **({"attention_impl_phases": phases} if len(phases) > 1 else {}),
         "XLA_FLAGS": environ.get("XLA_FLAGS", ""),
         "nsa_env": {k: v for k, v in sorted(environ.items()) if k.startswith("NSA_")},
