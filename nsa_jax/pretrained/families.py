@@ -68,34 +68,41 @@ def model_config(hf: dict) -> ModelConfig:
     if hf.get("mlp_bias"):
         raise PretrainedError("config.json: mlp_bias=true is not supported (the MLP has no biases)")
     try:
-        H, D = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-        K = int(hf.get("num_key_value_heads") or H)
-        Dk = int(hf.get("head_dim") or D // H)
         theta, scaling = _rope(hf)
         window = hf.get("sliding_window") if kind == "mistral" else None
         if kind == "qwen2" and hf.get("use_sliding_window"):
             raise PretrainedError("config.json: Qwen2's use_sliding_window=true is not supported")
         return ModelConfig(
-            vocab_size=int(hf["vocab_size"]),
-            d_model=D,
-            n_layers=int(hf["num_hidden_layers"]),
-            n_heads=H,
-            n_kv_heads=K,
-            head_dim=Dk,
-            v_head_dim=Dk,
-            d_ff=int(hf["intermediate_size"]),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **_shape(hf, tied=False),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias", False)),
             qk_norm=kind == "qwen3",
-            attention="dense",
             dense_window=int(window or 0),
-            init_std=float(hf.get("initializer_range", 0.02)),
         )
     except KeyError as e:
         raise PretrainedError(f"config.json has no {e.args[0]!r}, which a {FAMILIES[kind]} config needs") from None
+
+
+def _shape(hf: dict, tied: bool) -> dict:
+    """The ModelConfig keys every family reads alike (`tied`: the family's default for tie_word_embeddings);
+    KeyError for a key the config lacks."""
+    H, D = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    Dk = int(hf.get("head_dim") or D // H)
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        d_model=D,
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=H,
+        n_kv_heads=int(hf.get("num_key_value_heads") or H),
+        head_dim=Dk,
+        v_head_dim=Dk,
+        d_ff=int(hf["intermediate_size"]),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", tied)),
+        attention="dense",
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
 
 
 def _gemma_pattern(hf: dict, L: int) -> int:
@@ -145,22 +152,11 @@ def gemma_config(hf: dict) -> ModelConfig:
         if period != 1 and not window:
             raise PretrainedError("config.json: local (sliding_attention) layers need a sliding_window")
         return ModelConfig(
-            vocab_size=int(hf["vocab_size"]),
-            d_model=D,
-            n_layers=L,
-            n_heads=H,
-            n_kv_heads=int(hf.get("num_key_value_heads") or H),
-            head_dim=Dk,
-            v_head_dim=Dk,
-            d_ff=int(hf["intermediate_size"]),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **_shape(hf, tied=True),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
             qk_norm=kind == "gemma3_text",
-            attention="dense",
             dense_window=window if local_layers else 0,
-            init_std=float(hf.get("initializer_range", 0.02)),
             norm_plus_one=True,
             embed_scale=True,
             mlp_act="gelu_tanh",
