@@ -99,7 +99,8 @@ def main() -> None:
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     mesh = make_mesh(cfg)
-    state, train_step = S.create_state(cfg, mesh), S.make_train_step(cfg, mesh)
+    plan = S.make_plan(cfg, mesh)
+    state, train_step = S.create_state(plan), S.make_train_step(plan)
     ds = make_dataset(cfg, "train")
     tokens = jnp.asarray(np.asarray(next(make_dataset(cfg, "val")))[:, :-1])
     model = NSALM(cfg.model)

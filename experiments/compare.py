@@ -136,8 +136,8 @@ def run_one(base_name: str, base_overrides: list[str], variant: str, seed: int, 
     cfg = load_config(base_name, [*common, *extra])
     data_cfg = load_config(base_name, common)  # the rows: independent of the variant
     mesh = make_mesh(cfg)
-    state = S.create_state(cfg, mesh)
-    train_step = S.make_train_step(cfg, mesh)
+    plan = S.make_plan(cfg, mesh)
+    state, train_step = S.create_state(plan), S.make_train_step(plan)
     ds = make_dataset(data_cfg, "train")
     val = make_dataset(data_cfg, "val")
     val_batches = [np.asarray(next(val)) for _ in range(args.eval_batches)]

@@ -51,8 +51,8 @@ def train_and_score(cfg, eval_batches: int, eval_every: int, label: str, data_cf
     """Trains `cfg`'s model on the rows of `data_cfg` (default cfg) and scores it every eval_every steps."""
     data_cfg = cfg if data_cfg is None else data_cfg
     mesh = make_mesh(cfg)
-    state = S.create_state(cfg, mesh)
-    train_step = S.make_train_step(cfg, mesh)
+    plan = S.make_plan(cfg, mesh)
+    state, train_step = S.create_state(plan), S.make_train_step(plan)
     ds = make_dataset(data_cfg, "train")
     val = make_dataset(data_cfg, "val")
     val_batches = [next(val) for _ in range(eval_batches)]

@@ -97,7 +97,8 @@ def main() -> None:
     if cfg.data.dataset != "kv_recall" or "slc" not in cfg.model.nsa.branches or not cfg.model.scan_layers:
         raise SystemExit("error: needs data.dataset=kv_recall, a selection branch and model.scan_layers=true")
     mesh = make_mesh(cfg)
-    state, train_step = S.create_state(cfg, mesh), S.make_train_step(cfg, mesh)
+    plan = S.make_plan(cfg, mesh)
+    state, train_step = S.create_state(plan), S.make_train_step(plan)
     ds, val = make_dataset(cfg, "train"), make_dataset(cfg, "val")
     val_batches = [np.asarray(next(val)) for _ in range(args.eval_batches)]
     evaluate = make_evaluator(cfg, val_batches)

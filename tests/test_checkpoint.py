@@ -467,7 +467,7 @@ def test_a_stage_that_trains_the_new_parts_alone_resumes_with_every_parameter_tr
         return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
     cfg = cfg_of(env)
-    init = flat(S.create_state(cfg, make_mesh(cfg, jax.devices()[:1])).params)  # the run's own start
+    init = flat(S.create_state(S.make_plan(cfg, make_mesh(cfg, jax.devices()[:1]))).params)  # the run's own start
     two, four = (flat(C.restore_params(resume.checkpoint_dir(out) / str(s))) for s in (2, 4))
     assert init.keys() == two.keys()
     first_moved = {k for k in init if not np.array_equal(init[k], two[k])}
@@ -619,7 +619,7 @@ def test_save_returns_after_the_copy_off_the_device(tmp_path):
         donate_argnums=0,
         out_shardings=replicated(mesh),
     )
-    state = bump(S.create_state(cfg, mesh))
+    state = bump(S.create_state(S.make_plan(cfg, mesh)))
     expect = jax.device_get(state.params)
     ck = C.Checkpointer(make_plan(cfg, mesh), tmp_path)
     try:

@@ -217,7 +217,9 @@ def test_a_run_starts_from_the_folder_and_refuses_another_tokenizer(tmp_path):
     from nsa_jax.mesh import make_mesh
     from nsa_jax.step import step
 
-    state = step.create_state(cfg, make_mesh(cfg, jax.devices()[:1]), params=model_dir.initial_params(cfg))
+    state = step.create_state(
+        step.make_plan(cfg, make_mesh(cfg, jax.devices()[:1])), params=model_dir.initial_params(cfg)
+    )
     want = model_dir.read_params(tmp_path / "nsa")
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), b)

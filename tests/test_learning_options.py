@@ -124,8 +124,8 @@ def test_dense_warmup_and_distill_steps_train_each_phase_model():
     phases = schedule.phases(cfg)
     assert [(p.start, p.model.nsa.n, p.distill) for p in phases] == [(0, 6, 0.5), (2, 3, 0.5), (3, 3, 0.0)]
     mesh = make_mesh(cfg)
-    state = S.create_state(cfg, mesh)
-    step = S.make_train_step(cfg, mesh)
+    plan = S.make_plan(cfg, mesh)
+    state, step = S.create_state(plan), S.make_train_step(plan)
     rng = np.random.default_rng(0)
     plain_loss = {k: jax.jit(functools.partial(loss_and_stats, cfg=c)) for k, c in models.items()}
     for i, phase in enumerate(["dense", "dense", "sparse", "plain", "plain"]):
@@ -298,7 +298,8 @@ def test_phases_on_two_devices_match_one_device(strategy):
     def losses(strategy, devices):
         cfg = load_config(None, [*overrides, f"parallel.strategy={strategy}"])
         mesh = make_mesh(cfg, jax.devices()[:devices])
-        state, step = S.create_state(cfg, mesh), S.make_train_step(cfg, mesh)
+        plan = S.make_plan(cfg, mesh)
+        state, step = S.create_state(plan), S.make_train_step(plan)
         out = []
         for b in batches:
             state, m = step(state, put_batch(b, mesh))

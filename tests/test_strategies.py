@@ -118,8 +118,9 @@ def run(host_state, batches):
         key = (strategy, reduce_dtype)
         if key not in _RUNS:
             cfg, mesh = cfg_for(strategy, reduce_dtype), mesh_of(2)
-            step = S.make_train_step(cfg, mesh)
-            state = jax.device_put(host_state, S.state_shardings(cfg, mesh))
+            plan = S.make_plan(cfg, mesh)
+            step = S.make_train_step(plan)
+            state = jax.device_put(host_state, plan.state)
             metrics = []
             for tokens in batches:
                 state, m = step(state, put_batch(tokens, mesh))
@@ -305,7 +306,7 @@ def test_unknown_strategy_is_one_clear_line():
     cfg = cfg_for("dp")
     bad = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy="zero3"))
     with pytest.raises(ValueError, match=r"^parallel.strategy is 'zero3'; set it to one of dp, pmap, gspmd"):
-        S.make_train_step(bad, mesh_of(2))
+        S.make_train_step(S.make_plan(bad, mesh_of(2)))
 
 
 # ---------------------------------------------------------------------------
@@ -333,7 +334,7 @@ def test_sharded_checkpoint_restores_onto_other_strategy_and_device_count(run, t
         # config saved beside it (nsa_jax/rundir/checkpoint.py), so a resume can place it globally.
         assert restored.step == STEPS
         assert restored.train_data == {"position": 0, "micro_rows": cfg.train.global_batch}
-        placed = S.state_shardings(target_cfg, target_mesh)
+        placed = S.make_plan(target_cfg, target_mesh).state
         for leaf, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(placed)):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
         for got, want in zip(jax.tree.leaves(jax.device_get(restored.state)), jax.tree.leaves(expect)):

@@ -57,7 +57,7 @@ def compiled_step(n_dev: int, *extra: str):
     if key not in _STEPS:
         cfg = tiny_cfg(*extra)
         mesh = make_mesh(cfg, jax.devices()[:n_dev])
-        _STEPS[key] = (cfg, mesh, S.make_train_step(cfg, mesh))
+        _STEPS[key] = (cfg, mesh, S.make_train_step(S.make_plan(cfg, mesh)))
     return _STEPS[key]
 
 
@@ -213,7 +213,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_moments():
     mesh = make_mesh(cfg, jax.devices()[:2])
     state = jax.eval_shape(lambda: init_state(cfg))
     batch = jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32, sharding=batch_sharding(mesh))
-    new_state, metrics = jax.eval_shape(S.make_train_step(cfg, mesh), state, batch)
+    new_state, metrics = jax.eval_shape(S.make_train_step(S.make_plan(cfg, mesh)), state, batch)
     assert {x.dtype for x in jax.tree.leaves(new_state.params)} == {jnp.dtype(jnp.float32)}
     floats = [x for x in jax.tree.leaves(new_state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
@@ -227,7 +227,7 @@ def test_aux_stats_can_be_switched_off():
     mesh = make_mesh(cfg, jax.devices()[:1])
     state = jax.eval_shape(lambda: init_state(cfg))
     batch = jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32, sharding=batch_sharding(mesh))
-    _, metrics = jax.eval_shape(S.make_train_step(cfg, mesh), state, batch)
+    _, metrics = jax.eval_shape(S.make_train_step(S.make_plan(cfg, mesh)), state, batch)
     assert set(metrics) == {"loss", "grad_norm", "lr", "skipped"}
 
 
@@ -235,7 +235,7 @@ def test_batch_must_divide_over_devices():
     cfg = tiny_cfg("train.global_batch=3")
     mesh = make_mesh(cfg, jax.devices()[:2])
     with pytest.raises(ValueError, match=r"train.global_batch \(3\) must be divisible .* devices .* \(2\)"):
-        S.make_train_step(cfg, mesh)
+        S.make_train_step(S.make_plan(cfg, mesh))
 
 
 # ---------------------------------------------------------------------------

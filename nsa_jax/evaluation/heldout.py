@@ -52,7 +52,7 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
     """
     layout = seq_layout(cfg)
     # The parameters as the strategy keeps them; fsdp's layers are gathered as each layer runs, as in the step.
-    sliced = state_shardings(cfg, mesh).params if cfg.parallel.strategy == "fsdp" else None
+    sliced = state_shardings(cfg, mesh).params if cfg.parallel.strategy == "fsdp" else None  # strategies
     gather = param_gather(cfg.parallel.strategy, sliced)
 
     def local(params, rows: Rows, plan):

@@ -12,10 +12,10 @@ One optimizer step:
      reduced gradient lives.
 
 Placement and reduction are `parallel.strategy`'s (strategies.py), held for one run by a
-`ShardingPlan` (`make_plan`, built once; the step builders also take (cfg, mesh) for one-off
-steps). This module builds each schedule phase's loss (step/loss.py) and the update, and hands
-the loss to strategies.make_grad_fn, which never calls back here. No I/O: the loop owns files,
-clocks and printing.
+`ShardingPlan` (`make_plan`, built once and taken by every builder here). This module builds
+each schedule phase's loss (step/loss.py) and the update, and hands the loss to
+strategies.make_grad_fn, which never calls back here. No I/O: the loop owns files, clocks and
+printing.
 """
 
 from __future__ import annotations
@@ -27,34 +27,18 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh
 
 from nsa_jax.config import Config
 from nsa_jax.step import schedule, strategies
 from nsa_jax.step.loss import Loss
 from nsa_jax.step.optimizer import apply_lr, learning_rate, make_optimizer
 from nsa_jax.step.state import TrainState, init_state
-from nsa_jax.step.strategies import ShardingPlan, make_plan
+from nsa_jax.step.strategies import ShardingPlan, make_plan  # noqa: F401 - the builders' plan, beside them
 
 
-def as_plan(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> ShardingPlan:
-    """`plan` itself, or the plan of a Config on `mesh` (the (cfg, mesh) form of the builders below)."""
-    if isinstance(plan, ShardingPlan):
-        return plan
-    if mesh is None:
-        raise TypeError("a Config needs its mesh: pass (cfg, mesh) or a ShardingPlan from make_plan")
-    return make_plan(plan, mesh)
-
-
-def state_shardings(plan: ShardingPlan | Config, mesh: Mesh | None = None) -> TrainState:
-    """Where each TrainState leaf lives under parallel.strategy (a TrainState of NamedShardings)."""
-    return as_plan(plan, mesh).state
-
-
-def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None, params=None) -> TrainState:
-    """A fresh TrainState, initialised directly into the strategy's device buffers; around
-    `params` (host arrays of the model's layout: train.init_from) when given."""
-    plan = as_plan(plan, mesh)
+def create_state(plan: ShardingPlan, params=None) -> TrainState:
+    """A fresh TrainState, initialised directly into the strategy's device buffers (strategies.make_plan's
+    `plan`); around `params` (host arrays of the model's layout: train.init_from) when given."""
     if params is None:
         return jax.jit(functools.partial(init_state, plan.cfg), out_shardings=plan.state)()
     return jax.jit(lambda p: init_state(plan.cfg, params=p), out_shardings=plan.state)(params)
@@ -64,12 +48,9 @@ def create_state(plan: ShardingPlan | Config, mesh: Mesh | None = None, params=N
 # steps
 
 
-def make_grad_fn(
-    plan: ShardingPlan | Config, mesh: Mesh | None = None, *, phase: schedule.Phase | None = None
-) -> Callable:
+def make_grad_fn(plan: ShardingPlan, *, phase: schedule.Phase | None = None) -> Callable:
     """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy
     (strategies.make_grad_fn) for the loss of `phase` (step/loss.py; default: cfg.model)."""
-    plan = as_plan(plan, mesh)
     kernels = plan.kernels(phase.model if phase else plan.cfg.model)
     return strategies.make_grad_fn(plan, Loss(plan.cfg, phase, kernels))
 
@@ -122,9 +103,7 @@ def make_update(cfg: Config) -> Callable:
     return update
 
 
-def make_train_step(
-    plan: ShardingPlan | Config, mesh: Mesh | None = None
-) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+def make_train_step(plan: ShardingPlan) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """The jitted step (state, tokens_AxBxT1) -> (state, metrics); the state is donated.
 
     State in and out is placed by plan.state (parallel.strategy). metrics:
@@ -132,7 +111,6 @@ def make_train_step(
     or gradient was not finite and the update was dropped), and with
     logging.aux_stats gate_mean [L, 3], gate_entropy [L], sel_far_frac [L], cmp_k_ratio [L], cmp_v_ratio [L].
     """
-    plan = as_plan(plan, mesh)
     update = make_update(plan.cfg)
 
     if plan.strategy == "pmap":
