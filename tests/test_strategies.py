@@ -233,7 +233,6 @@ def test_plan_holds_the_strategy_shardings_and_checks_the_batch():
     assert all(s.is_fully_replicated for s in jax.tree.leaves(plan.state.params))
     assert not all(s.is_fully_replicated for s in jax.tree.leaves(plan.state.opt_state))
     assert not all(s.is_fully_replicated for s in jax.tree.leaves(plan.grads))
-    assert S.as_plan(plan) is plan
     bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=3))
     with pytest.raises(ValueError, match=r"^train.global_batch \(3\) must be divisible by the number of devices"):
         strategies.make_plan(bad, mesh_of(2))
