@@ -62,6 +62,11 @@ def validate(cfg):
         f"got {m.head_dim} and {m.v_head_dim}; use compressed_kernel=auto",
     )
     need(
+        a.compressed_kernel != "cudnn" or (m.head_dim <= 128 and m.head_dim % 8 == 0),
+        f"model.nsa.compressed_kernel=cudnn needs model.head_dim <= 128 and a multiple of 8 (cuDNN's fused "
+        f"attention on an A100), got {m.head_dim}; use compressed_kernel=auto",
+    )
+    need(
         a.compressed_kernel != "cudnn" or m.dtype == "bfloat16",
         f"model.nsa.compressed_kernel=cudnn needs model.dtype=bfloat16 (cuDNN's fused attention takes 16-bit "
         f"inputs), got {m.dtype}; use compressed_kernel=auto",

@@ -495,6 +495,19 @@ def test_the_minmax_scorer_compiles_without_spills_and_moves_less_than_cmp_at_64
 @pytest.mark.aot
 @pytest.mark.slow
 @needs_plugin
+def test_a_gemma_head_dim_of_256_compiles_for_an_a100():
+    # Gemma 3 1B's attention as NSA (head_dim 256, 4 heads over 1): cuDNN's fused attention takes at most 128
+    # on an A100 (auto keeps the flash kernels), and the block-select kernel's tiles are sized for its G query
+    # tiles and `win` key tiles (it asked for 197,120 bytes of shared memory with one tile of each counted).
+    sets = ["model.head_dim=256", "model.v_head_dim=256", "model.n_heads=4", "model.n_kv_heads=1", "model.d_model=1152"]
+    cfg = load_config("a100_pcie", sets)
+    c = aot.compile_layer(cfg, "a100-40", 8192)
+    assert 0 < c.memory["temp"] <= LAYER_TEMP_LIMIT, c.memory
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
 def test_layer_temporaries_at_64k_within_1gib(dump_root):
     temp = layer_compile("a100-40", 65536, dump_root, "pallas")["memory"]["temp"]  # cuDNN's: below
     assert temp <= LAYER_TEMP_LIMIT, f"layer fwd+bwd at T=65536 needs {temp / aot.MiB:.0f} MiB of temporaries"

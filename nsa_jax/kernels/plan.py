@@ -127,9 +127,16 @@ def selection_kernel_fits(block_size: int) -> bool:
     return is_tile_size(block_size)
 
 
+# cuDNN's fused attention takes head dims up to 128 on an A100 (256 from Hopper; jax's
+# fused_attention_stablehlo checks it at lowering): the bound every card this project targets meets.
+CUDNN_MAX_HEAD_DIM = 128
+
+
 def cudnn_fits(model) -> bool:
-    """Whether `model`'s (a ModelConfig) attention suits cuDNN's fused kernel: bf16, equal key and value head dims."""
-    return model.dtype == "bfloat16" and model.head_dim == model.v_head_dim
+    """Whether `model`'s (a ModelConfig) attention suits cuDNN's fused kernel: bf16, equal key and value
+    head dims of at most CUDNN_MAX_HEAD_DIM, a multiple of 8 (Gemma's 256 does not)."""
+    Dk = model.head_dim
+    return model.dtype == "bfloat16" and Dk == model.v_head_dim and Dk <= CUDNN_MAX_HEAD_DIM and Dk % 8 == 0
 
 
 def plan_kernels(
