@@ -137,7 +137,7 @@ class ModelConfig:
     mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP: SwiGLU (silu) or GeGLU (gelu, tanh form)
     post_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output before each residual add
     query_scale: float = 0.0  # scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim's
-    attn_softcap: float = 0.0  # dense only: scores -> c * tanh(scores / c) before the softmax (Gemma 2); 0: off
+    attn_softcap: float = 0.0  # scores -> c * tanh(scores / c) before the softmax, on XLA (Gemma 2); 0: off
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (Gemma 2); 0: off
     # Local and global layers (dense only, with dense_window): layer i is global (sees every
     # earlier key) when (i + 1) % global_every == 0, local (dense_window keys) otherwise (Gemma 2:

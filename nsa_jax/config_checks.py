@@ -104,6 +104,11 @@ def check_train(cfg, need) -> None:
         f"train.decay_steps must lie in [0, train.steps - max(train.warmup, 1)] = [0, {most}], got {t.decay_steps}",
     )
     need(t.scorer_distill >= 0, f"train.scorer_distill must be >= 0 (0 disables it), got {t.scorer_distill}")
+    need(
+        not (t.scorer_distill and m.attn_softcap),
+        "train.scorer_distill with model.attn_softcap: the distillation's target is uncapped attention; "
+        "set train.scorer_distill=0",
+    )
     need(t.rope_positions >= 0, f"train.rope_positions must be >= 0 (0 disables it), got {t.rope_positions}")
     need(
         t.loss_chunk >= 0,
@@ -217,9 +222,9 @@ def check_family(m, need) -> None:
     for key in ("query_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
         need(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0: off), got {getattr(m, key)}")
     need(
-        m.attn_softcap == 0 or m.attention == "dense",
-        f"model.attn_softcap ({m.attn_softcap}) runs in dense attention only (NSA's kernels do not cap scores): "
-        "convert with --attention dense, or set model.attn_softcap=0",
+        m.attn_softcap == 0 or m.attention == "dense" or m.nsa.scorer != "mix",
+        f"model.attn_softcap ({m.attn_softcap}) with model.nsa.scorer=mix: mix adds capped and raw scores; "
+        "use scorer cmp or minmax",
     )
     need(m.global_every >= 0, f"model.global_every must be >= 0 (0: every layer alike), got {m.global_every}")
     need(

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nsa_jax.config import Config, ConfigError, NSAConfig
+from nsa_jax.config import Config, ConfigError, NSAConfig, TrainConfig
 from nsa_jax.config import validate as validate_config
 from nsa_jax.inference import generate
 from nsa_jax.model import NSALM, cross_entropy, token_nll
@@ -299,3 +299,11 @@ def test_gemma_variants_not_supported_are_one_line_naming_them():
         validate_config(Config(model=dataclasses.replace(nsa, nsa=NSAConfig(branches=("cmp", "slc")))))
     with pytest.raises(ConfigError, match="needs model.dense_window, the local layers' window"):
         validate_config(Config(model=dataclasses.replace(nsa, dense_window=0)))
+    # Gemma 2's capped scores as NSA: every branch caps them, but mix adds capped to raw scores and the
+    # distillation's target is uncapped.
+    g2 = dataclasses.replace(model_config(json.loads((GOLDEN / "gemma2" / "config.json").read_text())), attention="nsa")
+    validate_config(Config(model=g2))
+    with pytest.raises(ConfigError, match="model.attn_softcap \\(2.0\\) with model.nsa.scorer=mix"):
+        validate_config(Config(model=dataclasses.replace(g2, nsa=NSAConfig(scorer="mix"))))
+    with pytest.raises(ConfigError, match="train.scorer_distill with model.attn_softcap"):
+        validate_config(Config(model=g2, train=TrainConfig(scorer_distill=0.1)))

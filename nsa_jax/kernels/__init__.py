@@ -78,13 +78,15 @@ def _interpret(interpret: bool | None) -> bool:
 
 
 def selection_attention(
-    q, k, v, idx, block_size, scale=None, *, kernel="xla", interpret=None, query_chunk=512, q_offset=0
+    q, k, v, idx, block_size, scale=None, *, kernel="xla", interpret=None, query_chunk=512, q_offset=0, softcap=0.0
 ):
     """Selection attention through `kernel` (`blocksparse`, `gather` or `xla`; contract: docs/NSA.md).
 
     `q_offset` (int or traced int32, every entry point here): query row r stands at position
     r + q_offset of the keys, which cover the whole sequence (context parallelism, nsa/context.py).
     """
+    if softcap and kernel != "xla":
+        raise ValueError("selection attention with softcap runs in XLA only (kernel='xla')")
     if kernel == "blocksparse":
         return selection_attention_blocksparse_pallas(
             q, k, v, idx, block_size, scale, interpret=_interpret(interpret), q_offset=q_offset
@@ -103,7 +105,9 @@ def selection_attention(
         )
     if kernel != "xla":
         raise ValueError(f"selection kernel must be one of {', '.join(SELECTION_KERNELS)} or xla, got {kernel!r}")
-    return selection_attention_xla(q, k, v, idx, block_size, scale, query_chunk=query_chunk, q_offset=q_offset)
+    return selection_attention_xla(
+        q, k, v, idx, block_size, scale, query_chunk=query_chunk, q_offset=q_offset, softcap=softcap
+    )
 
 
 def window_attention(
@@ -135,6 +139,7 @@ def compressed_attention(
     q_offset=0,
     num_blocks=None,
     scores=True,
+    softcap=0.0,
 ):
     """Compressed-branch attention and the selection-block scores (or blocks) through `impl` (`pallas`,
     `cudnn` or `xla`).
@@ -158,6 +163,8 @@ def compressed_attention(
         raise ValueError(f"compressed branch impl must be one of {', '.join(COMPRESSED_KERNELS)} or xla, got {impl!r}")
     if scores is not True and scores is not False:
         raise ValueError(f"compressed branch scores must be True or False, got {scores!r}")
+    if softcap and impl != "xla":
+        raise ValueError("the compressed branch with softcap runs in XLA only (impl='xla')")
     pool = "sum" if scores else None
     B, T, H, Dk = q.shape
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
@@ -179,7 +186,7 @@ def compressed_attention(
     else:
         o, s = compressed_attention_xla(
             q, kc, vc, l=l, d=d, lp=lp, scale=scale, query_chunk=query_chunk, q_offset=q_offset, num_blocks=num_blocks,
-            pool=pool,
+            pool=pool, softcap=softcap,
         )  # fmt: skip
     if pool is None:
         return o, None
@@ -197,6 +204,8 @@ class BranchCalls:
 
     nsa: NSAConfig
     plan: KernelPlan
+    # model.attn_softcap (Gemma 2): every branch's scores capped, on XLA (no Pallas kernel caps them).
+    softcap: float = 0.0
 
     def _run(self) -> dict:
         return {"interpret": self.plan.interpret, "query_chunk": self.nsa.query_chunk}
@@ -210,7 +219,8 @@ class BranchCalls:
         select = scored and a.scorer == "cmp"
         o, out = compressed_attention(
             q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=a.n if select else None, t_T=t_T,
-            impl=impl or self.plan.cmp, q_offset=q_offset, num_blocks=num_blocks, scores=scored, **self._run(),
+            impl="xla" if self.softcap else impl or self.plan.cmp, q_offset=q_offset, num_blocks=num_blocks,
+            scores=scored, softcap=self.softcap, **self._run(),
         )  # fmt: skip
         return o, out
 
@@ -223,17 +233,21 @@ class BranchCalls:
         if a.scorer not in ("minmax", "mix") or (a.scorer == "mix") != (cmp_scores is not None):
             raise ValueError(f"scorer {a.scorer!r}: blocks() takes minmax, or mix with cmp's scores")
         kw = dict(lp=a.lp, n=a.n, sub=scorer_sub(a), q_offset=q_offset, num_blocks=num_blocks)
+        # Capped scores rank as the raw ones (tanh is increasing): the minmax scorer needs no cap.
         if a.scorer == "minmax" and (impl or self.plan.cmp) in COMPRESSED_KERNELS:
             return select_minmax_pallas(q, k, interpret=_interpret(self.plan.interpret), **kw)
         return select_minmax_xla(q, k, query_chunk=a.query_chunk, plus_scores=cmp_scores, **kw)
 
     def selection(self, q, k, v, idx, *, q_offset=0, impl=None):
-        kernel = "xla" if impl == "xla" else self.plan.slc
-        return selection_attention(q, k, v, idx, self.nsa.lp, kernel=kernel, q_offset=q_offset, **self._run())
+        kernel = "xla" if impl == "xla" or self.softcap else self.plan.slc
+        return selection_attention(
+            q, k, v, idx, self.nsa.lp, kernel=kernel, q_offset=q_offset, softcap=self.softcap, **self._run()
+        )
 
     def window(self, q, k, v, *, window=None, q_offset=0, impl=None, softcap=0.0):
         """`window`: keys a query sees (default model.nsa.w; dense attention passes its own and, with
         model.attn_softcap, its cap, which runs in XLA: the Pallas kernel does not cap scores)."""
         w = self.nsa.w if window is None else window
+        softcap = softcap or self.softcap
         impl = "xla" if softcap else impl or self.plan.win
         return window_attention(q, k, v, w, impl=impl, q_offset=q_offset, softcap=softcap, **self._run())

@@ -153,8 +153,9 @@ def selection_attention_xla(
     query_chunk: int = 512,
     strategy: str = "auto",
     q_offset: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
-    """Attention of q_t over positions p <= t inside its selected blocks.
+    """Attention of q_t over positions p <= t inside its selected blocks (`softcap` c > 0: scores c tanh(s / c)).
 
     `strategy`: `gather` reads only the N*lp selected keys of each query
     (O(T N lp) work; the long-context path); `masked` scores a query chunk
@@ -173,7 +174,7 @@ def selection_attention_xla(
         strategy = "masked" if T <= 2 * N * block_size else "gather"
     if strategy == "masked":
         return _selection_masked(
-            q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk, q_offset
+            q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk, q_offset, softcap
         )
     if strategy != "gather":
         raise ValueError(f"selection strategy must be auto, gather or masked, got {strategy!r}")
@@ -197,6 +198,7 @@ def selection_attention_xla(
         vg_BxCxKxSxD = jnp.moveaxis(vg.reshape(B, K, C, N * block_size, Dv), 1, 2)
         qg = _group(q_BxCxHxDk, K)
         s = jnp.einsum("bckgd,bcksd->bckgs", qg, kg_BxCxKxSxD, preferred_element_type=jnp.float32) * scale
+        s = soft_cap(s, softcap)
         vis = visible.reshape(B, C, K, 1, N * block_size)
         o = masked_softmax_attend(s, vis, vg_BxCxKxSxD, "bckgs,bcksd->bckgd")
         return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
@@ -204,7 +206,9 @@ def selection_attention_xla(
     return map_query_chunks(body, query_chunk, q_BxTxHxDk, idx_BxTxKxN)
 
 
-def _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk, q_offset):
+def _selection_masked(
+    q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size, scale, query_chunk, q_offset, softcap=0.0
+):
     """Selection attention as chunked dense attention under a selected-block mask."""
     B, H = q_BxTxHxDk.shape[0], q_BxTxHxDk.shape[2]
     T, K, Dv = k_BxTxKxDk.shape[1], k_BxTxKxDk.shape[2], v_BxTxKxDv.shape[3]
@@ -220,7 +224,9 @@ def _selection_masked(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_siz
         chosen_T = jnp.broadcast_to(chosen[..., None], (*chosen.shape, block_size)).reshape(*chosen.shape[:-1], -1)
         visible = chosen_T[..., :T] & (p_T[None, None, None, :] <= t_C[None, :, None, None])
         qg = _group(q_BxCxHxDk, K)
-        s = jnp.einsum("bckgd,btkd->bckgt", qg, k_BxTxKxDk, preferred_element_type=jnp.float32) * scale
+        s = soft_cap(
+            jnp.einsum("bckgd,btkd->bckgt", qg, k_BxTxKxDk, preferred_element_type=jnp.float32) * scale, softcap
+        )
         o = masked_softmax_attend(s, visible[:, :, :, None, :], v_BxTxKxDv, "bckgt,btkd->bckgd")
         return o.reshape(B, C, H, Dv).astype(q_BxTxHxDk.dtype)
 
@@ -285,8 +291,10 @@ def compressed_attention_xla(
     q_offset: int | jax.Array = 0,
     num_blocks: int | None = None,
     pool: str | None = "sum",
+    softcap: float = 0.0,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """(o [B, T, H, Dv], block scores [B, T, K, Nb]) of the compressed branch (Tc >= 1).
+    """(o [B, T, H, Dv], block scores [B, T, K, Nb]) of the compressed branch (Tc >= 1); `softcap`: its
+    scores capped (Gemma 2), before the probabilities the block scores sum.
 
     Query t sees compressed token i iff i*d + l - 1 <= t. The scores are the
     probabilities summed over each group's heads (GQA sharing, Eq. 10), then over
@@ -306,6 +314,7 @@ def compressed_attention_xla(
         t_C = start + q_offset + jnp.arange(C, dtype=jnp.int32)
         qg = q_BxCxHxDk.reshape(B, C, K, H // K, Dk)
         s = jnp.einsum("bckgd,bikd->bckgi", qg, kc_BxTcxKxDk, preferred_element_type=jnp.float32) * scale
+        s = soft_cap(s, softcap)
         visible = (end_Tc[None, :] <= t_C[:, None])[None, :, None, None, :]
         p = masked_softmax(s, visible)
         o = jnp.einsum(

@@ -111,7 +111,7 @@ def cmp_buckets(Tc: int) -> tuple[int, ...]:
     return (*sizes, Tc)
 
 
-def _compressed_step(qg_BxKxGxDk, kcmp, vcmp, layer, t_B, a, n_blocks: int, scale: float):
+def _compressed_step(qg_BxKxGxDk, kcmp, vcmp, layer, t_B, a, n_blocks: int, scale: float, softcap: float = 0.0):
     """Compressed attention of one query per row, and its selection-block scores [B, K, Nb].
 
     Reads only a prefix of the compressed slots: the smallest bucket that holds
@@ -125,7 +125,9 @@ def _compressed_step(qg_BxKxGxDk, kcmp, vcmp, layer, t_B, a, n_blocks: int, scal
         def run():
             kc = jax.lax.dynamic_slice(kcmp, (layer, 0, 0, 0, 0), (1, B, Tb, K, kcmp.shape[4]))[0]
             vc = jax.lax.dynamic_slice(vcmp, (layer, 0, 0, 0, 0), (1, B, Tb, K, Dv))[0]
-            s = jnp.einsum("bkgd,bikd->bkgi", qg_BxKxGxDk, kc, preferred_element_type=jnp.float32) * scale
+            s = soft_cap(
+                jnp.einsum("bkgd,bikd->bkgi", qg_BxKxGxDk, kc, preferred_element_type=jnp.float32) * scale, softcap
+            )
             p = masked_softmax(s, compressed_visible(t_B, Tb, a.l, a.d)[:, None, None, :])
             o = jnp.einsum("bkgi,bikd->bkgd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
             # GQA sharing (Eq. 10); blocks past Tb overlap only zero-probability tokens.
@@ -197,7 +199,7 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
             tail_BxlxKxD = jnp.take_along_axis(cache[tail].value[layer], slots_Bxl[:, :, None, None], axis=1)
             write(name, ci_B, compressor(cname)(tail_BxlxKxD)[:, 0], emit_B)
         o_cmp, scores_BxKxNb = _compressed_step(
-            qg_BxKxGxDk, cache["kcmp"].value, cache["vcmp"].value, layer, t_B, a, S // a.lp, scale
+            qg_BxKxGxDk, cache["kcmp"].value, cache["vcmp"].value, layer, t_B, a, S // a.lp, scale, cfg.attn_softcap
         )
         outputs["cmp"] = o_cmp.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
 
@@ -216,13 +218,15 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
         # Gather only the selected blocks from the full buffer (no per-layer copy of it).
         kg = cache["kslc"].value[layer, b_B[:, None, None], pos_BxKxM, k_idx]
         vg = cache["vslc"].value[layer, b_B[:, None, None], pos_BxKxM, k_idx]
-        s = jnp.einsum("bkgd,bkmd->bkgm", qg_BxKxGxDk, kg, preferred_element_type=jnp.float32) * scale
+        s = soft_cap(
+            jnp.einsum("bkgd,bkmd->bkgm", qg_BxKxGxDk, kg, preferred_element_type=jnp.float32) * scale, cfg.attn_softcap
+        )
         o = masked_softmax_attend(s, vis, vg, "bkgm,bkmd->bkgd")
         outputs["slc"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
 
     if "win" in a.branches:
         w = a.w if window is None else window
-        o = ring_attend(qg_BxKxGxDk, cache["kwin"].value[layer], cache["vwin"].value[layer], t_B, w)
+        o = ring_attend(qg_BxKxGxDk, cache["kwin"].value[layer], cache["vwin"].value[layer], t_B, w, cfg.attn_softcap)
         outputs["win"] = o.reshape(B, H, Dv).astype(q_BxHxDk.dtype)
     return outputs
 

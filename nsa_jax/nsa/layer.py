@@ -103,10 +103,12 @@ class NSAAttention(Attention):
         if self.kernels is None:  # this config's plan here; prefill and decode are never differentiated
             backward, fits = self.mode == "train", cudnn_fits(cfg)
             calls = BranchCalls(
-                a, plan_kernels(a, seq.seq_len, jax.default_backend(), backward=backward, cudnn_ok=fits)
+                a,
+                plan_kernels(a, seq.seq_len, jax.default_backend(), backward=backward, cudnn_ok=fits),
+                cfg.attn_softcap,
             )
         else:
-            calls = BranchCalls(a, self.kernels)
+            calls = BranchCalls(a, self.kernels, cfg.attn_softcap)
 
         # The input stage (nsa/inputs.py), with the gate MLP's first layer in the same matmul. RoPE's
         # positions may differ from the token indices (train.rope_positions); the blocks, the window and
