@@ -141,10 +141,12 @@ def run(args) -> int:
             f"{args.src}: converting needs about {need / 2**30:.1f} GiB of host memory "
             f"({ckpt.fp32_bytes / 2**30:.1f} GiB of fp32 parameters); {have / 2**30:.1f} GiB is available"
         )
+    from nsa_jax.nsa.attention import local_layer  # noqa: PLC0415 - jax loads after the flag checks
+
     m = cfg.model
     pattern = ""
     if m.global_every:
-        n_global = m.n_layers // m.global_every
+        n_global = sum(not local_layer(m, i) for i in range(m.n_layers))
         pattern = (
             f" ({n_global} global, {m.n_layers - n_global} local over {m.dense_window} keys"
             f"{': their window branch alone' if args.attention == 'nsa' else ''})"

@@ -123,6 +123,7 @@ def dropped_nsa(cfg, params):
     import numpy as np  # noqa: PLC0415
 
     from nsa_jax.config import replace  # noqa: PLC0415
+    from nsa_jax.nsa.attention import local_layer  # noqa: PLC0415
 
     window = cfg.model.dense_window if cfg.model.global_every else 0
     dense = replace(cfg, ["model.attention=dense", f"model.dense_window={window}", "model.nsa.gate_bias_init=[]"])
@@ -130,7 +131,7 @@ def dropped_nsa(cfg, params):
     keep = {n: attn[n] for n in ("q", "o", "q_norm", "k_norm") if n in attn}
     keep["k"], keep["v"] = attn["k_slc"], attn["v_slc"]
     if cfg.model.global_every:
-        is_local = (np.arange(cfg.model.n_layers) + 1) % cfg.model.global_every != 0
+        is_local = np.asarray([local_layer(cfg.model, i) for i in range(cfg.model.n_layers)])
         for name, branch in (("k", "k_win"), ("v", "v_win")):
             keep[name] = jax.tree.map(
                 lambda s, w: np.where(is_local.reshape(-1, *[1] * (np.ndim(s) - 1)), w, s), keep[name], attn[branch]

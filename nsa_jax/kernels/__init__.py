@@ -244,10 +244,8 @@ class BranchCalls:
             q, k, v, idx, self.nsa.lp, kernel=kernel, q_offset=q_offset, softcap=self.softcap, **self._run()
         )
 
-    def window(self, q, k, v, *, window=None, q_offset=0, impl=None, softcap=0.0):
-        """`window`: keys a query sees (default model.nsa.w; dense attention passes its own and, with
-        model.attn_softcap, its cap, which runs in XLA: the Pallas kernel does not cap scores)."""
+    def window(self, q, k, v, *, window=None, q_offset=0, impl=None):
+        """`window`: keys a query sees (default model.nsa.w; dense attention passes its own)."""
         w = self.nsa.w if window is None else window
-        softcap = softcap or self.softcap
-        impl = "xla" if softcap else impl or self.plan.win
-        return window_attention(q, k, v, w, impl=impl, q_offset=q_offset, softcap=softcap, **self._run())
+        impl = "xla" if self.softcap else impl or self.plan.win
+        return window_attention(q, k, v, w, impl=impl, q_offset=q_offset, softcap=self.softcap, **self._run())

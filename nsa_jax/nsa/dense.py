@@ -55,10 +55,11 @@ class DenseAttention(Attention):
             window = dense_window(cfg) if local is None else jnp.where(local, cfg.dense_window, UNBOUNDED)
             o = decode_ring(ring, q[:, 0], k[:, 0], v[:, 0], layer, pos_B, window, cfg.attn_softcap)[:, None]
         else:
-            calls = BranchCalls(cfg.nsa, self.kernels or plan_kernels(cfg.nsa, T, jax.default_backend()))
+            plan = self.kernels or plan_kernels(cfg.nsa, T, jax.default_backend())
+            calls = BranchCalls(cfg.nsa, plan, cfg.attn_softcap)
 
             def attend(window, q, k, v):
-                return calls.window(q, k, v, window=window, softcap=cfg.attn_softcap)
+                return calls.window(q, k, v, window=window)
 
             if local is None:
                 o = attend(dense_window(cfg), q, k, v)

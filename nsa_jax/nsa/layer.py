@@ -199,7 +199,7 @@ def layer_kernels(a, calls: BranchCalls, seq, q, compressed, kv_slc, kv_win, loc
         return branch_outputs(a, calls, seq, q, compressed, kv_slc, kv_win)
 
     def local_layer_(q, compressed, kv_slc, kv_win):
-        o, idx = global_shapes
+        o, idx = jax.eval_shape(global_layer, q, compressed, kv_slc, kv_win)  # the shapes cond's sides share
         win = {"win": window_pieces(calls, seq, q, tuple(seq.gather(x) for x in kv_win), local_window)}
         zeros = {name: jnp.zeros(x.shape, x.dtype) for name, x in o.items() if name != "win"}
         return zeros | win, None if idx is None else jnp.full(idx.shape, -1, idx.dtype)
@@ -207,7 +207,6 @@ def layer_kernels(a, calls: BranchCalls, seq, q, compressed, kv_slc, kv_win, loc
     operands = (q, compressed, kv_slc, kv_win)
     if local is None:
         return global_layer(*operands)
-    global_shapes = jax.eval_shape(global_layer, *operands)
     if isinstance(local, bool):
         return (local_layer_ if local else global_layer)(*operands)
     return jax.lax.cond(local, local_layer_, global_layer, *operands)

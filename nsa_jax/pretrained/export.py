@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from nsa_jax.config import Config, ModelConfig
+from nsa_jax.nsa.attention import local_layer
 from nsa_jax.pretrained import PretrainedError
 from nsa_jax.pretrained.checkpoints import GGUF_CONFIG, GGUF_NAMES
 from nsa_jax.pretrained.families import FAMILIES, GEMMA
@@ -112,7 +113,6 @@ def _gemma_family(m: ModelConfig) -> str:
 
 def _gemma_config(m: ModelConfig, kind: str) -> dict:
     """The Gemma keys of config.json (transformers 5's layer_types and rope_parameters)."""
-    p = m.global_every or 1
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling.kind == "linear":
         rope = {"rope_type": "linear", "rope_theta": m.rope_theta, "factor": m.rope_scaling.factor}
@@ -121,7 +121,7 @@ def _gemma_config(m: ModelConfig, kind: str) -> dict:
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": int(m.query_scale or m.head_dim),  # transformers' field is an int
         "sliding_window": m.dense_window or None,
-        "layer_types": ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(m.n_layers)],
+        "layer_types": ["sliding_attention" if local_layer(m, i) else "full_attention" for i in range(m.n_layers)],
         "attn_logit_softcapping": m.attn_softcap or None,
         "final_logit_softcapping": m.final_softcap or None,
         "rope_parameters": rope if kind == "gemma2" else {"full_attention": rope, "sliding_attention": local},
