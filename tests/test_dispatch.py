@@ -15,6 +15,7 @@ from nsa_jax.config import NSAConfig, load_config
 from nsa_jax.kernels import KernelPlan, compressed_attention, cudnn_fits, plan_kernels, resolve_impl
 from nsa_jax.kernels.plan import substitutions
 from nsa_jax.kernels.xla import num_compressed
+from nsa_jax.nsa.context import SeqLayout
 
 from helpers import assert_close
 
@@ -100,7 +101,9 @@ def test_auto_runs_the_compressed_branch_through_cudnn_in_training_from_8k():
     assert _plan(seq=2048, compressed_kernel="cudnn", backward=False).cmp == "cudnn"  # named: always
     assert _plan(seq=65536, fallback=["cmp-cudnn"]).cmp == "pallas"
     assert _plan(seq=65536, backend="cpu").cmp == "xla"
-    assert _plan(seq=65536, layout=object()).cmp == "pallas"
+    assert _plan(seq=65536, layout=SeqLayout(context=2, chunk=16384, real_len=65536)).cmp == "pallas"
+    with pytest.raises(TypeError, match="sequence split"):
+        KernelPlan(layout=object())
     assert _plan(seq=65536, cudnn_ok=False).cmp == "pallas"  # fp32, or key and value head dims that differ
     model = load_config("a100_pcie").model
     assert cudnn_fits(model)

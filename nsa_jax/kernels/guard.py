@@ -34,6 +34,7 @@ from nsa_jax.kernels import (
     resolve_impl,
     selection_kernel_fits,
 )
+from nsa_jax.kernels.plan import SequenceSplit
 from nsa_jax.kernels.xla import num_compressed, select_blocks
 
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
@@ -184,7 +185,13 @@ def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0,
 
 
 def guard_kernels(
-    cfg, batch: int, seq: int, *, force: bool = False, warn: Callable[[str], None] = print, layout=None
+    cfg,
+    batch: int,
+    seq: int,
+    *,
+    force: bool = False,
+    warn: Callable[[str], None] = print,
+    layout: SequenceSplit | None = None,
 ) -> dict:
     """Checks the Pallas kernels of the branches `auto` runs on Pallas at length `seq`.
 

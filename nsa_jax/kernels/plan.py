@@ -26,7 +26,7 @@ No process-wide state: a compile for another card asks for that card's backend. 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 from nsa_jax.kernels.blocksparse_pallas import prefers_blocksparse
 from nsa_jax.kernels.pallas_common import is_tile_size
@@ -55,6 +55,23 @@ SELECTION_KERNELS: dict[str, SelectionBlockSizes | None] = {
 }
 
 
+@runtime_checkable
+class SequenceSplit(Protocol):
+    """What the kernels read of a sequence split over devices (nsa/context.SeqLayout, which sits above
+    the kernels, is one): the devices one sequence is split over (C), the tokens of one chunk (S; a
+    device's queries are two chunks) and the padded length T' = 2 C S every device's query offsets
+    and gathered keys span."""
+
+    @property
+    def context(self) -> int: ...
+
+    @property
+    def chunk(self) -> int: ...
+
+    @property
+    def seq_len(self) -> int: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """What each branch runs: cmp ``pallas``, ``cudnn`` or ``xla``; slc ``blocksparse``, ``gather`` or
@@ -69,7 +86,7 @@ class KernelPlan:
     slc: str = "xla"
     win: str = "xla"
     interpret: bool = False
-    layout: Any = None  # nsa/context.SeqLayout (not imported: the kernels sit below the layer)
+    layout: SequenceSplit | None = None  # nsa/context.SeqLayout under context parallelism
 
     @property
     def context(self) -> int:
@@ -77,6 +94,8 @@ class KernelPlan:
         return 1 if self.layout is None else self.layout.context
 
     def __post_init__(self):
+        if self.layout is not None and not isinstance(self.layout, SequenceSplit):
+            raise TypeError(f"KernelPlan.layout must be a sequence split (nsa/context.SeqLayout), got {self.layout!r}")
         for branch, allowed in (
             ("cmp", (*COMPRESSED_KERNELS, "xla")),
             ("slc", (*SELECTION_KERNELS, "xla")),
