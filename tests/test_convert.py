@@ -93,10 +93,14 @@ def test_a_gemma_converts_to_nsa_with_its_local_layers_kept(tmp_path, capsys, fa
     params = model_dir.read_params(tmp_path / "nsa")
     prompt = [int(t) for t in golden["prompt_ids"]]
     out = generate(cfg, params, [prompt], 24, temperature=0.0)[0]
-    ids = list(prompt)
-    for _ in range(24):  # past NSA's window (16) and the first compressed block (32 tokens)
-        ids.append(int(np.argmax(NSALM(cfg).apply({"params": params}, jnp.asarray([ids]))[0, -1])))
-    assert out == ids[len(prompt) :]
+    # Full forwards past NSA's window (16) and the first compressed block (32 tokens): one compiled
+    # length, the tokens not yet chosen zeros (the model is causal: the logits at t read tokens <= t).
+    ids = np.zeros((1, len(prompt) + 24), np.int32)
+    ids[0, : len(prompt)] = prompt
+    forward = jax.jit(lambda x: NSALM(cfg).apply({"params": params}, x))
+    for t in range(len(prompt), ids.shape[1]):
+        ids[0, t] = int(np.argmax(forward(jnp.asarray(ids))[0, t - 1]))
+    assert out == ids[0, len(prompt) :].tolist()
 
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
