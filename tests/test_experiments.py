@@ -299,6 +299,27 @@ def test_selection_recall_measures_the_selected_and_the_best_blocks_against_loop
     assert buckets(1024, 3000) == [(1024, 2048), (2048, 3000)]
 
 
+def test_oracle_scorer_selects_the_best_n_blocks_of_the_full_attention(monkeypatch):
+    """The ceiling run's blocks (experiments/oracle_scorer.py, through the minmax scorer's XLA path)
+    catch exactly the best-n share of the loop reference; the minmax bound on the same keys does not."""
+    from experiments.oracle_scorer import ceiling_block_scores
+    from nsa_jax.kernels import scorers
+
+    B, T, H, K, D, lp, N = 2, 70, 4, 2, 8, 8, 4
+    keys = jax.random.split(jax.random.PRNGKey(11), 2)
+    q = jax.random.normal(keys[0], (B, T, H, D)) * 2.0
+    k = jax.random.normal(keys[1], (B, T, K, D)) * 2.0
+    bound = scorers.select_minmax_xla(q, k, lp=lp, n=N, sub=lp, query_chunk=16)
+    monkeypatch.setattr(scorers, "minmax_block_scores", ceiling_block_scores)
+    ceiling = scorers.select_minmax_xla(q, k, lp=lp, n=N, sub=1, query_chunk=16)
+    got = _recall_reference(q, k, np.asarray(ceiling), lp)[:, N * lp :]
+    np.testing.assert_allclose(got[..., 0], got[..., 1], atol=1e-5)
+    short = _recall_reference(q, k, np.asarray(bound), lp)[:, N * lp :]
+    assert (short[..., 1] - short[..., 0]).max() > 0.01  # a cheap scorer misses mass here
+    with pytest.raises(ValueError, match="scorer_sub must be 1"):
+        scorers.select_minmax_xla(q, k, lp=lp, n=N, sub=2)
+
+
 @pytest.mark.slow
 def test_selection_recall_cli_reads_a_checkpoint(tmp_path, tiny_run):
     out, text = tiny_run
