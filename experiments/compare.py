@@ -46,7 +46,7 @@ from benchmarks.common import add_config_args
 from nsa_jax.config import ConfigError, load_config
 from nsa_jax.data import make_dataset
 from nsa_jax.data.kv_recall import retrieval_counts, vocab_layout
-from nsa_jax.data.targets import loss_weights
+from nsa_jax.data.targets import row_targets
 from nsa_jax.mesh import make_mesh, put_batch
 from nsa_jax.model import NSALM, cross_entropy, per_layer
 from nsa_jax.step import step as S
@@ -95,7 +95,7 @@ def make_evaluator(cfg, val_batches: list[np.ndarray]):
         logits, inter = model.apply({"params": params}, tokens_BxT1[:, :-1], mutable=["intermediates"])
         gates = jnp.mean(per_layer(inter, "intermediates", "gates", cfg.model), axis=(0, 1, 2, 3))
         idx = per_layer(inter, "intermediates", "block_idx", cfg.model) if slc else None  # [L, B, T, K, n]
-        loss = cross_entropy(logits, tokens_BxT1[:, 1:], loss_weights(tokens_BxT1, cfg))
+        loss = cross_entropy(logits, tokens_BxT1[:, 1:], row_targets(tokens_BxT1, cfg)[1])
         return logits.argmax(-1), loss, gates, idx
 
     if kv:

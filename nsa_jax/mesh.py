@@ -10,6 +10,8 @@ rows as the global batch array, sharded on the batch axis.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -79,13 +81,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """tokens_AxBxT1 sharded on B."""
+    """A batch [A, B, ...] (each leaf of its pytree) sharded on B."""
     return NamedSharding(mesh, P(None, DATA))
 
 
-def put_batch(tokens_AxbxT1: np.ndarray, mesh: Mesh) -> jax.Array:
+def put_batch(batch_AxbxT1: Any, mesh: Mesh) -> Any:
     """This process's rows [A, B / row groups, T + 1] -> the global sharded array [A, B, T + 1]
-    (row groups: process_rows)."""
-    A, b, T1 = tokens_AxbxT1.shape
-    global_shape = (A, b * process_rows(mesh)[1], T1)
-    return jax.make_array_from_process_local_data(batch_sharding(mesh), tokens_AxbxT1, global_shape)
+    (row groups: process_rows); every leaf of a batch pytree (data/targets.LabeledRows) alike."""
+    groups, sharding = process_rows(mesh)[1], batch_sharding(mesh)
+
+    def put(x: np.ndarray) -> jax.Array:
+        shape = (x.shape[0], x.shape[1] * groups, *x.shape[2:])
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return jax.tree.map(put, batch_AxbxT1)

@@ -339,30 +339,35 @@ def test_text_rows_from_the_validation_split(tmp_path):
 def test_needle_training_source_and_its_loss_weights(tmp_path):
     """`dataset: needle`: rows in the evaluation's format, every target in the loss, the key weighted; exact state."""
     from nsa_jax.data import make_dataset
-    from nsa_jax.data.targets import loss_weights
+    from nsa_jax.data.targets import LabeledRows, row_targets
 
     (tmp_path / "hay.txt").write_text(HAY)
     over = ["data.dataset=needle", f"data.path={tmp_path / 'hay.txt'}", "train.seq_len=200", "train.global_batch=3"]
     over.append("data.needle_answer_weight=7.5")
     cfg = load_config("cpu_tiny", over)
     ds = make_dataset(cfg, "train")
-    first = next(ds)
+    batch = next(ds)
+    assert isinstance(batch, LabeledRows)  # the weights ride beside the tokens: no tokenizer in the step
+    first = batch.tokens
     assert first.shape == (3, 201) and first.dtype == np.int32
     for row in first:
         text = TOK.decode(row)
         key = text[-5:]
         assert key.isdigit() and text.endswith(QUESTION + key) and f"The pass key is {key}. Remember" in text
-    weight = np.asarray(loss_weights(first, cfg))
+    tokens, weight, answers = (np.asarray(x) for x in row_targets(batch, cfg))
+    np.testing.assert_array_equal(tokens, first)
     # The key's targets, found in the text: the targets (tokens 1..200) that are the last five characters.
     expected = np.ones((3, 200), np.float32)
     for i, row in enumerate(first):
         key_at = len(TOK.decode(row)) - 5  # byte tokenizer: character index = token index
         expected[i, key_at - 1 :] = 7.5
     np.testing.assert_array_equal(weight, expected)
+    np.testing.assert_array_equal(answers, expected == 7.5)
     state = ds.get_state()
     second = next(ds)
     ds.set_state(state)
-    np.testing.assert_array_equal(next(ds), second)
+    for got, want in zip(next(ds), second):
+        np.testing.assert_array_equal(got, want)
     assert not np.array_equal(next(make_dataset(cfg, "val")), first)
 
 

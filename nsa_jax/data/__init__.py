@@ -3,9 +3,10 @@
 Owns the choice of dataset from `cfg.data.dataset`, the per-process batch size, and the note
 naming data settings a generated dataset ignores (`unused_data_settings`).
 Every dataset yields int32 arrays tokens_BxT1 of shape
-[cfg.train.global_batch // process_count, cfg.train.seq_len + 1]; the trainer takes
-inputs = tokens_BxT1[:, :-1] and targets = tokens_BxT1[:, 1:]. Streams have an exact,
-JSON-serialisable `get_state()` / `set_state()`.
+[cfg.train.global_batch // process_count, cfg.train.seq_len + 1], or, when it makes its
+rows' loss weights and answers with them, data/targets.LabeledRows (those tokens with
+weights and answers [B, T]); the trainer takes inputs = tokens_BxT1[:, :-1] and targets =
+tokens_BxT1[:, 1:]. Streams have an exact, JSON-serialisable `get_state()` / `set_state()`.
 
 Modules: synthetic (Markov + copy stream), kv_recall (long-range recall task), needle
 (pass-key retrieval in text),
@@ -23,8 +24,6 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Any
-
-import numpy as np
 
 from nsa_jax.data.kv_recall import KVRecallDataset
 from nsa_jax.data.needle import NeedleDataset
@@ -118,7 +117,7 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
     )
 
 
-def first_batch_with_timeout(ds: BatchStream, seconds: float) -> np.ndarray:
+def first_batch_with_timeout(ds: BatchStream, seconds: float) -> Any:
     """`next(ds)`, but raises TimeoutError when it takes longer than `seconds` (<= 0: wait forever).
 
     The read runs in a daemon thread, so a loader stuck on I/O cannot hang the caller;

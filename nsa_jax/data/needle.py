@@ -16,7 +16,8 @@ the answer (exact match), and its log-probability of the answer says how sure it
 (NeedleDataset) trains on such rows: the haystack is the text of `data.path` (text files, a folder of .txt
 files or a glob) from a random offset, the depth uniform in [0, 1], a new pass key per row; the loss counts
 every target, the answer's (`answer_len`, the last targets of every row) weighted by
-data.needle_answer_weight (needle_answer_mask; nsa_jax/data/targets.py loss_weights).
+data.needle_answer_weight: the dataset yields its rows as data/targets.LabeledRows, the weights and
+the answer made here with the rows.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from nsa_jax.data.sources import list_files
 from nsa_jax.data.stream import GlobalRowStream, split_id
+from nsa_jax.data.targets import LabeledRows, labeled
 from nsa_jax.data.tokenizers import make_tokenizer
 
 PASSKEY_DIGITS = 5
@@ -94,15 +96,6 @@ def answer_len(tokenizer: Any) -> int:
     return len(needle_pieces(tokenizer, "9" * PASSKEY_DIGITS)[2])
 
 
-def needle_answer_mask(tokens_BxT1: Any, data_cfg: Any) -> np.ndarray:
-    """bool [B, T]: the pass-key targets of `dataset: needle` rows, the last answer_len of every row.
-
-    It depends on the shape alone, so it is a numpy constant also under a jax trace."""
-    T = tokens_BxT1.shape[1] - 1
-    n = answer_len(make_tokenizer(data_cfg))
-    return np.broadcast_to(np.arange(T) >= T - n, (tokens_BxT1.shape[0], T))
-
-
 class NeedleDataset(GlobalRowStream):
     """`dataset: needle`: rows of make_needle_row over a text haystack, numbered over the whole run."""
 
@@ -110,6 +103,7 @@ class NeedleDataset(GlobalRowStream):
 
     def __init__(self, cfg: Any, split: str, process_index: int = 0, process_count: int = 1):
         self.tok = make_tokenizer(cfg.data)
+        self.answer_weight = float(cfg.data.needle_answer_weight)
         files = list_files(cfg.data.path, "text")
         text = "\n\n".join(open(f, encoding="utf-8").read() for f in files)
         self.hay = np.asarray(self.tok.encode(text), np.int32)
@@ -132,7 +126,9 @@ class NeedleDataset(GlobalRowStream):
         for _ in range(self.block_rows):
             at = int(rng.integers(0, span))
             rows.append(make_needle_row(self.hay[at : at + L + 1], L, float(rng.random()), passkey(rng), self.tok))
-        return np.stack([r.tokens_T1 for r in rows])
+        tokens = np.stack([r.tokens_T1 for r in rows])
+        answers = np.stack([answer_mask(r) for r in rows])
+        return labeled(tokens, np.where(answers, self.answer_weight, 1.0), answers)
 
-    def __next__(self) -> np.ndarray:
+    def __next__(self) -> LabeledRows:
         return self._next_local()

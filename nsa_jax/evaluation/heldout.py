@@ -5,9 +5,9 @@ Owns which rows are evaluated and what is measured on them:
     read once and kept on the host. Every evaluation scores the same rows, so the
     curve in val.csv moves only because the model does (also across a resume);
   - the metrics: mean next-token loss over the positions the training loss counts
-    (nsa_jax/data/targets.py loss_weights), perplexity exp(loss), and for `kv_recall`
-    and `needle` the retrieval accuracy (argmax at the answer positions of
-    targets.answer_mask: kv_recall's values, the needle's pass key).
+    (nsa_jax/data/targets.py row_targets), perplexity exp(loss), and for rows with answers
+    the retrieval accuracy (argmax at the answer targets: kv_recall's values, the needle's
+    pass key, a fine-tune's answer).
 
 The jitted function lays the rows out as the train step does (nsa_jax/step/rows.py) and
 scores them inside one shard_map over (data, seq): each device its rows, and under
@@ -41,9 +41,9 @@ from nsa_jax.step.strategies import param_gather, state_shardings
 
 
 def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset()):
-    """(params, tokens_BxT1) -> {'loss_sum', 'tokens', 'correct', 'scored'}: sums over the batch.
+    """(params, batch_BxT1) -> {'loss_sum', 'tokens', 'correct', 'scored'}: sums over the batch.
 
-    `correct`/`scored` count the answer positions (targets.answer_mask; zero for datasets without
+    `correct`/`scored` count the answer targets (targets.row_targets; zero for datasets without
     answers). Sums, not means, so batches of any split add up exactly. The rows are laid out as
     the train step lays them out (rows.lay_out_rows) and scored inside one shard_map over
     (data, seq): each device scores its rows, or under context parallelism its positions of them
@@ -70,8 +70,8 @@ def make_eval_fn(cfg: Config, mesh: Mesh, kernel_fallback: frozenset = frozenset
         }
         return jax.tree.map(lambda x: jax.lax.psum(x, (DATA, SEQ)), sums)
 
-    def eval_fn(params, tokens_BxT1):
-        rows = lay_out_rows(tokens_BxT1, cfg, layout, answers=True)
+    def eval_fn(params, batch_BxT1):
+        rows = lay_out_rows(batch_BxT1, cfg, layout, answers=True)
         seq_len = rows.inputs.shape[-1]  # T' under context parallelism
         plan = plan_kernels(
             cfg.model.nsa, seq_len, mesh.devices.flat[0].platform, kernel_fallback, layout, backward=False
@@ -110,9 +110,14 @@ class Evaluator:
             val.close()
         self.batches = [self._place(r) for r in rows]
 
-    def _place(self, local_bxT1: np.ndarray) -> jax.Array:
-        shape = (local_bxT1.shape[0] * self.groups, local_bxT1.shape[1])
-        return jax.make_array_from_process_local_data(self.sharding, local_bxT1, shape)
+    def _place(self, local_bxT1: Any) -> Any:
+        """This process's rows as the global array (each leaf of a batch pytree: LabeledRows)."""
+
+        def place(x: np.ndarray) -> jax.Array:
+            shape = (x.shape[0] * self.groups, *x.shape[1:])
+            return jax.make_array_from_process_local_data(self.sharding, x, shape)
+
+        return jax.tree.map(place, local_bxT1)
 
     def dispatch(self, params) -> dict[str, jax.Array]:
         """Sums over the held-out set, as device arrays (not waited for)."""
@@ -124,7 +129,7 @@ class Evaluator:
 
     @staticmethod
     def finish(pending: dict[str, jax.Array]) -> dict[str, float | None]:
-        """Blocks on `dispatch`'s arrays -> val_loss, val_ppl, retrieval_acc (None unless kv_recall), answers."""
+        """Blocks on `dispatch`'s arrays -> val_loss, val_ppl, retrieval_acc (None without answers), answers."""
         sums = {k: float(v) for k, v in jax.device_get(pending).items()}
         loss = sums["loss_sum"] / sums["tokens"]
         return {

@@ -32,6 +32,7 @@ from nsa_jax.config import EVAL_SUITES, Config, replace
 from nsa_jax.data import make_dataset, make_tokenizer
 from nsa_jax.data.kv_recall import make_kv_batch
 from nsa_jax.data.needle import answer_mask, make_needle_row, passkey
+from nsa_jax.data.targets import batch_tokens
 from nsa_jax.evaluation import scoring
 from nsa_jax.rundir.files import long_eval_column
 
@@ -87,7 +88,7 @@ class TextRows:
             cfg = replace(self.cfg, [f"train.seq_len={L}", f"train.global_batch={n}", "data.prefetch=0"])
             ds = make_dataset(cfg, "val")
             try:
-                rows = np.asarray(next(ds), np.int32)
+                rows = np.asarray(batch_tokens(next(ds)), np.int32)
             except StopIteration:
                 raise ValueError(f"the validation split of data.path holds fewer than {n} rows of {L + 1} tokens")
             finally:

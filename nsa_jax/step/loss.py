@@ -8,7 +8,7 @@ denominator is the whole micro-batch's), plus the layers' statistics as sums.
 parallelism) into the logged statistics. At one device `loss_and_stats` is the two in a
 row, from tokens.
 
-The loss is the weighted mean next-token loss (data/targets.py loss_weights) of
+The loss is the weighted mean next-token loss (data/targets.py row_targets) of
 `phase.model`, plus `phase.distill` times the layers' mean block-scorer KL, which the
 layers compute only because the `losses` collection is mutable then. With
 train.scorer_distill on, stats carry `ce` (the next-token loss alone) and `distill_kl`
@@ -75,15 +75,15 @@ class Loss:
         stats = aux_stats(sums["aux"], self.phase.model) if sums["aux"] else {}
         return {**stats, **{k: v for k, v in sums.items() if k != "aux"}}
 
-    def of_tokens(self, params, tokens_BxT1: jax.Array) -> tuple[jax.Array, dict]:
-        """(loss, stats) of a whole micro-batch of tokens on one device (no layout)."""
-        rows = lay_out_rows(tokens_BxT1, self.cfg, None, rope_positions=self.cfg.train.rope_positions)
+    def of_batch(self, params, batch_BxT1) -> tuple[jax.Array, dict]:
+        """(loss, stats) of a whole micro-batch (tokens or LabeledRows) on one device (no layout)."""
+        rows = lay_out_rows(batch_BxT1, self.cfg, None, rope_positions=self.cfg.train.rope_positions)
         loss, sums = self.part(params, rows, denominators(rows))
         return loss, self.finish(sums)
 
 
 def loss_and_stats(
-    params, tokens_BxT1: jax.Array, *, cfg: Config, phase: schedule.Phase | None = None, kernels=None
+    params, batch_BxT1, *, cfg: Config, phase: schedule.Phase | None = None, kernels=None
 ) -> tuple[jax.Array, dict]:
-    """Loss and statistics of one micro-batch of tokens [B, T+1] on one device (Loss.of_tokens)."""
-    return Loss(cfg, phase, kernels).of_tokens(params, tokens_BxT1)
+    """Loss and statistics of one micro-batch [B, T+1] (tokens or LabeledRows) on one device (Loss.of_batch)."""
+    return Loss(cfg, phase, kernels).of_batch(params, batch_BxT1)

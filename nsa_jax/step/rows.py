@@ -1,7 +1,8 @@
 """The batch record the train step and held-out evaluation both read (`Rows`), laid out once.
 
-`lay_out_rows` turns token rows [..., b, T+1] into inputs, targets, loss weights
-(data/targets.py), the answer mask and the RoPE positions (train.rope_positions) of
+`lay_out_rows` turns a batch's rows [..., b, T+1] (tokens, or data/targets.LabeledRows with
+their own weights) into inputs, targets, loss weights and the answer mask (data/targets.py
+row_targets) and the RoPE positions (train.rope_positions) of
 each group of b rows, then pads them to T' and puts them in device order for the
 sequence layout (nsa/context.py; T' = T and nothing moves without context
 parallelism). Weights and positions are functions of whole rows, so they are made
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
-from nsa_jax.data.targets import answer_mask, loss_weights
+from nsa_jax.data.targets import batch_tokens, row_targets
 from nsa_jax.mesh import DATA, SEQ
 from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.step.positions import random_rope_positions
@@ -35,26 +36,33 @@ class Rows(NamedTuple):
 
 
 def lay_out_rows(
-    tokens_Gxbx1T: jax.Array, cfg: Config, layout: SeqLayout | None, *, rope_positions: int = 0, answers: bool = False
+    batch_Gxbx1T, cfg: Config, layout: SeqLayout | None, *, rope_positions: int = 0, answers: bool = False
 ) -> Rows:
-    """Rows of tokens [..., b, T+1] (any leading group axes; a group shares its RoPE positions, drawn
-    by train.rope_positions = `rope_positions`; 0: none). `answers`: make the answer mask too."""
-    lead, (b, T1) = tokens_Gxbx1T.shape[:-2], tokens_Gxbx1T.shape[-2:]
+    """Rows of a batch [..., b, T+1] (tokens or LabeledRows; any leading group axes; a group shares
+    its RoPE positions, drawn by train.rope_positions = `rope_positions`; 0: none). `answers`: make
+    the answer mask too."""
+    tokens = batch_tokens(batch_Gxbx1T)
+    lead, b = tokens.shape[:-2], tokens.shape[-2]
 
-    def group(tokens_bxT1):
+    def group(batch_bxT1):
+        tokens_bxT1, weights, answer = row_targets(batch_bxT1, cfg)
         inputs_bxT, targets_bxT = tokens_bxT1[:, :-1], tokens_bxT1[:, 1:]
-        weights = loss_weights(tokens_bxT1, cfg)
-        weights = jnp.ones(targets_bxT.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-        answer = answer_mask(tokens_bxT1, cfg) if answers else None
-        if answers and answer is None:
+        if not answers:
+            answer = None
+        elif answer is None:
             answer = jnp.zeros(targets_bxT.shape, bool)
         rope = random_rope_positions(inputs_bxT, rope_positions)
         return Rows(inputs_bxT, targets_bxT, weights, answer, rope)
 
-    rows = jax.vmap(group)(tokens_Gxbx1T.reshape(-1, b, T1))
+    rows = jax.vmap(group)(jax.tree.map(lambda x: x.reshape(-1, b, x.shape[-1]), batch_Gxbx1T))
     if layout is not None:  # positions are the last axis of every field
         rows = jax.tree.map(lambda x: layout.lay_out(x, x.ndim - 1), rows)
     return jax.tree.map(lambda x: x.reshape(*lead, *x.shape[1:]), rows)
+
+
+def split_rows(batch_AxBx, n_devices: int):
+    """A batch [A, B, ...] (tokens or LabeledRows) viewed as [A, D, B / D, ...]: each device's rows."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0], n_devices, x.shape[1] // n_devices, *x.shape[2:]), batch_AxBx)
 
 
 def rows_spec(rows: Rows, lead: int) -> Rows:

@@ -1,7 +1,8 @@
 """The pure, jitted train step over the (data, seq) mesh (nsa_jax/mesh.py; evaluation: evaluation/heldout.py).
 
-A batch tokens_AxBxT1 holds A micro-batches, each of B = train.global_batch
-sequences of T + 1 tokens, sharded over `data` on its B axis, so each device holds
+A batch batch_AxBxT1 holds A micro-batches, each of B = train.global_batch
+sequences of T + 1 tokens (plain tokens, or data/targets.LabeledRows whose loss weights ride
+beside them), sharded over `data` on its B axis, so each device holds
 A x (B / devices) rows (under context parallelism the devices of `seq` share a row).
 
 One optimizer step:
@@ -49,14 +50,14 @@ def create_state(plan: ShardingPlan, params=None) -> TrainState:
 
 
 def make_grad_fn(plan: ShardingPlan, *, phase: schedule.Phase | None = None) -> Callable:
-    """(params, tokens_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy
+    """(params, batch_AxBxT1) -> (mean grads fp32, mean loss, mean stats) of parallel.strategy
     (strategies.make_grad_fn) for the loss of `phase` (step/loss.py; default: cfg.model)."""
     kernels = plan.kernels(phase.model if phase else plan.cfg.model)
     return strategies.make_grad_fn(plan, Loss(plan.cfg, phase, kernels))
 
 
 def make_phased_grad_fn(plan: ShardingPlan) -> Callable:
-    """(params, tokens_AxBxT1, step) -> make_grad_fn's result for the phase `step` is in (schedule.phases).
+    """(params, batch_AxBxT1, step) -> make_grad_fn's result for the phase `step` is in (schedule.phases).
 
     Every phase is compiled into the one step and the step counter (part of the state,
     so a resumed run continues in its phase) chooses with lax.switch.
@@ -64,11 +65,11 @@ def make_phased_grad_fn(plan: ShardingPlan) -> Callable:
     phases = schedule.phases(plan.cfg)
     fns = [make_grad_fn(plan, phase=p) for p in phases]
     if len(fns) == 1:
-        return lambda params, tokens_AxBxT1, step: fns[0](params, tokens_AxBxT1)
+        return lambda params, batch_AxBxT1, step: fns[0](params, batch_AxBxT1)
     starts = jnp.asarray([p.start for p in phases[1:]], jnp.int32)
 
-    def grad_fn(params, tokens_AxBxT1, step):
-        return lax.switch(jnp.sum(step >= starts), fns, params, tokens_AxBxT1)
+    def grad_fn(params, batch_AxBxT1, step):
+        return lax.switch(jnp.sum(step >= starts), fns, params, batch_AxBxT1)
 
     return grad_fn
 
@@ -104,7 +105,7 @@ def make_update(cfg: Config) -> Callable:
 
 
 def make_train_step(plan: ShardingPlan) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """The jitted step (state, tokens_AxBxT1) -> (state, metrics); the state is donated.
+    """The jitted step (state, batch_AxBxT1) -> (state, metrics); the state is donated.
 
     State in and out is placed by plan.state (parallel.strategy). metrics:
     loss, grad_norm (before clipping), lr (used by this update), skipped (1 when loss
@@ -115,12 +116,12 @@ def make_train_step(plan: ShardingPlan) -> Callable[[TrainState, jax.Array], tup
 
     if plan.strategy == "pmap":
         loss = Loss(plan.cfg, kernels=plan.kernels(plan.cfg.model))
-        train_step = strategies.make_pmap_step(plan, loss.of_tokens, update)
+        train_step = strategies.make_pmap_step(plan, loss.of_batch, update)
     else:
         grad_fn = make_phased_grad_fn(plan)
 
-        def train_step(state: TrainState, tokens_AxBxT1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-            grads, loss, stats = grad_fn(state.params, tokens_AxBxT1, state.step)
+        def train_step(state: TrainState, batch_AxBxT1) -> tuple[TrainState, dict[str, Any]]:
+            grads, loss, stats = grad_fn(state.params, batch_AxBxT1, state.step)
             # zero1: the replicated params sliced to the gradient's shard (no communication);
             # a no-op for the other strategies, whose params already live like their grads.
             params = lax.with_sharding_constraint(state.params, plan.grads)

@@ -33,18 +33,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nsa_jax.config import Config
+from nsa_jax.data.targets import batch_tokens
 from nsa_jax.kernels import KernelPlan, cudnn_fits, plan_kernels
 from nsa_jax.mesh import DATA, SEQ
 from nsa_jax.nsa.context import SeqLayout, seq_layout
 from nsa_jax.step.loss import Loss
-from nsa_jax.step.rows import Rows, denominators, lay_out_rows, rows_spec
+from nsa_jax.step.rows import Rows, denominators, lay_out_rows, rows_spec, split_rows
 from nsa_jax.step.state import TrainState, init_state
 from nsa_jax.words import count
 
 STRATEGIES = ("dp", "pmap", "gspmd", "zero1", "fsdp")
 
-# (params, tokens_BxT1) -> (mean loss, stats) of one micro-batch
-LossFn = Callable[[Any, jax.Array], tuple[jax.Array, dict]]
+# (params, batch_BxT1) -> (mean loss, stats) of one micro-batch (tokens or data/targets.LabeledRows)
+LossFn = Callable[[Any, Any], tuple[jax.Array, dict]]
 
 
 def check_strategy(cfg: Config) -> str:
@@ -155,7 +156,7 @@ class ShardingPlan:
     state_shapes: TrainState  # ShapeDtypeStructs of a fresh state
     state: TrainState  # a NamedSharding per state leaf
     grads: Any  # a NamedSharding per parameter leaf: the reduced mean gradient and its update
-    batch: NamedSharding  # tokens_AxBxT1, sharded on B
+    batch: NamedSharding  # every leaf of batch_AxBxT1, sharded on B
     replicated: NamedSharding  # scalars and metrics
     kernel_fallback: frozenset = frozenset()  # NSA branches the kernel guard moved to XLA
     layout: SeqLayout | None = None  # the sequence layout over `seq` (context parallelism), None without
@@ -255,14 +256,14 @@ def accumulate(micro: Callable, xs):
     return lax.scan(body, zeros, xs)[0]
 
 
-def local_sums(value_and_grad: Callable, params, tokens_AxbxT1: jax.Array):
+def local_sums(value_and_grad: Callable, params, batch_AxbxT1):
     """Sums over the A micro-batches of (grads fp32, loss, stats) on this device's rows; no collective."""
 
-    def micro(tokens_bxT1):
-        (loss, stats), grads = value_and_grad(params, tokens_bxT1)
+    def micro(batch_bxT1):
+        (loss, stats), grads = value_and_grad(params, batch_bxT1)
         return grads, loss, stats
 
-    return accumulate(micro, tokens_AxbxT1)
+    return accumulate(micro, batch_AxbxT1)
 
 
 def reduce_grads(grads, n: int, dtype, over_devices: Callable, places=None):
@@ -275,14 +276,14 @@ def reduce_grads(grads, n: int, dtype, over_devices: Callable, places=None):
 
 
 def make_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
-    """(params, tokens_AxBxT1) -> (mean grads fp32 placed as plan.grads, mean loss, mean stats) of
+    """(params, batch_AxBxT1) -> (mean grads fp32 placed as plan.grads, mean loss, mean stats) of
     parallel.strategy: dp, zero1 and fsdp at any context degree (`make_mapped_grad_fn`), gspmd
     (`make_partitioned_grad_fn`). Traced inside the step's jit; pmap has no separate gradient
     function (make_pmap_step runs its whole step per device)."""
     if plan.strategy == "pmap":
         raise ValueError("parallel.strategy=pmap runs the whole step per device; use make_train_step")
     if plan.strategy == "gspmd":
-        return make_partitioned_grad_fn(plan, loss.of_tokens)
+        return make_partitioned_grad_fn(plan, loss.of_batch)
     return make_mapped_grad_fn(plan, loss)
 
 
@@ -423,10 +424,11 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
         grads = reduce_grads(grads, n, reduce_dtype, over_devices, grad_specs)
         return grads, lax.psum(total, DATA) / n, jax.tree.map(lambda s: lax.psum(s, DATA) / n, stats)
 
-    def grad_fn(params, tokens_AxBxT1):
-        A, B, T1 = tokens_AxBxT1.shape
-        tokens = tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1)
-        rows = lay_out_rows(tokens, plan.cfg, layout, rope_positions=plan.cfg.train.rope_positions)
+    def grad_fn(params, batch_AxBxT1):
+        A, B = batch_tokens(batch_AxBxT1).shape[:2]
+        rows = lay_out_rows(
+            split_rows(batch_AxBxT1, n_devices), plan.cfg, layout, rope_positions=plan.cfg.train.rope_positions
+        )
         denom = denominators(rows)  # [A, D]
         # [A, D, b, T'] -> [A, B, T'] (RoPE positions stay [A, D, T']: one per pair), split over the mesh.
         rows = rows._replace(**{f: getattr(rows, f).reshape(A, B, -1) for f in ("inputs", "targets", "weights")})
@@ -450,7 +452,7 @@ def _sum_rows(rows_DxS: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
-    """gspmd: (params, tokens_AxBxT1) -> (mean grads placed as `plan.grads`, loss, stats), traced
+    """gspmd: (params, batch_AxBxT1) -> (mean grads placed as `plan.grads`, loss, stats), traced
     under the step's jit.
 
     The batch [A, B, T+1] is viewed as [A, D, B/D, T+1] with D (the device count) sharded on
@@ -468,17 +470,17 @@ def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
     rows_sharding = NamedSharding(mesh, P(DATA))
     full = NamedSharding(mesh, P())
 
-    def grad_fn(params, tokens_AxBxT1):
-        A, B, T1 = tokens_AxBxT1.shape
+    def grad_fn(params, batch_AxBxT1):
+        A = batch_tokens(batch_AxBxT1).shape[0]
         # Forward and backward run on whole parameters: fsdp all-gathers its shards here,
         # once per step (a no-op for replicated params). Left to propagation instead, XLA
         # resharded activations and weights inside the backward (all-to-alls, repeated
         # all-gathers per micro-batch).
         params = lax.with_sharding_constraint(params, jax.tree.map(lambda _: full, params))
-        tokens_AxDxbxT1 = lax.with_sharding_constraint(
-            tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1), NamedSharding(mesh, P(None, DATA))
+        batch_AxDxbxT1 = lax.with_sharding_constraint(
+            split_rows(batch_AxBxT1, n_devices), NamedSharding(mesh, P(None, DATA))
         )
-        grads_DxS, loss_D, stats_D = per_group(params, tokens_AxDxbxT1)
+        grads_DxS, loss_D, stats_D = per_group(params, batch_AxDxbxT1)
         n = A * n_devices
 
         def over_devices(g_DxS, sharding):  # the device axis made explicit: summed where the strategy places it
@@ -494,7 +496,7 @@ def make_partitioned_grad_fn(plan: ShardingPlan, loss_fn: LossFn) -> Callable:
 
 
 def make_pmap_step(plan: ShardingPlan, loss_fn: LossFn, update_fn: Callable) -> Callable:
-    """pmap: (state, tokens_AxBxT1) -> (state, metrics), the whole step written per device.
+    """pmap: (state, batch_AxBxT1) -> (state, metrics), the whole step written per device.
 
     The classic form: each device runs value_and_grad on its rows, `lax.pmean`s the
     gradient (cast to grad_reduce_dtype) over the named axis, and applies the same
@@ -508,9 +510,9 @@ def make_pmap_step(plan: ShardingPlan, loss_fn: LossFn, update_fn: Callable) -> 
     reduce_dtype = jnp.dtype(plan.cfg.parallel.grad_reduce_dtype)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def per_device(state: TrainState, tokens_AxbxT1: jax.Array):
-        grads, loss, stats = local_sums(value_and_grad, state.params, tokens_AxbxT1)
-        A = tokens_AxbxT1.shape[0]
+    def per_device(state: TrainState, batch_AxbxT1):
+        grads, loss, stats = local_sums(value_and_grad, state.params, batch_AxbxT1)
+        A = batch_tokens(batch_AxbxT1).shape[0]
         grads = reduce_grads(grads, A * n_devices, reduce_dtype, lambda g, _: lax.psum(g, DATA))
         loss = lax.pmean(loss / A, DATA)
         stats = jax.tree.map(lambda s: lax.pmean(s / A, DATA), stats)
@@ -522,8 +524,7 @@ def make_pmap_step(plan: ShardingPlan, loss_fn: LossFn, update_fn: Callable) -> 
         per_device, DATA, in_axes=(None, 1), out_axes=None, devices=list(plan.mesh.devices.flat), axis_size=n_devices
     )
 
-    def step(state: TrainState, tokens_AxBxT1: jax.Array):
-        A, B, T1 = tokens_AxBxT1.shape
-        return pmapped(state, tokens_AxBxT1.reshape(A, n_devices, B // n_devices, T1))
+    def step(state: TrainState, batch_AxBxT1):
+        return pmapped(state, split_rows(batch_AxBxT1, n_devices))
 
     return step

@@ -24,12 +24,12 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from nsa_jax.agreement import agree_any
 from nsa_jax.config import Config
 from nsa_jax.data import BatchStream, first_batch_with_timeout, make_dataset, unused_data_settings
+from nsa_jax.data.targets import batch_tokens
 from nsa_jax.info import learning_options
 from nsa_jax.kernels.guard import guard_kernels
 from nsa_jax.kernels.plan import FALLBACKS, substitutions
@@ -71,7 +71,7 @@ class RunParts:
     ckpt: ckpt.Checkpointer
     art: RunArtifacts
     state: TrainState | None  # given or restored; None: a fresh one is built while the step compiles
-    first: np.ndarray  # the first batch
+    first: Any  # the first batch: tokens or data/targets.LabeledRows
 
 
 def boot(
@@ -235,7 +235,7 @@ def _say_settings(cfg: Config, step: int, eval_off: str | None, art: RunArtifact
 
 def _first_batch(
     cfg: Config, data: BatchStream, art: RunArtifacts, say: Say, rows: tuple[int, int]
-) -> tuple[Config, BatchStream, np.ndarray]:
+) -> tuple[Config, BatchStream, Any]:
     """(cfg, data stream, the first batch) under data.loader_timeout; synthetic data instead when allowed
     (`rows`: this process's row group, mesh.process_rows)."""
     art.event("loader_start", 0, f"dataset {cfg.data.dataset}")
@@ -250,12 +250,12 @@ def _first_batch(
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset="synthetic"))
         data = make_dataset(cfg, "train", *rows)
         first = next(data)
-    art.event("loader_ready", 0, f"first batch {tuple(first.shape)}")
+    art.event("loader_ready", 0, f"first batch {tuple(batch_tokens(first).shape)}")
     return cfg, data, first
 
 
 def compile_step(
-    train_step, abstract: Any, batch: jax.Array, init: Callable[[], TrainState] | None, stopped: Callable[[], bool]
+    train_step, abstract: Any, batch: Any, init: Callable[[], TrainState] | None, stopped: Callable[[], bool]
 ) -> tuple[Any, float, TrainState | None] | None:
     """(compiled step, compile seconds, the state `init` built, or None without `init`); None once `stopped()`.
 

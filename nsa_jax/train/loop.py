@@ -124,10 +124,11 @@ class Trainer:
             return first
         return next(self.data)
 
-    def _next_batch(self) -> jax.Array:
-        """A micro-batches of this process's rows, placed as the global [A, B, T + 1] array."""
+    def _next_batch(self) -> Any:
+        """A micro-batches of this process's rows, placed as the global [A, B, T + 1] array (each leaf
+        of a batch pytree: data/targets.LabeledRows)."""
         rows = [self._next_tokens() for _ in range(self.cfg.train.accumulate)]
-        return put_batch(np.stack(rows), self.mesh)
+        return put_batch(jax.tree.map(lambda *xs: np.stack(xs), *rows), self.mesh)
 
     # -- run ------------------------------------------------------------------
 
