@@ -210,7 +210,11 @@ class DataConfig:
     # train/val split, so val_fraction is not used; tokenizer must be the manifest's).
     # needle: pass-key rows over the text of data.path (nsa_jax/data/needle.py); the loss counts
     # every target, the pass key's weighted by needle_answer_weight.
-    dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall", "needle", "tokenized"] = "synthetic"
+    # reviews: label/text examples (Yelp Review Full's layout; nsa_jax/data/reviews.py), one a row,
+    # prompt -> answer, the answer alone in the loss.
+    dataset: Literal["synthetic", "fineweb_edu", "jsonl", "text", "kv_recall", "needle", "reviews", "tokenized"] = (
+        "synthetic"
+    )
     path: str = ""
     tokenizer: str = "byte"
     val_fraction: float = 0.01

@@ -9,7 +9,8 @@ weights and answers [B, T]); the trainer takes inputs = tokens_BxT1[:, :-1] and 
 tokens_BxT1[:, 1:]. Streams have an exact, JSON-serialisable `get_state()` / `set_state()`.
 
 Modules: synthetic (Markov + copy stream), kv_recall (long-range recall task), needle
-(pass-key retrieval in text),
+(pass-key retrieval in text), reviews (a rating fine-tune, prompt -> answer), targets
+(which targets count: LabeledRows),
 tokenizers (byte / tokenizers JSON / tiktoken), sources (parquet, jsonl, txt readers),
 pipeline (grain: sharding, shuffling, tokenising, packing, prefetch), shards (the
 pre-tokenized format `python -m launch.prepare_data` writes) and tokenized (batches
@@ -27,6 +28,7 @@ from typing import Any
 
 from nsa_jax.data.kv_recall import KVRecallDataset
 from nsa_jax.data.needle import NeedleDataset
+from nsa_jax.data.reviews import ReviewsDataset
 from nsa_jax.data.sources import FILE_DATASETS
 from nsa_jax.data.stream import BatchStream, split_id
 from nsa_jax.data.synthetic import SyntheticDataset
@@ -100,6 +102,8 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
         )
     if kind == "needle":
         return NeedleDataset(cfg, split=split, process_index=process_index, process_count=process_count)
+    if kind == "reviews":
+        return ReviewsDataset(cfg, split=split, process_index=process_index, process_count=process_count)
     if kind in FILE_DATASETS:
         from nsa_jax.data.pipeline import FileDataset  # noqa: PLC0415 - grain imports jax: after XLA_FLAGS
 
@@ -113,7 +117,8 @@ def make_dataset(cfg: Any, split: str = "train", process_index: int = 0, process
             cfg, batch=cfg.train.global_batch, split=split, process_index=process_index, process_count=process_count
         )
     raise ValueError(
-        f"data.dataset is {kind!r}; use one of synthetic, kv_recall, needle, {', '.join(FILE_DATASETS)}, tokenized"
+        f"data.dataset is {kind!r}; use one of synthetic, kv_recall, needle, reviews, {', '.join(FILE_DATASETS)}, "
+        "tokenized"
     )
 
 

@@ -139,9 +139,10 @@ def _is_prepared_dir(p: pathlib.Path) -> bool:
     return shards.is_prepared(p)
 
 
-def list_files(path: str, dataset: str) -> list[str]:
-    """Sorted data files for `dataset` at `path` (a directory, searched recursively; a file; or a glob)."""
-    exts = EXTENSIONS[dataset]
+def list_files(path: str, dataset: str, exts: tuple[str, ...] | None = None) -> list[str]:
+    """Sorted data files for `dataset` at `path` (a directory, searched recursively; a file; or a glob),
+    those ending in `exts` (default: the dataset's EXTENSIONS)."""
+    exts = EXTENSIONS[dataset] if exts is None else exts
     pattern = "/".join("*" + e for e in exts)
     if not path:
         hub = " (streaming from the hub needs a network and the `datasets` package)" if dataset == "fineweb_edu" else ""
