@@ -11,6 +11,7 @@
 #              $OUT/phase<N>, production into $OUT itself, the preflight into $OUT/preflight.json)
 #   DATASET    fineweb_edu (default) or synthetic, for phases 1-3; DATA_PATH: the parquet shards
 #   STEPS1, STEPS2, STEPS3   300, 1000, and the config's 50000
+#   LAST       the last steps phases 1 and 2 are judged and summarised on (default 50, the runbook's)
 #   INTERCONNECT auto (default: NVLink if `nvidia-smi topo -m` shows NV#), pcie or nvlink
 #   STALL_SECONDS  in-process stall watchdog (default 1800); WATCHDOG=0 skips launch.watchdog in phase 3
 #   ALLOW_BUSY_GPU=1  start although a GPU holds another process's memory (the preflight refuses, else)
@@ -28,6 +29,7 @@ DATA_PATH=${DATA_PATH:-}
 STEPS1=${STEPS1:-300}
 STEPS2=${STEPS2:-1000}
 STEPS3=${STEPS3:-}
+LAST=${LAST:-50}
 STALL_SECONDS=${STALL_SECONDS:-1800}
 WATCHDOG=${WATCHDOG:-1}
 INTERCONNECT=${INTERCONNECT:-auto}
@@ -83,14 +85,14 @@ data_args() {
   fi
 }
 
-summary() {  # summary <out_dir>: throughput of the last 50 rows, memory peak, gates; by column name
+summary() {  # summary <out_dir>: throughput of the last $LAST rows, memory peak, gates; by column name
   [[ $DRY_RUN == 1 ]] && return 0
-  "$PYTHON" - "$1" <<'PY'
+  "$PYTHON" - "$1" "$LAST" <<'PY'
 import csv, json, pathlib, statistics as st, sys
 out = pathlib.Path(sys.argv[1])
 rows = list(csv.DictReader(open(out / "training.csv"))) if (out / "training.csv").exists() else []
 if rows:
-    last = rows[-50:]
+    last = rows[-int(sys.argv[2]):]
     toks = [float(r["toks_per_s"]) for r in last]
     secs = [float(r["step_time_s"]) for r in last]
     # As launch.report: total tokens / total step time, and the median step (a mean of
@@ -120,7 +122,7 @@ PY
 }
 
 check_phase() {  # check_phase <out_dir> <steps> [judge]: a step_end for the last step, no .HALT; with
-  # judge, launch.report --strict over the last 50 steps as well (loss, step-time spread, memory plateau,
+  # judge, launch.report --strict over the last $LAST steps as well (loss, step-time spread, memory plateau,
   # gates, heartbeats: each GO)
   [[ $DRY_RUN == 1 ]] && return 0
   local dir=$1 steps=$2
@@ -145,7 +147,7 @@ PY
   then
     return 1
   fi
-  if [[ ${3:-} == judge ]] && ! "$PYTHON" -m launch.report "$dir" --strict --last 50; then
+  if [[ ${3:-} == judge ]] && ! "$PYTHON" -m launch.report "$dir" --strict --last "$LAST"; then
     say "FAIL: launch.report $dir --strict: a criterion is not GO (above; report in $dir/report)"; return 1
   fi
   say "ok: $dir reached step $steps on every rank${3:+; launch.report: GO}"
