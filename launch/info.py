@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "--config", default=None, help="config name in configs/ or a YAML path (default: $CONFIG, else a100_pcie)"
     )
     add_overrides(parser)
-    parser.add_argument("--target", default=None, help="GPU card to check the step against: a100-40, a100-80, h100")
+    parser.add_argument("--target", default=None, help="GPU card to check the step against: a100-40, a100-80, h100, l4")
     parser.add_argument(
         "--devices",
         type=int,

@@ -730,3 +730,24 @@ def test_overlapped_reduction_is_scheduled_inside_the_backward_of_the_a100_pcie_
 
     assert hidden(one) == 0.0 and hidden(over) > 0.9, (one["all_reduces"], over["all_reduces"])
     assert over["memory"]["total"] <= 1.05 * one["memory"]["total"], (over["memory"], one["memory"])
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@needs_plugin
+def test_the_study_table_compiles_each_strategy_for_two_l4s():
+    """benchmarks.bench_study on a small dense model for 2 x L4 (sm_89, the study's card): dp all-reduces
+    the bf16 gradient; zero1 reduce-scatters it, all-gathers the parameters and holds half the moments."""
+    from benchmarks import bench_study
+
+    small = ["model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=512"]
+    rows = {}
+    for name in ("dp", "zero1"):
+        cfg = bench_study.study_config("smollm2-135m", 128, 8, name, small)
+        rows[name] = bench_study.measure(cfg, "l4", 2)
+    dp, zero1 = rows["dp"], rows["zero1"]
+    assert dp["fits"] and set(dp["collectives"]) == {"all-reduce"}
+    assert {"reduce-scatter", "all-gather"} <= set(zero1["collectives"])
+    assert "bf16" in dp["collectives"]["all-reduce"]["dtypes"]
+    assert zero1["memory"]["argument"] < 0.8 * dp["memory"]["argument"]
+    assert bench_study.main(["--strategies", "dp,zero3"]) == 2

@@ -4,8 +4,7 @@ jax with the CUDA plugin compiles ahead of time for a card described by an XLA `
 a host with no GPU and no driver: XLA's GPU pipeline runs and the Pallas kernels go through Triton and
 ptxas to cubins (docs/PERFORMANCE.md, "Memory and kernel resources, compiled on a CPU host"). This module
 owns that route:
-* `TARGETS`: the cards (A100 40GB and 80GB PCIe, sm_80; H100 80GB SXM, sm_90) as public specification
-  values, and `GpuTarget.config_text()`, their target config;
+* the cards (tools/cards.py `TARGETS`: A100 40GB and 80GB, H100, L4) as targets;
 * `target_devices(target, n)`: n devices of that card to place abstract arguments on (`PluginMissing`,
   one line naming the install, when the plugin is absent);
 * `compile_train_step` / `compile_layer`: the optimizer step of a config (any strategy, any device count)
@@ -26,7 +25,6 @@ import dataclasses
 import functools
 import importlib.util
 import math
-import os
 import shutil
 import threading
 import time
@@ -50,133 +48,19 @@ from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.seq_layout import chunk_len
 from nsa_jax.step.step import make_train_step
 from nsa_jax.step.strategies import make_plan, per_device_batch
+from nsa_jax.tools.cards import DEFAULT_MEM_FRACTION, TARGETS, GpuTarget, get_target  # noqa: F401 - aot's names
 from nsa_jax.words import count
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 INSTALL_HINT = 'pip install -e ".[cuda12]"'
-# jax's default GPU allocator takes this fraction of the card at start-up (XLA_PYTHON_CLIENT_MEM_FRACTION).
-DEFAULT_MEM_FRACTION = 0.75
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 # cuDNN's fused attention, forward and backward (kernels/cudnn.py).
 CUDNN_ATTENTION_TARGETS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 
 
-# ---------------------------------------------------------------------------
-# target cards
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuTarget:
-    """One card, from its public specifications (the fields of XLA's GpuDeviceInfoProto)."""
-
-    name: str
-    description: str  # device_description_str: what jax reports as device_kind
-    compute_capability: tuple[int, int]
-    core_count: int  # SMs
-    fpus_per_core: int
-    shared_memory_per_block_optin: int
-    shared_memory_per_core: int
-    device_memory_size: int
-    memory_bandwidth: int  # bytes / s
-    l2_cache_size: int
-    clock_rate_ghz: float
-    bf16_tensor_flops: float = 0.0  # the dense bf16 tensor-core peak of the datasheet, flop / s (not XLA's)
-    shared_memory_per_block: int = 49152
-    threads_per_block_limit: int = 1024
-    threads_per_warp: int = 32
-    threads_per_core_limit: int = 2048
-    registers_per_core_limit: int = 65536
-    registers_per_block_limit: int = 65536
-
-    @property
-    def arch(self) -> str:
-        """ptxas -arch of the card (sm_90a: the Hopper instructions Triton emits)."""
-        major, minor = self.compute_capability
-        return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-
-    def usable_bytes(self, fraction: float | None = None) -> int:
-        """Device memory jax's allocator can hand out: `fraction` (default XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75)."""
-        if fraction is None:
-            fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
-        return int(self.device_memory_size * fraction)
-
-    def config_text(self) -> str:
-        """The GpuTargetConfigProto in protobuf text form."""
-        major, minor = self.compute_capability
-        fields = {
-            k: getattr(self, k)
-            for k in (
-                "threads_per_block_limit",
-                "threads_per_warp",
-                "shared_memory_per_block",
-                "shared_memory_per_core",
-                "threads_per_core_limit",
-                "core_count",
-                "fpus_per_core",
-                "memory_bandwidth",
-                "l2_cache_size",
-                "clock_rate_ghz",
-                "device_memory_size",
-                "shared_memory_per_block_optin",
-                "registers_per_core_limit",
-                "registers_per_block_limit",
-            )
-        }
-        fields.update(block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535)
-        lines = ["gpu_device_info {"] + [f"  {k}: {v}" for k, v in fields.items()]
-        lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}"]
-        lines += [
-            'platform_name: "CUDA"',
-            "dnn_version_info { major: 9 minor: 8 }",
-            "runtime_version { major: 12 minor: 9 }",
-            f'device_description_str: "{self.description}"',
-        ]
-        return "\n".join(lines) + "\n"
-
-
-_A100 = dict(
-    compute_capability=(8, 0),
-    core_count=108,
-    fpus_per_core=64,
-    shared_memory_per_block_optin=166912,
-    shared_memory_per_core=167936,
-    l2_cache_size=41943040,
-    clock_rate_ghz=1.41,
-    bf16_tensor_flops=312e12,
-)
-TARGETS: dict[str, GpuTarget] = {
-    "a100-40": GpuTarget(
-        "a100-40", "NVIDIA A100-PCIE-40GB", device_memory_size=42331013120, memory_bandwidth=1555200000000, **_A100
-    ),
-    "a100-80": GpuTarget(
-        "a100-80", "NVIDIA A100 80GB PCIe", device_memory_size=85899345920, memory_bandwidth=1935000000000, **_A100
-    ),
-    "h100": GpuTarget(
-        "h100",
-        "NVIDIA H100 80GB HBM3",
-        compute_capability=(9, 0),
-        core_count=132,
-        fpus_per_core=128,
-        shared_memory_per_block_optin=232448,
-        shared_memory_per_core=233472,
-        device_memory_size=85520809984,
-        memory_bandwidth=3352320000000,
-        l2_cache_size=52428800,
-        clock_rate_ghz=1.98,
-        bf16_tensor_flops=989e12,
-    ),
-}
-
-
 class PluginMissing(RuntimeError):
     """The CUDA plugin that compiles for a GPU target is not installed."""
-
-
-def get_target(name: str) -> GpuTarget:
-    if name not in TARGETS:
-        raise ValueError(f"unknown GPU target {name!r}; choose one of {', '.join(TARGETS)}")
-    return TARGETS[name]
 
 
 # jax's CUDA plugins: jax[cuda12] (the `cuda12` extra) and jax[cuda13].
