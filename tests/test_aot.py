@@ -740,7 +740,14 @@ def test_the_study_table_compiles_each_strategy_for_two_l4s():
     the bf16 gradient; zero1 reduce-scatters it, all-gathers the parameters and holds half the moments."""
     from benchmarks import bench_study
 
-    small = ["model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=512"]
+    small = [
+        "model.n_layers=2",
+        "model.scan_unroll=1",
+        "model.d_model=256",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.d_ff=512",
+    ]
     rows = {}
     for name in ("dp", "zero1"):
         cfg = bench_study.study_config("smollm2-135m", 128, 8, name, small)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -299,10 +300,10 @@ def test_selection_recall_measures_the_selected_and_the_best_blocks_against_loop
     assert buckets(1024, 3000) == [(1024, 2048), (2048, 3000)]
 
 
-def test_oracle_scorer_selects_the_best_n_blocks_of_the_full_attention(monkeypatch):
-    """The ceiling run's blocks (experiments/oracle_scorer.py, through the minmax scorer's XLA path)
-    catch exactly the best-n share of the loop reference; the minmax bound on the same keys does not."""
-    from experiments.oracle_scorer import ceiling_block_scores
+def test_the_ceiling_trial_selects_the_best_n_blocks_of_the_full_attention(monkeypatch):
+    """experiments/scorer_trial.py's ceiling (through the minmax scorer's XLA path) catches exactly the
+    best-n share of the loop reference; the minmax bound on the same keys does not."""
+    from experiments.scorer_trial import ceiling_block_scores
     from nsa_jax.kernels import scorers
 
     B, T, H, K, D, lp, N = 2, 70, 4, 2, 8, 8, 4
@@ -318,6 +319,42 @@ def test_oracle_scorer_selects_the_best_n_blocks_of_the_full_attention(monkeypat
     assert (short[..., 1] - short[..., 0]).max() > 0.01  # a cheap scorer misses mass here
     with pytest.raises(ValueError, match="scorer_sub must be 1"):
         scorers.select_minmax_xla(q, k, lp=lp, n=N, sub=2)
+
+
+@pytest.mark.parametrize("sub", [1, 4, 8])
+def test_the_lse_trial_scores_blocks_by_their_sub_block_means(monkeypatch, sub):
+    """lse:S against float64 loops: per head, a complete block's log-sum-exp of its sub-blocks' mean-key
+    logits, softmax over the complete blocks, summed over the group's heads."""
+    from experiments import scorer_trial
+    from nsa_jax.kernels import scorers
+
+    B, T, H, K, D, lp = 1, 40, 4, 2, 8, 8
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+    q = np.asarray(jax.random.normal(keys[0], (B, T, H, D)) * 1.5, np.float64)
+    k = np.asarray(jax.random.normal(keys[1], (B, T, K, D)) * 1.5, np.float64)
+    for name in ("key_bounds", "bound_block_logits", "minmax_block_scores"):  # restored after the test
+        monkeypatch.setattr(scorers, name, getattr(scorers, name))
+    assert scorer_trial.install(f"lse:{sub}") == sub
+    kmin, kmax = scorers.key_bounds(jnp.asarray(k, jnp.float32), lp, sub)
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    got = np.asarray(
+        scorers.minmax_block_scores(jnp.asarray(q, jnp.float32), kmin, kmax, t_T, lp=lp, sub=sub, scale=D**-0.5)
+    )
+    G, Nb = H // K, -(-T // lp)
+    for t in range(T):
+        complete = [j for j in range(Nb) if (j + 1) * lp <= t + 1]
+        for kv in range(K):
+            want = np.zeros(Nb)
+            for h in range(kv * G, (kv + 1) * G):
+                lse = []
+                for j in complete:
+                    means = k[0, j * lp : (j + 1) * lp, kv].reshape(lp // sub, sub, D).mean(axis=1)
+                    s = means @ q[0, t, h] / np.sqrt(D)
+                    lse.append(s.max() + np.log(np.exp(s - s.max()).sum()))
+                if complete:
+                    p = np.exp(np.array(lse) - max(lse))
+                    want[complete] += p / p.sum()
+            np.testing.assert_allclose(got[0, t, kv][complete], want[complete], atol=1e-5)
 
 
 @pytest.mark.slow
