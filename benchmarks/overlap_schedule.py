@@ -1,11 +1,13 @@
-"""Where the compiled step's gradient all-reduces sit in the schedule: one reduction after the backward
-(parallel.overlap_reduce false) against each layer's reduction inside it (true), side by side.
+"""Where the compiled step's gradient reductions sit in the schedule: one reduction after the backward
+(parallel.overlap_reduce false) against each layer's reduction inside it (true), side by side: dp's
+all-reduces, or zero1's reduce-scatters (`--set parallel.strategy=zero1`).
 
 Compiles the config's train step for N cards of a target on this host (nsa_jax/tools/aot.py; jax's CUDA
-plugin, the `cuda12` extra) and reads the thunk sequence XLA scheduled: for each all-reduce, its bytes
-and how many of the backward's compute launches (ops under `transpose(jvp(...))`, matmuls and fusions)
-the schedule still runs after it. An all-reduce with backward work after it can overlap that work; one
-after the last backward launch is exposed. Also the compiled per-device memory of both.
+plugin, the `cuda12` extra) and reads the thunk sequence XLA scheduled: for each all-reduce or
+reduce-scatter, its bytes and how many of the backward's compute launches (ops under
+`transpose(jvp(...))`, matmuls and fusions) the schedule still runs after it. A reduction with backward
+work after it can overlap that work; one after the last backward launch is exposed. Also the compiled
+per-device memory of both.
 
     python -m benchmarks.overlap_schedule [--config a100_pcie] [--target a100-40] [--devices 2] [--json OUT]
 
@@ -26,15 +28,16 @@ COMPUTE = ("gemm", "fusions", "pallas")
 
 
 def schedule(dump_dir: str) -> dict:
-    """The all-reduces in launch order: [{index, bytes, backward_after}] and the launch count."""
+    """The gradient reductions in launch order: [{index, kind, bytes, backward_after}] and the launch count."""
     traffic = hlo_traffic.launch_traffic(dump_dir, xla_dump.read_launches(dump_dir))
     backward = [i for i, t in enumerate(traffic) if t.launch.category in COMPUTE and "transpose(" in (t.op_name or "")]
     rows = []
     for i, t in enumerate(traffic):
-        kind = t.launch.kind.lower()
-        if "allreduce" in kind.replace("-", "").replace("_", "") and "done" not in kind:
+        kind = t.launch.kind.lower().replace("-", "").replace("_", "")
+        op = next((op for op in ("allreduce", "reducescatter") if op in kind), None)
+        if op and "done" not in kind:
             after = sum(b > i for b in backward)
-            rows.append({"index": i, "hlo": t.launch.hlo, "bytes": t.bytes, "backward_after": after})
+            rows.append({"index": i, "kind": op, "hlo": t.launch.hlo, "bytes": t.bytes, "backward_after": after})
     return {"launches": len(traffic), "backward_launches": len(backward), "all_reduces": rows}
 
 
@@ -53,9 +56,9 @@ def print_report(res: dict, meta: dict) -> None:
     for name, r in res.items():
         ars = r["all_reduces"]
         exposed = sum(a["bytes"] for a in ars if a["backward_after"] == 0)
-        total = sum(a["bytes"] for a in ars)
+        total, kinds = sum(a["bytes"] for a in ars), "/".join(sorted({a["kind"] for a in ars}))
         print(
-            f"  {name:>13}: {len(ars)} all-reduce launches, {total / 2**20:,.1f} MiB; {exposed / 2**20:,.1f} MiB "
+            f"  {name:>13}: {len(ars)} {kinds} launches, {total / 2**20:,.1f} MiB; {exposed / 2**20:,.1f} MiB "
             f"after the last of {r['backward_launches']} backward launches; per device "
             f"{r['memory']['total'] / 2**20:,.0f} MiB (temporaries {r['memory']['temp'] / 2**20:,.0f})"
         )

@@ -262,9 +262,10 @@ class ParallelConfig:
     # Context parallelism: C devices share every sequence (the `seq` mesh axis; the mesh is
     # data x seq = devices/C x C; nsa_jax/nsa/context.py). 1: each device holds whole sequences.
     context: int = 1
-    # dp: reduce each scanned layer's gradients as the backward leaves that layer (the study's
-    # async/bucketed DDP; step/strategies.py reduce_in_backward), so the all-reduces can overlap
-    # the backward of the layers below, instead of one reduction after the whole backward. With
+    # dp and zero1: reduce each scanned layer's gradients as the backward leaves that layer (the
+    # study's async/bucketed DDP; step/strategies.py reduce_in_backward: dp's all-reduce, zero1's
+    # reduce-scatter), so the collectives can overlap the backward of the layers below, instead of
+    # one reduction after the whole backward. With
     # train.accumulate > 1 each micro-batch's backward reduces (DDP without no_sync). Off until
     # a GPU measures it no slower.
     overlap_reduce: bool = False

@@ -80,10 +80,10 @@ def validate(cfg):
     need(0.0 <= cfg.data.val_fraction < 1.0, f"data.val_fraction must lie in [0, 1), got {cfg.data.val_fraction}")
     need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {cfg.parallel.bucket_mb}")
     need(
-        not cfg.parallel.overlap_reduce or (cfg.parallel.strategy == "dp" and m.scan_layers),
-        f"parallel.overlap_reduce reduces each scanned layer's gradients under parallel.strategy=dp with "
+        not cfg.parallel.overlap_reduce or (cfg.parallel.strategy in ("dp", "zero1") and m.scan_layers),
+        f"parallel.overlap_reduce reduces each scanned layer's gradients under parallel.strategy=dp or zero1 with "
         f"model.scan_layers (got {cfg.parallel.strategy}, scan_layers={m.scan_layers}); fsdp reduce-scatters per "
-        "layer already: set parallel.strategy=dp or parallel.overlap_reduce=false",
+        "layer already: set parallel.strategy=dp or zero1, or parallel.overlap_reduce=false",
     )
     n_dev = cfg.parallel.num_devices
     need(n_dev >= 0, f"parallel.num_devices must be >= 0 (0 = all devices), got {n_dev}")

@@ -118,7 +118,7 @@ def test_the_standard_library_set_is_written_once(tmp_path, capsys):
 
 
 STRATEGIES = [("dp", []), ("dp", ["parallel.overlap_reduce=true"]), ("pmap", []), ("gspmd", [])]
-STRATEGIES += [("zero1", []), ("fsdp", [])]
+STRATEGIES += [("zero1", []), ("zero1", ["parallel.overlap_reduce=true"]), ("fsdp", [])]
 
 
 @pytest.mark.slow

@@ -33,8 +33,9 @@ from helpers import host_train_state, rel_err, tiny_model_cfg
 
 T, B, A, STEPS = 32, 4, 2, 3
 CASES = [("dp", "bfloat16"), ("pmap", "float32"), ("gspmd", "bfloat16"), ("zero1", "float32"), ("fsdp", "float32")]
-# dp with each layer's gradients reduced in the backward (parallel.overlap_reduce), both reduction dtypes.
-CASES += [("dp+overlap", "float32"), ("dp+overlap", "bfloat16")]
+# dp and zero1 with each layer's gradients reduced in the backward (parallel.overlap_reduce): dp's
+# all-reduce in both reduction dtypes, zero1's reduce-scatter in fp32.
+CASES += [("dp+overlap", "float32"), ("dp+overlap", "bfloat16"), ("zero1+overlap", "float32")]
 TRAIN = [
     f"train.seq_len={T}",
     f"train.global_batch={B}",
@@ -49,7 +50,7 @@ TRAIN = [
 
 
 def cfg_for(strategy: str, reduce_dtype: str = "float32"):
-    """The case's config; `dp+overlap` is dp with parallel.overlap_reduce."""
+    """The case's config; `dp+overlap` (`zero1+overlap`) is dp (zero1) with parallel.overlap_reduce."""
     strategy, _, overlap = strategy.partition("+")
     sets = [f"parallel.strategy={strategy}", f"parallel.grad_reduce_dtype={reduce_dtype}"]
     cfg = load_config(None, TRAIN + sets + (["parallel.overlap_reduce=true"] if overlap else []))
@@ -340,6 +341,22 @@ def test_overlap_reduces_each_layer_inside_the_layer_scan_in_the_reduction_dtype
     assert 10 <= len(deep) <= n_layer_leaves and set(deep) == {"bfloat16"}, found["dp+overlap"]
     assert not [d for depth, d in found["dp"] if depth >= 2], found["dp"]
     assert {d for depth, d in found["dp"] if depth == 0 and d == "bfloat16"}  # dp's one reduction, after
+    # zero1: each layer's split leaves reduce-scattered in the layer scan's backward, in bf16, none after.
+    plan = strategies.make_plan(cfg_for("zero1+overlap", "bfloat16"), mesh_of(2))
+    tokens = jax.ShapeDtypeStruct((A, B, T + 1), np.int32, sharding=plan.batch)
+    jaxpr = jax.make_jaxpr(S.make_grad_fn(plan))(plan.abstract_state().params, tokens).jaxpr
+    scatters = [
+        (d, str(v.aval.dtype))
+        for d, eqn in _eqns_by_depth(jaxpr)
+        if eqn.primitive.name == "reduce_scatter"
+        for v in eqn.invars
+    ]
+    split = [g for g in jax.tree.leaves(plan.grads["layers"]) if any(a is not None for a in g.spec)]
+    rest = {k: v for k, v in plan.grads.items() if k != "layers"}
+    split_rest = [g for g in jax.tree.leaves(rest) if any(a is not None for a in g.spec)]
+    deep = [t for d, t in scatters if d >= 2]
+    assert 10 <= len(deep) <= len(split) and set(deep) == {"bfloat16"}, scatters  # the layers the loss reaches
+    assert 0 < len([d for d, _ in scatters if d == 0]) <= len(split_rest), scatters  # the rest, after
 
 
 def test_unknown_strategy_is_one_clear_line():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -336,13 +337,18 @@ def param_gather(strategy: str, param_shardings=None) -> ParamGather:
 REDUCED = P("reduced")
 
 
-def reduce_in_backward(dtype) -> Callable:
-    """parallel.overlap_reduce (dp): one layer's variables -> the same, each parameter through an
-    identity whose transpose sums its gradient over every device in `dtype` (bf16 halves the bytes)
-    and back in fp32. Applied inside the layer scan (model.NSALM's layer_gather), the backward
-    reduces each layer's gradients as it leaves the layer, where XLA can overlap the all-reduce
-    with the backward of the layers below. The division by the step's micro-batches stays in
-    `reduce_grads`, as for fsdp's per-layer reduce-scatter."""
+# A leaf whose per-layer backward reduce-scattered its gradient into this device's place of a zero
+# array of the leaf's whole shape (zero1 with parallel.overlap_reduce): its slice is taken from there.
+@dataclasses.dataclass(frozen=True)
+class ScatteredInPlace:
+    spec: P  # the leaf's placement (stacked: [L] first, never the split axis)
+
+
+def _backward_reduction(spec: P | None, dtype) -> Callable:
+    """An identity whose transpose reduces its gradient over every device in `dtype` and back: a
+    psum (spec None or unsplit), or (spec split on one axis) a reduce-scatter whose slice is written
+    into its place of a zero cotangent, which must keep the parameter's shape."""
+    dims = [] if spec is None else [i for i, axes in enumerate(spec) if axes is not None]
 
     @jax.custom_vjp
     def reduced(x):
@@ -352,12 +358,34 @@ def reduce_in_backward(dtype) -> Callable:
         return x, None
 
     def bwd(_, ct):
-        return (lax.psum(ct.astype(dtype), (DATA, SEQ)).astype(ct.dtype),)
+        if not dims:
+            return (lax.psum(ct.astype(dtype), (DATA, SEQ)).astype(ct.dtype),)
+        d, axes = dims[0], spec[dims[0]]
+        part = lax.psum_scatter(ct.astype(dtype), axes, scatter_dimension=d, tiled=True).astype(ct.dtype)
+        return (lax.dynamic_update_slice_in_dim(jnp.zeros_like(ct), part, lax.axis_index(axes) * part.shape[d], d),)
 
     reduced.defvjp(fwd, bwd)
+    return reduced
+
+
+def reduce_in_backward(dtype, layer_specs=None) -> Callable:
+    """parallel.overlap_reduce: one layer's variables -> the same, each parameter through an identity
+    whose transpose reduces its gradient over every device in `dtype` (bf16 halves the bytes) and
+    back in fp32: an all-reduce (dp), or with `layer_specs` (zero1: each layer leaf's placement
+    without the [L] axis) a reduce-scatter into the leaf's slice (`ScatteredInPlace`), half the
+    bytes. Applied inside the layer scan (model.NSALM's layer_gather), the backward reduces each
+    layer's gradients as it leaves the layer, where XLA can overlap the collective with the
+    backward of the layers below. The division by the step's micro-batches stays in
+    `reduce_grads`, as for fsdp's per-layer reduce-scatter."""
+    whole = _backward_reduction(None, dtype)
 
     def layer(variables: dict) -> dict:
-        return {c: jax.tree.map(reduced, tree) if c == "params" else tree for c, tree in variables.items()}
+        def params(tree):
+            if layer_specs is None:
+                return jax.tree.map(whole, tree)
+            return jax.tree.map(lambda x, spec: _backward_reduction(spec, dtype)(x), tree, layer_specs)
+
+        return {c: params(tree) if c == "params" else tree for c, tree in variables.items()}
 
     return layer
 
@@ -387,10 +415,16 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     grad_specs = out_specs  # how each leaf is reduced: as it is placed, or REDUCED already
     gather = param_gather(plan.strategy, plan.state.params)
     per_layer = gather.layer
-    if plan.strategy == "dp" and plan.cfg.parallel.overlap_reduce and "layers" in grad_specs:
+    overlap = plan.cfg.parallel.overlap_reduce and "layers" in grad_specs
+    if overlap and plan.strategy == "zero1":  # each layer's gradients reduce-scattered in the backward
+        per_layer = reduce_in_backward(reduce_dtype, jax.tree.map(lambda spec: P(*spec[1:]), grad_specs["layers"]))
+        scattered = lambda spec: ScatteredInPlace(spec) if any(a is not None for a in spec) else REDUCED  # noqa: E731
+        grad_specs = {**grad_specs, "layers": jax.tree.map(scattered, grad_specs["layers"])}
+    elif overlap and plan.strategy == "dp":
         per_layer = reduce_in_backward(reduce_dtype)
     if per_layer is not None:
         loss = dataclasses.replace(loss, layer_gather=per_layer)
+    if per_layer is not None and plan.strategy != "zero1":
         # The per-layer gather's transpose (autodiff) reduce-scatters those gradients over every device,
         # or (overlap_reduce) the per-layer identity's transpose all-reduces them.
         grad_specs = {**grad_specs, "layers": jax.tree.map(lambda _: REDUCED, grad_specs["layers"])}
@@ -400,6 +434,11 @@ def make_mapped_grad_fn(plan: ShardingPlan, loss: Loss) -> Callable:
     def over_devices(g, spec):  # over every device: whole (dp), or into this device's slice
         if spec is REDUCED:
             return g
+        if isinstance(spec, ScatteredInPlace):  # reduced in the backward: this device's slice of it
+            d = next(i for i, axes in enumerate(spec.spec) if axes is not None)
+            axes = spec.spec[d] if isinstance(spec.spec[d], tuple) else (spec.spec[d],)
+            size = g.shape[d] // math.prod(mesh.shape[a] for a in axes)
+            return lax.dynamic_slice_in_dim(g, lax.axis_index(spec.spec[d]) * size, size, d)
         dims = [i for i, axes in enumerate(spec) if axes is not None]
         if dims:  # the leaf's sharded axis, over the mesh axes shard_axes chose
             return lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
