@@ -321,6 +321,24 @@ def test_the_ceiling_trial_selects_the_best_n_blocks_of_the_full_attention(monke
         scorers.select_minmax_xla(q, k, lp=lp, n=N, sub=2)
 
 
+def test_the_rescore_trial_reranks_cmps_candidates_by_their_exact_mass():
+    """rescore:M: with every block a candidate it is the ceiling (the loop reference's best-n share);
+    with M = n it keeps the candidates themselves."""
+    from experiments.scorer_trial import rescore_select
+    from nsa_jax.kernels.xla import select_blocks
+
+    B, T, H, K, D, lp, N = 1, 70, 4, 2, 8, 8, 4
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(keys[0], (B, T, H, D)) * 2.0
+    k = jax.random.normal(keys[1], (B, T, K, D)) * 2.0
+    cmp = jax.random.uniform(keys[2], (B, T, K, -(-T // lp)))  # stand-in compressed scores
+    every = rescore_select(-(-T // lp))(q, k, lp=lp, n=N, sub=lp, plus_scores=cmp)
+    got = _recall_reference(q, k, np.asarray(every), lp)[:, N * lp :]
+    np.testing.assert_allclose(got[..., 0], got[..., 1], atol=1e-5)
+    same = np.sort(np.asarray(rescore_select(N)(q, k, lp=lp, n=N, sub=lp, plus_scores=cmp)), -1)
+    np.testing.assert_array_equal(same, np.sort(np.asarray(select_blocks(cmp, lp, N)), -1))
+
+
 @pytest.mark.parametrize("sub", [1, 4, 8])
 def test_the_lse_trial_scores_blocks_by_their_sub_block_means(monkeypatch, sub):
     """lse:S against float64 loops: per head, a complete block's log-sum-exp of its sub-blocks' mean-key
