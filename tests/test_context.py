@@ -161,6 +161,7 @@ def test_the_scorers_under_two_devices_equal_one(tokens_ragged, scorer):
         assert rel(a, b) < GRAD_TOL, jax.tree_util.keystr(path[0])
 
 
+@pytest.mark.slow
 def test_a_chunked_loss_under_two_devices_equals_whole_logits_on_one(tokens_ragged, one_device_ragged):
     """train.loss_chunk=5 (no divisor of a device's 32 positions) under C = 2 and fsdp: the loss and
     every gradient as one device's loss over whole logits."""

@@ -67,6 +67,7 @@ def test_converted_folders_give_the_dense_logits(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,pattern,kept",
     [

@@ -178,6 +178,7 @@ def _reference_nll(cfg, params, rows_NxL):
     return -np.take_along_axis(logp[:, :-1], rows_NxL[:, 1:, None], -1)[..., 0]
 
 
+@pytest.mark.slow
 def test_text_and_passkey_through_launch_evaluate_kept_and_continued(tmp_path, capsys):
     """In process, a tiny model: text figures against numpy on the model's own logits, passkey's grid, the same
     command skipping what evaluation.json holds, other settings and short texts refused in one line."""

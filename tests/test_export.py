@@ -317,6 +317,7 @@ def test_a_stop_during_the_export_leaves_nothing(tmp_path, capsys, monkeypatch, 
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+@pytest.mark.slow
 def test_a_moved_model_folder_reads_its_own_tokenizer(tmp_path, capsys):
     """config.yaml names the tokenizer where convert wrote it; moved elsewhere, the folder reads the copy
     beside it (launch.generate, and the export's tokenizer files)."""

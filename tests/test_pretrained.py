@@ -235,6 +235,7 @@ def test_gemma_s_local_and_global_layers_are_transformers_in_every_layout(family
     np.testing.assert_allclose(np.asarray(logits), golden["logits"], rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["dense", "nsa"])
 def test_gemma_s_gradient_is_the_same_through_the_traced_and_the_static_layer_kinds(attention):
     # The traced kinds (lax.cond per scanned layer) against the unrolled model's static ones,
