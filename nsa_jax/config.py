@@ -81,10 +81,13 @@ class NSAConfig:
     # How the selection branch ranks its blocks (kernels/scorers.py; docs/NSA.md "Block scorers"):
     # cmp (the paper's Eq. 9-10: the compressed probabilities summed over each block), minmax
     # (Quest's bound on q . k from each sub-block's channel-wise key minima and maxima, a block's
-    # largest: keeps a block's peak) or mix (the two scores added).
-    scorer: Literal["cmp", "minmax", "mix"] = "cmp"
+    # largest: keeps a block's peak), mix (the two scores added) or rescore (cmp's best
+    # scorer_candidates blocks, re-ranked by each head's exact attention mass over their keys).
+    scorer: Literal["cmp", "minmax", "mix", "rescore"] = "cmp"
     # minmax, mix: the sub-block length of the bound (divides lp); 0: lp, one bound a block.
     scorer_sub: int = 0
+    # rescore: the blocks cmp hands the exact second stage (>= n); 0: 4 n.
+    scorer_candidates: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -194,9 +194,18 @@ def check_scorer(m, t, need) -> None:
         f"model.nsa.scorer_sub ({a.scorer_sub}) must divide model.nsa.lp ({a.lp})",
     )
     need(
-        not t.scorer_distill or a.scorer == "cmp",
+        not t.scorer_distill or a.scorer in ("cmp", "rescore"),
         f"train.scorer_distill trains the cmp scorer's compressed keys; model.nsa.scorer={a.scorer} does not "
         "read them: set train.scorer_distill=0 or model.nsa.scorer=cmp",
+    )
+    need(
+        a.scorer_candidates == 0 or a.scorer == "rescore",
+        f"model.nsa.scorer_candidates ({a.scorer_candidates}) is the rescore scorer's first stage; scorer "
+        f"{a.scorer} has none: set it to 0 or model.nsa.scorer=rescore",
+    )
+    need(
+        a.scorer_candidates == 0 or a.scorer_candidates >= a.n,
+        f"model.nsa.scorer_candidates ({a.scorer_candidates}) must be at least model.nsa.n ({a.n}) (0: 4 n)",
     )
 
 
@@ -222,9 +231,9 @@ def check_family(m, need) -> None:
     for key in ("query_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
         need(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0: off), got {getattr(m, key)}")
     need(
-        m.attn_softcap == 0 or m.attention == "dense" or m.nsa.scorer != "mix",
-        f"model.attn_softcap ({m.attn_softcap}) with model.nsa.scorer=mix: mix adds capped and raw scores; "
-        "use scorer cmp or minmax",
+        m.attn_softcap == 0 or m.attention == "dense" or m.nsa.scorer not in ("mix", "rescore"),
+        f"model.attn_softcap ({m.attn_softcap}) with model.nsa.scorer={m.nsa.scorer}: its scores are raw where "
+        "the attention's are capped; use scorer cmp or minmax",
     )
     need(m.global_every >= 0, f"model.global_every must be >= 0 (0: every layer alike), got {m.global_every}")
     need(

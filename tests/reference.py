@@ -41,9 +41,11 @@ from nsa_jax.kernels.reference import (  # noqa: F401  (re-exported for the test
 def naive_selection(
     p_cmp_BxHxTxTc: np.ndarray, T: int, G: int, l: int, d: int, lp: int, n: int, scorer: str = "cmp",
     q_BxTxHxD: np.ndarray | None = None, k_BxTxKxD: np.ndarray | None = None, sub: int | None = None,
+    candidates: int | None = None,
 ) -> np.ndarray:  # fmt: skip
     """Block indices [B, T, K, n] by the spec's rules, one query at a time, ranked by `scorer`
-    (naive_block_score; minmax reads the queries and selection keys, float64)."""
+    (naive_block_score; minmax reads the queries and selection keys, float64; rescore re-ranks
+    cmp's first `candidates` blocks by naive_rescore_mass)."""
     B, H, _, Tc = p_cmp_BxHxTxTc.shape
     K = H // G
     n_blocks = math.ceil(T / lp)
@@ -55,14 +57,23 @@ def naive_selection(
                 if scorer in ("minmax", "mix"):
                     q_G = np.asarray(q_BxTxHxD, np.float64)[b, t, k * G : (k + 1) * G]
                     score += naive_minmax_scores(q_G, np.asarray(k_BxTxKxD, np.float64)[b, :, k], t, lp, sub or lp)
-                if scorer in ("cmp", "mix"):
+                if scorer in ("cmp", "mix", "rescore"):
                     p_G = p_cmp_BxHxTxTc[b, k * G : (k + 1) * G, t]
                     score += naive_cmp_scores(p_G, n_blocks, l, d, lp)
                 cur = t // lp
-                candidates = [j for j in range(n_blocks) if j * lp <= t]
+                seen = [j for j in range(n_blocks) if j * lp <= t]
                 forced = sorted({0, cur} | ({cur - 1} if cur - 1 >= 0 else set()))
-                rest = sorted((j for j in candidates if j not in forced), key=lambda j: (-score[j], j))
-                chosen = (forced + rest)[:n]
+                rest = sorted((j for j in seen if j not in forced), key=lambda j: (-score[j], j))
+                chosen = (forced + rest)[: candidates if scorer == "rescore" else n]
+                if scorer == "rescore":  # cmp's candidates in its order, re-ranked by their exact mass
+                    q_G = np.asarray(q_BxTxHxD, np.float64)[b, t, k * G : (k + 1) * G]
+                    mass = naive_rescore_mass(q_G, np.asarray(k_BxTxKxD, np.float64)[b, :, k], t, lp, chosen)
+                    # forced first (in cmp's order), then by mass; ties to cmp's earlier candidate
+                    order = sorted(
+                        range(len(chosen)),
+                        key=lambda i: (chosen[i] not in forced, -mass[i] * (chosen[i] not in forced), i),
+                    )
+                    chosen = [chosen[i] for i in order][:n]
                 out[b, t, k, : len(chosen)] = chosen
     return out
 
@@ -77,6 +88,21 @@ def naive_cmp_scores(p_GxTc: np.ndarray, n_blocks: int, l: int, d: int, lp: int)
         if overlap:
             score[j] = sum(overlap)
     return score
+
+
+def naive_rescore_mass(q_GxD: np.ndarray, k_TxD: np.ndarray, t: int, lp: int, blocks: list[int]) -> list[float]:
+    """The rescore scorer's second stage for one query at t and group (docs/NSA.md "Block scorers"): per
+    head, a softmax over every key the query sees (position <= t) in `blocks`, summed per block; the
+    group's heads summed."""
+    G, D = q_GxD.shape
+    keys = [(j, p) for j in blocks for p in range(j * lp, min((j + 1) * lp, t + 1))]
+    mass = {j: 0.0 for j in blocks}
+    for g in range(G):
+        logits = np.array([q_GxD[g] @ k_TxD[p] / math.sqrt(D) for _, p in keys])
+        e = np.exp(logits - logits.max())
+        for (j, _), w in zip(keys, e / e.sum()):
+            mass[j] += w
+    return [mass[j] for j in blocks]
 
 
 def naive_minmax_scores(q_GxD: np.ndarray, k_TxD: np.ndarray, t: int, lp: int, sub: int) -> np.ndarray:
@@ -175,6 +201,7 @@ def nsa_layer_ref(params, x_BxTxD, cfg, idx=None, rope_pos=None):
         idx = naive_selection(
             np.asarray(p_cmp, np.float64), T, G, a.l, a.d, a.lp, a.n, scorer=a.scorer,
             q_BxTxHxD=np.asarray(q), k_BxTxKxD=np.asarray(k_slc), sub=a.scorer_sub or a.lp,
+            candidates=a.scorer_candidates or 4 * a.n,
         )  # fmt: skip
     smask = selection_mask(idx, T, a.lp)
     o_slc, _ = dense_attention(q, k_slc, v_slc, smask)

@@ -58,6 +58,8 @@ def test_overrides_and_paths(tmp_path):
         (["model.nsa.scorer=minmax", "model.nsa.scorer_sub=24"], "scorer_sub (24) must divide model.nsa.lp"),
         (["model.nsa.scorer=minmax", "model.nsa.scorer_sub=-1"], "model.nsa.scorer_sub must be >= 0"),
         (["model.nsa.scorer=minmax", "train.scorer_distill=0.1"], "does not read them: set train.scorer_distill=0"),
+        (["model.nsa.scorer_candidates=32"], "the rescore scorer's first stage; scorer cmp has none"),
+        (["model.nsa.scorer=rescore", "model.nsa.scorer_candidates=2"], "must be at least model.nsa.n"),
         (["parallel.overlap_reduce=true", "parallel.strategy=fsdp"], "under parallel.strategy=dp or zero1 with model"),
         (["model.dtype=float16"], "model.dtype"),
         (["train.global_batch=0"], "train.global_batch must be positive"),

@@ -146,14 +146,15 @@ def test_two_devices_at_a_ragged_length_equal_one(tokens_ragged, one_device_ragg
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scorer", ["mix"])
+@pytest.mark.parametrize("scorer", ["mix", "rescore"])
 def test_the_scorers_under_two_devices_equal_one(tokens_ragged, scorer):
     """The block scorers under a split sequence (kernels/scorers.py): mix holds both halves, cmp's scores
-    of each device's pieces and minmax's bounds over sub-blocks of 4 from the gathered selection keys.
+    of each device's pieces and minmax's bounds over sub-blocks of 4 from the gathered selection keys;
+    rescore cmp's candidates of each piece (6 of them) re-ranked over the gathered keys.
     C = 2 against C = 1, loss and every gradient. Blocks of 8 with n = 4: a free block to choose from
     position 24 on (the file's other tests select every block)."""
     extra = ["model.n_layers=1", f"model.nsa.scorer={scorer}", "train.accumulate=1", "model.nsa.lp=8", "model.nsa.n=4"]
-    extra += ["model.nsa.scorer_sub=4"] if scorer != "cmp" else []
+    extra += {"mix": ["model.nsa.scorer_sub=4"], "rescore": ["model.nsa.scorer_candidates=6"]}[scorer]
     g1, l1, s1 = grads_loss_stats(cfg_of(RAGGED_T, 1, 1, *extra), tokens_ragged)
     g2, l2, s2 = grads_loss_stats(cfg_of(RAGGED_T, 2, 2, *extra), tokens_ragged)
     assert abs(float(l2 - l1)) / float(l1) < LOSS_TOL

@@ -38,6 +38,8 @@ CONFIGS = {
     # (sub-blocks of 4: prompts end inside one).
     "G3K1n4minmax": dict(G=3, K=1, n=4, scorer="minmax", scorer_sub=4),
     "G1K2n5mix": dict(G=1, K=2, n=5, cmp_phi="avg", scorer="mix"),
+    # Two stages: cmp's best 6 of 9 blocks, re-ranked by their keys' exact mass from the cache.
+    "G3K1n4rescore": dict(G=3, K=1, n=4, scorer="rescore", scorer_candidates=6),
 }
 _CAPTURE = ("attn_norm", "cmp_k", "cmp_v")
 _refs: dict = {}
@@ -103,7 +105,9 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param("G1K2n5avg", marks=SLOW), "G3K1n4", "G3K1n4minmax", pytest.param("G1K2n5mix", marks=SLOW)]
+    "name",
+    [pytest.param("G1K2n5avg", marks=SLOW), "G3K1n4", "G3K1n4minmax", pytest.param("G1K2n5mix", marks=SLOW)]
+    + ["G3K1n4rescore"],
 )
 def test_decode_matches_forward_at_every_position(name):
     """Prefill P tokens (a different P per row), then decode to T - 1: every position's logits match."""

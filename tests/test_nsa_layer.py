@@ -58,18 +58,22 @@ def test_layer_matches_reference_forward_and_indices(G, K, T, phi):
         pytest.param("minmax", 2, 3, 1, 47, marks=pytest.mark.slow),
         pytest.param("minmax", 1, 1, 2, 41, marks=pytest.mark.slow),
         ("mix", 0, 2, 2, 53),
+        ("rescore", 5, 2, 2, 53),  # 5 of 7 blocks cmp's candidates: the second stage re-ranks them
+        pytest.param("rescore", 0, 3, 1, 47, marks=pytest.mark.slow),  # 4 n: every block a candidate
     ],
 )
 def test_scorers_match_reference_forward_and_indices(scorer, sub, G, K, T):
     # Every scorer's blocks equal the float64 per-token reference's (tests/reference.py, written from
     # docs/NSA.md "Block scorers"), and the layer's output with them; n = 4 leaves free blocks to rank.
-    cfg = tiny_model_cfg(G=G, K=K, n=4, scorer=scorer, scorer_sub=sub)
+    # `sub`: minmax's sub-block, rescore's candidates.
+    extra = {"scorer_candidates": sub} if scorer == "rescore" else {"scorer_sub": sub}
+    cfg = tiny_model_cfg(G=G, K=K, n=4, scorer=scorer, **extra)
     x, params = _setup(cfg, T, seed=11)
     out, idx = _apply(cfg, params, x)
     ref, ref_idx = nsa_layer_ref(params, x, cfg)
     np.testing.assert_array_equal(np.asarray(idx), ref_idx)
     assert rel_err(out, ref) < 1e-5
-    plain = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, scorer="cmp", scorer_sub=0))
+    plain = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, scorer="cmp", scorer_sub=0, scorer_candidates=0))
     assert not np.array_equal(np.asarray(_apply(plain, params, x)[1]), ref_idx), "the scorer changed no block"
 
 
@@ -110,13 +114,16 @@ def test_pallas_layer_matches_reference_forward_and_indices(G, K, T, kernel, cmp
             marks=[pytest.mark.slow, pytest.mark.skipif(ON_GPU, reason="cuDNN takes 16-bit inputs")],
         ),
         pytest.param("mix", "pallas", marks=pytest.mark.slow),
+        ("rescore", "pallas"),
     ],
 )
 def test_pallas_layer_with_the_key_scorers_matches_reference(scorer, cmp):
     # The compressed attention through its Pallas (or cuDNN) path, the blocks from minmax's fused kernel
-    # (mix: cmp's scores from the Pallas scoring kernel, added to minmax's on XLA), the selection through
-    # the block-sparse kernel.
-    cfg = tiny_model_cfg(G=3, K=2, l=16, d=8, lp=16, n=4, w=16, scorer=scorer, scorer_sub=8)
+    # (mix: cmp's scores from the Pallas scoring kernel, added to minmax's on XLA; rescore: cmp's best 5
+    # of 6 blocks from the fused scoring + top-n kernel, re-ranked on XLA), the selection through the
+    # block-sparse kernel.
+    extra = {"scorer_candidates": 5} if scorer == "rescore" else {"scorer_sub": 8}
+    cfg = tiny_model_cfg(G=3, K=2, l=16, d=8, lp=16, n=4, w=16, scorer=scorer, **extra)
     nsa = dataclasses.replace(cfg.nsa, attention_impl="pallas", compressed_kernel=cmp)
     cfg = dataclasses.replace(cfg, nsa=nsa)
     x, params = _setup(cfg, 83, seed=5)

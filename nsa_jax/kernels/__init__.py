@@ -38,7 +38,14 @@ from nsa_jax.kernels.plan import (
     resolve_impl,
     selection_kernel_fits,
 )
-from nsa_jax.kernels.scorers import CMP_SCORERS, SCORERS, scorer_sub, select_minmax_xla
+from nsa_jax.kernels.scorers import (
+    CMP_SCORERS,
+    SCORERS,
+    scorer_candidates,
+    scorer_sub,
+    select_minmax_xla,
+    select_rescore_xla,
+)
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 from nsa_jax.kernels.xla import (
     compressed_attention_xla,
@@ -212,26 +219,30 @@ class BranchCalls:
 
     def compressed(self, q, kc, vc, *, t_T=None, q_offset=0, num_blocks=None, impl=None):
         """(o [B, T, H, Dv], what the selection takes from the compressed branch: under `cmp` the
-        selected blocks [B, T, K, n]; under `mix` cmp's block scores [B, T, K, Nb] for `blocks`;
-        None under `minmax` or without a selection branch)."""
+        selected blocks [B, T, K, n]; under `rescore` cmp's best scorer_candidates blocks for `blocks`;
+        under `mix` cmp's block scores [B, T, K, Nb] for `blocks`; None under `minmax` or without a
+        selection branch)."""
         a = self.nsa
         scored = "slc" in a.branches and a.scorer in CMP_SCORERS
-        select = scored and a.scorer == "cmp"
+        select_n = {"cmp": a.n, "rescore": scorer_candidates(a)}.get(a.scorer) if scored else None
         o, out = compressed_attention(
-            q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=a.n if select else None, t_T=t_T,
+            q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T,
             impl="xla" if self.softcap else impl or self.plan.cmp, q_offset=q_offset, num_blocks=num_blocks,
             scores=scored, softcap=self.softcap, **self._run(),
         )  # fmt: skip
         return o, out
 
     def blocks(self, q, k, *, q_offset=0, num_blocks=None, impl=None, cmp_scores=None):
-        """The selected blocks [B, T, K, n] of a scorer that reads the selection keys (`minmax`, `mix`;
-        the whole sequence's keys `k`; `cmp_scores`: mix's other half, from `compressed`): minmax's
-        fused Pallas kernel where the plan runs the compressed branch's kernels (minmax_pallas), else
-        XLA one query chunk at a time (mix everywhere: no fused kernel adds cmp's scores)."""
+        """The selected blocks [B, T, K, n] of a scorer that reads the selection keys (`minmax`, `mix`,
+        `rescore`; the whole sequence's keys `k`; `cmp_scores`: what `compressed` gave, mix's other half
+        or rescore's candidates): minmax's fused Pallas kernel where the plan runs the compressed
+        branch's kernels (minmax_pallas), else XLA one query chunk at a time (mix and rescore's second
+        stage everywhere)."""
         a = self.nsa
+        if a.scorer == "rescore" and cmp_scores is not None:
+            return select_rescore_xla(q, k, cmp_scores, lp=a.lp, n=a.n, query_chunk=a.query_chunk, q_offset=q_offset)
         if a.scorer not in ("minmax", "mix") or (a.scorer == "mix") != (cmp_scores is not None):
-            raise ValueError(f"scorer {a.scorer!r}: blocks() takes minmax, or mix with cmp's scores")
+            raise ValueError(f"scorer {a.scorer!r}: blocks() takes minmax, or mix or rescore with cmp's output")
         kw = dict(lp=a.lp, n=a.n, sub=scorer_sub(a), q_offset=q_offset, num_blocks=num_blocks)
         # Capped scores rank as the raw ones (tanh is increasing): the minmax scorer needs no cap.
         if a.scorer == "minmax" and (impl or self.plan.cmp) in COMPRESSED_KERNELS:

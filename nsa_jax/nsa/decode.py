@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa_jax.config import ModelConfig
-from nsa_jax.kernels.scorers import minmax_row_scores
+from nsa_jax.kernels.scorers import candidate_mass, minmax_row_scores, pick_candidates, scorer_candidates
 from nsa_jax.kernels.xla import block_scores_from_cmp, masked_softmax, masked_softmax_attend, select_blocks, soft_cap
 
 # Per-layer decode state in the `cache` collection (layout: nsa_jax/inference/cache.py).
@@ -209,7 +209,10 @@ def decode_branches(cfg: ModelConfig, cache: dict, layer, t_B, q_BxHxDk, new: di
             mm = minmax_row_scores(qg_BxKxGxDk, *kb, t_B, lp=a.lp, sub=S // U, scale=scale)
             scores_BxKxNb = mm + scores_BxKxNb if a.scorer == "mix" else mm
         # Rows as select_blocks' query axis, so each row gets its own position.
-        idx_BxKxN = select_blocks(scores_BxKxNb[None], a.lp, a.n, t_B)[0]
+        if a.scorer == "rescore":
+            idx_BxKxN = _rescore_step(qg_BxKxGxDk, cache["kslc"].value[layer], scores_BxKxNb, t_B, a, scale)
+        else:
+            idx_BxKxN = select_blocks(scores_BxKxNb[None], a.lp, a.n, t_B)[0]
         used = idx_BxKxN >= 0
         pos_BxKxNxLp = jnp.where(used, idx_BxKxN, 0)[..., None] * a.lp + jnp.arange(a.lp, dtype=jnp.int32)
         vis = (used[..., None] & (pos_BxKxNxLp <= t_B[:, None, None, None])).reshape(B, K, 1, a.n * a.lp)
@@ -266,3 +269,17 @@ def decode_ring(ring: dict, q_BxHxDk, k_BxKxDk, v_BxKxDv, layer, t_B, window, so
     qg = q_BxHxDk.reshape(B, K, H // K, Dk)
     o = ring_attend(qg, ring["kwin"].value[layer], ring["vwin"].value[layer], t_B, window, softcap)
     return o.reshape(B, H, -1).astype(q_BxHxDk.dtype)
+
+
+def _rescore_step(qg_BxKxGxDk, kslc_BxSxKxDk, scores_BxKxNb, t_B, a, scale: float) -> jax.Array:
+    """[B, K, n]: `rescore` for one query a row (kernels/scorers.py): cmp's best scorer_candidates
+    blocks, their keys gathered from the cache, re-ranked by each head's mass over them."""
+    B, K = scores_BxKxNb.shape[:2]
+    cand_BxKxM = select_blocks(scores_BxKxNb[None], a.lp, scorer_candidates(a), t_B)[0]
+    pos_BxKxMxL = jnp.maximum(cand_BxKxM, 0)[..., None] * a.lp + jnp.arange(a.lp, dtype=jnp.int32)
+    vis = (cand_BxKxM >= 0)[..., None] & (pos_BxKxMxL <= t_B[:, None, None, None])
+    M = cand_BxKxM.shape[-1]
+    kg = kslc_BxSxKxDk[jnp.arange(B)[:, None, None], pos_BxKxMxL.reshape(B, K, -1), jnp.arange(K)[None, :, None]]
+    s = jnp.einsum("bkgd,bkmd->bkgm", qg_BxKxGxDk, kg, preferred_element_type=jnp.float32) * scale
+    mass = candidate_mass(s.reshape(*s.shape[:3], M, a.lp), vis)
+    return pick_candidates(mass, cand_BxKxM, t_B[:, None], a.lp, a.n)

@@ -252,7 +252,7 @@ def branch_outputs(a, calls: BranchCalls, seq: SeqLayout | WholeSequence, q, com
         parts["cmp"].append(o_cmp)
         if "slc" in a.branches and a.scorer != "cmp":  # a scorer of the selection keys (kernels/scorers.py)
             with jax.named_scope("nsa_score"):
-                cmp_scores = idx if a.scorer == "mix" else None
+                cmp_scores = idx if a.scorer in ("mix", "rescore") else None  # cmp's scores, or its candidates
                 idx = calls.blocks(q_c, full["slc"][0], q_offset=off, num_blocks=num_blocks, cmp_scores=cmp_scores)
         if "slc" in a.branches:
             with jax.named_scope("nsa_slc"):

@@ -49,7 +49,7 @@ NUMERICS_ONLY = (
 )
 # Model keys that change which blocks the selection branch chooses and no parameter (every block scorer,
 # kernels/scorers.py, reads the layer's own queries and keys): a run may continue under another.
-SCORER_KEYS = ("model.nsa.scorer", "model.nsa.scorer_sub")
+SCORER_KEYS = ("model.nsa.scorer", "model.nsa.scorer_sub", "model.nsa.scorer_candidates")
 # Keys that give the saved data position its meaning: the stream, its row shape, and
 # the seed of synthetic streams and shuffles. The rows per optimizer step
 # (train.global_batch x train.accumulate) count too, as a product: how they split into
