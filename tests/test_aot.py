@@ -492,6 +492,21 @@ def test_the_minmax_scorer_compiles_without_spills_and_moves_less_than_cmp_at_64
     assert 0 < minmax_scoring <= cmp_scoring, (minmax_scoring, cmp_scoring)
 
 
+@pytest.mark.parametrize(
+    "card", [pytest.param(c, marks=[pytest.mark.aot, pytest.mark.slow, needs_plugin]) for c in CARDS]
+)
+def test_the_rescore_scorer_compiles_without_spills_at_64k(card, dump_root):
+    """rescore in the a100_pcie layer at T = 65536: cmp's fused scoring + top-n kernel keeping 4 n = 64
+    candidates and the second stage's kernel (kernels/rescore_pallas.py) compile without spills, and the
+    layer's temporaries stay within 1 GiB."""
+    r = layer_compile(card, 65536, dump_root, "pallas", scorer="rescore")
+    kernels = {k["name"]: k for k in r["kernels"]}
+    for name in ("nsa_rescore_select", "nsa_block_select"):
+        assert name in kernels, sorted(kernels)
+        assert kernels[name]["spill_stores"] + kernels[name]["spill_loads"] == 0, kernels[name]
+    assert r["memory"]["temp"] <= LAYER_TEMP_LIMIT, r["memory"]
+
+
 @pytest.mark.aot
 @pytest.mark.slow
 @needs_plugin

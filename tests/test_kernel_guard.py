@@ -175,18 +175,24 @@ def test_guard_under_context_parallelism_checks_the_kernels_at_a_query_offset(mo
 
 
 @pytest.mark.slow
-def test_guard_checks_the_minmax_scoring_kernel_with_the_compressed_branch(monkeypatch):
-    """scorer=minmax: the compressed branch's check covers the fused minmax kernel's blocks too, and
-    a kernel that picks other blocks sends the branch (its attention and its scoring) to XLA."""
+@pytest.mark.parametrize(
+    "scorer,kernel",
+    [("minmax", "minmax_pallas (nsa_minmax_select)"), ("rescore", "rescore_pallas (nsa_rescore_select)")],
+)
+def test_guard_checks_the_key_scoring_kernel_with_the_compressed_branch(monkeypatch, scorer, kernel):
+    """scorer=minmax (rescore): the compressed branch's check covers the fused minmax kernel's (the
+    second stage's) blocks too, and a kernel that picks other blocks sends the branch (its attention
+    and its scoring) to XLA."""
     cfg = _model_cfg()
-    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, scorer="minmax", n=4))
+    cfg = dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, scorer=scorer, n=4, scorer_candidates=0))
     assert guard_kernels(cfg, 1, SEQ, force=True, warn=pytest.fail) == {}
-    real = K.select_minmax_pallas
-    monkeypatch.setattr(K, "select_minmax_pallas", lambda *a, **k: jnp.flip(real(*a, **k), axis=1))
+    name = f"select_{scorer}_pallas"
+    real = getattr(K, name)
+    monkeypatch.setattr(K, name, lambda *a, **k: jnp.flip(real(*a, **k), axis=1))
     lines = []
     failed = guard_kernels(cfg, 1, SEQ, force=True, warn=lines.append)
     assert set(failed) == {"cmp"}, failed
     assert (
         lines == [f"warning: kernel guard: {failed['cmp']}; the cmp branch runs on XLA"]
-        and "minmax_pallas (nsa_minmax_select) disagrees with XLA: selected blocks agree" in lines[0]
-    )
+        and f"{kernel} disagrees with XLA: selected blocks agree" in lines[0]
+    ), lines

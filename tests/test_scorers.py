@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from nsa_jax.kernels.scorers import bound_block_logits, key_bounds, minmax_block_scores, select_minmax_xla
+from nsa_jax.kernels.xla import select_blocks
 
 B, T, K, G, D, LP = 2, 96, 2, 3, 8, 16
 INTERPRET = jax.default_backend() not in ("gpu", "cuda")
@@ -120,4 +121,73 @@ def test_the_fused_minmax_kernel_matches_float64(t, g, kvh, dk, lp, n, sub, offs
     assert clear.mean() > 0.9 and (ref_idx >= 0).sum(-1).max() == n
     np.testing.assert_array_equal(got[clear], ref_idx[clear])
     xla = np.asarray(select_minmax_xla(q, k, q_offset=off, **kw))
+    np.testing.assert_array_equal(got[clear], xla[clear])
+
+
+def _rescore_f64(q, k, cand, lp, offset):
+    """[B, T, K, M] float64: rescore's second-stage mass of every candidate (the module docstring of
+    kernels/scorers.py), per query row at position r + offset, loop by loop."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    out = np.zeros(cand.shape)
+    for b in range(B):
+        for r in range(T):
+            t = r + offset
+            for kv in range(K):
+                keys = [(m, p) for m, j in enumerate(cand[b, r, kv]) if j >= 0 for p in range(j * lp, (j + 1) * lp)]
+                keys = [(m, p) for m, p in keys if p <= t and p < k.shape[1]]
+                for g in range(G):
+                    s = np.array([q[b, r, kv * G + g] @ k[b, p, kv] for _, p in keys]) / np.sqrt(D)
+                    e = np.exp(s - s.max())
+                    for (m, _), w in zip(keys, e / e.sum()):
+                        out[b, r, kv, m] += w
+    return out
+
+
+@pytest.mark.parametrize(
+    "t,g,kvh,dk,lp,n,m,offset,dtype",
+    [
+        (90, 3, 2, 16, 16, 4, 6, 0, jnp.float32),
+        (70, 6, 1, 24, 16, 3, 5, 29, jnp.float32),  # a traced query offset; dk padded to 32; M not a power of 2
+        pytest.param(120, 2, 2, 32, 32, 4, 8, 0, jnp.bfloat16, marks=pytest.mark.slow),
+    ],
+)
+def test_the_rescore_kernel_matches_float64(t, g, kvh, dk, lp, n, m, offset, dtype):
+    """kernels/rescore_pallas.py (interpreted on a CPU, compiled through Triton on a GPU) and the XLA path
+    against the float64 masses on every row without a near-tie at the cut: the forced blocks first, then
+    the candidates of most mass; unused candidates (-1) and rows with fewer valid than n give -1."""
+    from nsa_jax.kernels.rescore_pallas import select_rescore_pallas
+    from nsa_jax.kernels.scorers import select_rescore_xla
+
+    rng = np.random.default_rng(t + g)
+    keys = offset + t
+    q = jnp.asarray(rng.standard_normal((1, t, g * kvh, dk)), jnp.float32).astype(dtype)
+    k = jnp.asarray(rng.standard_normal((1, keys, kvh, dk)), jnp.float32).astype(dtype)
+    scores = jnp.asarray(rng.random((1, t, kvh, -(-keys // lp))), jnp.float32)
+    cand = np.array(select_blocks(scores, lp, m, offset + jnp.arange(t)))  # cmp's stand-in, forced first
+    cand[0, ::7, :, -1] = -1  # some rows hand over a candidate fewer
+    off = jnp.int32(offset) if offset else 0
+    got = np.asarray(
+        jax.jit(lambda q, k, c, o: select_rescore_pallas(q, k, c, lp=lp, n=n, interpret=INTERPRET, q_offset=o))(
+            q, k, jnp.asarray(cand), off
+        )
+    )
+    xla = np.asarray(select_rescore_xla(q, k, jnp.asarray(cand), lp=lp, n=n, q_offset=off))
+    mass = _rescore_f64(np.asarray(q, np.float64), np.asarray(k, np.float64), cand, lp, offset)
+    want = -np.ones(got.shape, np.int64)
+    clear = np.ones(got.shape[:3], bool)
+    for r in range(t):
+        for kv in range(kvh):
+            c = cand[0, r, kv]
+            cur = (r + offset) // lp
+            forced = [i for i, j in enumerate(c) if j >= 0 and j in (0, cur, cur - 1)]
+            rest = sorted((i for i, j in enumerate(c) if j >= 0 and i not in forced), key=lambda i: -mass[0, r, kv, i])
+            order = forced + rest
+            want[0, r, kv, : min(n, len(order))] = c[order][:n]
+            if len(rest) > n - len(forced) > 0:  # a cut among the free candidates: is it clear?
+                cut = n - len(forced)
+                clear[0, r, kv] = abs(mass[0, r, kv, rest[cut - 1]] - mass[0, r, kv, rest[cut]]) > 1e-4 * g
+    assert clear.mean() > 0.9 and (want >= 0).sum(-1).max() == n and (want < 0).any()
+    np.testing.assert_array_equal(np.sort(got[clear], -1), np.sort(want[clear], -1))
     np.testing.assert_array_equal(got[clear], xla[clear])

@@ -38,6 +38,7 @@ from nsa_jax.kernels.plan import (
     resolve_impl,
     selection_kernel_fits,
 )
+from nsa_jax.kernels.rescore_pallas import select_rescore_pallas
 from nsa_jax.kernels.scorers import (
     CMP_SCORERS,
     SCORERS,
@@ -235,11 +236,14 @@ class BranchCalls:
     def blocks(self, q, k, *, q_offset=0, num_blocks=None, impl=None, cmp_scores=None):
         """The selected blocks [B, T, K, n] of a scorer that reads the selection keys (`minmax`, `mix`,
         `rescore`; the whole sequence's keys `k`; `cmp_scores`: what `compressed` gave, mix's other half
-        or rescore's candidates): minmax's fused Pallas kernel where the plan runs the compressed
-        branch's kernels (minmax_pallas), else XLA one query chunk at a time (mix and rescore's second
-        stage everywhere)."""
+        or rescore's candidates): minmax's fused kernel and rescore's second stage on Pallas where the
+        plan runs the compressed branch's kernels (minmax_pallas, rescore_pallas), else XLA one query
+        chunk at a time (mix everywhere)."""
         a = self.nsa
         if a.scorer == "rescore" and cmp_scores is not None:
+            if (impl or self.plan.cmp) in COMPRESSED_KERNELS:
+                interpret = _interpret(self.plan.interpret)
+                return select_rescore_pallas(q, k, cmp_scores, lp=a.lp, n=a.n, q_offset=q_offset, interpret=interpret)
             return select_rescore_xla(q, k, cmp_scores, lp=a.lp, n=a.n, query_chunk=a.query_chunk, q_offset=q_offset)
         if a.scorer not in ("minmax", "mix") or (a.scorer == "mix") != (cmp_scores is not None):
             raise ValueError(f"scorer {a.scorer!r}: blocks() takes minmax, or mix or rescore with cmp's output")

@@ -79,6 +79,15 @@ def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[s
                 return o, calls.blocks(q, k, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
 
             return f"{name} + minmax_pallas (nsa_minmax_select)", cmp_minmax
+        if nsa.scorer == "rescore":  # cmp's candidates, and the second stage over the selection keys k
+
+            def cmp_rescore(impl, q, kc, vc, k, q_offset):
+                o, cand = calls.compressed(q, kc, vc, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
+                return o, calls.blocks(
+                    q, k, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl), cmp_scores=cand
+                )
+
+            return f"{name} + rescore_pallas (nsa_rescore_select)", cmp_rescore
 
         def cmp(impl, q, kc, vc, q_offset):
             return calls.compressed(q, kc, vc, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
@@ -105,7 +114,7 @@ def _shapes(cfg, branch: str, batch: int, seq: int, rows: int) -> list[tuple[tup
     q = ((batch, rows, H, Dk), dt)
     if branch == "cmp":
         tc = num_compressed(seq, a.l, a.d)
-        minmax = [((batch, seq, K, Dk), dt)] if a.scorer == "minmax" else []  # its selection keys
+        minmax = [((batch, seq, K, Dk), dt)] if a.scorer in ("minmax", "rescore") else []  # its selection keys
         return [q, ((batch, tc, K, Dk), dt), ((batch, tc, K, Dv), dt), *minmax]
     kv = [((batch, seq, K, Dk), dt), ((batch, seq, K, Dv), dt)]
     return [q, *kv, ((batch, rows, K, a.n), jnp.int32)] if branch == "slc" else [q, *kv]

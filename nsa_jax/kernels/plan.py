@@ -17,7 +17,8 @@ No process-wide state: a compile for another card asks for that card's backend. 
   faster; else ``pallas`` (the flash kernels: the faster forward); ``cmp-cudnn`` in ``fallback``:
   the flash kernels.
 * The block scorer (``scorer``, kernels/scorers.py): ``cmp`` scores in the compressed branch's kernels;
-  ``minmax`` scores on XLA beside whatever runs the compressed attention.
+  ``minmax`` and ``rescore``'s second stage on Pallas beside the compressed branch's Pallas or cuDNN
+  kernels, else on XLA; ``mix`` on XLA.
 * Context parallelism (a ``layout``, nsa/context.py): the same kernels, each device's queries
   at an offset into the whole padded sequence (``seq``: its length). The plan carries the
   layout to the layer; the compressed branch never runs through cuDNN there (no query offset).
@@ -112,8 +113,9 @@ class KernelPlan:
         branch through cuDNN ``cudnn+pallas-triton`` (scoring on Pallas), ``xla-attention+pallas-interpret``
         off a GPU, where jax's fused attention runs on XLA. Under context parallelism a
         ``context`` entry says how the sequence is split and what crosses devices. A block scorer
-        other than cmp's (model.nsa.scorer) adds ``score``: minmax fused with top-n on Pallas where
-        the compressed branch runs its kernels (``pallas-triton/minmax``), else ``xla-chunked/<scorer>``."""
+        other than cmp's (model.nsa.scorer) adds ``score``: minmax fused with top-n, or rescore's second
+        stage, on Pallas where the compressed branch runs its kernels (``pallas-triton/minmax``,
+        ``pallas-triton/rescore``), else ``xla-chunked/<scorer>``."""
         pallas = "pallas-interpret" if self.interpret else "pallas-triton"
         slc = "xla-chunked" if self.slc == "xla" else f"{pallas}/{self.slc}"
         cmp = {"pallas": pallas, "xla": "xla-chunked"}.get(self.cmp)
@@ -125,8 +127,8 @@ class KernelPlan:
             "win": pallas if self.win == "pallas" else "xla-chunked",
         }
         if scorer != "cmp":  # the kernel BranchCalls.blocks runs
-            fused = scorer == "minmax" and self.cmp in COMPRESSED_KERNELS
-            out["score"] = f"{pallas}/minmax" if fused else f"xla-chunked/{scorer}"
+            fused = scorer in ("minmax", "rescore") and self.cmp in COMPRESSED_KERNELS
+            out["score"] = f"{pallas}/{scorer}" if fused else f"xla-chunked/{scorer}"
         if self.context > 1:
             out["context"] = f"{self.context} devices per sequence (zig-zag chunks; K/V all-gathered over seq)"
         return out
