@@ -15,8 +15,9 @@ best is low spreads its attention wider than n blocks, which no scorer can mend.
 
 `--scorers` adds the recall of other block scorers (kernels/scorers.py), each choosing from
 the same layer's queries and keys the forward made: `cmp`, `cmp_max`, `minmax` (the bound per
-block), `minmax:S` (per sub-block of S keys; `minmax:1` is each block's exact max logit) and
-`minmax-hmax:S` (the group's heads combined by the largest logit instead of summed softmaxes).
+block), `minmax:S` (per sub-block of S keys; `minmax:1` is each block's exact max logit),
+`minmax-hmax:S` (the group's heads combined by the largest logit instead of summed softmaxes) and
+`rescore:M` (cmp's best M blocks re-ranked by their exact mass; M defaults to 4 n).
 The layers below keep the model's own selections, so this screens scorers from one forward;
 a model run with the scorer (`--set model.nsa.scorer=...`) measures it with its own inputs.
 
@@ -37,7 +38,13 @@ import numpy as np
 from nsa_jax.config import replace
 from nsa_jax.evaluation.suites import TextRows
 from nsa_jax.inference.decode import inference_config
-from nsa_jax.kernels.scorers import bound_block_logits, key_bounds, minmax_block_scores, select_minmax_xla
+from nsa_jax.kernels.scorers import (
+    bound_block_logits,
+    key_bounds,
+    minmax_block_scores,
+    select_minmax_xla,
+    select_rescore_xla,
+)
 from nsa_jax.kernels.xla import compressed_attention_xla, map_query_chunks, select_blocks
 from nsa_jax.model import NSALM, per_layer
 from nsa_jax.nsa.distill import free_blocks, full_block_mass
@@ -89,18 +96,25 @@ def _recalls(q_BxTxHxD, k_BxTxKxD, idx_SxBxTxKxN, *, lp: int, chunk: int) -> jax
     return jnp.moveaxis(out, 0, 1).reshape(B, T + pad, -1, S + 1)[:, :T]
 
 
-def parse_scorer(spec: str, lp: int) -> tuple[str, int]:
-    """`NAME[:SUB]` -> (name, sub-block length); ValueError naming the valid forms."""
+def parse_scorer(spec: str, lp: int, n: int = 1) -> tuple[str, int]:
+    """`NAME[:SUB]` -> (name, sub-block length; rescore: its candidates); ValueError naming the valid forms."""
     name, _, sub = spec.partition(":")
     if name not in SCREEN_SCORERS or (sub and name.startswith("cmp")):
-        raise ValueError(f"scorer {spec!r}: use one of {', '.join(SCREEN_SCORERS)} (minmax and mix may add :SUB)")
+        raise ValueError(
+            f"scorer {spec!r}: use one of {', '.join(SCREEN_SCORERS)} (minmax and mix may add :SUB, rescore :M)"
+        )
+    if name == "rescore":
+        m = int(sub) if sub.isdigit() else 4 * n if not sub else 0
+        if m < n:
+            raise ValueError(f"scorer {spec!r}: M (its candidates) must be at least n = {n}")
+        return name, m
     size = int(sub) if sub.isdigit() else lp if not sub else 0
     if size < 1 or lp % size:
         raise ValueError(f"scorer {spec!r}: SUB must be a positive divisor of lp = {lp}")
     return name, size
 
 
-SCREEN_SCORERS = ("cmp", "cmp_max", "minmax", "minmax-hmax", "mix")
+SCREEN_SCORERS = ("cmp", "cmp_max", "minmax", "minmax-hmax", "mix", "rescore")
 
 
 @functools.partial(jax.jit, static_argnames=("name", "sub", "l", "d", "lp", "n"))
@@ -108,6 +122,9 @@ def rescore(q_BxTxHxD, k_BxTxKxD, kc_BxTcxKxD, *, name: str, sub: int, l: int, d
     """The blocks [B, T, K, n] scorer `name` chooses from one layer's queries, selection keys and
     compressed keys, through the scorers' own functions (kernels/scorers.py, kernels/xla.py)."""
     T, D = q_BxTxHxD.shape[1], q_BxTxHxD.shape[-1]
+    if name == "rescore":  # cmp's best `sub` blocks, re-ranked by their exact mass
+        _, scores = compressed_attention_xla(q_BxTxHxD, kc_BxTcxKxD, kc_BxTcxKxD, l=l, d=d, lp=lp, scale=D**-0.5)
+        return select_rescore_xla(q_BxTxHxD, k_BxTxKxD, select_blocks(scores, lp, sub), lp=lp, n=n)
     if name in ("cmp", "cmp_max", "mix"):
         pool = "max" if name == "cmp_max" else "sum"
         _, scores = compressed_attention_xla(q_BxTxHxD, kc_BxTcxKxD, kc_BxTcxKxD, l=l, d=d, lp=lp,
@@ -146,7 +163,7 @@ def measure(path: str, length: int | None, rows: int, text: list[str], scorers=(
     a = cfg.model.nsa
     if "slc" not in a.branches or cfg.model.attention != "nsa":
         raise SystemExit(f"error: {path}: the model has no selection branch")
-    parsed = [parse_scorer(x, a.lp) for x in scorers]
+    parsed = [parse_scorer(x, a.lp, a.n) for x in scorers]
     L = length or cfg.train.seq_len
     if L <= a.n * a.lp:
         raise SystemExit(f"error: --length {L}: every block is selected up to n*lp = {a.n * a.lp}; ask for more")

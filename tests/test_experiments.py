@@ -381,12 +381,17 @@ def test_selection_recall_cli_reads_a_checkpoint(tmp_path, tiny_run):
     report = tmp_path / "recall.json"
     # cpu_tiny selects n=4 blocks of lp=32: every block up to 128, a real choice beyond.
     args = ["--ckpt", str(out), "--length", "256", "--text", str(text)]
-    proc = run_cli("experiments.selection_recall", *args, "--json", str(report))
+    proc = run_cli("experiments.selection_recall", *args, "--scorers", "rescore:8", "--json", str(report))
     assert "best n blocks" in proc.stdout and "mean" in proc.stdout
     (res,) = json.loads(report.read_text())
     assert res["length"] == 256 and len(res["layers"]) == 1 and list(res["mean"]) == ["128-256"]
-    for recall, best in res["layers"][0].values():
-        assert 0.0 < recall <= best + 1e-6 <= 1.0 + 2e-6
+    assert res["columns"] == ["selected (cmp)", "rescore:8", "best n blocks"]
+    for recall, rescored, best in res["layers"][0].values():
+        assert 0.0 < recall <= best + 1e-6 <= 1.0 + 2e-6 and rescored <= best + 1e-6
+    # 8 blocks = every block at 256: rescore is then the ceiling itself.
+    assert abs(rescored - best) < 1e-5
+    bad = run_cli("experiments.selection_recall", *args, "--scorers", "rescore:2", check=False)
+    assert bad.returncode != 0 and "at least n = 4" in bad.stderr
     short = run_cli("experiments.selection_recall", "--ckpt", str(out), "--length", "128", check=False)
     assert short.returncode != 0 and "n*lp" in short.stderr
     missing = run_cli("experiments.selection_recall", "--ckpt", str(tmp_path / "nowhere"), check=False)
