@@ -59,6 +59,7 @@ def test_converted_folders_give_the_dense_logits(tmp_path, capsys):
     assert np.abs(nsa - dense).max() < 5e-3 * np.abs(dense).max()
     saved = load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), saved=True)
     assert saved.model.attention == "nsa" and saved.model.nsa.w == 16
+    assert saved.model.nsa.scorer == "rescore"  # launch.convert's scorer (docs/PRETRAINED.md)
     assert json.loads((tmp_path / "nsa" / "special_tokens.json").read_text())["eos"] == 2
     assert saved.data.tokenizer == "tokenizer.json"  # relative: the folder's own file, wherever it is moved
     assert model_dir.read_config(tmp_path / "nsa").data.tokenizer == str(
@@ -91,6 +92,7 @@ def test_a_gemma_converts_to_nsa_with_its_local_layers_kept(tmp_path, capsys, fa
     assert np.abs(nsa - dense).max() < 2e-3 * np.abs(dense).max()
     cfg = load_config(str(tmp_path / "nsa" / model_dir.CONFIG_FILE), saved=True).model
     assert cfg.attention == "nsa" and (cfg.global_every, cfg.dense_window, cfg.local_rope_theta) == kept
+    assert cfg.nsa.scorer == ("cmp" if cfg.attn_softcap else "rescore")  # capped scores keep cmp
     params = model_dir.read_params(tmp_path / "nsa")
     prompt = [int(t) for t in golden["prompt_ids"]]
     out = generate(cfg, params, [prompt], 24, temperature=0.0)[0]
