@@ -78,3 +78,16 @@ def test_settings_the_dataset_ignores_are_said():
     both = unused_data_settings(dataclasses.replace(data, dataset="kv_recall", tokenizer="gpt2", path="/data"))
     assert "data.tokenizer (gpt2) and data.path (/data) are not used by data.dataset=kv_recall" in both
     assert unused_data_settings(dataclasses.replace(data, dataset="text", tokenizer="gpt2", path="/d")) is None
+
+
+def test_zero1_and_fsdp_on_host_devices_of_an_old_jax_are_warned_about():
+    """jax 0.10's CPU backend returned wrong gradients for some zero1 / fsdp steps over host devices
+    (docs/STUDY.md): boot warns there, and only there."""
+    from nsa_jax.train.boot import host_collective_warning
+
+    warned = host_collective_warning("zero1", "cpu", 2, "0.10.2")
+    assert warned and "jax 0.10.2's CPU backend" in warned and "use dp, or jax >= 0.12" in warned
+    assert host_collective_warning("fsdp", "cpu", 4, "0.11.2")
+    for args in [("dp", "cpu", 2, "0.10.2"), ("zero1", "cpu", 1, "0.10.2"), ("zero1", "gpu", 2, "0.10.2")]:
+        assert host_collective_warning(*args) is None, args
+    assert host_collective_warning("fsdp", "cpu", 2, "0.12.0.1") is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -135,6 +136,9 @@ def boot(
         say("note: kernels: " + "; ".join(asked))
     if undivided := whole_leaves(plan):
         say(f"note: {undivided}")
+    strategy, backend = cfg.parallel.strategy, jax.default_backend()
+    if warning := host_collective_warning(strategy, backend, plan.n_devices, jax.__version__):
+        say(f"warning: {warning}")
     p = cfg.parallel
     art.event(
         "boot", 0, "boot", devices=plan.n_devices, processes=jax.process_count(), tokens_per_step=tokens_per_step,
@@ -307,3 +311,18 @@ def compile_step(
     if "error" in box:
         raise box["error"]
     return box["compiled"], box["seconds"], box.get("state")
+
+
+def host_collective_warning(strategy: str, backend: str, n_devices: int, jax_version: str) -> str | None:
+    """A warning for a zero1 / fsdp run over several CPU host devices under jax older than 0.12, whose CPU
+    backend returned wrong gradients, different from call to call, for some of their steps (SmolLM2-135M
+    fine-tuned on 2 host devices: one [30, 1536, 576] kernel's gradient 20% off, jax 0.10.2; exact with
+    jax 0.12.0.1 and under dp; docs/STUDY.md). None otherwise."""
+    version = tuple(int(x) for x in re.findall(r"\d+", jax_version)[:2])
+    if backend != "cpu" or n_devices < 2 or strategy not in ("zero1", "fsdp") or version >= (0, 12):
+        return None
+    return (
+        f"jax {jax_version}'s CPU backend has returned wrong gradients, different from call to call, for "
+        f"parallel.strategy={strategy} steps over host devices (docs/STUDY.md); on a CPU use dp, or jax >= 0.12 "
+        "(Python 3.12)"
+    )
