@@ -33,7 +33,7 @@
 #   train      python -m benchmarks.bench_train: a100_pcie tokens/s and MFU against the measured bf16 peak,
 #              as configured and with each of TRAIN_VARIANTS (';'-separated override sets; default
 #              logging.aux_stats=false: what the logged statistics cost; parallel.overlap_reduce=true:
-#              the gradient reduction inside the backward; model.nsa.scorer=minmax: the peak scorer)
+#              the gradient reduction inside the backward; model.nsa.scorer=rescore: launch.convert's scorer)
 #   smoke      python -m launch.train --config a100_pcie for a few steps, then resumed from its
 #              checkpoint (artifacts in OUT_DIR/run)
 #   profile    python -m benchmarks.profile_step: where one NSA layer's fwd+bwd time goes (T=PROFILE_SEQ_LEN)
@@ -178,7 +178,7 @@ positions=2,num_warps=1;positions=4,num_warps=2"}
     train)
         batches=(); [ -n "${TRAIN_BATCHES:-}" ] && batches=(--global-batches "$TRAIN_BATCHES")
         run_part train 420 "$PY" -m benchmarks.bench_train --configs a100_pcie --steps 5 \
-            --peak-n 8192 "${batches[@]}" --variants "${TRAIN_VARIANTS:-logging.aux_stats=false;parallel.overlap_reduce=true;model.nsa.scorer=minmax}" --json "$out/train.json"
+            --peak-n 8192 "${batches[@]}" --variants "${TRAIN_VARIANTS:-logging.aux_stats=false;parallel.overlap_reduce=true;model.nsa.scorer=rescore}" --json "$out/train.json"
         ;;
     smoke)
         # A fresh run that saves at step 10 and 20, then the same command with more steps:
