@@ -43,6 +43,10 @@ CMP_SCORERS = ("cmp", "mix", "rescore")
 KEY_SCORERS = ("minmax", "mix")
 
 
+# The most fp32 logits one query chunk of select_rescore_xla holds.
+RESCORE_LOGITS = 1 << 27
+
+
 def scorer_candidates(nsa) -> int:
     """`rescore`'s first-stage blocks of an NSAConfig (0 in the config: 4 n)."""
     return nsa.scorer_candidates or 4 * nsa.n
@@ -106,7 +110,9 @@ def select_rescore_xla(
         vis = (cand_BxCxKxM >= 0)[..., None] & (pos <= t_C[None, :, None, None, None]) & (pos < Tk)
         return pick_candidates(candidate_mass(s, vis), cand_BxCxKxM, t_C[None, :, None], lp, n)
 
-    return map_query_chunks(body, query_chunk, q, cand_BxTxKxM)
+    # The chunk's logits are [C, H, Tk] fp32: at most 2^27 of them (0.5 GiB) however long the sequence.
+    chunk = max(16, min(query_chunk, RESCORE_LOGITS // (B * H * nb * lp)))
+    return map_query_chunks(body, chunk, q, cand_BxTxKxM)
 
 
 def scorer_sub(nsa) -> int:
