@@ -12,13 +12,14 @@ are a function of its tokens alone (the QUERY marker), made here.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from nsa_jax.data.kv_recall import kv_answer_mask
+
+if TYPE_CHECKING:  # the launcher imports the data package before it sets jax's flags
+    import jax
 
 
 class LabeledRows(NamedTuple):
@@ -54,6 +55,8 @@ def row_targets(batch_BxT1: Any, cfg: Any) -> tuple[jax.Array, jax.Array, jax.Ar
     whose gradient only drowns the few positions that teach retrieval. Anything else: every target
     weighs 1, no answers.
     """
+    import jax.numpy as jnp  # noqa: PLC0415 - launch.train imports this module before XLA_FLAGS is final
+
     if isinstance(batch_BxT1, LabeledRows):
         return batch_BxT1.tokens, batch_BxT1.weights.astype(jnp.float32), batch_BxT1.answers
     tokens = batch_BxT1
