@@ -359,5 +359,6 @@ def test_the_command_s_training_time_is_projected_from_the_first_two_step_lines(
     want = r"projected: about (\d+)s of training for the command \(2 runs, 2 at a time\), "
     want += r"from ([\d.]+) s a step at T=256"
     m = re.search(want, lines[0])
-    assert m and 0.5 <= float(m[2]) < 1.5, lines[0]
+    # The gap is read where the lines arrive: the first may be read late on a loaded host (0.49 s seen).
+    assert m and 0.3 <= float(m[2]) < 1.5, lines[0]
     assert int(m[1]) == round(4 * float(m[2]) / 2), lines[0]
