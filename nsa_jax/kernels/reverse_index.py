@@ -96,6 +96,25 @@ def stable_positions(key_BxKxTxN, num_keys: int, scan_elems: int) -> jax.Array:
     return jnp.take_along_axis(pos2_BxKxE, pos1_BxKxE, axis=-1)
 
 
+def _segments(counts_M, num_blocks: int, entries: int, segment: int):
+    """One (batch, KV head)'s segments from its per-block counts (see ``reverse_index``)."""
+    counts = counts_M[:num_blocks]
+    starts = jnp.cumsum(counts) - counts
+    nseg = (counts + segment - 1) // segment
+    seg_end = jnp.cumsum(nseg)
+    seg_first = seg_end - nseg
+    num_segments = -(-entries // segment) + num_blocks
+    p = jnp.arange(num_segments, dtype=jnp.int32)
+    blk = jnp.searchsorted(seg_end, p, side="right").astype(jnp.int32)
+    used = blk < num_blocks
+    blk_c = jnp.minimum(blk, num_blocks - 1)
+    lo = starts[blk_c] + (p - seg_first[blk_c]) * segment
+    hi = jnp.minimum(lo + segment, starts[blk_c] + counts[blk_c])
+    lo = jnp.where(used, lo, 0)
+    hi = jnp.where(used, hi, 0)
+    return blk, lo.astype(jnp.int32), hi.astype(jnp.int32), seg_first.astype(jnp.int32), nseg.astype(jnp.int32)
+
+
 class ReverseIndex(NamedTuple):
     """A selection's CSR reverse index, cut into work segments (``reverse_index``); all int32."""
 
@@ -145,23 +164,26 @@ def reverse_index(idx_BxTxKxN, num_blocks: int, segment: int, *, scan_elems: int
         .set(jnp.broadcast_to(t_E, pos_BxKxE.shape), unique_indices=True)
     )
 
-    def per_row(counts_M):
-        counts = counts_M[:num_blocks]
-        starts = jnp.cumsum(counts) - counts
-        nseg = (counts + segment - 1) // segment
-        seg_end = jnp.cumsum(nseg)
-        seg_first = seg_end - nseg
-        num_segments = -(-entries // segment) + num_blocks
-        p = jnp.arange(num_segments, dtype=jnp.int32)
-        blk = jnp.searchsorted(seg_end, p, side="right").astype(jnp.int32)
-        used = blk < num_blocks
-        blk_c = jnp.minimum(blk, num_blocks - 1)
-        lo = starts[blk_c] + (p - seg_first[blk_c]) * segment
-        hi = jnp.minimum(lo + segment, starts[blk_c] + counts[blk_c])
-        lo = jnp.where(used, lo, 0)
-        hi = jnp.where(used, hi, 0)
-        return blk, lo.astype(jnp.int32), hi.astype(jnp.int32), seg_first.astype(jnp.int32), nseg.astype(jnp.int32)
+    return _index(qlist, counts_BxKxM, num_blocks, entries, segment)
 
-    per_bk = jax.vmap(jax.vmap(per_row))
-    seg_blk, seg_lo, seg_hi, blk_first, blk_count = per_bk(counts_BxKxM)
-    return ReverseIndex(qlist, seg_blk, seg_lo, seg_hi, blk_first, blk_count)
+
+def _index(qlist_BxKxE, counts_BxKxM, num_blocks: int, entries: int, segment: int) -> ReverseIndex:
+    per_bk = jax.vmap(jax.vmap(lambda c: _segments(c, num_blocks, entries, segment)))
+    return ReverseIndex(qlist_BxKxE, *per_bk(counts_BxKxM))
+
+
+def reverse_index_sorted(idx_BxTxKxN, num_blocks: int, segment: int) -> ReverseIndex:
+    """``reverse_index`` through one stable comparison sort of the entries by block id: on a TPU the sort is
+    a compiled sorting network while the counting passes' scatter-adds run element by element (at T = 8192,
+    n = 16, 2 KV heads the counting form moves 33 GiB there); the per-block counts come from a binary
+    search of the sorted ids. The same ReverseIndex, entry for entry."""
+    b, t, kvh, n = idx_BxTxKxN.shape
+    entries = t * n
+    idx_BxKxE = idx_BxTxKxN.transpose(0, 2, 1, 3).reshape(b, kvh, entries)
+    live = (idx_BxKxE >= 0) & (idx_BxKxE < num_blocks)
+    key_BxKxE = jnp.where(live, idx_BxKxE, num_blocks).astype(jnp.int32)
+    t_BxKxE = jnp.broadcast_to(jnp.repeat(jnp.arange(t, dtype=jnp.int32), n), key_BxKxE.shape)
+    key_sorted, qlist = lax.sort((key_BxKxE, t_BxKxE), dimension=2, is_stable=True, num_keys=1)
+    edges_M = jnp.arange(num_blocks + 2, dtype=jnp.int32)
+    starts = jax.vmap(jax.vmap(lambda ks: jnp.searchsorted(ks, edges_M, side="left", method="compare_all")))(key_sorted)
+    return _index(qlist, jnp.diff(starts, axis=-1).astype(jnp.int32), num_blocks, entries, segment)
