@@ -37,6 +37,7 @@ from nsa_jax.kernels.blocksparse_pallas import selection_attention_blocksparse_p
 from nsa_jax.kernels.compressed_pallas import CompressedBlockSizes, compressed_attention_pallas, compressed_lse_pallas
 from nsa_jax.kernels.flash_pallas import FlashBlockSizes, window_attention_pallas
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes, selection_attention_pallas
+from nsa_jax.kernels.selection_tpu import selection_attention_tpu
 
 from helpers import as_f32, check_all, random_inputs
 
@@ -206,3 +207,15 @@ def test_offsets_out_of_range_or_of_the_wrong_kind_are_refused():
         )
     with pytest.raises(ValueError, match="num_blocks=0"):
         compressed_attention_scores_pallas(q, kc, kc, l=L, d=STRIDE, lp=LP, interpret=INTERPRET, num_blocks=0)
+
+
+def test_tpu_selection_chunks_match_reference():
+    # The Pallas TPU kernels (interpreted here): a chunk's rows at a traced offset, -1 slots anywhere.
+    rng = np.random.default_rng(9)
+    q, k, v, do = random_inputs(rng, 1, T, G * K, K, D, jnp.float32)
+    idx = random_block_indices(rng, 1, T, K, N, LP)
+
+    def fn(q, k, v, idx, q_offset):
+        return selection_attention_tpu(q, k, v, idx, LP, interpret=True, positions=4, segment=8, q_offset=q_offset)
+
+    check_chunks(run_chunks(fn, q, k, v, do, idx), q, k, v, do, selection_visible(idx, LP, T), jnp.float32)

@@ -32,6 +32,7 @@ from nsa_jax.kernels.plan import (
     COMPRESSED_KERNELS,
     CUDNN_CMP,
     SELECTION_KERNELS,
+    TPU_SELECTION,
     KernelPlan,
     cudnn_fits,
     plan_kernels,
@@ -48,6 +49,7 @@ from nsa_jax.kernels.scorers import (
     select_rescore_xla,
 )
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
+from nsa_jax.kernels.selection_tpu import selection_attention_tpu
 from nsa_jax.kernels.xla import (
     compressed_attention_xla,
     select_blocks,
@@ -70,6 +72,7 @@ __all__ = [
     "selection_attention",
     "selection_attention_blocksparse_pallas",
     "selection_attention_pallas",
+    "selection_attention_tpu",
     "selection_attention_xla",
     "selection_kernel_fits",
     "window_attention",
@@ -88,13 +91,17 @@ def _interpret(interpret: bool | None) -> bool:
 def selection_attention(
     q, k, v, idx, block_size, scale=None, *, kernel="xla", interpret=None, query_chunk=512, q_offset=0, softcap=0.0
 ):
-    """Selection attention through `kernel` (`blocksparse`, `gather` or `xla`; contract: docs/NSA.md).
+    """Selection attention through `kernel` (`blocksparse`, `gather`, `tpu` or `xla`; contract: docs/NSA.md).
 
     `q_offset` (int or traced int32, every entry point here): query row r stands at position
     r + q_offset of the keys, which cover the whole sequence (context parallelism, nsa/context.py).
     """
     if softcap and kernel != "xla":
         raise ValueError("selection attention with softcap runs in XLA only (kernel='xla')")
+    if kernel == TPU_SELECTION:
+        return selection_attention_tpu(
+            q, k, v, idx, block_size, scale, interpret=_interpret(interpret), q_offset=q_offset
+        )
     if kernel == "blocksparse":
         return selection_attention_blocksparse_pallas(
             q, k, v, idx, block_size, scale, interpret=_interpret(interpret), q_offset=q_offset
@@ -112,7 +119,9 @@ def selection_attention(
             q_offset=q_offset,
         )
     if kernel != "xla":
-        raise ValueError(f"selection kernel must be one of {', '.join(SELECTION_KERNELS)} or xla, got {kernel!r}")
+        raise ValueError(
+            f"selection kernel must be one of {', '.join(SELECTION_KERNELS)}, {TPU_SELECTION} or xla, got {kernel!r}"
+        )
     return selection_attention_xla(
         q, k, v, idx, block_size, scale, query_chunk=query_chunk, q_offset=q_offset, softcap=softcap
     )

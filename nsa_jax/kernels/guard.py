@@ -34,7 +34,7 @@ from nsa_jax.kernels import (
     resolve_impl,
     selection_kernel_fits,
 )
-from nsa_jax.kernels.plan import SequenceSplit
+from nsa_jax.kernels.plan import TPU_BACKENDS, SequenceSplit
 from nsa_jax.kernels.xla import num_compressed, select_blocks
 
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
@@ -211,11 +211,12 @@ def guard_kernels(
     was checked or everything passed), and `cmp-cudnn` when cuDNN's attention failed in
     the compressed branch (the flash kernels are then checked in its place): the run's
     kernel plan takes the keys as its `fallback`. Does nothing unless attention_impl is
-    `auto` and the backend is a GPU, or `force`.
+    `auto` and the backend is a GPU or a TPU (its selection kernel), or `force`.
     """
     a = cfg.nsa
     backend = jax.default_backend()
-    if a.attention_impl != "auto" or not (force or resolve_impl("auto", backend) == "pallas"):
+    tpu = backend in TPU_BACKENDS
+    if a.attention_impl != "auto" or not (force or tpu or resolve_impl("auto", backend) == "pallas"):
         return {}
     rows = None
     if layout is not None:  # one device's chunk of queries over the whole padded sequence
@@ -239,8 +240,8 @@ def guard_kernels(
         return None
 
     for branch in a.branches:
-        if branch == "slc" and not selection_kernel_fits(a.lp):
-            continue  # auto already runs it on XLA
+        if (branch == "slc" and not selection_kernel_fits(a.lp)) or getattr(plan, branch) == "xla":
+            continue  # auto already runs it on XLA (a TPU: every branch but selection)
         why = broken(branch, plan)
         if why and branch == "cmp" and plan.cmp == "cudnn":
             # cuDNN's attention (a card or cuDNN without it): the branch's own flash kernels, if they pass.

@@ -19,6 +19,8 @@ No process-wide state: a compile for another card asks for that card's backend. 
 * The block scorer (``scorer``, kernels/scorers.py): ``cmp`` scores in the compressed branch's kernels;
   ``minmax`` and ``rescore``'s second stage on Pallas beside the compressed branch's Pallas or cuDNN
   kernels, else on XLA; ``mix`` on XLA.
+* A TPU (``auto`` or ``pallas``): selection on the Pallas TPU kernels (kernels/selection_tpu.py) where lp is
+  a power of two >= 16 and the guard passed them, the compressed and window branches on XLA.
 * Context parallelism (a ``layout``, nsa/context.py): the same kernels, each device's queries
   at an offset into the whole padded sequence (``seq``: its length). The plan carries the
   layout to the layer; the compressed branch never runs through cuDNN there (no query offset).
@@ -46,6 +48,9 @@ CUDNN_CMP = "cmp-cudnn"
 FALLBACKS = (*BRANCHES, CUDNN_CMP)
 IMPLS = ("auto", "pallas", "xla")
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
+TPU_BACKENDS = ("tpu",)
+# The selection branch's Pallas TPU (Mosaic) kernels (kernels/selection_tpu.py): what a TPU plan runs.
+TPU_SELECTION = "tpu"
 
 # The selection kernels a config may name, with the tiles each runs (None: blocksparse's own).
 # gather: one query position per program (its G heads padded to 16 rows) with one warp: the
@@ -75,8 +80,8 @@ class SequenceSplit(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    """What each branch runs: cmp ``pallas``, ``cudnn`` or ``xla``; slc ``blocksparse``, ``gather`` or
-    ``xla``; win ``pallas`` or ``xla``.
+    """What each branch runs: cmp ``pallas``, ``cudnn`` or ``xla``; slc ``blocksparse``, ``gather``, ``tpu``
+    (the Pallas TPU kernels) or ``xla``; win ``pallas`` or ``xla``.
 
     ``interpret``: the Pallas kernels run in the Pallas interpreter (a backend without a GPU).
     ``layout``: under context parallelism, the sequence layout the layer reads its chunks
@@ -99,7 +104,7 @@ class KernelPlan:
             raise TypeError(f"KernelPlan.layout must be a sequence split (nsa/context.SeqLayout), got {self.layout!r}")
         for branch, allowed in (
             ("cmp", (*COMPRESSED_KERNELS, "xla")),
-            ("slc", (*SELECTION_KERNELS, "xla")),
+            ("slc", (*SELECTION_KERNELS, TPU_SELECTION, "xla")),
             ("win", ("pallas", "xla")),
         ):
             if getattr(self, branch) not in allowed:
@@ -118,6 +123,8 @@ class KernelPlan:
         ``pallas-triton/rescore``), else ``xla-chunked/<scorer>``."""
         pallas = "pallas-interpret" if self.interpret else "pallas-triton"
         slc = "xla-chunked" if self.slc == "xla" else f"{pallas}/{self.slc}"
+        if self.slc == TPU_SELECTION:
+            slc = "pallas-interpret/tpu" if self.interpret else "pallas-mosaic"
         cmp = {"pallas": pallas, "xla": "xla-chunked"}.get(self.cmp)
         if self.cmp == "cudnn":
             cmp = f"{'xla-attention' if self.interpret else 'cudnn'}+{pallas}"
@@ -183,6 +190,11 @@ def plan_kernels(
         raise ValueError(
             f"compressed_kernel must be auto or one of {', '.join(COMPRESSED_KERNELS)}, got {cmp_choice!r}"
         )
+    if backend in TPU_BACKENDS and nsa.attention_impl != "xla":
+        # A TPU runs the selection branch's Mosaic kernels; the compressed and window branches are dense
+        # attention over few or near keys, which XLA's TPU fusions run as they are.
+        slc = "xla" if "slc" in fallback or not selection_kernel_fits(nsa.lp) else TPU_SELECTION
+        return KernelPlan(slc=slc, layout=layout)
     chosen = resolve_impl(nsa.attention_impl, backend)
     auto = nsa.attention_impl == "auto"
 
@@ -224,6 +236,19 @@ def substitutions(nsa, plans: list[KernelPlan], backend: str, fallback=frozenset
             return "the kernel guard found its kernel failing"
         return f"the selection kernels need lp a power of two >= 16, got {nsa.lp}"
 
+    if backend in TPU_BACKENDS and nsa.attention_impl != "xla":
+        if nsa.attention_impl == "pallas":
+            out.append(
+                "model.nsa.attention_impl=pallas runs as pallas-mosaic for selection and xla-chunked for the "
+                "compressed and window branches (their Pallas kernels are Triton's: a GPU's)"
+            )
+        for key in ("selection_kernel", "compressed_kernel"):
+            if getattr(nsa, key) != "auto":
+                out.append(f"model.nsa.{key}={getattr(nsa, key)} names a GPU kernel; a TPU runs its own")
+        if any(p.slc == "xla" for p in plans):
+            why = "the kernel guard found its kernel failing" if "slc" in fallback else on_xla("lp")
+            out.append(f"the selection branch runs as xla-chunked ({why})")
+        return out
     if nsa.attention_impl == "pallas" and any(p.interpret for p in plans):
         out.append(
             f"model.nsa.attention_impl=pallas runs as pallas-interpret (the Pallas interpreter on a {backend} "

@@ -13,10 +13,11 @@ exactly the chosen blocks into VMEM while the previous step computes. Layout:
   that share a selection, padded to the 8-row sublane tile) and takes P key and P value blocks a
   step, one per position (P operands, each with its own index map), so one grid step moves P
   blocks and the per-step overhead is paid once for them;
-* dK/dV: key-centric over the reverse index (kernels/reverse_index.py, its sorting form: a TPU sorts well and scatters badly): one
-  program per work segment (entries of one block, ascending query), the segment's block loaded
-  once and its queries' rows gathered P at a time through the index maps; partial tiles per
-  segment, summed per block afterwards in XLA (sorted segment ids: deterministic, no atomics).
+* dK/dV: key-centric over the reverse index (kernels/reverse_index.py, its sorting form: a TPU
+  sorts well and scatters badly): one program per work segment (entries of one block, ascending
+  query), the segment's block loaded once and its queries' rows gathered P at a time through the
+  index maps; partial tiles per segment, summed per block afterwards in XLA (sorted segment ids:
+  deterministic, no atomics).
 SMEM holds 1 MiB: the prefetched ids travel in chunks of at most `PREFETCH_WORDS` int32, one
 `pallas_call` each. The log-sum-exp travels between the kernels as [B, K, T/P, Gp, P] (P in the
 lanes); a kernel reads its position's column with a one-hot lane reduction, which needs no

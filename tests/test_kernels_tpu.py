@@ -1,0 +1,120 @@
+"""The Pallas TPU (Mosaic) selection kernels, interpreted on this CPU, and the TPU kernel plan.
+
+kernels/selection_tpu.py against the float64 reference (nsa_jax.kernels.reference): output and
+(dq, dk, dv) over G from 1 to 16 (rows padded to the sublane tile or not), bf16, -1 slots anywhere,
+rows that see no key, and calls cut into several prefetch chunks; the sorting reverse index equal to
+the counting one; the plan a TPU gets, and the NSA layer running it equal to the reference layer.
+What compiles for a TPU (v5e, v6e) is the `tpu` tier's: tests/test_tpu_aot.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import nsa_layer_ref, random_block_indices, reference_attention, selection_visible
+
+from nsa_jax.kernels import KernelPlan, plan_kernels
+from nsa_jax.kernels import selection_tpu as tpu
+from nsa_jax.kernels.plan import substitutions
+from nsa_jax.kernels.reverse_index import reverse_index, reverse_index_sorted
+from nsa_jax.nsa.layer import NSAAttention
+
+from helpers import as_f32, check_all, random_inputs, rel_err, run_with_grads, tiny_model_cfg
+
+# (batch, T, G, KV heads, head dim, block size, n, dtype, shuffled slots, positions, segment)
+CASES = [
+    pytest.param(2, 45, 1, 2, 32, 16, 3, jnp.float32, True, 2, 8, id="G1-d32-T45-f32-shuffled"),
+    pytest.param(1, 70, 6, 2, 64, 16, 4, jnp.float32, False, 8, 16, id="G6-d64-T70-f32"),
+    pytest.param(1, 40, 16, 1, 32, 16, 3, jnp.float32, True, 4, 8, id="G16-d32-T40-f32"),
+    pytest.param(1, 100, 4, 2, 64, 32, 3, jnp.bfloat16, True, 8, 64, id="G4-d64-T100-bs32-bf16"),
+]
+
+
+def run_tpu(q, k, v, do, idx, bs, **kw):
+    fn = lambda q, k, v: tpu.selection_attention_tpu(q, k, v, jnp.asarray(idx), bs, interpret=True, **kw)
+    return run_with_grads(fn, q, k, v, do)
+
+
+@pytest.mark.parametrize("b,t,g,kvh,d,bs,n,dtype,shuffle,positions,segment", CASES)
+def test_tpu_selection_matches_reference(b, t, g, kvh, d, bs, n, dtype, shuffle, positions, segment):
+    rng = np.random.default_rng(t * 7 + g)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
+    idx = random_block_indices(rng, b, t, kvh, n, bs, shuffle=shuffle)
+    got = run_tpu(q, k, v, do, idx, bs, positions=positions, segment=segment)
+    check_all(got, reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), d**-0.5), dtype)
+
+
+def test_tpu_selection_empty_rows_custom_scale_and_prefetch_chunks(monkeypatch):
+    # Rows whose slots are all -1 give 0 and no gradient; a small SMEM budget cuts the forward, dQ and
+    # dK/dV calls into several prefetch chunks each, which must not change a value.
+    b, t, g, kvh, d, bs, n = 1, 60, 2, 2, 32, 16, 3
+    rng = np.random.default_rng(11)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, jnp.float32)
+    idx = random_block_indices(rng, b, t, kvh, n, bs)
+    idx[:, 5:9] = -1
+    idx[:, 40, 1] = -1
+    want = reference_attention(*as_f32(q, k, v, do), selection_visible(idx, bs, t), 0.3)
+    calls = []
+    real_call = tpu.pl.pallas_call
+    monkeypatch.setattr(tpu, "PREFETCH_WORDS", 200)
+    monkeypatch.setattr(tpu.pl, "pallas_call", lambda *a, **kw: calls.append(kw["name"]) or real_call(*a, **kw))
+    got = run_tpu(q, k, v, do, idx, bs, scale=0.3, positions=4, segment=8)
+    check_all(got, want, jnp.float32)
+    assert np.all(got[0][:, 5:9] == 0) and np.all(got[1][:, 5:9] == 0)
+    assert calls.count("fwd_kernel") == 1 and calls.count("dkv_kernel") == 1  # one call built per kind ...
+    d_ = tpu._Dims(q, k, v, idx, bs, 4)
+    assert d_.tq_pad // d_.chunk > 1  # ... and run over several chunks
+
+
+def test_sorted_reverse_index_equals_the_counting_one():
+    rng = np.random.default_rng(3)
+    for t, n, bs, segment in ((300, 5, 16, 7), (1000, 8, 32, 64)):
+        idx = jnp.asarray(random_block_indices(rng, 2, t, 3, n, bs))
+        counting, sorting = reverse_index(idx, -(-t // bs), segment), reverse_index_sorted(idx, -(-t // bs), segment)
+        for field in counting._fields:
+            np.testing.assert_array_equal(getattr(sorting, field), getattr(counting, field), err_msg=field)
+
+
+def test_tpu_selection_refuses_what_it_cannot_run():
+    q, k, v, _ = random_inputs(np.random.default_rng(0), 1, 32, 2, 1, 16, jnp.float32)
+    idx = jnp.zeros((1, 32, 1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="block_size=8: the TPU selection kernel takes a power of two >= 16"):
+        tpu.selection_attention_tpu(q, k, v, idx, 8, interpret=True)
+    with pytest.raises(ValueError, match="positions=3 must be a power of two dividing segment=256"):
+        tpu.selection_attention_tpu(q, k, v, idx, 16, interpret=True, positions=3)
+
+
+def test_a_tpu_plans_its_selection_kernel():
+    nsa = tiny_model_cfg(lp=16).nsa
+    plan = plan_kernels(nsa, 8192, "tpu")
+    assert (plan.cmp, plan.slc, plan.win, plan.interpret) == ("xla", "tpu", "xla", False)
+    assert plan.describe()["slc"] == "pallas-mosaic"
+    assert plan_kernels(nsa, 8192, "tpu", fallback={"slc"}).slc == "xla"
+    assert plan_kernels(dataclasses.replace(nsa, lp=24), 8192, "tpu").slc == "xla"
+    assert plan_kernels(dataclasses.replace(nsa, attention_impl="xla"), 8192, "tpu").slc == "xla"
+    assert plan_kernels(nsa, 8192, "cpu").slc == "xla"  # and nothing else changes off a TPU
+    named = dataclasses.replace(nsa, attention_impl="pallas", selection_kernel="gather")
+    said = substitutions(named, [plan_kernels(named, 8192, "tpu")], "tpu")
+    assert any("attention_impl=pallas runs as pallas-mosaic" in s for s in said)
+    assert any("selection_kernel=gather names a GPU kernel" in s for s in said)
+    assert substitutions(nsa, [plan], "tpu") == []
+
+
+def test_nsa_layer_on_the_tpu_plan_matches_the_reference():
+    # The whole layer with its selection branch on the TPU kernels (interpreted): the reference layer's
+    # output, and the gradient of the input equal to the XLA plan's.
+    cfg = tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=3, w=16)
+    T = 48
+    x = jax.random.normal(jax.random.PRNGKey(5), (1, T, cfg.d_model), jnp.float32)
+    on_tpu = NSAAttention(cfg, kernels=KernelPlan(slc="tpu", interpret=True))
+    params = jax.jit(on_tpu.init)(jax.random.PRNGKey(6), x)["params"]
+    out = jax.jit(on_tpu.apply)({"params": params}, x)
+    ref, _ = nsa_layer_ref(params, x, cfg)
+    assert rel_err(out, ref) < 1e-5
+    cot = jax.random.normal(jax.random.PRNGKey(7), out.shape)
+    grad = lambda m: jax.jit(jax.grad(lambda xx: jnp.sum(m.apply({"params": params}, xx) * cot)))(x)
+    assert rel_err(grad(on_tpu), grad(NSAAttention(cfg, kernels=KernelPlan()))) < 1e-5
