@@ -1,7 +1,8 @@
-"""`python -m launch.info --config NAME|FOLDER [--set key=value ...] [--target a100-40 [--devices N]]`.
+"""`python -m launch.info --config NAME|FOLDER [--set key=value ...] [--target a100-40|v5e-8 [--devices N]]`.
 
 Parameter counts and NSA cost; with `--target`, whether the config's train step fits
-that card (compiled on this host for it: no GPU needed, only jax's CUDA plugin) and
+that card or TPU slice (compiled on this host for it: no GPU or TPU needed, only jax's CUDA
+plugin or libtpu; a slice's chips are its devices unless --devices says fewer) and
 the largest micro-batch per device that does; with parallel.context > 1 (each sequence
 over several cards) the longest train.seq_len that does instead. `--devices`: the
 cards in all (data x seq). FOLDER: a model folder (its config.yaml); a dense model's lines
@@ -35,8 +36,12 @@ def describe_fit(r: dict, cfg, description: str) -> str:
     layout = f" (data {n // C} x seq {C}: each sequence over {C} cards)" if C > 1 else ""
     lines = [
         f"fit on {r['target']} ({description}), {count(n, 'device')}{layout}, strategy {cfg.parallel.strategy}, "
-        f"T={t.seq_len}, accumulate {t.accumulate}; jax may use {r['usable_bytes'] / aot.MiB:,.0f} MiB of each card "
-        "(XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)",
+        f"T={t.seq_len}, accumulate {t.accumulate}; jax may use {r['usable_bytes'] / aot.MiB:,.0f} MiB of each "
+        + (
+            "chip (its HBM)"
+            if isinstance(aot.get_target(r["target"]), aot.TpuTarget)
+            else "card (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75)"
+        ),
         f"  as configured: {count(r['configured_rows'], 'row')} per device (train.global_batch={t.global_batch}): "
         f"{m['total'] / aot.MiB:,.0f} MiB per device (arguments {m['argument'] / aot.MiB:,.0f}, temporaries "
         f"{m['temp'] / aot.MiB:,.0f}, outputs not aliased {(m['output'] - m['alias']) / aot.MiB:,.0f}) -> "
@@ -73,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         "--config", default=None, help="config name in configs/ or a YAML path (default: $CONFIG, else a100_pcie)"
     )
     add_overrides(parser)
-    parser.add_argument("--target", default=None, help="GPU card to check the step against: a100-40, a100-80, h100, l4")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help=f"GPU card ({', '.join(aot.TARGETS)}) or TPU slice ({', '.join(aot.TPU_TARGETS)}) to check the step on",
+    )
     parser.add_argument(
         "--devices",
         type=int,
@@ -95,15 +104,17 @@ def main(argv: list[str] | None = None) -> int:
             target = aot.get_target(args.target)
             C = cfg.parallel.context
             n = args.devices if args.devices is not None else (cfg.parallel.num_devices or C)
+            if isinstance(target, aot.TpuTarget) and args.devices is None:
+                n = target.chips  # a slice is checked whole
             if n < 1:
                 raise ValueError(f"--devices {n} must be >= 1")
+            if isinstance(target, aot.TpuTarget) and n > target.chips:
+                raise ValueError(f"--devices {n}: {target.name} has {target.chips} chips")
             if n % C:
                 raise ValueError(f"--devices {n} must be a multiple of parallel.context={C} (data x seq)")
-            if not aot.cuda_plugin_available():
-                raise aot.PluginMissing(
-                    f"--target {target.name} compiles with jax's CUDA plugin, which is not installed: "
-                    + aot.INSTALL_HINT
-                )
+            missing = aot.plugin_missing(target.name)
+            if missing:
+                raise aot.PluginMissing(missing)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -359,7 +359,8 @@ def test_info_target_refuses_no_devices_before_compiling(monkeypatch, capsys, de
 
 def test_fit_check_unknown_target(capsys):
     assert info_cli.main(["--config", "a100_pcie", "--target", "v100"]) == 2
-    assert "unknown GPU target 'v100'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown target 'v100'; GPU cards: a100-40" in err and "TPU slices: v4-8" in err
 
 
 # ---------------------------------------------------------------------------

@@ -118,3 +118,10 @@ def test_nsa_layer_on_the_tpu_plan_matches_the_reference():
     cot = jax.random.normal(jax.random.PRNGKey(7), out.shape)
     grad = lambda m: jax.jit(jax.grad(lambda xx: jnp.sum(m.apply({"params": params}, xx) * cot)))(x)
     assert rel_err(grad(on_tpu), grad(NSAAttention(cfg, kernels=KernelPlan()))) < 1e-5
+
+
+def test_tpu_benchmark_refuses_an_unknown_slice(capsys):
+    from benchmarks import tpu_aot
+
+    assert tpu_aot.main(["--targets", "v9-8"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown target 'v9-8'; GPU cards:")

@@ -50,18 +50,26 @@ POSITIONS = 8
 SEGMENT = 256
 
 
+def _mxu(a, b, dims):
+    """A dot on the MXU, accumulated in fp32: 16-bit operands at their own precision (Mosaic refuses an fp32
+    contract precision for them, which jax_default_matmul_precision=highest would ask), fp32 ones in full."""
+    wide = a.dtype == jnp.float32 or b.dtype == jnp.float32
+    precision = lax.Precision.HIGHEST if wide else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
 def _dot_t(a_RxD, b_CxD):
-    """a @ b^T in fp32 (the MXU's accumulation)."""
-    return lax.dot_general(a_RxD, b_CxD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    """a @ b^T."""
+    return _mxu(a_RxD, b_CxD, ((1,), (1,)))
 
 
 def _dot(a_RxC, b_CxD):
-    return lax.dot_general(a_RxC, b_CxD, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return _mxu(a_RxC, b_CxD, ((1,), (0,)))
 
 
 def _dot_tn(a_RxC, b_RxD):
-    """a^T @ b in fp32."""
-    return lax.dot_general(a_RxC, b_RxD, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    """a^T @ b."""
+    return _mxu(a_RxC, b_RxD, ((0,), (0,)))
 
 
 def _lane(x_GxP, lane):
@@ -249,6 +257,32 @@ def _params(*semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
+# What each call moves and computes, for XLA's cost analysis: the blocks its DMAs fetch (a custom call's
+# default counts every operand whole, and the key / value arrays are P operands each).
+def _row_cost(d: _Dims, rows, stats, outs, k4, block_size: int, positions: int, dq: bool) -> pl.CostEstimate:
+    pairs = d.b * d.heads * d.chunk * d.n  # (position, slot) pairs of one call
+    per_row = sum(x.dtype.itemsize * d.gp * x.shape[-1] for x in rows) + 4 * d.gp * len(stats)  # a position's
+    out_row = sum(jnp.dtype(dt).itemsize * d.gp * (1 if w is None else w) for w, dt in outs)
+    kv = pairs * block_size * (d.dk + d.dv) * k4.dtype.itemsize
+    dots = (2 * d.dk + d.dv) if dq else (d.dk + d.dv)
+    return pl.CostEstimate(
+        flops=2 * pairs * d.gp * block_size * dots,
+        transcendentals=pairs * d.gp * block_size,
+        bytes_accessed=kv + d.b * d.heads * d.chunk * (per_row + out_row),
+    )
+
+
+def _dkv_cost(d: _Dims, q5, do5, k4, block_size: int, segs: int, segment: int, positions: int) -> pl.CostEstimate:
+    entries = d.b * d.heads * segs * segment  # gathered query slots of one call (padding included)
+    rows = d.gp * (q5.shape[-1] * q5.dtype.itemsize + do5.shape[-1] * do5.dtype.itemsize + 2 * 4 * positions)
+    tiles = d.b * d.heads * segs * block_size * (d.dk + d.dv)
+    return pl.CostEstimate(
+        flops=2 * entries * d.gp * block_size * 2 * (d.dk + d.dv),
+        transcendentals=entries * d.gp * block_size,
+        bytes_accessed=entries * rows + tiles * (k4.dtype.itemsize + 4),
+    )
+
+
 def _row_pass(
     kernel, d: _Dims, ids_BxKxTxN, off_1, k4, v4, rows, stats, outs, scratch, *, positions, block_size, scale, interpret
 ):
@@ -288,6 +322,7 @@ def _row_pass(
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
         name=kernel.__name__.strip("_"),
+        cost_estimate=_row_cost(d, rows, stats, outs, k4, block_size, positions, dq=kernel is _dq_kernel),
     )
     parts = []
     for c0 in range(0, d.tq_pad, c):
@@ -367,6 +402,7 @@ def _dkv_pass(d: _Dims, idx, off_1, q5, do5, lse, delta, k4, v4, *, positions, b
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
         name="dkv_kernel",
+        cost_estimate=_dkv_cost(d, q5, do5, k4, block_size, segs, segment, positions),
     )
     chunks = -(-num_segs // segs)
     padded = chunks * segs  # unused segments: block nb, an empty range

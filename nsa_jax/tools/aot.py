@@ -48,12 +48,20 @@ from nsa_jax.ops.memory import compiled_memory
 from nsa_jax.seq_layout import chunk_len
 from nsa_jax.step.step import make_train_step
 from nsa_jax.step.strategies import make_plan, per_device_batch
-from nsa_jax.tools.cards import DEFAULT_MEM_FRACTION, TARGETS, GpuTarget, get_target  # noqa: F401 - aot's names
+from nsa_jax.tools.cards import (  # noqa: F401 - aot's names
+    DEFAULT_MEM_FRACTION,
+    TARGETS,
+    TPU_TARGETS,
+    GpuTarget,
+    TpuTarget,
+    get_target,
+)
 from nsa_jax.words import count
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 INSTALL_HINT = 'pip install -e ".[cuda12]"'
+TPU_INSTALL_HINT = 'pip install -e ".[tpu]" (jax[tpu]: libtpu, which compiles for TPU slices on any host)'
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 # cuDNN's fused attention, forward and backward (kernels/cudnn.py).
 CUDNN_ATTENTION_TARGETS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
@@ -79,6 +87,23 @@ def cuda_plugin_available() -> bool:
     return any(_module_exists(name) for name in CUDA_PLUGINS)
 
 
+def tpu_compiler_available() -> bool:
+    """Whether libtpu (the `tpu` extra) is installed: it compiles for a TPU slice on a CPU host."""
+    return _module_exists("libtpu")
+
+
+def plugin_missing(target: str) -> str | None:
+    """The one line saying what `target` needs installed to compile for, or None when it is there."""
+    t = get_target(target)
+    if isinstance(t, TpuTarget):
+        if tpu_compiler_available():
+            return None
+        return f"--target {t.name} compiles with libtpu, which is not installed: {TPU_INSTALL_HINT}"
+    if cuda_plugin_available():
+        return None
+    return f"--target {t.name} compiles with jax's CUDA plugin, which is not installed: {INSTALL_HINT}"
+
+
 def compile_on_host() -> bool:
     """Run this process's jax on the CPU unless JAX_PLATFORMS chose: compiling for a card needs no local GPU.
 
@@ -100,9 +125,12 @@ def _topology(name: str, n_devices: int):
     )
 
 
-def target_devices(target: str | GpuTarget, n_devices: int = 1) -> list:
-    """`n_devices` devices of the card, to compile for (nothing runs on them)."""
-    name = target.name if isinstance(target, GpuTarget) else get_target(target).name
+def target_devices(target: str | GpuTarget | TpuTarget, n_devices: int = 1) -> list:
+    """`n_devices` devices of the card, or the first `n_devices` chips of the TPU slice, to compile for (nothing
+    runs on them)."""
+    name = target if isinstance(target, str) else target.name
+    if isinstance(get_target(name), TpuTarget):
+        return _tpu_devices(get_target(name), n_devices)
     if not cuda_plugin_available():
         raise PluginMissing(f"compiling for {name} needs jax's CUDA plugin, which is not installed: {INSTALL_HINT}")
     compile_on_host()
@@ -116,6 +144,27 @@ def target_devices(target: str | GpuTarget, n_devices: int = 1) -> list:
                 f"start it with JAX_PLATFORMS=cpu; else reinstall: {INSTALL_HINT}"
             ) from e
         raise PluginMissing(f"jax's CUDA plugin could not describe {name} ({first}); reinstall: {INSTALL_HINT}") from e
+
+
+def _tpu_devices(t: TpuTarget, n_devices: int) -> list:
+    if not tpu_compiler_available():
+        raise PluginMissing(f"compiling for {t.name} needs libtpu, which is not installed: {TPU_INSTALL_HINT}")
+    if n_devices > t.chips:
+        raise ValueError(f"--devices {n_devices}: {t.name} has {t.chips} chips")
+    compile_on_host()
+    try:
+        return list(topologies.get_topology_desc(t.topology, "tpu").devices)[:n_devices]
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PluginMissing(f"libtpu could not describe {t.name} ({first}); reinstall: {TPU_INSTALL_HINT}") from e
+
+
+def on_target(target: str):
+    """The context a program for `target` lowers in: a GPU card's abstract device (`abstract_gpu`); a TPU
+    slice needs none (its devices say what they are)."""
+    if isinstance(get_target(target), TpuTarget):
+        return contextlib.nullcontext()
+    return abstract_gpu(target)
 
 
 def abstract_gpu(target: str | GpuTarget = "a100-40"):
@@ -167,7 +216,7 @@ def compile_for(target: str, fn: Callable, args, dump_dir: str | None = None, **
         # XLA only for the emitters this names.
         options["xla_dump_emitter_re"] = "ptx"
     t0 = time.perf_counter()
-    with abstract_gpu(target):
+    with on_target(target):
         lowered = (fn if hasattr(fn, "lower") else jax.jit(fn, **jit_kwargs)).lower(*args)
         t1 = time.perf_counter()
         executable = lowered.compile(compiler_options=options or None)

@@ -3,7 +3,8 @@
 `TARGETS`: A100 40GB and 80GB PCIe (sm_80), H100 80GB SXM (sm_90) and L4 24GB (sm_89, the strategy
 study's card), each a `GpuTarget` whose fields are XLA's GpuDeviceInfoProto; `config_text()` is the
 target config jax's topology API compiles for, `usable_bytes()` the share of the card jax's allocator
-takes. `get_target(name)` names the valid cards on a bad one.
+takes. `TPU_TARGETS`: TPU slices (`TpuTarget`: v4, v5e, v5p, v6e) by their topology names. `get_target(name)`
+names the valid cards and slices on a bad one.
 """
 
 from __future__ import annotations
@@ -136,7 +137,55 @@ TARGETS: dict[str, GpuTarget] = {
 }
 
 
-def get_target(name: str) -> GpuTarget:
-    if name not in TARGETS:
-        raise ValueError(f"unknown GPU target {name!r}; choose one of {', '.join(TARGETS)}")
-    return TARGETS[name]
+@dataclasses.dataclass(frozen=True)
+class TpuTarget:
+    """A TPU slice, by its Cloud name (`v5e-8`: the chips' generation and the slice's size in chips for v5e /
+    v6e, in TensorCores for v4 / v5p) and the topology jax compiles for (`v5e:2x4`); libtpu describes the
+    chips, this names the slice and the public HBM per chip."""
+
+    name: str
+    topology: str
+    chips: int
+    hbm_per_chip: int
+    bf16_flops_per_chip: float
+
+    @property
+    def description(self) -> str:
+        return f"TPU {self.topology} slice, {self.chips} chips of {self.hbm_per_chip / 2**30:.0f} GiB"
+
+    def usable_bytes(self, fraction: float | None = None) -> int:
+        """A chip's HBM: jax's TPU client hands out all of it (no allocator fraction), less what the program's
+        own runtime reserves, which only a TPU shows."""
+        return int(self.hbm_per_chip * (1.0 if fraction is None else fraction))
+
+
+def _tpu(name: str, topology: str, chips: int, gib: int, tflops: float) -> TpuTarget:
+    return TpuTarget(name, topology, chips, gib * 2**30, tflops * 1e12)
+
+
+# Slices whose topology libtpu describes on a CPU host; the multi-host ones (v5e-16, v6e-16, v5p-16) compile
+# as one program over all their chips, as each host's process would run it.
+TPU_TARGETS: dict[str, TpuTarget] = {
+    t.name: t
+    for t in (
+        _tpu("v4-8", "v4:2x2x1", 4, 32, 275),
+        _tpu("v4-16", "v4:2x2x2", 8, 32, 275),
+        _tpu("v5e-4", "v5e:2x2", 4, 16, 197),
+        _tpu("v5e-8", "v5e:2x4", 8, 16, 197),
+        _tpu("v5e-16", "v5e:4x4", 16, 16, 197),
+        _tpu("v5p-8", "v5p:2x2x1", 4, 95, 459),
+        _tpu("v5p-16", "v5p:2x2x2", 8, 95, 459),
+        _tpu("v6e-4", "v6e:2x2", 4, 32, 918),
+        _tpu("v6e-8", "v6e:2x4", 8, 32, 918),
+        _tpu("v6e-16", "v6e:4x4", 16, 32, 918),
+    )
+}
+
+
+def get_target(name: str) -> GpuTarget | TpuTarget:
+    """The card or TPU slice `name`; a bad name is refused with the valid ones."""
+    if name in TARGETS:
+        return TARGETS[name]
+    if name in TPU_TARGETS:
+        return TPU_TARGETS[name]
+    raise ValueError(f"unknown target {name!r}; GPU cards: {', '.join(TARGETS)}; TPU slices: {', '.join(TPU_TARGETS)}")

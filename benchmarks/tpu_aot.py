@@ -1,0 +1,84 @@
+"""The selection branch compiled for TPU slices on this host (libtpu, the `tpu` extra): kernels against XLA.
+
+`python -m benchmarks.tpu_aot [--targets v5e-4,v6e-4] [--lengths 8192,32768]` compiles, for one chip of
+each slice, the selection attention's forward and forward+backward of the a100_pcie layer (12 heads over
+2 KV heads, head dim 64, lp = 64, n = 16, bf16, one row) twice, through the Pallas TPU kernels
+(kernels/selection_tpu.py) and through the XLA gather path (one query chunk: XLA's cost analysis counts a
+loop's body once), and prints from XLA's compiled cost analysis
+(the kernels' bytes are their own DMA estimates) the bytes moved, the temporaries and the compile time,
+side by side, with their ratio. Nothing runs on a TPU: these are XLA's plan, not timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from nsa_jax.kernels import xla  # noqa: E402
+from nsa_jax.kernels.selection_tpu import selection_attention_tpu  # noqa: E402
+from nsa_jax.tools import aot  # noqa: E402
+
+G, K, D, LP, N = 6, 2, 64, 64, 16
+GiB = 2**30
+
+
+def measure(target: str, T: int, attend, backward: bool) -> dict:
+    sharding = NamedSharding(Mesh(np.array(aot.target_devices(target, 1)), ("d",)), P())
+    q = jax.ShapeDtypeStruct((1, T, G * K, D), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, T, K, D), jnp.bfloat16, sharding=sharding)
+    idx = jax.ShapeDtypeStruct((1, T, K, N), jnp.int32, sharding=sharding)
+    fn = attend
+    if backward:
+        fn = jax.grad(lambda q, k, v, i: attend(q, k, v, i).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(q, kv, kv, idx).compile()
+    return {
+        "bytes": compiled.cost_analysis()["bytes accessed"],
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot", description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="v5e-4,v6e-4", help=f"TPU slices, of {', '.join(aot.TPU_TARGETS)}")
+    parser.add_argument("--lengths", default="8192,32768", help="sequence lengths, comma-separated")
+    args = parser.parse_args(argv)
+    try:
+        targets = [aot.get_target(t).name for t in args.targets.split(",")]
+        lengths = [int(x) for x in args.lengths.split(",")]
+        missing = aot.plugin_missing(targets[0])
+        if missing:
+            raise aot.PluginMissing(missing)
+    except (ValueError, aot.PluginMissing) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kernels = lambda q, k, v, i: selection_attention_tpu(q, k, v, i, LP)  # noqa: E731
+    print("target   T       pass      kernels GiB  xla GiB  ratio  kernels temp MiB  xla temp MiB")
+    for target in targets:
+        for T in lengths:
+            for backward in (False, True):
+                # The XLA path in one query chunk: XLA's cost analysis counts a loop's body once, not per trip.
+                gather = lambda q, k, v, i, T=T: xla.selection_attention_xla(q, k, v, i, LP, query_chunk=T)  # noqa: E731
+                a, b = measure(target, T, kernels, backward), measure(target, T, gather, backward)
+                print(
+                    f"{target:8s} {T:<7d} {'fwd+bwd' if backward else 'fwd':8s} {a['bytes'] / GiB:11.2f} "
+                    f"{b['bytes'] / GiB:8.2f} {b['bytes'] / a['bytes']:5.1f}x {a['temp'] / 2**20:16.0f} "
+                    f"{b['temp'] / 2**20:13.0f}",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
