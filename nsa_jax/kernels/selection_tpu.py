@@ -93,10 +93,20 @@ def _slot_id(idx_ref, b, h, i, j, p, *, heads, rows, n, positions):
     return idx_ref[((b * heads + h) * rows + i * positions + p) * n + j]
 
 
+def _each_live_slot(idx_ref, off_ref, body, *, heads, rows, n, positions, block_size):
+    """body(p, blk, t) for each of the program's P positions whose slot at this grid step holds a block that
+    begins at or before the position (a -1 slot or a block after t is skipped)."""
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    for p in range(positions):
+        blk = _slot_id(idx_ref, b, h, i, j, p, heads=heads, rows=rows, n=n, positions=positions)
+        t = off_ref[0] + i * positions + p
+        pl.when((blk >= 0) & (blk * block_size <= t))(functools.partial(body, p, blk, t))
+
+
 def _fwd_kernel(idx_ref, off_ref, q_ref, *refs, heads, rows, n, positions, block_size, scale):
     k_refs, v_refs = refs[:positions], refs[positions : 2 * positions]
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[2 * positions :]
-    b, h, i, j = (pl.program_id(a) for a in range(4))
+    j = pl.program_id(3)
     gp = q_ref.shape[1]
 
     @pl.when(j == 0)
@@ -105,21 +115,18 @@ def _fwd_kernel(idx_ref, off_ref, q_ref, *refs, heads, rows, n, positions, block
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    for p in range(positions):
-        blk = _slot_id(idx_ref, b, h, i, j, p, heads=heads, rows=rows, n=n, positions=positions)
-        t = off_ref[0] + i * positions + p
+    def fold(p, blk, t):
+        s = _dot_t(q_ref[p], k_refs[p][...]) * scale
+        s = jnp.where(_visible(blk, t, gp, block_size), s, MASK_VALUE)
+        m_prev = m_ref[p]  # [Gp, 128], every lane equal
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        pr = jnp.exp(s - m_new[:, :1])
+        l_ref[p] = alpha * l_ref[p] + jnp.sum(pr, axis=1, keepdims=True)
+        acc_ref[p] = acc_ref[p] * alpha[:, :1] + _dot(pr.astype(v_refs[p].dtype), v_refs[p][...])
+        m_ref[p] = m_new
 
-        @pl.when((blk >= 0) & (blk * block_size <= t))
-        def _(p=p, blk=blk, t=t):
-            s = _dot_t(q_ref[p], k_refs[p][...]) * scale
-            s = jnp.where(_visible(blk, t, gp, block_size), s, MASK_VALUE)
-            m_prev = m_ref[p]  # [Gp, 128], every lane equal
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            pr = jnp.exp(s - m_new[:, :1])
-            l_ref[p] = alpha * l_ref[p] + jnp.sum(pr, axis=1, keepdims=True)
-            acc_ref[p] = acc_ref[p] * alpha[:, :1] + _dot(pr.astype(v_refs[p].dtype), v_refs[p][...])
-            m_ref[p] = m_new
+    _each_live_slot(idx_ref, off_ref, fold, heads=heads, rows=rows, n=n, positions=positions, block_size=block_size)
 
     @pl.when(j == n - 1)
     def _():
@@ -139,24 +146,21 @@ def _dq_kernel(
 ):
     k_refs, v_refs = refs[:positions], refs[positions : 2 * positions]
     dq_ref, acc_ref = refs[2 * positions :]
-    b, h, i, j = (pl.program_id(a) for a in range(4))
+    j = pl.program_id(3)
     gp = q_ref.shape[1]
 
     @pl.when(j == 0)
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    for p in range(positions):
-        blk = _slot_id(idx_ref, b, h, i, j, p, heads=heads, rows=rows, n=n, positions=positions)
-        t = off_ref[0] + i * positions + p
+    def grad(p, blk, t):
+        k, v = k_refs[p][...], v_refs[p][...]
+        s = _dot_t(q_ref[p], k) * scale
+        pr = jnp.where(_visible(blk, t, gp, block_size), jnp.exp(s - _lane(lse_ref[...], p)), 0.0)
+        ds = pr * (_dot_t(do_ref[p], v) - _lane(delta_ref[...], p))
+        acc_ref[p] = acc_ref[p] + _dot(ds.astype(k.dtype), k) * scale
 
-        @pl.when((blk >= 0) & (blk * block_size <= t))
-        def _(p=p, blk=blk, t=t):
-            k, v = k_refs[p][...], v_refs[p][...]
-            s = _dot_t(q_ref[p], k) * scale
-            pr = jnp.where(_visible(blk, t, gp, block_size), jnp.exp(s - _lane(lse_ref[...], p)), 0.0)
-            ds = pr * (_dot_t(do_ref[p], v) - _lane(delta_ref[...], p))
-            acc_ref[p] = acc_ref[p] + _dot(ds.astype(k.dtype), k) * scale
+    _each_live_slot(idx_ref, off_ref, grad, heads=heads, rows=rows, n=n, positions=positions, block_size=block_size)
 
     @pl.when(j == n - 1)
     def _():
@@ -468,18 +472,9 @@ _selection.defvjp(_selection_fwd, _selection_bwd)
 
 
 def selection_attention_tpu(
-    q_BxTxHxDk,
-    k_BxTxKxDk,
-    v_BxTxKxDv,
-    idx_BxTxKxN,
-    block_size: int,
-    scale: float | None = None,
-    *,
-    interpret: bool = False,
-    positions: int = POSITIONS,
-    segment: int = SEGMENT,
-    q_offset=0,
-):
+    q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size: int, scale: float | None = None, *,
+    interpret: bool = False, positions: int = POSITIONS, segment: int = SEGMENT, q_offset=0,
+):  # fmt: skip
     """NSA selection attention on a TPU: Pallas (Mosaic) forward and backward.
 
     Args and result as `selection_attention_pallas` (kernels/selection_pallas.py): q [B, Tq, K*G, Dk],
