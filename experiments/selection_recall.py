@@ -40,6 +40,7 @@ from nsa_jax.evaluation.suites import TextRows
 from nsa_jax.inference.decode import inference_config
 from nsa_jax.kernels.scorers import (
     bound_block_logits,
+    default_candidates,
     key_bounds,
     minmax_block_scores,
     select_minmax_xla,
@@ -104,7 +105,7 @@ def parse_scorer(spec: str, lp: int, n: int = 1) -> tuple[str, int]:
             f"scorer {spec!r}: use one of {', '.join(SCREEN_SCORERS)} (minmax and mix may add :SUB, rescore :M)"
         )
     if name == "rescore":
-        m = int(sub) if sub.isdigit() else 4 * n if not sub else 0
+        m = int(sub) if sub.isdigit() else default_candidates(n) if not sub else 0
         if m < n:
             raise ValueError(f"scorer {spec!r}: M (its candidates) must be at least n = {n}")
         return name, m
