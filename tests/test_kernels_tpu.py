@@ -125,3 +125,30 @@ def test_tpu_benchmark_refuses_an_unknown_slice(capsys):
 
     assert tpu_aot.main(["--targets", "v9-8"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown target 'v9-8'; GPU cards:")
+
+
+def test_a_step_libtpu_refuses_for_hbm_reads_as_not_fitting(monkeypatch):
+    # libtpu refuses a program over a chip's HBM at compile time: the fit check reads the refusal's
+    # stated temporaries as a step that does not fit, and lets any other compile error through.
+    from nsa_jax.tools import aot
+
+    refusal = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+        "(89.15G) exceeds available HBM (15.75G)."
+    )
+
+    def refused(*args):
+        raise jax.errors.JaxRuntimeError(refusal)
+
+    monkeypatch.setattr(aot, "compile_train_step", refused)
+    mem = aot.step_memory(None, "v5e-4", 4)
+    assert (
+        mem["refused"] and mem["temp"] == int(89.15 * 2**30) and mem["total"] > aot.get_target("v5e-4").usable_bytes()
+    )
+
+    def broken(*args):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(aot, "compile_train_step", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        aot.step_memory(None, "v5e-4", 4)

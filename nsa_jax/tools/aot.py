@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import re
 import shutil
 import threading
 import time
@@ -239,6 +240,26 @@ def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str |
     """
     step, args = train_step_args(cfg, target_devices(target, n_devices))
     return compile_for(target, step, args, dump_dir)
+
+
+# libtpu refuses a program over a chip's HBM at compile time, naming what its temporaries need (a GPU compile
+# reports the plan and leaves the judgement to us).
+_HBM_REFUSAL = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
+
+
+def step_memory(cfg: Config, target: str, n_devices: int) -> dict:
+    """The per-device memory of `cfg`'s step compiled for `target` (compiled_memory's schema). A TPU compile
+    that libtpu refuses for HBM gives its stated temporaries, `refused` set, and a total over the chip."""
+    try:
+        return compile_train_step(cfg, target, n_devices).memory
+    except jax.errors.JaxRuntimeError as e:
+        m = _HBM_REFUSAL.search(str(e))
+        if m is None:
+            raise
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        temp, hbm = float(m.group(1)) * unit[m.group(2)], float(m.group(3)) * unit[m.group(4)]
+        out = dict.fromkeys(("argument", "output", "alias", "generated_code"), 0)
+        return {**out, "temp": int(temp), "total": int(max(temp, hbm + 1)), "refused": True}
 
 
 def layer_forward_backward(cfg: ModelConfig, seq_len: int, batch: int = 1, sharding=None):
@@ -470,7 +491,7 @@ def fit_check(cfg: Config, target: str, n_devices: int, limit: int = 4096, log: 
         if b not in memo:
             t0 = time.perf_counter()
             with heartbeat(log, f"  {count(b, 'row')} per device: compiling"):
-                memo[b] = compile_train_step(with_batch(cfg, b, n_devices), target, n_devices).memory
+                memo[b] = step_memory(with_batch(cfg, b, n_devices), target, n_devices)
             if log:
                 took = time.perf_counter() - t0
                 log(f"  {count(b, 'row')} per device: {memo[b]['total'] / MiB:.0f} MiB ({took:.0f} s)")
@@ -510,7 +531,7 @@ def seq_len_fit(cfg: Config, target: str, n_devices: int, usable: int, configure
         if T not in memo:
             t0 = time.perf_counter()
             with heartbeat(log, f"  T={T:,}: compiling"):
-                memo[T] = compile_train_step(config.replace(cfg, [f"train.seq_len={T}"]), target, n_devices).memory
+                memo[T] = step_memory(config.replace(cfg, [f"train.seq_len={T}"]), target, n_devices)
             if log:
                 log(f"  T={T:,}: {memo[T]['total'] / MiB:,.0f} MiB per device ({time.perf_counter() - t0:.0f} s)")
         return memo[T]["total"] <= usable, memo[T]
