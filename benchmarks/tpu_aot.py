@@ -58,12 +58,22 @@ def measure(target: str, T: int, attend, backward: bool) -> dict:
 def step_line(cfg, target: str) -> str:
     """One compile of `cfg`'s train step over every chip of `target`: per-chip memory, seconds, kernels."""
     t = aot.get_target(target)
-    c = aot.compile_train_step(cfg, target, t.chips)
+    head = (
+        f"{target}: {t.chips} chips, strategy {cfg.parallel.strategy}, context {cfg.parallel.context}, "
+        f"T={cfg.train.seq_len}, global batch {cfg.train.global_batch}: "
+    )
+    t0 = time.perf_counter()
+    try:
+        c = aot.compile_train_step(cfg, target, t.chips)
+    except jax.errors.JaxRuntimeError as e:
+        if not aot.HBM_REFUSAL.search(str(e)):
+            raise
+        took = time.perf_counter() - t0
+        return f"{head}does NOT fit: libtpu refused it ({str(e).splitlines()[0][-110:]}); {took:.0f} s"
     m = c.memory
     kernels = c.executable.as_text().count("tpu_custom_call")
     return (
-        f"{target}: {t.chips} chips, strategy {cfg.parallel.strategy}, context {cfg.parallel.context}, "
-        f"T={cfg.train.seq_len}, global batch {cfg.train.global_batch}: per chip {m['total'] / GiB:.2f} GiB "
+        f"{head}per chip {m['total'] / GiB:.2f} GiB "
         f"(arguments {m['argument'] / GiB:.2f}, temporaries {m['temp'] / GiB:.2f}) of {t.usable_bytes() / GiB:.0f} "
         f"-> {'fits' if m['total'] <= t.usable_bytes() else 'does NOT fit'}; {kernels} Mosaic calls; "
         f"compiled in {c.lower_s + c.compile_s:.0f} s"

@@ -244,7 +244,7 @@ def compile_train_step(cfg: Config, target: str, n_devices: int, dump_dir: str |
 
 # libtpu refuses a program over a chip's HBM at compile time, naming what its temporaries need (a GPU compile
 # reports the plan and leaves the judgement to us).
-_HBM_REFUSAL = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
+HBM_REFUSAL = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
 
 
 def step_memory(cfg: Config, target: str, n_devices: int) -> dict:
@@ -253,7 +253,7 @@ def step_memory(cfg: Config, target: str, n_devices: int) -> dict:
     try:
         return compile_train_step(cfg, target, n_devices).memory
     except jax.errors.JaxRuntimeError as e:
-        m = _HBM_REFUSAL.search(str(e))
+        m = HBM_REFUSAL.search(str(e))
         if m is None:
             raise
         unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
