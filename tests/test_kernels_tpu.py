@@ -86,6 +86,9 @@ def test_tpu_selection_refuses_what_it_cannot_run():
         tpu.selection_attention_tpu(q, k, v, idx, 8, interpret=True)
     with pytest.raises(ValueError, match="positions=3 must be a power of two dividing segment=256"):
         tpu.selection_attention_tpu(q, k, v, idx, 16, interpret=True, positions=3)
+    wide = jnp.zeros((1, 32, 1, tpu.PREFETCH_WORDS // 4), jnp.int32)  # n so large one call's ids overflow SMEM
+    with pytest.raises(ValueError, match="over SMEM's 65536: split the batch"):
+        tpu.selection_attention_tpu(q, k, v, wide, 16, interpret=True)
 
 
 def test_a_tpu_plans_its_selection_kernel():

@@ -227,7 +227,12 @@ class _Dims:
         self.gp = -(-self.g // SUBLANES) * SUBLANES
         self.nb = -(-self.tk // block_size)
         per_position = self.b * self.heads * self.n
-        chunk = max(positions, PREFETCH_WORDS // per_position // positions * positions)
+        if per_position * positions > PREFETCH_WORDS:
+            raise ValueError(
+                f"the TPU selection kernel prefetches batch x KV heads x n x positions = {per_position * positions} "
+                f"block ids a call, over SMEM's {PREFETCH_WORDS}: split the batch (fewer rows per device)"
+            )
+        chunk = PREFETCH_WORDS // per_position // positions * positions
         self.chunk = min(chunk, -(-self.tq // positions) * positions)
         self.tq_pad = -(-self.tq // self.chunk) * self.chunk
 
