@@ -34,11 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa_jax.kernels.pallas_common import pad_axis, validate_selection
+from nsa_jax.kernels.pallas_common import MASK_VALUE, pad_axis, validate_selection
 from nsa_jax.kernels.reverse_index import reverse_index_sorted
 
-# A finite "minus infinity" for masked scores and the running max (no inf - inf in an empty row).
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # f32 sublane tile: the query rows of a position are padded to a multiple of it.
 SUBLANES = 8
 LANES = 128
