@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from nsa_jax.kernels import pallas_common as pc
 from nsa_jax.kernels.compressed_pallas import (
     CompressedBlockSizes,
     cmp_layout,
@@ -35,28 +36,6 @@ from nsa_jax.kernels.compressed_pallas import (
     compressed_lse_pallas,
 )
 from nsa_jax.kernels.cudnn import compressed_attention_grouped
-from nsa_jax.kernels.pallas_common import (
-    LOG2E,
-    MIN_DOT_DIM,
-    OFFSET_SPEC,
-    SMEM_BUDGET_BYTES,
-    KeyLayout,
-    check_query_offset,
-    check_smem,
-    check_tile_size,
-    compiler_params,
-    is_static_zero,
-    layout_visible,
-    next_pow2,
-    offset_operand,
-    offset_operands,
-    pad_axis,
-    padded_dim,
-    scores_log2,
-    shift,
-    smem_estimate,
-    split_offset,
-)
 from nsa_jax.kernels.xla import EXCLUDED, FORCED  # the ranking values of select_blocks, shared
 
 # Below every ranking value: empty slots of the running top-n and blocks past the last one.
@@ -94,7 +73,7 @@ class _ScoreGeometry:
     seq: int
     num_heads: int
     group: int
-    lay: KeyLayout
+    lay: pc.KeyLayout
     stride: int  # s = lp / d compressed tokens per selection block
     lead: int  # l/d - 1 tokens of block j-1's span that overlap block j
     win: int  # (lp + l)/d - 1 tokens per block
@@ -115,13 +94,13 @@ def _block_score_tile(q_ref, k_ref, lse_ref, t_P, valid_P, kv, j_N, geo: _ScoreG
     for r in range(geo.win):  # static: the tokens overlapping each block, in order
         i_N = j_N * geo.stride - geo.lead + r
         # Tokens before 0 are the left padding of block 0; past num_keys, layout_visible masks them.
-        vis_PxN = layout_visible(t_c, valid_P, i_N, geo.lay, q_offset) & (i_N >= 0)[None, :]
+        vis_PxN = pc.layout_visible(t_c, valid_P, i_N, geo.lay, q_offset) & (i_N >= 0)[None, :]
         k_NxDk = k_ref[jnp.clip(i_N, 0, geo.key_rows - 1), :]
         p_PxN = jnp.zeros((geo.block_pos, geo.block_blocks), jnp.float32)
         for g in range(geo.group):  # static: the G heads sharing this KV head's selection
             q_PxDk = q_ref[t_c * geo.num_heads + kv * geo.group + g, :]
             lse_P = lse_ref[t_c * geo.group + g]
-            s_PxN = scores_log2(q_PxDk, k_NxDk, geo.scale_log2)
+            s_PxN = pc.scores_log2(q_PxDk, k_NxDk, geo.scale_log2)
             p_PxN = p_PxN + jnp.where(vis_PxN, jnp.exp2(s_PxN - lse_P[:, None]), 0.0)
         score_PxN = score_PxN + p_PxN
     return score_PxN
@@ -193,7 +172,7 @@ def _tile_bound(cur_P, valid_P, block_blocks: int, num_tiles: int):
 
 def _scores_kernel(*refs, geo: _ScoreGeometry, num_tiles, has_offset):
     # Refs: [q_offset [1],] q [T*H, Dk], k [Tkp, Dk], lse [Rp] (row t*G + g, base 2), scores [P, Nbp].
-    q_offset, (q_ref, k_ref, lse_ref, s_ref) = split_offset(refs, has_offset)
+    q_offset, (q_ref, k_ref, lse_ref, s_ref) = pc.split_offset(refs, has_offset)
     t_P = pl.program_id(0) * geo.block_pos + lax.iota(jnp.int32, geo.block_pos)
     valid_P = t_P < geo.seq
     kv = pl.program_id(2)
@@ -211,7 +190,7 @@ def _scores_kernel(*refs, geo: _ScoreGeometry, num_tiles, has_offset):
 
 def _select_kernel(*refs, geo: _ScoreGeometry, lp, num_blocks, num_tiles, n_slots, has_offset):
     # Refs: as _scores_kernel, tsel [P] (the positions the selection rules see), idx [P, S].
-    q_offset, (q_ref, k_ref, lse_ref, tsel_ref, idx_ref) = split_offset(refs, has_offset)
+    q_offset, (q_ref, k_ref, lse_ref, tsel_ref, idx_ref) = pc.split_offset(refs, has_offset)
     t_P = pl.program_id(0) * geo.block_pos + lax.iota(jnp.int32, geo.block_pos)
     valid_P = t_P < geo.seq
     kv = pl.program_id(2)
@@ -272,16 +251,16 @@ def _geometry(q, kc, lay, l, d, lp, scale, bsz: BlockSelectSizes, key_rows):
         key_rows=key_rows,
         block_pos=bsz.block_pos,
         block_blocks=bsz.block_blocks,
-        scale_log2=scale * LOG2E,
+        scale_log2=scale * pc.LOG2E,
     )
 
 
 def _score_inputs(q, kc, bsz: BlockSelectSizes):
     b, t, h, _ = q.shape
-    dk = padded_dim(q.shape[-1])
+    dk = pc.padded_dim(q.shape[-1])
     tkp = pl.cdiv(kc.shape[1], 16) * 16
-    q_f = pad_axis(q, 3, dk).reshape(b, t * h, dk)
-    k_p = pad_axis(pad_axis(kc, 1, tkp), 3, dk)
+    q_f = pc.pad_axis(q, 3, dk).reshape(b, t * h, dk)
+    k_p = pc.pad_axis(pc.pad_axis(kc, 1, tkp), 3, dk)
     tp = pl.cdiv(t, bsz.block_pos) * bsz.block_pos
     return q_f, k_p, dk, tkp, tp
 
@@ -305,13 +284,13 @@ def _scores_call(q, kc, lse, off_1, lay, l, d, lp, nb, scale, interpret, bsz: Bl
     scores = pl.pallas_call(
         functools.partial(_scores_kernel, geo=geo, num_tiles=nbp // bsz.block_blocks, has_offset=has_offset),
         grid=(tp // bsz.block_pos, b, kvh),
-        in_specs=[OFFSET_SPEC] * has_offset + _score_specs(t * h, tkp, dk, lse.shape[-1]),
+        in_specs=[pc.OFFSET_SPEC] * has_offset + _score_specs(t * h, tkp, dk, lse.shape[-1]),
         out_specs=pl.BlockSpec((None, None, bsz.block_pos, nbp), lambda i, bb, kv: (bb, kv, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, tp, nbp), jnp.float32),
-        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, dk),
+        compiler_params=pc.compiler_params(bsz.num_warps, bsz.num_stages, dk),
         interpret=interpret,
         name="nsa_block_scores",
-    )(*offset_operands(off_1), q_f, k_p, lse)
+    )(*pc.offset_operands(off_1), q_f, k_p, lse)
     return scores[:, :, :t, :nb]
 
 
@@ -321,7 +300,7 @@ def _select_call(q, kc, lse, t_T, off_1, lay, l, d, lp, nb, n, scale, interpret,
     kvh = kc.shape[2]
     q_f, k_p, dk, tkp, tp = _score_inputs(q, kc, bsz)
     nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
-    n_slots = next_pow2(n)
+    n_slots = pc.next_pow2(n)
     geo = _geometry(q, kc, lay, l, d, lp, scale, bsz, tkp)
     has_offset = off_1 is not None
     kernel = functools.partial(
@@ -337,16 +316,16 @@ def _select_call(q, kc, lse, t_T, off_1, lay, l, d, lp, nb, n, scale, interpret,
         kernel,
         grid=(tp // bsz.block_pos, b, kvh),
         in_specs=[
-            *[OFFSET_SPEC] * has_offset,
+            *[pc.OFFSET_SPEC] * has_offset,
             *_score_specs(t * h, tkp, dk, lse.shape[-1]),
             pl.BlockSpec((bsz.block_pos,), lambda i, bb, kv: (i,)),
         ],
         out_specs=pl.BlockSpec((None, None, bsz.block_pos, n_slots), lambda i, bb, kv: (bb, kv, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, tp, n_slots), jnp.int32),
-        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, dk),
+        compiler_params=pc.compiler_params(bsz.num_warps, bsz.num_stages, dk),
         interpret=interpret,
         name="nsa_block_select",
-    )(*offset_operands(off_1), q_f, k_p, lse, pad_axis(t_T.astype(jnp.int32), 0, tp))
+    )(*pc.offset_operands(off_1), q_f, k_p, lse, pc.pad_axis(t_T.astype(jnp.int32), 0, tp))
     return idx[:, :, :t, :n]
 
 
@@ -397,9 +376,9 @@ def select_smem_estimates(
     x 256 = 196,608)."""
     if group == 1 and win == 1:
         looped = (bsz.block_pos * dk, bsz.block_blocks * dk)
-        return {"nsa_block_scores": smem_estimate(looped=looped, num_stages=bsz.num_stages, itemsize=itemsize)}
+        return {"nsa_block_scores": pc.smem_estimate(looped=looped, num_stages=bsz.num_stages, itemsize=itemsize)}
     live = (group * bsz.block_pos * dk, win * bsz.block_blocks * dk)
-    return {"nsa_block_scores": smem_estimate(once=live, num_stages=bsz.num_stages, itemsize=itemsize)}
+    return {"nsa_block_scores": pc.smem_estimate(once=live, num_stages=bsz.num_stages, itemsize=itemsize)}
 
 
 def fit_select_sizes(
@@ -413,15 +392,15 @@ def fit_select_sizes(
 
     if bsz is None:
         bsz = BlockSelectSizes()
-        while need(bsz) > SMEM_BUDGET_BYTES:
+        while need(bsz) > pc.SMEM_BUDGET_BYTES:
             name = "block_blocks" if bsz.block_blocks >= bsz.block_pos else "block_pos"
-            if getattr(bsz, name) <= MIN_DOT_DIM:
+            if getattr(bsz, name) <= pc.MIN_DOT_DIM:
                 break
             bsz = dataclasses.replace(bsz, **{name: getattr(bsz, name) // 2})
-    check_tile_size("block_pos", bsz.block_pos)
-    check_tile_size("block_blocks", bsz.block_blocks)
+    pc.check_tile_size("block_pos", bsz.block_pos)
+    pc.check_tile_size("block_blocks", bsz.block_blocks)
     knobs = "block_pos / block_blocks (BlockSelectSizes), num_stages"
-    check_smem(select_smem_estimates(bsz, dk, itemsize, group, win), knobs)
+    pc.check_smem(select_smem_estimates(bsz, dk, itemsize, group, win), knobs)
     return bsz
 
 
@@ -439,7 +418,7 @@ def _attention_and_lse(q, kc, vc, l, d, scale, interpret, block_sizes, attention
     """
     if attention not in ATTENTIONS:
         raise ValueError(f"compressed attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-    if attention == "cudnn" and not is_static_zero(q_offset):
+    if attention == "cudnn" and not pc.is_static_zero(q_offset):
         raise ValueError("compressed attention cudnn takes no query offset: use flash with q_offset")
     kw = dict(l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes, q_offset=q_offset)
     if attention == "cudnn":
@@ -463,7 +442,7 @@ def _block_count(t: int, lp: int, num_blocks: int | None) -> int:
 def _selection_positions(t: int, t_T, q_offset):
     """int32 [t]: the positions the selection rules see, ``t_T`` as given, else the rows' own q_offset + 0..t-1."""
     if t_T is None:
-        return shift(jnp.arange(t, dtype=jnp.int32), q_offset)
+        return pc.shift(jnp.arange(t, dtype=jnp.int32), q_offset)
     if t_T.shape != (t,):
         raise ValueError(f"t_T must have shape ({t},), got {t_T.shape}")
     return t_T
@@ -477,7 +456,7 @@ def compressed_attention_only(q, kc, vc, *, l, d, lp, scale=None, interpret=Fals
     del num_blocks
     _check_geometry(l, d, lp)
     if attention == "cudnn":
-        if not is_static_zero(q_offset):
+        if not pc.is_static_zero(q_offset):
             raise ValueError("compressed attention cudnn takes no query offset: use flash with q_offset")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         impl = "xla" if interpret else "cudnn"
@@ -486,21 +465,10 @@ def compressed_attention_only(q, kc, vc, *, l, d, lp, scale=None, interpret=Fals
 
 
 def compressed_attention_scores_pallas(
-    q_BxTxHxDk,
-    kc_BxTcxKxDk,
-    vc_BxTcxKxDv,
-    *,
-    l: int,
-    d: int,
-    lp: int,
-    scale: float | None = None,
-    interpret: bool = False,
-    block_sizes: CompressedBlockSizes | None = None,
-    select_sizes: BlockSelectSizes | None = None,
-    attention: str = "flash",
-    q_offset=0,
-    num_blocks: int | None = None,
-):
+    q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, *, l: int, d: int, lp: int, scale: float | None = None,
+    interpret: bool = False, block_sizes: CompressedBlockSizes | None = None,
+    select_sizes: BlockSelectSizes | None = None, attention: str = "flash", q_offset=0, num_blocks: int | None = None,
+):  # fmt: skip
     """Compressed-branch attention and its selection-block scores.
 
     Returns o_BxTxHxDv (differentiable in q, kc, vc; as compressed_attention_pallas)
@@ -512,35 +480,22 @@ def compressed_attention_scores_pallas(
     """
     _check_geometry(l, d, lp)
     group, win = q_BxTxHxDk.shape[2] // kc_BxTcxKxDk.shape[2], (lp + l) // d - 1  # _ScoreGeometry's
-    ssz = fit_select_sizes(select_sizes, padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize, group, win)
+    ssz = fit_select_sizes(select_sizes, pc.padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize, group, win)
     nb = _block_count(q_BxTxHxDk.shape[1], lp, num_blocks)
     o, lse, lay, scale = _attention_and_lse(
         q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention, q_offset
     )
     sg = lax.stop_gradient
-    off_1 = offset_operand(q_offset)
+    off_1 = pc.offset_operand(q_offset)
     s = _block_scores(sg(q_BxTxHxDk), sg(kc_BxTcxKxDk), lse, off_1, lay, l, d, lp, nb, scale, bool(interpret), ssz)
     return o, jnp.moveaxis(s, 1, 2)
 
 
 def compressed_attention_select_pallas(
-    q_BxTxHxDk,
-    kc_BxTcxKxDk,
-    vc_BxTcxKxDv,
-    *,
-    l: int,
-    d: int,
-    lp: int,
-    n: int,
-    t_T=None,
-    scale: float | None = None,
-    interpret: bool = False,
-    block_sizes: CompressedBlockSizes | None = None,
-    select_sizes: BlockSelectSizes | None = None,
-    attention: str = "flash",
-    q_offset=0,
-    num_blocks: int | None = None,
-):
+    q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, *, l: int, d: int, lp: int, n: int, t_T=None,
+    scale: float | None = None, interpret: bool = False, block_sizes: CompressedBlockSizes | None = None,
+    select_sizes: BlockSelectSizes | None = None, attention: str = "flash", q_offset=0, num_blocks: int | None = None,
+):  # fmt: skip
     """Compressed-branch attention and the selected blocks, with no score tensor.
 
     Args:
@@ -568,7 +523,7 @@ def compressed_attention_select_pallas(
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
     group, win = q_BxTxHxDk.shape[2] // kc_BxTcxKxDk.shape[2], (lp + l) // d - 1  # _ScoreGeometry's
-    ssz = fit_select_sizes(select_sizes, padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize, group, win)
+    ssz = fit_select_sizes(select_sizes, pc.padded_dim(q_BxTxHxDk.shape[-1]), q_BxTxHxDk.dtype.itemsize, group, win)
     t = q_BxTxHxDk.shape[1]
     nb = _block_count(t, lp, num_blocks)
     t_T = _selection_positions(t, t_T, q_offset)
@@ -576,7 +531,7 @@ def compressed_attention_select_pallas(
         q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, interpret, block_sizes, attention, q_offset
     )
     sg = lax.stop_gradient
-    off_1 = offset_operand(q_offset)
+    off_1 = pc.offset_operand(q_offset)
     q, kc = sg(q_BxTxHxDk), sg(kc_BxTcxKxDk)
     idx = _block_select(q, kc, lse, sg(t_T), off_1, lay, l, d, lp, nb, n, scale, bool(interpret), ssz)
     return o, jnp.moveaxis(idx, 1, 2)
@@ -599,16 +554,16 @@ def select_blocks_pallas(
     if lp < 1 or n < 1:
         raise ValueError(f"lp={lp} and n={n} must be >= 1")
     bsz = BlockSelectSizes() if select_sizes is None else select_sizes
-    check_tile_size("block_pos", bsz.block_pos)  # no matmul here: only the tile rule
-    check_tile_size("block_blocks", bsz.block_blocks)
+    pc.check_tile_size("block_pos", bsz.block_pos)  # no matmul here: only the tile rule
+    pc.check_tile_size("block_blocks", bsz.block_blocks)
     b, t, kvh, nb = scores_BxTxKxNb.shape
-    check_query_offset(q_offset, t)
+    pc.check_query_offset(q_offset, t)
     t_T = _selection_positions(t, t_T, q_offset)
     tp = pl.cdiv(t, bsz.block_pos) * bsz.block_pos
     nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
-    n_slots = next_pow2(n)
+    n_slots = pc.next_pow2(n)
     s = jnp.moveaxis(lax.stop_gradient(scores_BxTxKxNb).astype(jnp.float32), 2, 1)
-    s = pad_axis(pad_axis(s, 2, tp), 3, nbp)
+    s = pc.pad_axis(pc.pad_axis(s, 2, tp), 3, nbp)
     kernel = functools.partial(
         _select_from_scores_kernel,
         seq=t,
@@ -628,8 +583,8 @@ def select_blocks_pallas(
         ],
         out_specs=pl.BlockSpec((None, None, bsz.block_pos, n_slots), lambda i, bb, kv: (bb, kv, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, tp, n_slots), jnp.int32),
-        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, 64),
+        compiler_params=pc.compiler_params(bsz.num_warps, bsz.num_stages, 64),
         interpret=interpret,
         name="nsa_select_from_scores",
-    )(s, pad_axis(t_T.astype(jnp.int32), 0, tp))
+    )(s, pc.pad_axis(t_T.astype(jnp.int32), 0, tp))
     return jnp.moveaxis(idx[:, :, :t, :n], 1, 2)

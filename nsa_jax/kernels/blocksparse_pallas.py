@@ -39,36 +39,13 @@ def prefers_blocksparse(seq: int, slots: int, block_size: int) -> bool:
 
 
 def selection_attention_blocksparse_pallas(
-    q_BxTxHxDk,
-    k_BxTxKxDk,
-    v_BxTxKxDv,
-    idx_BxTxKxN,
-    block_size: int,
-    scale: float | None = None,
-    *,
-    interpret: bool = False,
-    block_sizes: FlashBlockSizes | None = None,
-    q_offset=0,
-):
+    q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, block_size: int, scale: float | None = None, *,
+    interpret: bool = False, block_sizes: FlashBlockSizes | None = None, q_offset=0,
+):  # fmt: skip
     """NSA selection attention as a block-masked causal flash attention (fused Pallas/Triton forward and backward).
 
-    Args:
-      q_BxTxHxDk: queries; H = K*G, query head h reads KV head h // G; row r is
-        the query at position r + q_offset.
-      k_BxTxKxDk, v_BxTxKxDv: selection-branch keys and values, Tk >= Tq rows
-        (key i at position i); their gradients cover all Tk keys.
-      idx_BxTxKxN: int32 selected block ids per (query row, KV head), blocks of
-        the Tk keys; -1 = unused; ids in a row are distinct; ids outside the
-        sequence's blocks see nothing.
-      block_size: selection block length lp (power of two >= 16).
-      scale: softmax scale, default Dk**-0.5.
-      interpret: run the kernels in the Pallas interpreter (CPU tests).
-      block_sizes: optional ``FlashBlockSizes`` (key tiles at most lp).
-      q_offset: position of q's first row, a Python int or a traced int32
-        scalar; the caller keeps q_offset + Tq <= Tk.
-
-    Returns:
-      o_BxTxHxDv in q's dtype.
+    Args and result as `selection_attention_pallas` (kernels/selection_pallas.py), but: ids outside the
+    sequence's blocks see nothing, and `block_sizes` is an optional ``FlashBlockSizes`` (key tiles at most lp).
     """
     validate_selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, q_offset)
     dk, tk = q_BxTxHxDk.shape[-1], k_BxTxKxDk.shape[1]
@@ -76,17 +53,9 @@ def selection_attention_blocksparse_pallas(
     bsz = FlashBlockSizes() if block_sizes is None else block_sizes
     scale = float(dk**-0.5 if scale is None else scale)
     lay = KeyLayout(num_keys=tk, window=tk)  # causal; the block mask does the rest
+    idx = idx_BxTxKxN.astype(jnp.int32)
     o, _ = banded_attention(
-        q_BxTxHxDk,
-        k_BxTxKxDk,
-        v_BxTxKxDv,
-        lay,
-        scale,
-        bool(interpret),
-        bsz,
-        "nsa_selection_bsp",
-        idx=idx_BxTxKxN.astype(jnp.int32),
-        select_block=int(block_size),
-        q_offset=q_offset,
-    )
+        q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, lay, scale, bool(interpret), bsz, "nsa_selection_bsp", idx=idx,
+        select_block=int(block_size), q_offset=q_offset,
+    )  # fmt: skip
     return o

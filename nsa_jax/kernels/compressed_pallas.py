@@ -66,17 +66,9 @@ def _checked(q, kc, vc, l: int, d: int, scale, block_sizes, q_offset):
 
 
 def compressed_attention_lse_pallas(
-    q_BxTxHxDk,
-    kc_BxTcxKxDk,
-    vc_BxTcxKxDv,
-    *,
-    l: int,
-    d: int,
-    scale: float | None = None,
-    interpret: bool = False,
-    block_sizes: CompressedBlockSizes | None = None,
-    q_offset=0,
-):
+    q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, *, l: int, d: int, scale: float | None = None, interpret: bool = False,
+    block_sizes: CompressedBlockSizes | None = None, q_offset=0,
+):  # fmt: skip
     """Compressed-branch attention and the forward's log-sum-exp (fused Pallas/Triton kernels).
 
     Args:
@@ -98,56 +90,24 @@ def compressed_attention_lse_pallas(
     """
     bsz, scale, lay = _checked(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, l, d, scale, block_sizes, q_offset)
     o, lse = banded_attention(
-        q_BxTxHxDk,
-        kc_BxTcxKxDk,
-        vc_BxTcxKxDv,
-        lay,
-        scale,
-        bool(interpret),
-        bsz.attention,
-        "nsa_cmp",
-        q_offset=q_offset,
+        q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, lay, scale, bool(interpret), bsz.attention, "nsa_cmp", q_offset=q_offset
     )
     return o, lax.stop_gradient(lse), scale
 
 
 def compressed_attention_pallas(
-    q_BxTxHxDk,
-    kc_BxTcxKxDk,
-    vc_BxTcxKxDv,
-    *,
-    l: int,
-    d: int,
-    scale: float | None = None,
-    interpret: bool = False,
-    block_sizes: CompressedBlockSizes | None = None,
-    q_offset=0,
-):
+    q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, *, l: int, d: int, scale: float | None = None, interpret: bool = False,
+    block_sizes: CompressedBlockSizes | None = None, q_offset=0,
+):  # fmt: skip
     """o_BxTxHxDv of the compressed branch: compressed_attention_lse_pallas without the log-sum-exp."""
-    return compressed_attention_lse_pallas(
-        q_BxTxHxDk,
-        kc_BxTcxKxDk,
-        vc_BxTcxKxDv,
-        l=l,
-        d=d,
-        scale=scale,
-        interpret=interpret,
-        block_sizes=block_sizes,
-        q_offset=q_offset,
-    )[0]
+    kw = dict(l=l, d=d, scale=scale, interpret=interpret, block_sizes=block_sizes, q_offset=q_offset)
+    return compressed_attention_lse_pallas(q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, **kw)[0]
 
 
 def compressed_lse_pallas(
-    q_BxTxHxDk,
-    kc_BxTcxKxDk,
-    *,
-    l: int,
-    d: int,
-    scale: float | None = None,
-    interpret: bool = False,
-    block_sizes: CompressedBlockSizes | None = None,
-    q_offset=0,
-):
+    q_BxTxHxDk, kc_BxTcxKxDk, *, l: int, d: int, scale: float | None = None, interpret: bool = False,
+    block_sizes: CompressedBlockSizes | None = None, q_offset=0,
+):  # fmt: skip
     """(lse_BxKxRp, scale): compressed_attention_lse_pallas's log-sum-exp without the attention.
 
     One Pallas kernel (``nsa_cmp_lse``) walks the same key tiles as the forward and

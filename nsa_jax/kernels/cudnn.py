@@ -42,15 +42,9 @@ def window_attention_cudnn(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, window: int, impl
 
 
 def compressed_attention_grouped(
-    q_BxTxHxDk,
-    kc_BxTcxKxDk,
-    vc_BxTcxKxDv,
-    *,
-    l: int,
-    d: int,
-    scale: float | None = None,
+    q_BxTxHxDk, kc_BxTcxKxDk, vc_BxTcxKxDv, *, l: int, d: int, scale: float | None = None,
     implementation: str | None = "cudnn",
-):
+):  # fmt: skip
     """o_BxTxHxDv of the compressed branch as causal attention over the compressed sequence (module docstring).
 
     q's rows are the positions 0..T-1: there is no query offset. Under one (a context-parallel chunk, row r at

@@ -30,30 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from nsa_jax.kernels.pallas_common import (
-    LOG2E,
-    MIN_DOT_DIM,
-    OFFSET_SPEC,
-    SMEM_BUDGET_BYTES,
-    KeyLayout,
-    RowPass,
-    check_query_offset,
-    check_smem,
-    check_tile_size,
-    compiler_params,
-    is_static_zero,
-    layout_visible,
-    next_pow2,
-    offset_operand,
-    offset_operands,
-    pad_axis,
-    padded_dim,
-    shift,
-    smem_estimate,
-    softmax_grad_tile,
-    split_offset,
-    validate_qkv,
-)
+from nsa_jax.kernels import pallas_common as pc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +74,10 @@ _DEFAULT_TILE = 64
 
 def smem_estimates(bsz: FlashBlockSizes, dk: int, dv: int, itemsize: int) -> dict[str, int]:
     """Shared-memory estimate (bytes) of each flash kernel (``pallas_common.smem_estimate``); tiles resolved."""
-    dk, dv = padded_dim(dk), padded_dim(dv)
+    dk, dv = pc.padded_dim(dk), pc.padded_dim(dv)
     r, c = bsz.block_rows, bsz.block_keys
     rd, cd = bsz.block_rows_dkv, bsz.block_keys_dkv
-    est = functools.partial(smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
+    est = functools.partial(pc.smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
     return {
         "flash fwd": est(once=[r * dk], looped=[c * dk, c * dv], staged=[r * c]),
         "flash dq": est(once=[r * dk, r * dv], looped=[c * dk, c * dv], staged=[r * c]),
@@ -124,14 +101,14 @@ def fit_block_sizes(
     while True:
         est = smem_estimates(bsz, dk, dv, itemsize)
         kernel = max(est, key=est.get)
-        if est[kernel] <= SMEM_BUDGET_BYTES:
+        if est[kernel] <= pc.SMEM_BUDGET_BYTES:
             break
-        shrinkable = [n for n in pairs[kernel] if n in auto and getattr(bsz, n) > MIN_DOT_DIM]
+        shrinkable = [n for n in pairs[kernel] if n in auto and getattr(bsz, n) > pc.MIN_DOT_DIM]
         if not shrinkable:
             break
         name = max(shrinkable, key=lambda n: getattr(bsz, n))
         bsz = dataclasses.replace(bsz, **{name: getattr(bsz, name) // 2})
-    check_smem(smem_estimates(bsz, dk, dv, itemsize), "block_rows / block_keys (FlashBlockSizes), num_stages")
+    pc.check_smem(smem_estimates(bsz, dk, dv, itemsize), "block_rows / block_keys (FlashBlockSizes), num_stages")
     return bsz
 
 
@@ -144,10 +121,10 @@ def _gather_rows(f_R, kv, *, seq, num_heads, group):
     return t_R, valid_R, row_R
 
 
-def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_tiles, q_offset):
+def _key_tile_range(f0, rows, *, seq, group, lay: pc.KeyLayout, block_keys, num_tiles, q_offset):
     """Key tiles [lo, hi) that rows [f0, f0 + rows) can see (lo >= hi: none); row t*G + g stands at t + q_offset."""
-    t_first = shift(lax.div(f0, group), q_offset)
-    t_last = shift(jnp.minimum(lax.div(f0 + rows - 1, group), seq - 1), q_offset)
+    t_first = pc.shift(lax.div(f0, group), q_offset)
+    t_last = pc.shift(jnp.minimum(lax.div(f0 + rows - 1, group), seq - 1), q_offset)
     # First key at or after position t_first - window + 1; one past the last at or before t_last.
     # Numerators are clamped at 0 first: lax.div truncates toward zero.
     i_lo = lax.div(jnp.maximum(t_first - lay.window + 1 - lay.offset, 0) + lay.stride - 1, lay.stride)
@@ -159,12 +136,12 @@ def _key_tile_range(f0, rows, *, seq, group, lay: KeyLayout, block_keys, num_til
 
 def _rows_before(pos, q_offset, seq):
     """Query rows at positions before ``pos`` (>= 0): ``pos - q_offset`` clipped to [0, seq]."""
-    if is_static_zero(q_offset):
+    if pc.is_static_zero(q_offset):
         return jnp.minimum(pos, seq)
     return jnp.clip(pos - q_offset, 0, seq)
 
 
-def _row_tile_range(start, *, seq, group, lay: KeyLayout, block_keys, block_rows, q_offset):
+def _row_tile_range(start, *, seq, group, lay: pc.KeyLayout, block_keys, block_rows, q_offset):
     """Row tiles [lo, hi) holding a query that sees a key of the tile [start, start + block_keys)."""
     last = jnp.minimum(start + block_keys, lay.num_keys) - 1
     pos_first = start * lay.stride + lay.offset
@@ -179,7 +156,7 @@ def _row_tile_range(start, *, seq, group, lay: KeyLayout, block_keys, block_rows
 def _split_refs(refs, has_offset, select_block):
     """(query offset, idx_ref or None, the other refs): an offset call passes its offset [1] first,
     a block-masked call the block ids [T, Np] next."""
-    q_offset, refs = split_offset(refs, has_offset)
+    q_offset, refs = pc.split_offset(refs, has_offset)
     return (q_offset, refs[0], refs[1:]) if select_block else (q_offset, None, refs)
 
 
@@ -203,11 +180,11 @@ def _tile_selection(idx_RxN, start, t_R, valid_R, select_block, q_offset):
     if idx_RxN is None:
         return None, None
     sel_R = _rows_selecting(idx_RxN, lax.div(start, select_block))
-    return sel_R, _any_row(sel_R & valid_R & (t_R >= shift(start, -q_offset)))
+    return sel_R, _any_row(sel_R & valid_R & (t_R >= pc.shift(start, -q_offset)))
 
 
-def _visible(t_R, valid_R, i_C, lay: KeyLayout, sel_R, q_offset):
-    vis_RxC = layout_visible(t_R, valid_R, i_C, lay, q_offset)
+def _visible(t_R, valid_R, i_C, lay: pc.KeyLayout, sel_R, q_offset):
+    vis_RxC = pc.layout_visible(t_R, valid_R, i_C, lay, q_offset)
     return vis_RxC if sel_R is None else vis_RxC & sel_R[:, None]
 
 
@@ -240,7 +217,7 @@ def _win_kernel(
     kv = pl.program_id(2)
     dims = dict(seq=seq, num_heads=num_heads, group=group)
     t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
-    rows = RowPass(backward, q_ref, rest, row_R, scale=scale, scale_log2=scale_log2, stats_only=stats_only)
+    rows = pc.RowPass(backward, q_ref, rest, row_R, scale=scale, scale_log2=scale_log2, stats_only=stats_only)
     idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
 
     def body(kt, carry):
@@ -255,16 +232,8 @@ def _win_kernel(
 
         return _maybe(live, step, carry)
 
-    lo, hi = _key_tile_range(
-        f0,
-        block_rows,
-        seq=seq,
-        group=group,
-        lay=lay,
-        block_keys=block_keys,
-        num_tiles=num_key_tiles,
-        q_offset=q_offset,
-    )
+    tiles = dict(seq=seq, group=group, lay=lay, block_keys=block_keys, num_tiles=num_key_tiles, q_offset=q_offset)
+    lo, hi = _key_tile_range(f0, block_rows, **tiles)
     rows.finish(lax.fori_loop(lo, hi, body, rows.init(block_rows)))
 
 
@@ -298,7 +267,7 @@ def _win_dkv_kernel(
         t_R, valid_R, row_R = _gather_rows(f0 + lax.iota(jnp.int32, block_rows), kv, **dims)
         # The key tile stays and the rows move: the rows are shifted to positions (shifting the keys
         # instead spills in the block-masked kernel on sm_80).
-        pos_R = shift(t_R, q_offset)
+        pos_R = pc.shift(t_R, q_offset)
         # The block mask is recomputed per row tile from the block ids: no reverse index.
         idx_RxN = None if idx_ref is None else idx_ref[t_R, :]
         sel_R, live = _tile_selection(idx_RxN, start, pos_R, valid_R, select_block, q_offset=0)
@@ -310,7 +279,7 @@ def _win_dkv_kernel(
             lse_R = lse_ref[pl.ds(f0, block_rows)]
             delta_R = delta_ref[pl.ds(f0, block_rows)]
             vis_RxC = _visible(pos_R, valid_R, i_C, lay, sel_R, q_offset=0)
-            p_RxC, ds_RxC = softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
+            p_RxC, ds_RxC = pc.softmax_grad_tile(q_RxDk, k_CxDk, v_CxDv, do_RxDv, lse_R, delta_R, vis_RxC, scale_log2)
             dv_CxDv = dv_CxDv + plgpu_triton.dot(p_RxC.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
             dk_CxDk = dk_CxDk + plgpu_triton.dot(ds_RxC.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
             return dk_CxDk, dv_CxDv
@@ -358,17 +327,17 @@ def _win_dims(q, k, v, bsz: FlashBlockSizes) -> _WinDims:
         h,
         kvh,
         g,
-        padded_dim(q.shape[-1]),
-        padded_dim(v.shape[-1]),
+        pc.padded_dim(q.shape[-1]),
+        pc.padded_dim(v.shape[-1]),
         pl.cdiv(t * g, row_tile) * row_tile,
         pl.cdiv(k.shape[1], key_tile) * key_tile,
     )
 
 
 def _prep(q, k, v, d: _WinDims):
-    q_f = pad_axis(q, 3, d.dk).reshape(d.batch, d.seq * d.heads, d.dk)
-    k_p = pad_axis(pad_axis(k, 1, d.keys_padded), 3, d.dk)
-    v_p = pad_axis(pad_axis(v, 1, d.keys_padded), 3, d.dv)
+    q_f = pc.pad_axis(q, 3, d.dk).reshape(d.batch, d.seq * d.heads, d.dk)
+    k_p = pc.pad_axis(pc.pad_axis(k, 1, d.keys_padded), 3, d.dk)
+    v_p = pc.pad_axis(pc.pad_axis(v, 1, d.keys_padded), 3, d.dv)
     return q_f, k_p, v_p
 
 
@@ -383,7 +352,7 @@ def _group_rows_stat(x_BxTxH, d: _WinDims):
     """[B, T, H] per-head statistic -> flattened-row layout [B, K, Rp]."""
     x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group)
     x = x.transpose(0, 2, 1, 3).reshape(d.batch, d.kv_heads, d.seq * d.group)
-    return pad_axis(x, 2, d.rows_padded)
+    return pc.pad_axis(x, 2, d.rows_padded)
 
 
 def _in_specs(d: _WinDims):
@@ -401,14 +370,16 @@ def _idx_spec(d: _WinDims, slots: int):
 def _leading_args(off_1, idx, select_block, d: _WinDims):
     """(arguments, specs) before q: the query offset [1] when there is one (``offset_operand``), then the block
     ids of a block-masked call with slots padded to a power of two with -1 (a Triton tile dimension)."""
-    args, specs = list(offset_operands(off_1)), [OFFSET_SPEC] * (off_1 is not None)
+    args, specs = list(pc.offset_operands(off_1)), [pc.OFFSET_SPEC] * (off_1 is not None)
     if select_block:
-        args.append(pad_axis(idx.astype(jnp.int32), 3, next_pow2(idx.shape[-1]), value=-1))
+        args.append(pc.pad_axis(idx.astype(jnp.int32), 3, pc.next_pow2(idx.shape[-1]), value=-1))
         specs.append(_idx_spec(d, args[-1].shape[-1]))
     return args, specs
 
 
-def _banded_forward(q, k, v, off_1, idx, lay: KeyLayout, scale, interpret, bsz, name, select_block, stats_only=False):
+def _banded_forward(
+    q, k, v, off_1, idx, lay: pc.KeyLayout, scale, interpret, bsz, name, select_block, stats_only=False
+):
     """(o [B, T, H, Dv], lse [B, K, Rp] base 2 in the flattened-row layout); with `stats_only`
     (v is None) the lse alone, from a kernel that never loads a value."""
     v_like = k if stats_only else v  # stats_only: the value operand's shapes are the keys' (never loaded)
@@ -429,7 +400,7 @@ def _banded_forward(q, k, v, off_1, idx, lay: KeyLayout, scale, interpret, bsz, 
         block_keys=bsz.block_keys,
         num_key_tiles=d.keys_padded // bsz.block_keys,
         scale=scale,
-        scale_log2=scale * LOG2E,
+        scale_log2=scale * pc.LOG2E,
         select_block=select_block,
         stats_only=stats_only,
     )
@@ -443,7 +414,7 @@ def _banded_forward(q, k, v, off_1, idx, lay: KeyLayout, scale, interpret, bsz, 
         in_specs=[*lead_specs, q_spec, k_spec, *([] if stats_only else [v_spec])],
         out_specs=[lse_spec] if stats_only else [o_spec, lse_spec],
         out_shape=[lse_shape] if stats_only else [o_shape, lse_shape],
-        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
+        compiler_params=pc.compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name=f"{name}_lse" if stats_only else f"{name}_fwd",
     )(*lead_args, q_f, k_p, *([] if stats_only else [v_p]))
@@ -453,15 +424,15 @@ def _banded_forward(q, k, v, off_1, idx, lay: KeyLayout, scale, interpret, bsz, 
     return _ungroup_rows(o_rows, d, v.shape[-1]), lse
 
 
-def _banded_backward(q, k, v, off_1, idx, o, lse, do, lay: KeyLayout, scale, interpret, bsz, name, select_block):
+def _banded_backward(q, k, v, off_1, idx, o, lse, do, lay: pc.KeyLayout, scale, interpret, bsz, name, select_block):
     d = _win_dims(q, k, v, bsz)
     q_f, k_p, v_p = _prep(q, k, v, d)
-    do_f = pad_axis(do, 3, d.dv).reshape(d.batch, d.seq * d.heads, d.dv)
+    do_f = pc.pad_axis(do, 3, d.dv).reshape(d.batch, d.seq * d.heads, d.dv)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = _group_rows_stat(delta, d)
     q_spec, k_spec, v_spec, do_spec = _in_specs(d)
     lead_args, lead_specs = _leading_args(off_1, idx, select_block, d)
-    params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
+    params = pc.compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
     common = dict(
         has_offset=off_1 is not None,
         seq=d.seq,
@@ -469,7 +440,7 @@ def _banded_backward(q, k, v, off_1, idx, o, lse, do, lay: KeyLayout, scale, int
         group=d.group,
         lay=lay,
         scale=scale,
-        scale_log2=scale * LOG2E,
+        scale_log2=scale * pc.LOG2E,
         select_block=select_block,
     )
 
@@ -538,7 +509,7 @@ def banded_attention(
     q,
     k,
     v,
-    lay: KeyLayout,
+    lay: pc.KeyLayout,
     scale: float,
     interpret: bool,
     bsz: FlashBlockSizes,
@@ -582,11 +553,11 @@ def banded_attention(
                 )
     if bsz.dkv_splits is None:
         bsz = dataclasses.replace(bsz, dkv_splits=q.shape[2] // k.shape[2] if select_block else 1)
-    off_1 = offset_operand(q_offset)
+    off_1 = pc.offset_operand(q_offset)
     return _banded(q, k, v, off_1, idx, lay, scale, interpret, bsz, name, select_block or None)
 
 
-def banded_lse(q, k, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str, *, q_offset=0):
+def banded_lse(q, k, lay: pc.KeyLayout, scale: float, interpret: bool, bsz: FlashBlockSizes, name: str, *, q_offset=0):
     """lse [B, K, Rp] of attention over keys placed by ``lay``, as ``banded_attention``
     returns it (base 2, flattened-row layout, 0 for a row that sees no key; row t at
     position ``t + q_offset``), from one kernel ``{name}_lse`` that walks the same key
@@ -596,7 +567,7 @@ def banded_lse(q, k, lay: KeyLayout, scale: float, interpret: bool, bsz: FlashBl
     itemsize = max(jnp.dtype(x.dtype).itemsize for x in (q, k))
     bsz = fit_block_sizes(bsz, q.shape[-1], k.shape[-1], itemsize)
     q, k = lax.stop_gradient(q), lax.stop_gradient(k)  # no tangent reaches the kernel: it has no derivative
-    off_1 = offset_operand(q_offset)
+    off_1 = pc.offset_operand(q_offset)
     return _stats_forward(q, k, off_1, lay, scale, interpret, bsz, name)
 
 
@@ -633,7 +604,7 @@ _banded.defvjp(_banded_vjp_fwd, _banded_vjp_bwd)
 def check_block_sizes(bsz: FlashBlockSizes) -> None:
     for name in _TILES:
         if getattr(bsz, name) is not None:
-            check_tile_size(name, getattr(bsz, name))
+            pc.check_tile_size(name, getattr(bsz, name))
     if bsz.dkv_splits is not None and bsz.dkv_splits < 1:
         raise ValueError(f"dkv_splits={bsz.dkv_splits} must be >= 1 (or None)")
 
@@ -664,8 +635,8 @@ def window_attention_pallas(
       q_offset: position of q's first row, a Python int or a traced int32 scalar (0: queries and keys
         start together); the caller keeps q_offset + Tq <= Tk. The gradients of k and v cover all Tk keys.
     """
-    validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, same_length=False)
-    check_query_offset(q_offset, q_BxTxHxDk.shape[1], k_BxTxKxDk.shape[1])
+    pc.validate_qkv(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, same_length=False)
+    pc.check_query_offset(q_offset, q_BxTxHxDk.shape[1], k_BxTxKxDk.shape[1])
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
     bsz = FlashBlockSizes() if block_sizes is None else block_sizes
@@ -674,7 +645,7 @@ def window_attention_pallas(
     # A window longer than the keys is full causal attention; clamping
     # keeps the static loop bounds small.
     tk = k_BxTxKxDk.shape[1]
-    lay = KeyLayout(num_keys=tk, window=int(min(window, tk)))
+    lay = pc.KeyLayout(num_keys=tk, window=int(min(window, tk)))
     o, _ = banded_attention(
         q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, lay, scale, bool(interpret), bsz, "nsa_window", q_offset=q_offset
     )

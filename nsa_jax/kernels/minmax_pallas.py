@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from nsa_jax.kernels import pallas_common as pc
 from nsa_jax.kernels.block_scores_pallas import (
     BlockSelectSizes,
     _block_count,
@@ -34,20 +35,6 @@ from nsa_jax.kernels.block_scores_pallas import (
     _top_n_finish,
     _top_n_init,
     fit_select_sizes,
-)
-from nsa_jax.kernels.pallas_common import (
-    LOG2E,
-    MASK_VALUE,
-    OFFSET_SPEC,
-    check_query_offset,
-    compiler_params,
-    next_pow2,
-    offset_operand,
-    offset_operands,
-    pad_axis,
-    padded_dim,
-    scores_log2,
-    split_offset,
 )
 from nsa_jax.kernels.scorers import key_bounds
 
@@ -61,7 +48,7 @@ def _head_logits(qp_PxD, qn_PxD, kmin_ref, kmax_ref, j_N, per: int, scale_log2: 
     for r in range(per):  # static: the block's sub-blocks, in order
         u_N = j_N * per + r
         kmax_NxD, kmin_NxD = kmax_ref[u_N, :], kmin_ref[u_N, :]
-        ub = scores_log2(qp_PxD, kmax_NxD, scale_log2) + scores_log2(qn_PxD, kmin_NxD, scale_log2)
+        ub = pc.scores_log2(qp_PxD, kmax_NxD, scale_log2) + pc.scores_log2(qn_PxD, kmin_NxD, scale_log2)
         best = ub if best is None else jnp.maximum(best, ub)
     return best
 
@@ -69,7 +56,7 @@ def _head_logits(qp_PxD, qn_PxD, kmin_ref, kmax_ref, j_N, per: int, scale_log2: 
 def _minmax_select_kernel(*refs, seq, heads, group, lp, per, num_blocks, block_pos, block_blocks, num_tiles,
                           n_slots, scale_log2, has_offset):  # fmt: skip
     # Refs: [q_offset [1],] q [T*H, Dk], kmin [Up, Dk], kmax [Up, Dk], idx [P, S].
-    q_offset, (q_ref, kmin_ref, kmax_ref, idx_ref) = split_offset(refs, has_offset)
+    q_offset, (q_ref, kmin_ref, kmax_ref, idx_ref) = pc.split_offset(refs, has_offset)
     t_P = pl.program_id(0) * block_pos + lax.iota(jnp.int32, block_pos)
     valid_P = t_P < seq
     t_c = jnp.minimum(t_P, seq - 1)
@@ -86,7 +73,7 @@ def _minmax_select_kernel(*refs, seq, heads, group, lp, per, num_blocks, block_p
     def logits(g, j_N):
         done_PxN = ((j_N[None, :] + 1) * lp <= tsel_P[:, None] + 1) & valid_P[:, None]
         x = _head_logits(*q_tiles[g], kmin_ref, kmax_ref, j_N, per, scale_log2)
-        return jnp.where(done_PxN, x, MASK_VALUE), done_PxN
+        return jnp.where(done_PxN, x, pc.MASK_VALUE), done_PxN
 
     def lse_body(bt, carry):
         j_N = bt * block_blocks + lax.iota(jnp.int32, block_blocks)
@@ -99,7 +86,7 @@ def _minmax_select_kernel(*refs, seq, heads, group, lp, per, num_blocks, block_p
         return tuple(out)
 
     init = tuple(
-        (jnp.full((block_pos,), MASK_VALUE, jnp.float32), jnp.zeros((block_pos,), jnp.float32)) for _ in q_tiles
+        (jnp.full((block_pos,), pc.MASK_VALUE, jnp.float32), jnp.zeros((block_pos,), jnp.float32)) for _ in q_tiles
     )
     stats = lax.fori_loop(0, hi, lse_body, init)
     # A row with no complete block scores 0 everywhere (masked_softmax's empty rows).
@@ -120,27 +107,27 @@ def _minmax_select_kernel(*refs, seq, heads, group, lp, per, num_blocks, block_p
 def _minmax_call(q, kmin, kmax, off_1, lp, per, nb, n, scale, interpret, bsz: BlockSelectSizes):
     b, t, h, dk0 = q.shape
     kvh = kmin.shape[2]
-    dk = padded_dim(dk0)
+    dk = pc.padded_dim(dk0)
     tp = pl.cdiv(t, bsz.block_pos) * bsz.block_pos
     nbp = pl.cdiv(nb, bsz.block_blocks) * bsz.block_blocks
     up = nbp * per
-    q_f = pad_axis(q, 3, dk).reshape(b, t * h, dk)
+    q_f = pc.pad_axis(q, 3, dk).reshape(b, t * h, dk)
     # The extremes in the queries' dtype (a bf16 key's min and max are bf16 values: exact).
-    kmin_p, kmax_p = (pad_axis(pad_axis(x.astype(q.dtype), 1, up), 3, dk) for x in (kmin, kmax))
-    n_slots = next_pow2(n)
+    kmin_p, kmax_p = (pc.pad_axis(pc.pad_axis(x.astype(q.dtype), 1, up), 3, dk) for x in (kmin, kmax))
+    n_slots = pc.next_pow2(n)
     has_offset = off_1 is not None
     kernel = functools.partial(
         _minmax_select_kernel,
         seq=t, heads=h, group=h // kvh, lp=lp, per=per, num_blocks=nb, block_pos=bsz.block_pos,
         block_blocks=bsz.block_blocks, num_tiles=nbp // bsz.block_blocks, n_slots=n_slots,
-        scale_log2=scale * LOG2E, has_offset=has_offset,
+        scale_log2=scale * pc.LOG2E, has_offset=has_offset,
     )  # fmt: skip
     bound_spec = pl.BlockSpec((None, up, None, dk), lambda i, bb, kv: (bb, 0, kv, 0))
     idx = pl.pallas_call(
         kernel,
         grid=(tp // bsz.block_pos, b, kvh),
         in_specs=[
-            *[OFFSET_SPEC] * has_offset,
+            *[pc.OFFSET_SPEC] * has_offset,
             pl.BlockSpec((None, t * h, dk), lambda i, bb, kv: (bb, 0, 0)),
             bound_spec,
             bound_spec,
@@ -149,10 +136,10 @@ def _minmax_call(q, kmin, kmax, off_1, lp, per, nb, n, scale, interpret, bsz: Bl
         # T is a multiple of the position tile and n a power of two).
         out_specs=pl.BlockSpec((None, bsz.block_pos, None, n_slots), lambda i, bb, kv: (bb, i, kv, 0)),
         out_shape=jax.ShapeDtypeStruct((b, tp, kvh, n_slots), jnp.int32),
-        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, dk),
+        compiler_params=pc.compiler_params(bsz.num_warps, bsz.num_stages, dk),
         interpret=interpret,
         name="nsa_minmax_select",
-    )(*offset_operands(off_1), q_f, kmin_p, kmax_p)
+    )(*pc.offset_operands(off_1), q_f, kmin_p, kmax_p)
     return idx[:, :t, :, :n]
 
 
@@ -197,11 +184,11 @@ def select_minmax_pallas(
     if lp < 1 or n < 1 or sub < 1 or lp % sub:
         raise ValueError(f"lp={lp}, n={n} and sub={sub} must be >= 1 with sub dividing lp")
     b, t, h, dk = q_BxTxHxDk.shape
-    check_query_offset(q_offset, t)
+    pc.check_query_offset(q_offset, t)
     nb = _block_count(k_BxTxKxDk.shape[1], lp, num_blocks)
-    ssz = fit_select_sizes(select_sizes, padded_dim(dk), q_BxTxHxDk.dtype.itemsize)
+    ssz = fit_select_sizes(select_sizes, pc.padded_dim(dk), q_BxTxHxDk.dtype.itemsize)
     scale = dk**-0.5 if scale is None else scale
     sg = lax.stop_gradient
     kmin, kmax = key_bounds(sg(k_BxTxKxDk), lp, sub, nb)
-    off_1 = offset_operand(q_offset)
+    off_1 = pc.offset_operand(q_offset)
     return _minmax_select(sg(q_BxTxHxDk), kmin, kmax, off_1, lp, lp // sub, nb, n, scale, bool(interpret), ssz)

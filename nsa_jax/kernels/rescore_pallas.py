@@ -24,22 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from nsa_jax.kernels import pallas_common as pc
 from nsa_jax.kernels.block_scores_pallas import _floor_div, _merge_top_n, _top_n_finish, _top_n_init
-from nsa_jax.kernels.pallas_common import (
-    LOG2E,
-    MASK_VALUE,
-    MIN_DOT_DIM,
-    OFFSET_SPEC,
-    check_query_offset,
-    compiler_params,
-    next_pow2,
-    offset_operand,
-    offset_operands,
-    pad_axis,
-    padded_dim,
-    scores_log2,
-    split_offset,
-)
 from nsa_jax.kernels.xla import EXCLUDED, FORCED
 
 __all__ = ["select_rescore_pallas"]
@@ -47,7 +33,7 @@ __all__ = ["select_rescore_pallas"]
 
 def _rescore_kernel(*refs, lp, num_blocks, num_heads, group, group_padded, cand_slots, n_slots, scale_log2, has_offset):
     # Refs: [q_offset [1],] cand [Mp], q [T*H, Dk], k [Tp, Dk], idx [n_slots].
-    q_offset, (cand_ref, q_ref, k_ref, idx_ref) = split_offset(refs, has_offset)
+    q_offset, (cand_ref, q_ref, k_ref, idx_ref) = pc.split_offset(refs, has_offset)
     t = pl.program_id(0)
     kv = pl.program_id(2)
     g_Gp = lax.iota(jnp.int32, group_padded)
@@ -62,14 +48,14 @@ def _rescore_kernel(*refs, lp, num_blocks, num_heads, group, group_padded, cand_
         start = jnp.clip(blk, 0, num_blocks - 1) * lp
         k_SxD = k_ref[pl.ds(start, lp), :]
         vis_1xS = (((start + lax.iota(jnp.int32, lp)) <= tpos) & live)[None, :]
-        x = jnp.where(vis_1xS, scores_log2(q_GpxD, k_SxD, scale_log2), MASK_VALUE)
+        x = jnp.where(vis_1xS, pc.scores_log2(q_GpxD, k_SxD, scale_log2), pc.MASK_VALUE)
         m_Gp = jnp.max(x, axis=1)
         s_Gp = jnp.sum(jnp.where(vis_1xS, jnp.exp2(x - m_Gp[:, None]), 0.0), axis=1)
-        lse_Gp = jnp.where(s_Gp > 0, m_Gp + jnp.log2(jnp.where(s_Gp > 0, s_Gp, 1.0)), MASK_VALUE)
+        lse_Gp = jnp.where(s_Gp > 0, m_Gp + jnp.log2(jnp.where(s_Gp > 0, s_Gp, 1.0)), pc.MASK_VALUE)
         return jnp.where(slot_M[None, :] == s, lse_Gp[:, None], lse_GpxM)
 
-    lse_GpxM = lax.fori_loop(0, cand_slots, body, jnp.full((group_padded, cand_slots), MASK_VALUE, jnp.float32))
-    seen_GpxM = lse_GpxM > MASK_VALUE / 2
+    lse_GpxM = lax.fori_loop(0, cand_slots, body, jnp.full((group_padded, cand_slots), pc.MASK_VALUE, jnp.float32))
+    seen_GpxM = lse_GpxM > pc.MASK_VALUE / 2
     top_Gp = jnp.max(lse_GpxM, axis=1)
     total_Gp = jnp.sum(jnp.where(seen_GpxM, jnp.exp2(lse_GpxM - top_Gp[:, None]), 0.0), axis=1)
     all_Gp = top_Gp + jnp.log2(jnp.where(total_Gp > 0, total_Gp, 1.0))
@@ -88,35 +74,35 @@ def _rescore_kernel(*refs, lp, num_blocks, num_heads, group, group_padded, cand_
 def _rescore_call(q, k, cand, off_1, lp, n, scale, interpret, num_warps, num_stages):
     b, t, h, dk0 = q.shape
     kvh = k.shape[2]
-    dk = padded_dim(dk0)
+    dk = pc.padded_dim(dk0)
     nb = pl.cdiv(k.shape[1], lp)
     group = h // kvh
-    group_padded = max(MIN_DOT_DIM, next_pow2(group))
-    cand_slots, n_slots = next_pow2(cand.shape[-1]), next_pow2(n)
-    q_f = pad_axis(q, 3, dk).reshape(b, t * h, dk)
-    k_p = pad_axis(pad_axis(k.astype(q.dtype), 1, nb * lp), 3, dk)
-    cand_p = pad_axis(cand.astype(jnp.int32), 3, cand_slots, value=-1)
+    group_padded = max(pc.MIN_DOT_DIM, pc.next_pow2(group))
+    cand_slots, n_slots = pc.next_pow2(cand.shape[-1]), pc.next_pow2(n)
+    q_f = pc.pad_axis(q, 3, dk).reshape(b, t * h, dk)
+    k_p = pc.pad_axis(pc.pad_axis(k.astype(q.dtype), 1, nb * lp), 3, dk)
+    cand_p = pc.pad_axis(cand.astype(jnp.int32), 3, cand_slots, value=-1)
     has_offset = off_1 is not None
     kernel = functools.partial(
         _rescore_kernel,
         lp=lp, num_blocks=nb, num_heads=h, group=group, group_padded=group_padded, cand_slots=cand_slots,
-        n_slots=n_slots, scale_log2=scale * LOG2E, has_offset=has_offset,
+        n_slots=n_slots, scale_log2=scale * pc.LOG2E, has_offset=has_offset,
     )  # fmt: skip
     idx = pl.pallas_call(
         kernel,
         grid=(t, b, kvh),
         in_specs=[
-            *[OFFSET_SPEC] * has_offset,
+            *[pc.OFFSET_SPEC] * has_offset,
             pl.BlockSpec((None, None, None, cand_slots), lambda i, bb, kv: (bb, i, kv, 0)),
             pl.BlockSpec((None, t * h, dk), lambda i, bb, kv: (bb, 0, 0)),
             pl.BlockSpec((None, nb * lp, None, dk), lambda i, bb, kv: (bb, 0, kv, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, None, n_slots), lambda i, bb, kv: (bb, i, kv, 0)),
         out_shape=jax.ShapeDtypeStruct((b, t, kvh, n_slots), jnp.int32),
-        compiler_params=compiler_params(num_warps, num_stages, dk),
+        compiler_params=pc.compiler_params(num_warps, num_stages, dk),
         interpret=interpret,
         name="nsa_rescore_select",
-    )(*offset_operands(off_1), cand_p, q_f, k_p)
+    )(*pc.offset_operands(off_1), cand_p, q_f, k_p)
     return idx[..., :n]
 
 
@@ -158,10 +144,10 @@ def select_rescore_pallas(
     if lp < 1 or n < 1 or cand_BxTxKxM.shape[-1] < 1:
         raise ValueError(f"lp={lp}, n={n} and the candidates ({cand_BxTxKxM.shape[-1]}) must be >= 1")
     b, t, h, dk = q_BxTxHxDk.shape
-    check_query_offset(q_offset, t)
+    pc.check_query_offset(q_offset, t)
     scale = dk**-0.5 if scale is None else scale
     sg = lax.stop_gradient
-    off_1 = offset_operand(q_offset)
+    off_1 = pc.offset_operand(q_offset)
     return _rescore_select(
         sg(q_BxTxHxDk), sg(k_BxTxKxDk), sg(cand_BxTxKxM), off_1, lp, n, scale, bool(interpret), num_warps, num_stages
     )

@@ -29,26 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from nsa_jax.kernels.pallas_common import (
-    LOG2E,
-    MIN_DOT_DIM,
-    OFFSET_SPEC,
-    SMEM_BUDGET_BYTES,
-    RowPass,
-    check_smem,
-    check_tile_size,
-    compiler_params,
-    next_pow2,
-    offset_operand,
-    offset_operands,
-    pad_axis,
-    padded_dim,
-    shift,
-    smem_estimate,
-    softmax_grad_tile,
-    split_offset,
-    validate_selection,
-)
+from nsa_jax.kernels import pallas_common as pc
 from nsa_jax.kernels.reverse_index import reverse_index
 
 
@@ -106,7 +87,7 @@ def _slot_tile(s, t, idx_ref, k_ref, v_ref, *, block_size, num_blocks, q_offset)
     start = jnp.clip(blk, 0, num_blocks - 1) * block_size
     k_SxDk = k_ref[pl.ds(start, block_size), :]
     v_SxDv = v_ref[pl.ds(start, block_size), :]
-    pos_S = shift(start, -q_offset) + lax.iota(jnp.int32, block_size)  # less the offset: compared with the row
+    pos_S = pc.shift(start, -q_offset) + lax.iota(jnp.int32, block_size)  # less the offset: compared with the row
     vis_1xS = ((pos_S <= t) & live)[None, :]
     return k_SxDk, v_SxDv, vis_1xS
 
@@ -127,11 +108,11 @@ def _sel_kernel(
     # Refs (leading batch / KV-head dims squeezed by the BlockSpecs):
     #   [q_offset [1],] idx_ref [n], q_ref [T*H, Dk], k_ref [Tp, Dk], v_ref [Tp, Dv], then
     #   forward: o [T*H, Dv], lse [Gp]; dQ: do [T*H, Dv], lse / delta [Gp], dq [T*H, Dk].
-    q_offset, (idx_ref, q_ref, k_ref, v_ref, *refs) = split_offset(refs, has_offset)
+    q_offset, (idx_ref, q_ref, k_ref, v_ref, *refs) = pc.split_offset(refs, has_offset)
     t = pl.program_id(0)
     kv = pl.program_id(2)
     row_Gp, g_Gp = _group_rows(t, kv, num_heads, group, group_padded)
-    rows = RowPass(backward, q_ref, refs, row_Gp, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=g_Gp)
+    rows = pc.RowPass(backward, q_ref, refs, row_Gp, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=g_Gp)
 
     def body(s, carry):
         k_SxDk, v_SxDv, vis_1xS = _slot_tile(
@@ -184,7 +165,7 @@ def _union_tile(blk, t_R, member_R, k_ref, v_ref, *, block_size, num_blocks, q_o
     start = jnp.clip(blk, 0, num_blocks - 1) * block_size
     k_SxDk = k_ref[pl.ds(start, block_size), :]
     v_SxDv = v_ref[pl.ds(start, block_size), :]
-    pos_1xS = (shift(start, -q_offset) + lax.iota(jnp.int32, block_size))[None, :]  # compared with rows
+    pos_1xS = (pc.shift(start, -q_offset) + lax.iota(jnp.int32, block_size))[None, :]  # compared with rows
     return k_SxDk, v_SxDv, member_R[:, None] & (pos_1xS <= t_R[:, None])
 
 
@@ -205,12 +186,12 @@ def _sel_multi_kernel(
 ):
     # Refs: [q_offset [1],] idx [P, n], q [T*H, Dk], k [Tp, Dk], v [Tp, Dv], then
     #   forward: o [T*H, Dv], lse [R]; dQ: do [T*H, Dv], lse / delta [R], dq [T*H, Dk].
-    q_offset, (idx_ref, q_ref, k_ref, v_ref, *refs) = split_offset(refs, has_offset)
+    q_offset, (idx_ref, q_ref, k_ref, v_ref, *refs) = pc.split_offset(refs, has_offset)
     kv = pl.program_id(2)
     t_R, row_R, p_R, stat_R = _multi_rows(
         pl.program_id(0), kv, positions=positions, group=group, rows=rows, seq=seq, num_heads=num_heads
     )
-    pass_ = RowPass(backward, q_ref, refs, row_R, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=stat_R)
+    pass_ = pc.RowPass(backward, q_ref, refs, row_R, scale=scale, scale_log2=scale_log2, scatter=True, stat_row=stat_R)
 
     def body(e, carry):
         blk, live, member_R = _union_entry(e, p_R, idx_ref, slots=slots, num_blocks=num_blocks)
@@ -277,14 +258,14 @@ def _sel_dkv_kernel(
     # One program = one segment of one block's reverse-index list.
     # Refs: [q_offset [1],] seg_* [P], qlist [T*n] (query rows), q [T*H, Dk], k [Tp, Dk], v [Tp, Dv],
     #   do [T*H, Dv], lse / delta [T/P * Rp], dk [bs, Dk], dv [bs, Dv] (partials).
-    q_offset, (seg_blk_ref, seg_lo_ref, seg_hi_ref, qlist_ref, *refs) = split_offset(refs, has_offset)
+    q_offset, (seg_blk_ref, seg_lo_ref, seg_hi_ref, qlist_ref, *refs) = pc.split_offset(refs, has_offset)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     kv = pl.program_id(2)
     seg = _Segment(seg_blk_ref, seg_lo_ref, seg_hi_ref, block_size=block_size, num_blocks=num_blocks, group=group)
     k_SxDk = k_ref[pl.ds(seg.start, block_size), :]
     v_SxDv = v_ref[pl.ds(seg.start, block_size), :]
     # The keys' positions less the offset, once: the causal test below then compares them with rows.
-    pos_1xS = shift(seg.pos_1xS, -q_offset)
+    pos_1xS = pc.shift(seg.pos_1xS, -q_offset)
 
     def body(it, carry):
         dk_SxDk, dv_SxDv = carry
@@ -296,7 +277,7 @@ def _sel_dkv_kernel(
         lse_R = lse_ref[stat_R]
         delta_R = delta_ref[stat_R]
         vis_RxS = valid_R[:, None] & (pos_1xS <= t_R[:, None])
-        p_RxS, ds_RxS = softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
+        p_RxS, ds_RxS = pc.softmax_grad_tile(q_RxDk, k_SxDk, v_SxDv, do_RxDv, lse_R, delta_R, vis_RxS, scale_log2)
         dv_SxDv = dv_SxDv + plgpu_triton.dot(p_RxS.astype(do_RxDv.dtype), do_RxDv, trans_a=True)
         dk_SxDk = dk_SxDk + plgpu_triton.dot(ds_RxS.astype(q_RxDk.dtype), q_RxDk, trans_a=True)
         return dk_SxDk, dv_SxDv
@@ -355,7 +336,7 @@ def _dims(q, k, v, idx, block_size, positions: int = 1) -> _Dims:
     b, t, h, _ = q.shape
     kvh = k.shape[2]
     g = h // kvh
-    gp = max(MIN_DOT_DIM, next_pow2(g))
+    gp = max(pc.MIN_DOT_DIM, pc.next_pow2(g))
     return _Dims(
         b,
         t,
@@ -363,27 +344,27 @@ def _dims(q, k, v, idx, block_size, positions: int = 1) -> _Dims:
         kvh,
         g,
         gp,
-        padded_dim(q.shape[-1]),
-        padded_dim(v.shape[-1]),
+        pc.padded_dim(q.shape[-1]),
+        pc.padded_dim(v.shape[-1]),
         idx.shape[-1],
         block_size,
         pl.cdiv(k.shape[1], block_size),
         positions,
-        gp if positions == 1 else max(MIN_DOT_DIM, next_pow2(positions * g)),
+        gp if positions == 1 else max(pc.MIN_DOT_DIM, pc.next_pow2(positions * g)),
         pl.cdiv(t, positions),
     )
 
 
 def _prep_kv(k, v, d: _Dims):
     tp = d.num_blocks * d.block_size
-    k = pad_axis(pad_axis(k, 1, tp), 3, d.dk)
-    v = pad_axis(pad_axis(v, 1, tp), 3, d.dv)
+    k = pc.pad_axis(pc.pad_axis(k, 1, tp), 3, d.dk)
+    v = pc.pad_axis(pc.pad_axis(v, 1, tp), 3, d.dv)
     return k, v
 
 
 def _flat_heads(x_BxTxHxD, d_pad: int):
     b, t, h, _ = x_BxTxHxD.shape
-    return pad_axis(x_BxTxHxD, 3, d_pad).reshape(b, t * h, d_pad)
+    return pc.pad_axis(x_BxTxHxD, 3, d_pad).reshape(b, t * h, d_pad)
 
 
 def _unflat_heads(x_BxRowsxD, d: _Dims, d_out: int):
@@ -396,7 +377,7 @@ def _idx_spec(d: _Dims):
     """The block ids of one forward / dQ program: its position's [n], or its P positions' [P, n padded]."""
     if d.positions == 1:
         return pl.BlockSpec((None, None, None, d.slots), lambda t, b, kv: (b, t, kv, 0))
-    return pl.BlockSpec((None, d.positions, None, next_pow2(d.slots)), lambda i, b, kv: (b, i, kv, 0))
+    return pl.BlockSpec((None, d.positions, None, pc.next_pow2(d.slots)), lambda i, b, kv: (b, i, kv, 0))
 
 
 def _common_specs(d: _Dims):
@@ -416,15 +397,20 @@ def _row_kernel(backward: bool, d, off_1, idx, block_size, scale):
     positions over the union of their blocks (``_sel_multi_kernel``, ids laid out per program).
     """
     common = dict(block_size=block_size, num_blocks=d.num_blocks, num_heads=d.heads, group=d.group)
-    common.update(has_offset=off_1 is not None, backward=backward, scale=scale, scale_log2=scale * LOG2E)
+    common.update(has_offset=off_1 is not None, backward=backward, scale=scale, scale_log2=scale * pc.LOG2E)
     if d.positions == 1:
         kernel = functools.partial(_sel_kernel, num_slots=d.slots, group_padded=d.group_padded, **common)
     else:
         kernel = functools.partial(
-            _sel_multi_kernel, slots=next_pow2(d.slots), positions=d.positions, rows=d.rows_padded, seq=d.seq, **common
+            _sel_multi_kernel,
+            slots=pc.next_pow2(d.slots),
+            positions=d.positions,
+            rows=d.rows_padded,
+            seq=d.seq,
+            **common,
         )
         idx = _multi_idx(idx, d)
-    return kernel, [*offset_operands(off_1), idx], [OFFSET_SPEC] * (off_1 is not None) + [_idx_spec(d)]
+    return kernel, [*pc.offset_operands(off_1), idx], [pc.OFFSET_SPEC] * (off_1 is not None) + [_idx_spec(d)]
 
 
 def _selection_forward(q, k, v, off_1, idx, block_size, scale, interpret, bsz: SelectionBlockSizes):
@@ -449,7 +435,7 @@ def _selection_forward(q, k, v, off_1, idx, block_size, scale, interpret, bsz: S
             jax.ShapeDtypeStruct((d.batch, d.seq * d.heads, d.dv), q.dtype),
             jax.ShapeDtypeStruct((d.batch, d.kv_heads, rows_g), jnp.float32),
         ],
-        compiler_params=compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
+        compiler_params=pc.compiler_params(bsz.num_warps, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_fwd",
     )(*lead_args, q_f, k_p, v_p)
@@ -459,15 +445,15 @@ def _selection_forward(q, k, v, off_1, idx, block_size, scale, interpret, bsz: S
 def _group_stat(x_BxTxH, d: _Dims):
     """[B, T, H] per-head statistic -> per-program row layout [B, K, T/P * Rp]."""
     x = x_BxTxH.reshape(d.batch, d.seq, d.kv_heads, d.group).transpose(0, 2, 1, 3)
-    x = pad_axis(x, 2, d.programs * d.positions)
+    x = pc.pad_axis(x, 2, d.programs * d.positions)
     x = x.reshape(d.batch, d.kv_heads, d.programs, d.positions * d.group)
-    return pad_axis(x, 3, d.rows_padded).reshape(d.batch, d.kv_heads, d.programs * d.rows_padded)
+    return pc.pad_axis(x, 3, d.rows_padded).reshape(d.batch, d.kv_heads, d.programs * d.rows_padded)
 
 
 def _multi_idx(idx_BxTxKxN, d: _Dims):
     """Block ids for P-position programs: T padded to T/P * P, slots to a power of two, with -1."""
-    idx = pad_axis(idx_BxTxKxN, 1, d.programs * d.positions, value=-1)
-    return pad_axis(idx, 3, next_pow2(d.slots), value=-1)
+    idx = pc.pad_axis(idx_BxTxKxN, 1, d.programs * d.positions, value=-1)
+    return pc.pad_axis(idx, 3, pc.next_pow2(d.slots), value=-1)
 
 
 def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, interpret, bsz: SelectionBlockSizes):
@@ -478,7 +464,7 @@ def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, inte
     # delta_t = rowsum(dO * O): the softmax-Jacobian correction term.
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = _group_stat(delta, d)
-    params = compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
+    params = pc.compiler_params(bsz.num_warps, bsz.num_stages, d.dk)
     q_spec, k_spec, v_spec = _common_specs(d)
     do_spec = pl.BlockSpec((None, d.seq * d.heads, d.dv), lambda t, b, kv: (b, 0, 0))
     stat_spec = pl.BlockSpec((None, None, d.rows_padded), lambda i, b, kv: (b, kv, i))
@@ -513,13 +499,13 @@ def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, inte
         rows_padded=d.rows_padded,
         rows=bsz.rows_dkv,
         scale=scale,
-        scale_log2=scale * LOG2E,
+        scale_log2=scale * pc.LOG2E,
     )
     dk_part, dv_part = pl.pallas_call(
         dkv_kernel,
         grid=(num_segments, d.batch, d.kv_heads),
         in_specs=[
-            *[OFFSET_SPEC] * (off_1 is not None),
+            *[pc.OFFSET_SPEC] * (off_1 is not None),
             seg_spec,
             seg_spec,
             seg_spec,
@@ -539,10 +525,10 @@ def _selection_backward(q, k, v, off_1, idx, o, lse, do, block_size, scale, inte
             jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dk), jnp.float32),
             jax.ShapeDtypeStruct((d.batch, d.kv_heads, num_segments, block_size, d.dv), jnp.float32),
         ],
-        compiler_params=compiler_params(None, bsz.num_stages, d.dk),
+        compiler_params=pc.compiler_params(None, bsz.num_stages, d.dk),
         interpret=interpret,
         name="nsa_selection_dkv",
-    )(*offset_operands(off_1), seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
+    )(*pc.offset_operands(off_1), seg_blk, seg_lo, seg_hi, qlist, q_f, k_p, v_p, do_f, lse, delta)
 
     blk_spec = pl.BlockSpec((None, None, d.num_blocks), lambda j, b, kv: (b, kv, 0))
     dk_p, dv_p = pl.pallas_call(
@@ -595,10 +581,10 @@ def smem_estimates(bsz: SelectionBlockSizes, group: int, dk: int, dv: int, block
 
     ``dk``, ``dv``: head dims as given (padded here like the kernels pad them).
     """
-    gp = max(MIN_DOT_DIM, next_pow2(group if bsz.positions == 1 else bsz.positions * group))
-    dk, dv = padded_dim(dk), padded_dim(dv)
+    gp = max(pc.MIN_DOT_DIM, pc.next_pow2(group if bsz.positions == 1 else bsz.positions * group))
+    dk, dv = pc.padded_dim(dk), pc.padded_dim(dv)
     s, r = block_size, bsz.rows_dkv
-    est = functools.partial(smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
+    est = functools.partial(pc.smem_estimate, num_stages=bsz.num_stages, itemsize=itemsize)
     return {
         "nsa_selection_fwd": est(once=[gp * dk], looped=[s * dk, s * dv], staged=[gp * s]),
         "nsa_selection_dq": est(once=[gp * dk, gp * dv], looped=[s * dk, s * dv], staged=[gp * s]),
@@ -615,15 +601,15 @@ def fit_block_sizes(bsz: SelectionBlockSizes, q, k, v, block_size: int) -> Selec
         return smem_estimates(b, group, q.shape[-1], v.shape[-1], block_size, itemsize)
 
     def over(rows):
-        return max(estimates(dataclasses.replace(bsz, rows_dkv=rows)).values()) > SMEM_BUDGET_BYTES
+        return max(estimates(dataclasses.replace(bsz, rows_dkv=rows)).values()) > pc.SMEM_BUDGET_BYTES
 
     if bsz.rows_dkv is None:
         rows = 64
-        while rows > MIN_DOT_DIM and over(rows):
+        while rows > pc.MIN_DOT_DIM and over(rows):
             rows //= 2
         bsz = dataclasses.replace(bsz, rows_dkv=rows)
     knobs = "the selection block length lp (block_size), rows_dkv or num_stages, or use attention_impl=xla"
-    check_smem(estimates(bsz), knobs)
+    pc.check_smem(estimates(bsz), knobs)
     return bsz
 
 
@@ -658,17 +644,17 @@ def selection_attention_pallas(
     Returns:
       o_BxTxHxDv in q's dtype.
     """
-    validate_selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, q_offset)
+    pc.validate_selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, idx_BxTxKxN, q_offset)
     dk = q_BxTxHxDk.shape[-1]
-    check_tile_size("block_size", block_size)
+    pc.check_tile_size("block_size", block_size)
     bsz = SelectionBlockSizes() if block_sizes is None else block_sizes
     if bsz.rows_dkv is not None:
-        check_tile_size("rows_dkv", bsz.rows_dkv)
-    check_tile_size("positions", bsz.positions, minimum=1)
+        pc.check_tile_size("rows_dkv", bsz.rows_dkv)
+    pc.check_tile_size("positions", bsz.positions, minimum=1)
     bsz = fit_block_sizes(bsz, q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, block_size)
     if bsz.dkv_segment < 1:
         raise ValueError("dkv_segment must be >= 1")
     scale = float(dk**-0.5 if scale is None else scale)
     idx = idx_BxTxKxN.astype(jnp.int32)
-    off_1 = offset_operand(q_offset)
+    off_1 = pc.offset_operand(q_offset)
     return _selection(q_BxTxHxDk, k_BxTxKxDk, v_BxTxKxDv, off_1, idx, int(block_size), scale, bool(interpret), bsz)
