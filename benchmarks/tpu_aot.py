@@ -8,6 +8,12 @@ loop's body once), and prints from XLA's compiled cost analysis
 (the kernels' bytes are their own DMA estimates) the bytes moved, the temporaries and the compile time,
 side by side, with their ratio. Nothing runs on a TPU: these are XLA's plan, not timings.
 
+`--branches` instead compiles the window branch (w = 512), dense causal attention and the compressed branch
+(l = 32, d = 16) at the same shapes through splash attention (kernels/splash_tpu.py) and through XLA's query
+chunks, and prints the tiles splash visits of all (its masks skip the rest), its forward's DMA by that count
+(splash gives XLA no estimate: its cost analysis counts the operands once), XLA's forward bytes (one chunk's
+body times the trips) and both paths' temporaries for forward + backward.
+
 `--step CONFIG [--set key=value ...]` instead compiles CONFIG's whole train step (its strategy, its
 parallel.context) once for each slice of --targets, over all of its chips, and prints the per-chip memory,
 the compile time and the Mosaic kernels in it: one compile, where `launch.info --target` searches.
@@ -30,12 +36,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from launch.cli import add_overrides  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
-from nsa_jax.kernels import xla  # noqa: E402
+from nsa_jax.kernels import splash_tpu, xla  # noqa: E402
 from nsa_jax.kernels.selection_tpu import selection_attention_tpu  # noqa: E402
 from nsa_jax.tools import aot  # noqa: E402
 
 G, K, D, LP, N = 6, 2, 64, 64, 16
 GiB = 2**30
+W, L_CMP, D_CMP, CHUNK = 512, 32, 16, 512
 
 
 def measure(target: str, T: int, attend, backward: bool) -> dict:
@@ -53,6 +60,53 @@ def measure(target: str, T: int, attend, backward: bool) -> dict:
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _compile(target: str, fn, q_len: int, kv_len: int, backward: bool):
+    sharding = NamedSharding(Mesh(np.array(aot.target_devices(target, 1)), ("d",)), P())
+    q = jax.ShapeDtypeStruct((1, q_len, G * K, D), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, kv_len, K, D), jnp.bfloat16, sharding=sharding)
+    if backward:
+        fn = jax.grad(lambda q, k, v, f=fn: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    return jax.jit(fn).lower(q, kv, kv).compile()
+
+
+def branch_lines(target: str, T: int) -> list[str]:
+    """Splash against XLA's query chunks for the window, dense and compressed attention at length T."""
+    tc = (T - L_CMP) // D_CMP + 1
+    cases = {  # name: (splash fn, xla fn over one chunk of CHUNK queries at the end, keys, mask kind)
+        "window": (
+            lambda q, k, v: splash_tpu.window_attention_splash(q, k, v, W),
+            lambda q, k, v: xla.window_attention_xla(q, k, v, W, query_chunk=CHUNK, q_offset=T - CHUNK),
+            T, ("local", W),
+        ),
+        "causal": (
+            lambda q, k, v: splash_tpu.window_attention_splash(q, k, v, T),
+            lambda q, k, v: xla.window_attention_xla(q, k, v, T, query_chunk=CHUNK, q_offset=T - CHUNK),
+            T, ("causal",),
+        ),
+        "compressed": (
+            lambda q, k, v: splash_tpu.compressed_attention_splash(q, k, v, l=L_CMP, d=D_CMP),
+            lambda q, k, v: xla.compressed_attention_xla(
+                q, k, v, l=L_CMP, d=D_CMP, lp=LP, scale=D**-0.5, query_chunk=CHUNK, q_offset=T - CHUNK, pool=None)[0],
+            tc, ("compressed", L_CMP, D_CMP),
+        ),
+    }  # fmt: skip
+    out = []
+    for name, (splash_fn, xla_fn, keys, kind) in cases.items():
+        visited, total, tile = splash_tpu.tiles_visited(kind, T, keys)
+        # Forward DMA: q and o once, and each visited tile's keys and values once per query head.
+        dma = 2 * (2 * T * G * K * D + G * K * visited * tile * 2 * D)
+        xla_fwd = _compile(target, xla_fn, CHUNK, keys, False).cost_analysis()["bytes accessed"] * (T // CHUNK)
+        temp = [
+            _compile(target, fn, T if fn is splash_fn else CHUNK, keys, True).memory_analysis().temp_size_in_bytes
+            for fn in (splash_fn, xla_fn)
+        ]
+        out.append(
+            f"{target:8s} {T:<7d} {name:10s} {visited:>6d}/{total:<6d} {dma / GiB:10.3f} {xla_fwd / GiB:9.3f} "
+            f"{xla_fwd / dma:5.1f}x {temp[0] / 2**20:10.0f} {temp[1] / 2**20 * 1:13.0f}"
+        )
+    return out
 
 
 def step_line(cfg, target: str) -> str:
@@ -85,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default="v5e-4,v6e-4", help=f"TPU slices, of {', '.join(aot.TPU_TARGETS)}")
     parser.add_argument("--lengths", default="8192,32768", help="sequence lengths, comma-separated")
     parser.add_argument("--step", default=None, help="a config (name, YAML or model folder): compile its train step")
+    parser.add_argument("--branches", action="store_true", help="splash attention against XLA for window, dense, cmp")
     add_overrides(parser)
     args = parser.parse_args(argv)
     try:
@@ -103,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, aot.PluginMissing, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.branches:
+        print("target   T       attention  tiles visited  splash fwd GiB  xla fwd GiB  ratio  splash temp MiB  "
+              "xla chunk temp MiB")  # fmt: skip
+        for target in targets:
+            for T in lengths:
+                print("\n".join(branch_lines(target, T)), flush=True)
+        return 0
     kernels = lambda q, k, v, i: selection_attention_tpu(q, k, v, i, LP)  # noqa: E731
     print("target   T       pass      kernels GiB  xla GiB  ratio  kernels temp MiB  xla temp MiB")
     for target in targets:

@@ -86,7 +86,7 @@ def test_compressed_kernel_named_in_the_config_runs_where_pallas_would():
     assert _plan(fallback=["cmp-cudnn", "cmp"], compressed_kernel="cudnn").describe()["cmp"] == "xla-chunked"
     with pytest.raises(ValueError, match="compressed_kernel must be auto or one of pallas, cudnn"):
         _plan(compressed_kernel="flash")
-    with pytest.raises(ValueError, match="KernelPlan.cmp must be one of pallas, cudnn, xla"):
+    with pytest.raises(ValueError, match="KernelPlan.cmp must be one of pallas, cudnn, splash, xla"):
         KernelPlan(cmp="cudnn-v9")
 
 

@@ -1,9 +1,11 @@
-"""The Pallas TPU (Mosaic) selection kernels, interpreted on this CPU, and the TPU kernel plan.
+"""The Pallas TPU (Mosaic) kernels, interpreted on this CPU, and the TPU kernel plan.
 
 kernels/selection_tpu.py against the float64 reference (nsa_jax.kernels.reference): output and
 (dq, dk, dv) over G from 1 to 16 (rows padded to the sublane tile or not), bf16, -1 slots anywhere,
 rows that see no key, and calls cut into several prefetch chunks; the sorting reverse index equal to
-the counting one; the plan a TPU gets, and the NSA layer running it equal to the reference layer.
+the counting one; the window and compressed branches on splash attention (kernels/splash_tpu.py)
+against the same reference; the plan a TPU gets, and the NSA layer running it equal to the reference
+layer.
 What compiles for a TPU (v5e, v6e) is the `tpu` tier's: tests/test_tpu_aot.py.
 """
 
@@ -15,12 +17,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import nsa_layer_ref, random_block_indices, reference_attention, selection_visible
+from reference import (
+    compressed_visible,
+    nsa_layer_ref,
+    random_block_indices,
+    reference_attention,
+    selection_visible,
+    window_visible,
+)
 
-from nsa_jax.kernels import KernelPlan, plan_kernels
+from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, window_attention
 from nsa_jax.kernels import selection_tpu as tpu
 from nsa_jax.kernels.plan import substitutions
 from nsa_jax.kernels.reverse_index import reverse_index, reverse_index_sorted
+from nsa_jax.nsa.context import SeqLayout
 from nsa_jax.nsa.layer import NSAAttention
 
 from helpers import as_f32, check_all, random_inputs, rel_err, run_with_grads, tiny_model_cfg
@@ -91,11 +101,68 @@ def test_tpu_selection_refuses_what_it_cannot_run():
         tpu.selection_attention_tpu(q, k, v, wide, 16, interpret=True)
 
 
-def test_a_tpu_plans_its_selection_kernel():
+# (batch, T, G, KV heads, head dim, window, dtype): one tile rounded up to 128 rows, a causal window,
+# and several 512-row tiles of which the local mask skips the far ones.
+WINDOW_CASES = [
+    pytest.param(2, 150, 2, 2, 32, 40, jnp.float32, id="T150-w40-K2-f32"),
+    pytest.param(1, 70, 3, 1, 64, 1 << 30, jnp.float32, id="T70-causal-f32"),
+    pytest.param(1, 600, 2, 1, 64, 100, jnp.bfloat16, id="T600-w100-bf16"),
+]
+
+
+@pytest.mark.parametrize("b,t,g,kvh,d,w,dtype", WINDOW_CASES)
+def test_splash_window_matches_reference(b, t, g, kvh, d, w, dtype):
+    rng = np.random.default_rng(t + w % 97)
+    q, k, v, do = random_inputs(rng, b, t, g * kvh, kvh, d, dtype)
+    got = run_with_grads(lambda q, k, v: window_attention(q, k, v, w, impl="splash", interpret=True), q, k, v, do)
+    check_all(got, reference_attention(*as_f32(q, k, v, do), window_visible(w), d**-0.5), dtype)
+
+
+@pytest.mark.parametrize(
+    "t,g,kvh,l,d,dtype",
+    [(90, 2, 2, 8, 4, jnp.float32), (700, 3, 1, 32, 16, jnp.bfloat16)],
+    ids=["T90-f32", "T700-bf16"],
+)
+def test_splash_compressed_matches_reference(t, g, kvh, l, d, dtype):
+    # Rows before the first compressed token ends (t < l - 1) see none and give 0 with no gradient.
+    rng = np.random.default_rng(t)
+    tc = (t - l) // d + 1
+    q, _, _, do = random_inputs(rng, 1, t, g * kvh, kvh, 32, dtype)
+    _, kc, vc, _ = random_inputs(rng, 1, tc, g * kvh, kvh, 32, dtype)
+
+    def fn(q, kc, vc):
+        return compressed_attention(q, kc, vc, l=l, d=d, lp=16, impl="splash", scores=False, interpret=True)[0]
+
+    got = run_with_grads(fn, q, kc, vc, do)
+    check_all(got, reference_attention(*as_f32(q, kc, vc, do), compressed_visible(l, d, tc), 32**-0.5), dtype)
+
+
+def test_splash_refuses_what_it_cannot_run():
+    q, k, v, _ = random_inputs(np.random.default_rng(0), 1, 32, 2, 1, 16, jnp.float32)
+    with pytest.raises(ValueError, match="the window branch on splash attention takes no query offset"):
+        window_attention(q, k, v, 8, impl="splash", interpret=True, q_offset=jnp.int32(0))
+    with pytest.raises(ValueError, match="window attention with softcap runs in XLA only"):
+        window_attention(q, k, v, 8, impl="splash", interpret=True, softcap=30.0)
+    with pytest.raises(ValueError, match="splash attention forms no probabilities"):
+        compressed_attention(q, k, v, l=8, d=4, lp=16, impl="splash", interpret=True)
+
+
+def test_a_tpu_plans_its_kernels():
     nsa = tiny_model_cfg(lp=16).nsa
     plan = plan_kernels(nsa, 8192, "tpu")
-    assert (plan.cmp, plan.slc, plan.win, plan.interpret) == ("xla", "tpu", "xla", False)
+    # cmp's scores need the compressed branch's probabilities: it stays on XLA; the window runs splash.
+    assert (plan.cmp, plan.slc, plan.win, plan.interpret) == ("xla", "tpu", "splash", False)
     assert plan.describe()["slc"] == "pallas-mosaic"
+    assert plan.describe()["win"] == "pallas-mosaic/splash"
+    minmax = plan_kernels(dataclasses.replace(nsa, scorer="minmax"), 8192, "tpu")
+    assert (minmax.cmp, minmax.win) == ("splash", "splash")
+    assert plan_kernels(dataclasses.replace(nsa, scorer="minmax"), 8192, "tpu", fallback={"cmp", "win"}).cmp == "xla"
+    assert plan_kernels(nsa, 8192, "tpu", fallback={"win"}).win == "xla"
+    assert "the window branch runs as xla-chunked (the kernel guard found splash" in " ".join(
+        substitutions(nsa, [plan_kernels(nsa, 8192, "tpu", fallback={"win"})], "tpu", fallback={"win"})
+    )
+    split = plan_kernels(dataclasses.replace(nsa, scorer="minmax"), 8192, "tpu", layout=SeqLayout(2, 2048, 8192))
+    assert (split.cmp, split.slc, split.win) == ("xla", "tpu", "xla")  # splash takes no query offset
     assert plan_kernels(nsa, 8192, "tpu", fallback={"slc"}).slc == "xla"
     assert plan_kernels(dataclasses.replace(nsa, lp=24), 8192, "tpu").slc == "xla"
     assert plan_kernels(dataclasses.replace(nsa, attention_impl="xla"), 8192, "tpu").slc == "xla"
@@ -108,12 +175,15 @@ def test_a_tpu_plans_its_selection_kernel():
 
 
 def test_nsa_layer_on_the_tpu_plan_matches_the_reference():
-    # The whole layer with its selection branch on the TPU kernels (interpreted): the reference layer's
-    # output, and the gradient of the input equal to the XLA plan's.
-    cfg = tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=3, w=16)
+    # The whole layer with every branch on the TPU's kernels (interpreted; the minmax scorer, so the
+    # compressed branch runs splash too): the reference layer's output, and the gradient of the input
+    # equal to the XLA plan's.
+    cfg = tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=3, w=16, scorer="minmax")
     T = 48
     x = jax.random.normal(jax.random.PRNGKey(5), (1, T, cfg.d_model), jnp.float32)
-    on_tpu = NSAAttention(cfg, kernels=KernelPlan(slc="tpu", interpret=True))
+    plan = plan_kernels(cfg.nsa, T, "tpu")
+    assert (plan.cmp, plan.slc, plan.win) == ("splash", "tpu", "splash")
+    on_tpu = NSAAttention(cfg, kernels=dataclasses.replace(plan, interpret=True))
     params = jax.jit(on_tpu.init)(jax.random.PRNGKey(6), x)["params"]
     out = jax.jit(on_tpu.apply)({"params": params}, x)
     ref, _ = nsa_layer_ref(params, x, cfg)

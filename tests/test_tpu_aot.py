@@ -1,7 +1,8 @@
 """The `tpu` tier: the TPU program compiled on this CPU host with libtpu (pip install -e ".[tpu]").
 
 Marked `tpu` and skipped, saying so, without libtpu. The selection branch's Pallas TPU (Mosaic) kernels
-compile, forward and backward, for v5e and v6e at the a100_pcie layer's shapes; the kernels' compiled
+and splash attention's (the window branch, dense causal attention, the compressed branch) compile, forward
+and backward, for v5e and v6e at the a100_pcie layer's shapes (Mosaic refuses a kernel over VMEM); the kernels' compiled
 step moves fewer bytes (XLA's cost analysis, with the kernels' own cost estimates) than the same layer
 with the XLA selection path; a reduced a100_pcie train step compiles for a v5e slice with the kernels in
 it; `launch.info --target` takes a TPU slice and refuses an unknown one. Nothing runs on a TPU here.
@@ -25,6 +26,7 @@ from launch import info as info_cli  # noqa: E402
 from nsa_jax.config import load_config  # noqa: E402
 from nsa_jax.kernels import xla  # noqa: E402
 from nsa_jax.kernels.selection_tpu import selection_attention_tpu  # noqa: E402
+from nsa_jax.kernels.splash_tpu import compressed_attention_splash, window_attention_splash  # noqa: E402
 from nsa_jax.tools import aot  # noqa: E402
 
 pytestmark = [
@@ -70,12 +72,27 @@ def test_selection_kernels_compile_for_tpu_and_move_fewer_bytes_than_xla(target)
     assert temp["tpu"] < temp["xla"], temp
 
 
+@pytest.mark.parametrize("target", ["v5e-4", "v6e-4"])
+def test_splash_attention_compiles_for_tpu(target):
+    # The window branch (w = 512), dense causal attention and the compressed branch (l = 32, d = 16): each
+    # a forward and its dQ and dK/dV kernels.
+    q, kv, _ = _abstract(target)
+    kc = jax.ShapeDtypeStruct((1, (T - 32) // 16 + 1, K, D), jnp.bfloat16, sharding=kv.sharding)
+    for attend, keys in (
+        (lambda q, k, v, _: window_attention_splash(q, k, v, 512), kv),
+        (lambda q, k, v, _: window_attention_splash(q, k, v, T), kv),
+        (lambda q, k, v, _: compressed_attention_splash(q, k, v, l=32, d=16), kc),
+    ):
+        text = _fwd_bwd(attend).lower(q, keys, keys, None).compile().as_text()
+        assert text.count("tpu_custom_call") >= 3, text.count("tpu_custom_call")
+
+
 def test_a_reduced_a100_pcie_step_compiles_for_a_v5e_slice_with_the_kernels():
     cfg = load_config("a100_pcie", ["model.n_layers=2", "model.scan_unroll=1", "train.global_batch=4"])
     compiled = aot.compile_train_step(cfg, "v5e-4", 4)
     text = compiled.executable.as_text()  # the layers are one scanned body: each kernel in it once or more
-    assert text.count("tpu_custom_call") >= 3 and all(
-        name in text for name in ("fwd_kernel", "dq_kernel", "dkv_kernel")
+    assert text.count("tpu_custom_call") >= 6 and all(
+        name in text for name in ("fwd_kernel", "dq_kernel", "dkv_kernel", "splash_mha")
     )
     assert 0 < compiled.memory["total"] <= aot.get_target("v5e-4").usable_bytes()
 

@@ -5,7 +5,8 @@ One entry point per NSA branch (`compressed_attention`, `selection_attention`,
 CPU path, kernels/xla.py) or a Pallas kernel (Triton backend: compressed_pallas with
 block_scores_pallas, or `cudnn`: cuDNN's fused attention with block_scores_pallas;
 selection's `blocksparse` (blocksparse_pallas) or `gather` (selection_pallas);
-flash_pallas for the window). Which one each branch runs is the
+flash_pallas for the window; on a TPU, selection_tpu's Mosaic kernels and jax's splash
+attention (splash_tpu) for the window and compressed branches). Which one each branch runs is the
 kernel plan's decision (kernels/plan.py, `plan_kernels`), made once from the config,
 the backend and the kernel guard's findings and passed to the layer. `interpret`
 says whether a Pallas kernel runs in the interpreter; None: when the default backend
@@ -32,6 +33,7 @@ from nsa_jax.kernels.plan import (
     COMPRESSED_KERNELS,
     CUDNN_CMP,
     SELECTION_KERNELS,
+    SPLASH,
     TPU_SELECTION,
     KernelPlan,
     cudnn_fits,
@@ -50,6 +52,7 @@ from nsa_jax.kernels.scorers import (
 )
 from nsa_jax.kernels.selection_pallas import selection_attention_pallas
 from nsa_jax.kernels.selection_tpu import selection_attention_tpu
+from nsa_jax.kernels.splash_tpu import compressed_attention_splash, window_attention_splash
 from nsa_jax.kernels.xla import (
     compressed_attention_xla,
     select_blocks,
@@ -130,13 +133,23 @@ def selection_attention(
 def window_attention(
     q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512, q_offset=0, softcap=0.0
 ):
-    """Sliding-window attention through `impl` (`pallas` or `xla`); `softcap` (Gemma 2's scores
-    c * tanh(s / c)) runs in XLA only."""
+    """Sliding-window attention through `impl` (`pallas`, `splash` or `xla`); `softcap` (Gemma 2's scores
+    c * tanh(s / c)) runs in XLA only; `splash` takes no query offset."""
+    if impl == SPLASH:
+        _no_offset(q_offset, "window")
+        if softcap:
+            raise ValueError("window attention with softcap runs in XLA only (impl='xla')")
+        return window_attention_splash(q, k, v, window, scale, interpret=_interpret(interpret))
     if impl == "pallas":
         if softcap:
             raise ValueError("window attention with softcap runs in XLA only (impl='xla')")
         return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret), q_offset=q_offset)
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk, q_offset=q_offset, softcap=softcap)
+
+
+def _no_offset(q_offset, branch: str) -> None:
+    if not (isinstance(q_offset, int) and q_offset == 0):
+        raise ValueError(f"the {branch} branch on splash attention takes no query offset (context parallelism: xla)")
 
 
 def compressed_attention(
@@ -159,7 +172,7 @@ def compressed_attention(
     softcap=0.0,
 ):
     """Compressed-branch attention and the selection-block scores (or blocks) through `impl` (`pallas`,
-    `cudnn` or `xla`).
+    `cudnn`, `splash` (the attention alone, no query offset) or `xla`).
 
     Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
     gets 0. Returns o [B, T, H, Dv] in q's dtype and the group block scores
@@ -176,12 +189,21 @@ def compressed_attention(
     `t_T` defaults to the rows' positions. `scores`: True (Eq. 9, the `cmp` scorer) or False (the
     attention alone: o and None, for a scorer that reads the selection keys, kernels/scorers.py).
     """
-    if impl not in (*COMPRESSED_KERNELS, "xla"):
-        raise ValueError(f"compressed branch impl must be one of {', '.join(COMPRESSED_KERNELS)} or xla, got {impl!r}")
+    if impl not in (*COMPRESSED_KERNELS, SPLASH, "xla"):
+        raise ValueError(
+            f"compressed branch impl must be one of {', '.join(COMPRESSED_KERNELS)}, {SPLASH} or xla, got {impl!r}"
+        )
     if scores is not True and scores is not False:
         raise ValueError(f"compressed branch scores must be True or False, got {scores!r}")
     if softcap and impl != "xla":
         raise ValueError("the compressed branch with softcap runs in XLA only (impl='xla')")
+    if impl == SPLASH:
+        if scores:
+            raise ValueError("splash attention forms no probabilities: the cmp scores run on xla (or a GPU's kernels)")
+        _no_offset(q_offset, "compressed")
+        if kc.shape[1] == 0:
+            return jnp.zeros((*q.shape[:3], vc.shape[3]), q.dtype), None
+        return compressed_attention_splash(q, kc, vc, l=l, d=d, scale=scale, interpret=_interpret(interpret)), None
     pool = "sum" if scores else None
     B, T, H, Dk = q.shape
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]

@@ -14,6 +14,8 @@ kernel plan (`plan_kernels(..., fallback=...)`) then runs it on XLA. Elsewhere, 
 `pallas` / `xla` asked for, it returns at once unless `force=True` (tests: interpreted
 kernels). Selection is checked with the kernel the plan picks at its length; the compressed
 branch with cuDNN's attention where the config names it, and its flash kernels where that fails.
+On a TPU the guard runs by itself under `auto` and checks what a TPU plan runs on Pallas: the
+selection kernels and splash attention (kernels/plan.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from nsa_jax.kernels import (
     resolve_impl,
     selection_kernel_fits,
 )
-from nsa_jax.kernels.plan import TPU_BACKENDS, SequenceSplit
+from nsa_jax.kernels.plan import SPLASH, TPU_BACKENDS, SequenceSplit
 from nsa_jax.kernels.xla import num_compressed, select_blocks
 
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
@@ -50,6 +52,8 @@ _KERNELS = {
     "cmp": "compressed_pallas/block_scores_pallas (nsa_cmp_*, nsa_block_select)",
     "cmp-cudnn": "cuDNN fused attention + block_scores_pallas (nsa_cmp_lse, nsa_block_select)",
     "win": "flash_pallas (nsa_window_*)",
+    "cmp-splash": "splash attention (splash_tpu, the compressed mask)",
+    "win-splash": "splash attention (splash_tpu, the local mask)",
     "blocksparse": "blocksparse_pallas (nsa_selection_bsp_*)",
     "gather": "selection_pallas (nsa_selection_*)",
 }
@@ -70,7 +74,7 @@ def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[s
     calls = BranchCalls(nsa, plan)
     reference = lambda impl: None if impl == "pallas" else impl  # noqa: E731 - "xla": the reference
     if branch == "cmp":
-        name = _KERNELS["cmp-cudnn" if plan.cmp == "cudnn" else "cmp"]
+        name = _KERNELS[{"cudnn": "cmp-cudnn", SPLASH: "cmp-splash"}.get(plan.cmp, "cmp")]
         if nsa.scorer == "minmax":  # the attention alone, and the blocks from the selection keys k
             # (mix scores on XLA: its compressed scores come with the attention, checked as cmp's are)
 
@@ -78,7 +82,8 @@ def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[s
                 o, _ = calls.compressed(q, kc, vc, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
                 return o, calls.blocks(q, k, q_offset=q_offset, num_blocks=num_blocks, impl=reference(impl))
 
-            return f"{name} + minmax_pallas (nsa_minmax_select)", cmp_minmax
+            fused = plan.cmp != SPLASH  # a TPU scores minmax on XLA (kernels/plan.py)
+            return f"{name} + {'minmax_pallas (nsa_minmax_select)' if fused else 'minmax on xla'}", cmp_minmax
         if nsa.scorer == "rescore":  # cmp's candidates, and the second stage over the selection keys k
 
             def cmp_rescore(impl, q, kc, vc, k, q_offset):
@@ -98,7 +103,7 @@ def _branch_fn(plan, nsa, branch: str, num_blocks: int | None = None) -> tuple[s
         def win(impl, q, k, v, q_offset):
             return calls.window(q, k, v, q_offset=q_offset, impl=reference(impl)), None
 
-        return _KERNELS["win"], win
+        return _KERNELS["win-splash" if plan.win == SPLASH else "win"], win
 
     def slc(impl, q, k, v, idx, q_offset):
         return calls.selection(q, k, v, idx, q_offset=q_offset, impl=reference(impl)), None

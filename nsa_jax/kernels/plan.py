@@ -20,7 +20,11 @@ No process-wide state: a compile for another card asks for that card's backend. 
   ``minmax`` and ``rescore``'s second stage on Pallas beside the compressed branch's Pallas or cuDNN
   kernels, else on XLA; ``mix`` on XLA.
 * A TPU (``auto`` or ``pallas``): selection on the Pallas TPU kernels (kernels/selection_tpu.py) where lp is
-  a power of two >= 16 and the guard passed them, the compressed and window branches on XLA.
+  a power of two >= 16 and the guard passed them; the window branch (and dense attention) on jax's splash
+  attention (kernels/splash_tpu.py), and the compressed branch too where its scorer needs no
+  probabilities from it (not ``cmp``, ``mix`` or ``rescore``, which score in XLA's chunks), unless the
+  guard failed them; under context parallelism (a traced query offset, which splash's static masks
+  cannot take) both on XLA.
 * Context parallelism (a ``layout``, nsa/context.py): the same kernels, each device's queries
   at an offset into the whole padded sequence (``seq``: its length). The plan carries the
   layout to the layer; the compressed branch never runs through cuDNN there (no query offset).
@@ -33,6 +37,7 @@ from typing import Protocol, runtime_checkable
 
 from nsa_jax.kernels.blocksparse_pallas import prefers_blocksparse
 from nsa_jax.kernels.pallas_common import is_tile_size
+from nsa_jax.kernels.scorers import CMP_SCORERS
 from nsa_jax.kernels.selection_pallas import SelectionBlockSizes
 
 BRANCHES = ("cmp", "slc", "win")
@@ -51,6 +56,9 @@ GPU_BACKENDS = ("gpu", "cuda", "rocm")
 TPU_BACKENDS = ("tpu",)
 # The selection branch's Pallas TPU (Mosaic) kernels (kernels/selection_tpu.py): what a TPU plan runs.
 TPU_SELECTION = "tpu"
+# jax's splash attention (kernels/splash_tpu.py): a TPU plan's window branch, and its compressed one where
+# the scorer reads no probabilities from it.
+SPLASH = "splash"
 
 # The selection kernels a config may name, with the tiles each runs (None: blocksparse's own).
 # gather: one query position per program (its G heads padded to 16 rows) with one warp: the
@@ -80,8 +88,8 @@ class SequenceSplit(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    """What each branch runs: cmp ``pallas``, ``cudnn`` or ``xla``; slc ``blocksparse``, ``gather``, ``tpu``
-    (the Pallas TPU kernels) or ``xla``; win ``pallas`` or ``xla``.
+    """What each branch runs: cmp ``pallas``, ``cudnn``, ``splash`` (a TPU) or ``xla``; slc ``blocksparse``,
+    ``gather``, ``tpu`` (the Pallas TPU kernels) or ``xla``; win ``pallas``, ``splash`` or ``xla``.
 
     ``interpret``: the Pallas kernels run in the Pallas interpreter (a backend without a GPU).
     ``layout``: under context parallelism, the sequence layout the layer reads its chunks
@@ -103,9 +111,9 @@ class KernelPlan:
         if self.layout is not None and not isinstance(self.layout, SequenceSplit):
             raise TypeError(f"KernelPlan.layout must be a sequence split (nsa/context.SeqLayout), got {self.layout!r}")
         for branch, allowed in (
-            ("cmp", (*COMPRESSED_KERNELS, "xla")),
+            ("cmp", (*COMPRESSED_KERNELS, SPLASH, "xla")),
             ("slc", (*SELECTION_KERNELS, TPU_SELECTION, "xla")),
-            ("win", ("pallas", "xla")),
+            ("win", ("pallas", SPLASH, "xla")),
         ):
             if getattr(self, branch) not in allowed:
                 raise ValueError(
@@ -125,13 +133,14 @@ class KernelPlan:
         slc = "xla-chunked" if self.slc == "xla" else f"{pallas}/{self.slc}"
         if self.slc == TPU_SELECTION:
             slc = "pallas-interpret/tpu" if self.interpret else "pallas-mosaic"
-        cmp = {"pallas": pallas, "xla": "xla-chunked"}.get(self.cmp)
+        splash = "pallas-interpret/splash" if self.interpret else "pallas-mosaic/splash"
+        cmp = {"pallas": pallas, "xla": "xla-chunked", SPLASH: splash}.get(self.cmp)
         if self.cmp == "cudnn":
             cmp = f"{'xla-attention' if self.interpret else 'cudnn'}+{pallas}"
         out = {
             "cmp": cmp,
             "slc": slc,
-            "win": pallas if self.win == "pallas" else "xla-chunked",
+            "win": {"pallas": pallas, SPLASH: splash}.get(self.win, "xla-chunked"),
         }
         if scorer != "cmp":  # the kernel BranchCalls.blocks runs
             fused = scorer in ("minmax", "rescore") and self.cmp in COMPRESSED_KERNELS
@@ -191,10 +200,7 @@ def plan_kernels(
             f"compressed_kernel must be auto or one of {', '.join(COMPRESSED_KERNELS)}, got {cmp_choice!r}"
         )
     if backend in TPU_BACKENDS and nsa.attention_impl != "xla":
-        # A TPU runs the selection branch's Mosaic kernels; the compressed and window branches are dense
-        # attention over few or near keys, which XLA's TPU fusions run as they are.
-        slc = "xla" if "slc" in fallback or not selection_kernel_fits(nsa.lp) else TPU_SELECTION
-        return KernelPlan(slc=slc, layout=layout)
+        return _tpu_plan(nsa, fallback, layout)
     chosen = resolve_impl(nsa.attention_impl, backend)
     auto = nsa.attention_impl == "auto"
 
@@ -215,6 +221,16 @@ def plan_kernels(
     if cmp == "pallas" and not (auto and CUDNN_CMP in fallback) and layout is None:
         cmp = cmp_choice
     return KernelPlan(cmp=cmp, slc=slc, win=impl("win"), interpret=backend not in GPU_BACKENDS, layout=layout)
+
+
+def _tpu_plan(nsa, fallback, layout) -> KernelPlan:
+    """A TPU's plan (the module docstring's rule)."""
+    slc = "xla" if "slc" in fallback or not selection_kernel_fits(nsa.lp) else TPU_SELECTION
+    whole = layout is None  # splash's masks are static: no query offset
+    win = SPLASH if whole and "win" not in fallback else "xla"
+    scored = "slc" in nsa.branches and nsa.scorer in CMP_SCORERS
+    cmp = SPLASH if whole and not scored and "cmp" not in fallback else "xla"
+    return KernelPlan(cmp=cmp, slc=slc, win=win, layout=layout)
 
 
 def substitutions(nsa, plans: list[KernelPlan], backend: str, fallback=frozenset()) -> list[str]:
@@ -239,9 +255,12 @@ def substitutions(nsa, plans: list[KernelPlan], backend: str, fallback=frozenset
     if backend in TPU_BACKENDS and nsa.attention_impl != "xla":
         if nsa.attention_impl == "pallas":
             out.append(
-                "model.nsa.attention_impl=pallas runs as pallas-mosaic for selection and xla-chunked for the "
-                "compressed and window branches (their Pallas kernels are Triton's: a GPU's)"
+                "model.nsa.attention_impl=pallas runs as pallas-mosaic: the selection kernels and splash attention "
+                "(the project's other Pallas kernels are Triton's: a GPU's)"
             )
+        for branch, name in (("win", "window"), ("cmp", "compressed")):
+            if branch in fallback and branch in nsa.branches:
+                out.append(f"the {name} branch runs as xla-chunked (the kernel guard found splash attention failing)")
         for key in ("selection_kernel", "compressed_kernel"):
             if getattr(nsa, key) != "auto":
                 out.append(f"model.nsa.{key}={getattr(nsa, key)} names a GPU kernel; a TPU runs its own")
