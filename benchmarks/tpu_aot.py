@@ -16,7 +16,8 @@ body times the trips) and both paths' temporaries for forward + backward.
 
 `--step CONFIG [--set key=value ...]` instead compiles CONFIG's whole train step (its strategy, its
 parallel.context) once for each slice of --targets, over all of its chips, and prints the per-chip memory,
-the compile time and the Mosaic kernels in it: one compile, where `launch.info --target` searches.
+the bytes of XLA's cost analysis (a scanned layer's body and each loop's counted once), the compile time
+and the Mosaic kernels in it: one compile, where `launch.info --target` searches.
 """
 
 from __future__ import annotations
@@ -126,11 +127,12 @@ def step_line(cfg, target: str) -> str:
         return f"{head}does NOT fit: libtpu refused it ({str(e).splitlines()[0][-110:]}); {took:.0f} s"
     m = c.memory
     kernels = c.executable.as_text().count("tpu_custom_call")
+    moved = c.executable.cost_analysis().get("bytes accessed", 0.0)  # a loop's body counted once
     return (
         f"{head}per chip {m['total'] / GiB:.2f} GiB "
         f"(arguments {m['argument'] / GiB:.2f}, temporaries {m['temp'] / GiB:.2f}) of {t.usable_bytes() / GiB:.0f} "
         f"-> {'fits' if m['total'] <= t.usable_bytes() else 'does NOT fit'}; {kernels} Mosaic calls; "
-        f"compiled in {c.lower_s + c.compile_s:.0f} s"
+        f"{moved / GiB:.2f} GiB in the cost analysis; compiled in {c.lower_s + c.compile_s:.0f} s"
     )
 
 
