@@ -16,8 +16,9 @@ body times the trips) and both paths' temporaries for forward + backward.
 
 `--step CONFIG [--set key=value ...]` instead compiles CONFIG's whole train step (its strategy, its
 parallel.context) once for each slice of --targets, over all of its chips, and prints the per-chip memory,
-the bytes of XLA's cost analysis (a scanned layer's body and each loop's counted once), the compile time
-and the Mosaic kernels in it: one compile, where `launch.info --target` searches.
+the bytes of XLA's cost analysis (a scanned layer's body and each loop's counted once), the collectives'
+payload per chip (xla_dump.hlo_collectives: loops by their trip counts), the compile time and the Mosaic
+kernels in it: one compile, where `launch.info --target` searches.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from launch.cli import add_overrides  # noqa: E402
 from nsa_jax.config import ConfigError, load_config  # noqa: E402
 from nsa_jax.kernels import splash_tpu, xla  # noqa: E402
 from nsa_jax.kernels.selection_tpu import selection_attention_tpu  # noqa: E402
-from nsa_jax.tools import aot  # noqa: E402
+from nsa_jax.tools import aot, xla_dump  # noqa: E402
 
 G, K, D, LP, N = 6, 2, 64, 64, 16
 GiB = 2**30
@@ -126,13 +127,19 @@ def step_line(cfg, target: str) -> str:
         took = time.perf_counter() - t0
         return f"{head}does NOT fit: libtpu refused it ({str(e).splitlines()[0][-110:]}); {took:.0f} s"
     m = c.memory
-    kernels = c.executable.as_text().count("tpu_custom_call")
+    text = c.executable.as_text()
+    kernels = text.count("tpu_custom_call")
     moved = c.executable.cost_analysis().get("bytes accessed", 0.0)  # a loop's body counted once
+    collectives = ", ".join(
+        f"{kind} {row['payload_bytes'] / 2**20:.1f} MiB ({row['count']}x)"
+        for kind, row in sorted(xla_dump.hlo_collectives(text).items())
+    )
     return (
         f"{head}per chip {m['total'] / GiB:.2f} GiB "
         f"(arguments {m['argument'] / GiB:.2f}, temporaries {m['temp'] / GiB:.2f}) of {t.usable_bytes() / GiB:.0f} "
         f"-> {'fits' if m['total'] <= t.usable_bytes() else 'does NOT fit'}; {kernels} Mosaic calls; "
-        f"{moved / GiB:.2f} GiB in the cost analysis; compiled in {c.lower_s + c.compile_s:.0f} s"
+        f"{moved / GiB:.2f} GiB in the cost analysis; collectives per chip and step: {collectives or 'none'}; "
+        f"compiled in {c.lower_s + c.compile_s:.0f} s"
     )
 
 

@@ -163,3 +163,55 @@ def test_collective_group_sizes_in_each_form_xla_prints():
     )
     ((name, _, op, groups),) = xla_dump._COLLECTIVE.findall(line)
     assert (name, op, xla_dump.group_size(groups)) == ("all-gather-start.13", "all-gather-start", 2)
+
+
+LOOPED = """\
+%gather_wrapper (param_0.9: bf16[4,256]) -> bf16[16,256] {
+  %param_0.9 = bf16[4,256]{1,0} parameter(0)
+  ROOT %all-gather.1 = bf16[16,256]{1,0} all-gather(%param_0.9), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %p = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[1024]{0} get-tuple-element(%p), index=1
+  %all-reduce.7 = f32[1024]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[1024]{0}) tuple(%next, %all-reduce.7)
+}
+
+%cond (p.1: (s32[], f32[1024])) -> pred[] {
+  %p.1 = (s32[], f32[1024]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %bound = s32[]{:T(128)} constant(12)
+  ROOT %lt = pred[] compare(%i.1, %bound), direction=LT
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x.2: f32[1024], y.2: bf16[4,256]) -> (f32[1024], bf16[16,256]) {
+  %x.2 = f32[1024]{0} parameter(0)
+  %y.2 = bf16[4,256]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%zero, %x.2)
+  %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+  %out = f32[1024]{0} get-tuple-element(%loop), index=1
+  %g = bf16[16,256]{1,0} fusion(%y.2), kind=kCustom, calls=%gather_wrapper
+  ROOT %r = (f32[1024]{0}, bf16[16,256]{1,0}) tuple(%out, %g)
+}
+"""
+
+
+def test_collectives_of_a_compiled_text_count_their_loops_trips():
+    # By hand: the all-reduce of 1024 fp32 runs in a loop of 12 trips (its condition's bound), the
+    # all-gather to 16 x 256 bf16 once, inside a fusion's computation; the reduction `add` holds none.
+    got = xla_dump.hlo_collectives(LOOPED)
+    assert got == {
+        "all-reduce": {"count": 12, "payload_bytes": 12 * 1024 * 4},
+        "all-gather": {"count": 1, "payload_bytes": 16 * 256 * 2},
+    }

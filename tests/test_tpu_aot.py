@@ -2,10 +2,11 @@
 
 Marked `tpu` and skipped, saying so, without libtpu. The selection branch's Pallas TPU (Mosaic) kernels
 and splash attention's (the window branch, dense causal attention, the compressed branch) compile, forward
-and backward, for v5e and v6e at the a100_pcie layer's shapes (Mosaic refuses a kernel over VMEM); the kernels' compiled
-step moves fewer bytes (XLA's cost analysis, with the kernels' own cost estimates) than the same layer
-with the XLA selection path; a reduced a100_pcie train step compiles for a v5e slice with the kernels in
-it; `launch.info --target` takes a TPU slice and refuses an unknown one. Nothing runs on a TPU here.
+and backward, for v5e and v6e at the a100_pcie layer's shapes (Mosaic refuses a kernel over VMEM); the
+selection kernels move fewer bytes (XLA's cost analysis, with the kernels' own cost estimates) than the
+XLA selection path; a reduced a100_pcie train step compiles for a v5e slice with the kernels in it, and
+its gradient all-reduce carries every parameter once in bf16; `launch.info --target` takes a TPU slice
+and refuses an unknown one. Nothing runs on a TPU here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from nsa_jax.config import load_config  # noqa: E402
 from nsa_jax.kernels import xla  # noqa: E402
 from nsa_jax.kernels.selection_tpu import selection_attention_tpu  # noqa: E402
 from nsa_jax.kernels.splash_tpu import compressed_attention_splash, window_attention_splash  # noqa: E402
-from nsa_jax.tools import aot  # noqa: E402
+from nsa_jax.model import init_params  # noqa: E402
+from nsa_jax.tools import aot, xla_dump  # noqa: E402
 
 pytestmark = [
     pytest.mark.tpu,
@@ -95,6 +97,12 @@ def test_a_reduced_a100_pcie_step_compiles_for_a_v5e_slice_with_the_kernels():
         name in text for name in ("fwd_kernel", "dq_kernel", "dkv_kernel", "splash_mha")
     )
     assert 0 < compiled.memory["total"] <= aot.get_target("v5e-4").usable_bytes()
+    # dp's one gradient all-reduce in bf16 (parallel.grad_reduce_dtype), read from the compiled text: every
+    # parameter's 2 bytes, and a few scalars (the loss, the token count).
+    params = jax.eval_shape(lambda: init_params(cfg.model, jax.random.PRNGKey(0), cfg.train.seq_len))
+    grad_bytes = 2 * sum(x.size for x in jax.tree.leaves(params))
+    reduced = xla_dump.hlo_collectives(text)["all-reduce"]["payload_bytes"]
+    assert grad_bytes <= reduced <= grad_bytes + 4096, (reduced, grad_bytes)
 
 
 def test_info_targets_a_tpu_slice_and_refuses_an_unknown_one(capsys):

@@ -9,7 +9,9 @@ reads what that dump holds:
   thunks and collectives); `launch_counts` sums them, `loop_trip_counts` names the loops;
 * `pallas_kernels(dump)`: each Pallas kernel's grid, threads, shared memory and, from
   `ptxas -v` on its PTX, registers and spill bytes;
-* `occupancy_blocks`: the blocks per SM those allow on a card (aot.py `GpuTarget`).
+* `occupancy_blocks`: the blocks per SM those allow on a card (aot.py `GpuTarget`);
+* `hlo_collectives(text)`: the collectives of any compiled program's HLO text (a TPU's too, whose
+  compile leaves no thunk sequence), multiplied by the trip counts of the loops they sit in.
 
 Plain text parsing and one ptxas run per kernel: no jax.
 """
@@ -222,6 +224,65 @@ def collective_traffic(dump_dir: str) -> dict[str, dict[str, int]]:
             row["payload_bytes"] += n * payload
             row["sent_bytes"] += n * sent
             row["largest"] = max(row["largest"], payload)
+    return out
+
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+_CALLEE = re.compile(r"\b(calls|to_apply|body|condition)=%([\w.\-]+)")
+_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_COUNTER_BOUND = re.compile(r"s32\[\]\S* constant\((\d+)\)")
+_COLLECTIVE_OP = re.compile(
+    r"= (.+?) (all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\("
+)
+
+
+def hlo_collectives(text: str) -> dict[str, dict[str, int]]:
+    """Per collective kind in a compiled program's HLO text: executions and payload bytes per call.
+
+    Each computation counts as often as it runs: a while body times its trip count, read from its
+    condition's one s32 constant (the counter's bound: scan and fori_loop lower so; a condition with
+    none or several counts once), every other callee (fusions, async wrappers, reductions, both
+    branches of a conditional) as often as its caller. Payload: what the collective produces on each
+    device (all its outputs), as collective_traffic's.
+    """
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif current is not None:
+            comps[current].append(line)
+
+    def trips(condition: str) -> int:
+        bounds = _COUNTER_BOUND.findall("\n".join(comps.get(condition, [])))
+        return int(bounds[0]) if len(bounds) == 1 else 1
+
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        runs[name] = runs.get(name, 0) + times
+        for line in comps.get(name, []):
+            callees = _CALLEE.findall(line)
+            condition = next((n for k, n in callees if k == "condition"), None)
+            for kind, callee in callees:
+                visit(callee, times * (trips(condition) if kind == "body" and condition else 1))
+            for group in _CALLEES.findall(line):
+                for callee in re.findall(r"%([\w.\-]+)", group):
+                    visit(callee, times)
+
+    if entry is not None:
+        visit(entry, 1)
+    out: dict[str, dict[str, int]] = {}
+    for name, lines in comps.items():
+        for line in lines if runs.get(name) else ():
+            m = _COLLECTIVE_OP.search(line)
+            if m:
+                row = out.setdefault(m.group(2), {"count": 0, "payload_bytes": 0})
+                row["count"] += runs[name]
+                row["payload_bytes"] += runs[name] * sum(array_bytes(m.group(1)))
     return out
 
 
