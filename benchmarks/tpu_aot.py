@@ -47,11 +47,15 @@ GiB = 2**30
 W, L_CMP, D_CMP, CHUNK = 512, 32, 16, 512
 
 
-def measure(target: str, T: int, attend, backward: bool) -> dict:
+def _on_chip(target: str):
+    """shape, dtype -> an abstract array on one chip of `target`."""
     sharding = NamedSharding(Mesh(np.array(aot.target_devices(target, 1)), ("d",)), P())
-    q = jax.ShapeDtypeStruct((1, T, G * K, D), jnp.bfloat16, sharding=sharding)
-    kv = jax.ShapeDtypeStruct((1, T, K, D), jnp.bfloat16, sharding=sharding)
-    idx = jax.ShapeDtypeStruct((1, T, K, N), jnp.int32, sharding=sharding)
+    return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def measure(target: str, T: int, attend, backward: bool) -> dict:
+    sds = _on_chip(target)
+    q, kv, idx = sds((1, T, G * K, D), jnp.bfloat16), sds((1, T, K, D), jnp.bfloat16), sds((1, T, K, N), jnp.int32)
     fn = attend
     if backward:
         fn = jax.grad(lambda q, k, v, i: attend(q, k, v, i).astype(jnp.float32).sum(), argnums=(0, 1, 2))
@@ -65,9 +69,8 @@ def measure(target: str, T: int, attend, backward: bool) -> dict:
 
 
 def _compile(target: str, fn, q_len: int, kv_len: int, backward: bool):
-    sharding = NamedSharding(Mesh(np.array(aot.target_devices(target, 1)), ("d",)), P())
-    q = jax.ShapeDtypeStruct((1, q_len, G * K, D), jnp.bfloat16, sharding=sharding)
-    kv = jax.ShapeDtypeStruct((1, kv_len, K, D), jnp.bfloat16, sharding=sharding)
+    sds = _on_chip(target)
+    q, kv = sds((1, q_len, G * K, D), jnp.bfloat16), sds((1, kv_len, K, D), jnp.bfloat16)
     if backward:
         fn = jax.grad(lambda q, k, v, f=fn: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     return jax.jit(fn).lower(q, kv, kv).compile()
@@ -106,7 +109,7 @@ def branch_lines(target: str, T: int) -> list[str]:
         ]
         out.append(
             f"{target:8s} {T:<7d} {name:10s} {visited:>6d}/{total:<6d} {dma / GiB:10.3f} {xla_fwd / GiB:9.3f} "
-            f"{xla_fwd / dma:5.1f}x {temp[0] / 2**20:10.0f} {temp[1] / 2**20 * 1:13.0f}"
+            f"{xla_fwd / dma:5.1f}x {temp[0] / 2**20:10.0f} {temp[1] / 2**20:13.0f}"
         )
     return out
 

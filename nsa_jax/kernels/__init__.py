@@ -135,14 +135,12 @@ def window_attention(
 ):
     """Sliding-window attention through `impl` (`pallas`, `splash` or `xla`); `softcap` (Gemma 2's scores
     c * tanh(s / c)) runs in XLA only; `splash` takes no query offset."""
+    if softcap and impl != "xla":
+        raise ValueError("window attention with softcap runs in XLA only (impl='xla')")
     if impl == SPLASH:
         _no_offset(q_offset, "window")
-        if softcap:
-            raise ValueError("window attention with softcap runs in XLA only (impl='xla')")
         return window_attention_splash(q, k, v, window, scale, interpret=_interpret(interpret))
     if impl == "pallas":
-        if softcap:
-            raise ValueError("window attention with softcap runs in XLA only (impl='xla')")
         return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret), q_offset=q_offset)
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk, q_offset=q_offset, softcap=softcap)
 
@@ -201,9 +199,6 @@ def compressed_attention(
         if scores:
             raise ValueError("splash attention forms no probabilities: the cmp scores run on xla (or a GPU's kernels)")
         _no_offset(q_offset, "compressed")
-        if kc.shape[1] == 0:
-            return jnp.zeros((*q.shape[:3], vc.shape[3]), q.dtype), None
-        return compressed_attention_splash(q, kc, vc, l=l, d=d, scale=scale, interpret=_interpret(interpret)), None
     pool = "sum" if scores else None
     B, T, H, Dk = q.shape
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
@@ -213,6 +208,8 @@ def compressed_attention(
         t_T = q_offset + jnp.arange(T, dtype=jnp.int32)
     if Tc == 0:
         o, s = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
+    elif impl == SPLASH:
+        return compressed_attention_splash(q, kc, vc, l=l, d=d, scale=scale, interpret=_interpret(interpret)), None
     elif impl in COMPRESSED_KERNELS:
         attention = "cudnn" if impl == "cudnn" else "flash"
         kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention)
