@@ -18,5 +18,61 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and not cuda_plugin_available():
     os.environ["XLA_FLAGS"] += f" {FAST_COMPILE_FLAG}"  # helpers.cpu_env passes it to subprocesses
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# Tests the fast tier (`-m "not slow"`) leaves to the full suite: each repeats, for another variant
+# or at a larger size, what a cheaper test of the fast tier checks, and took 4-30 s in the
+# `--durations` table; without them the fast tier keeps to about 4 minutes on 2 cores.
+FULL_SUITE_ONLY = frozenset(
+    [
+        "tests/test_block_scores.py::test_fused_scores_and_selection_match_float64_reference[G16-T96-l16-d16-lp16-f32]",
+        "tests/test_block_scores.py::test_fused_scores_and_selection_match_float64_reference[G6-T150-l16-d8-lp16-f32]",
+        "tests/test_block_scores.py::test_fused_selection_exact_ties[G6-one-tie-group-f32]",
+        "tests/test_block_scores.py::test_select_from_scores_equals_select_blocks[T64-lp16-n16-fewer-candidates]",
+        "tests/test_benchmarks.py::test_profile_step_reads_a_saved_trace",
+        "tests/test_context.py::test_two_devices_at_a_ragged_length_equal_one",
+        "tests/test_convert.py::test_a_run_starts_from_the_folder_and_refuses_another_tokenizer",
+        "tests/test_convert.py::test_converted_folders_give_the_dense_logits",
+        "tests/test_export.py::test_drop_nsa_writes_the_selection_branch_as_the_attention_and_measures_it",
+        "tests/test_inference.py::test_decode_matches_forward_at_every_position[G3K1n4minmax]",
+        "tests/test_inference.py::test_decode_matches_forward_at_every_position[G3K1n4rescore]",
+        "tests/test_kernels_pallas.py::test_reverse_index_segments_cover_every_entry[two-digits-one-chunk]",
+        "tests/test_kernels_pallas.py::test_selection_dkv_skewed_blocks[1-bf16]",
+        "tests/test_kernels_pallas.py::test_selection_dkv_skewed_blocks[16-bf16]",
+        "tests/test_kernels_tpu.py::test_nsa_layer_on_the_tpu_plan_matches_the_reference",
+        "tests/test_kernels_tpu.py::test_sorted_reverse_index_equals_the_counting_one",
+        "tests/test_kernels_tpu.py::test_tpu_selection_matches_reference[G4-d64-T100-bs32-bf16]",
+        "tests/test_kernels_tpu.py::test_tpu_selection_matches_reference[G6-d64-T70-f32]",
+        "tests/test_kernels_xla.py::test_selection_matches_per_token_and_dense_grads[1-2-37-8-3-16-gather]",
+        "tests/test_long_eval.py::test_the_same_command_skips_what_its_out_folder_holds",
+        "tests/test_nsa_layer.py::test_layer_matches_reference_forward_and_indices[6-1-37-avg]",
+        "tests/test_nsa_layer.py::test_matmul_parts_gradients_match_separate_matmuls",
+        "tests/test_nsa_layer.py::test_pallas_layer_matches_reference_forward_and_indices[6-2-61-auto-cudnn]",
+        "tests/test_nsa_layer.py::test_pallas_layer_with_the_key_scorers_matches_reference[rescore-pallas]",
+        "tests/test_nsa_layer.py::test_scorers_match_reference_forward_and_indices[mix-0-2-2-53]",
+        "tests/test_pallas_model.py::test_local_and_global_layers_run_the_pallas_kernels_inside_their_cond",
+        "tests/test_pretrained.py::test_a_family_s_logits_and_greedy_text_are_transformers[gemma2]",
+        "tests/test_pretrained.py::test_a_family_s_logits_and_greedy_text_are_transformers[llama2]",
+        "tests/test_pretrained.py::test_a_family_s_logits_and_greedy_text_are_transformers[llama3]",
+        "tests/test_pretrained.py::test_a_family_s_logits_and_greedy_text_are_transformers[mistral]",
+        "tests/test_pretrained.py::test_a_family_s_logits_and_greedy_text_are_transformers[qwen2]",
+        "tests/test_pretrained.py::test_gemma_s_local_and_global_layers_are_transformers_in_every_layout[unrolled-gemma2]",
+        "tests/test_pretrained.py::test_gemma_s_local_and_global_layers_are_transformers_in_every_layout[unrolled-gemma3]",
+        "tests/test_pretrained.py::test_smollm2_from_gguf_is_transformers_at_512_tokens",
+    ]
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    modules = {item.nodeid.split("::")[0]: item.module for item in items if hasattr(item, "module")}
+    for nodeid in FULL_SUITE_ONLY:
+        path, name = nodeid.split("::")
+        if path in modules and not hasattr(modules[path], name.split("[")[0]):
+            raise pytest.UsageError(f"tests/conftest.py FULL_SUITE_ONLY names {nodeid}, which no longer exists")
+    for item in items:
+        if item.nodeid in FULL_SUITE_ONLY:
+            item.add_marker(pytest.mark.slow)
