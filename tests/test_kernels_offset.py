@@ -27,6 +27,7 @@ from reference import (
     window_visible,
 )
 
+from nsa_jax.kernels import compressed_attention, window_attention
 from nsa_jax.kernels.block_scores_pallas import (
     BlockSelectSizes,
     compressed_attention_scores_pallas,
@@ -219,3 +220,21 @@ def test_tpu_selection_chunks_match_reference():
         return selection_attention_tpu(q, k, v, idx, LP, interpret=True, positions=4, segment=8, q_offset=q_offset)
 
     check_chunks(run_chunks(fn, q, k, v, do, idx), q, k, v, do, selection_visible(idx, LP, T), jnp.float32)
+
+
+def test_splash_window_and_compressed_chunks_match_reference():
+    # Splash's masks are static: at a traced offset it switches among one kernel per listed offset.
+    q, k, v, do = random_inputs(np.random.default_rng(9), 1, T, G * K, K, D, jnp.float32)
+    win = lambda q, k, v, q_offset: window_attention(
+        q, k, v, W, impl="splash", interpret=True, q_offset=q_offset, offsets=OFFSETS
+    )  # noqa: E501, E731
+    check_chunks(run_chunks(win, q, k, v, do), q, k, v, do, window_visible(W), jnp.float32)
+    _, kc, vc, _ = random_inputs(np.random.default_rng(10), 1, TC, G * K, K, D, jnp.float32)
+
+    def cmp(q, kc, vc, q_offset):
+        kw = dict(l=L, d=STRIDE, lp=LP, impl="splash", scores=False, interpret=True)
+        return compressed_attention(q, kc, vc, q_offset=q_offset, offsets=OFFSETS, **kw)[0]
+
+    check_chunks(run_chunks(cmp, q, kc, vc, do), q, kc, vc, do, compressed_visible(L, STRIDE, TC), jnp.float32)
+    with pytest.raises(ValueError, match="needs the offsets it can take"):
+        window_attention(q, k, v, W, impl="splash", interpret=True, q_offset=jnp.int32(0))

@@ -26,7 +26,7 @@ from reference import (
     window_visible,
 )
 
-from nsa_jax.kernels import KernelPlan, compressed_attention, plan_kernels, window_attention
+from nsa_jax.kernels import BranchCalls, KernelPlan, compressed_attention, plan_kernels, window_attention
 from nsa_jax.kernels import selection_tpu as tpu
 from nsa_jax.kernels.plan import substitutions
 from nsa_jax.kernels.reverse_index import reverse_index, reverse_index_sorted
@@ -139,7 +139,7 @@ def test_splash_compressed_matches_reference(t, g, kvh, l, d, dtype):
 
 def test_splash_refuses_what_it_cannot_run():
     q, k, v, _ = random_inputs(np.random.default_rng(0), 1, 32, 2, 1, 16, jnp.float32)
-    with pytest.raises(ValueError, match="the window branch on splash attention takes no query offset"):
+    with pytest.raises(ValueError, match="splash attention at a traced query offset needs the offsets it can take"):
         window_attention(q, k, v, 8, impl="splash", interpret=True, q_offset=jnp.int32(0))
     with pytest.raises(ValueError, match="window attention with softcap runs in XLA only"):
         window_attention(q, k, v, 8, impl="splash", interpret=True, softcap=30.0)
@@ -161,8 +161,10 @@ def test_a_tpu_plans_its_kernels():
     assert "the window branch runs as xla-chunked (the kernel guard found splash" in " ".join(
         substitutions(nsa, [plan_kernels(nsa, 8192, "tpu", fallback={"win"})], "tpu", fallback={"win"})
     )
+    # Under context parallelism too: one splash kernel per chunk offset, the device's traced one picks.
     split = plan_kernels(dataclasses.replace(nsa, scorer="minmax"), 8192, "tpu", layout=SeqLayout(2, 2048, 8192))
-    assert (split.cmp, split.slc, split.win) == ("xla", "tpu", "xla")  # splash takes no query offset
+    assert (split.cmp, split.slc, split.win) == ("splash", "tpu", "splash")
+    assert BranchCalls(dataclasses.replace(nsa, scorer="minmax"), split)._offsets() == (0, 2048, 4096, 6144)
     assert plan_kernels(nsa, 8192, "tpu", fallback={"slc"}).slc == "xla"
     assert plan_kernels(dataclasses.replace(nsa, lp=24), 8192, "tpu").slc == "xla"
     assert plan_kernels(dataclasses.replace(nsa, attention_impl="xla"), 8192, "tpu").slc == "xla"
@@ -225,3 +227,58 @@ def test_a_step_libtpu_refuses_for_hbm_reads_as_not_fitting(monkeypatch):
     monkeypatch.setattr(aot, "compile_train_step", broken)
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
         aot.step_memory(None, "v5e-4", 4)
+
+
+@pytest.mark.slow
+def test_nsa_layer_on_the_tpu_plan_under_context_parallelism_equals_one_device():
+    # A sequence over 2 devices of the `seq` axis with every branch on the TPU's kernels (interpreted;
+    # splash at each device's traced chunk offsets): the output and the input's gradient of the whole
+    # sequence on one device's XLA plan.
+    from jax.sharding import Mesh, PartitionSpec
+
+    from nsa_jax.mesh import SEQ
+    from nsa_jax.nsa.context import _permute_chunks
+    from nsa_jax.seq_layout import chunk_len, natural_slots
+
+    cfg = tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=3, w=16, scorer="minmax")
+    T, C = 64, 2
+    layout = SeqLayout(C, chunk_len(T, C, 16, 16), T)
+    x = jax.random.normal(jax.random.PRNGKey(5), (1, T, cfg.d_model), jnp.float32)
+    plan = dataclasses.replace(plan_kernels(cfg.nsa, layout.seq_len, "tpu", layout=layout), interpret=True)
+    assert (plan.cmp, plan.slc, plan.win) == ("splash", "tpu", "splash")
+    one = NSAAttention(cfg, kernels=KernelPlan())
+    params = jax.jit(one.init)(jax.random.PRNGKey(6), x)["params"]
+    split = NSAAttention(cfg, kernels=plan)
+    mesh = Mesh(np.asarray(jax.devices()[:C]), (SEQ,))
+    spec = PartitionSpec(None, SEQ)
+    on_seq = jax.shard_map(
+        lambda p, xs: split.apply({"params": p}, xs),
+        mesh=mesh,
+        in_specs=(PartitionSpec(), spec),
+        out_specs=spec,
+        check_vma=False,
+    )
+
+    def run_split(xx):  # whole sequence in, whole sequence out (device order inside)
+        y = on_seq(params, layout.lay_out(xx, 1))
+        return _permute_chunks(y, 1, 2 * C, natural_slots(C))[:, :T]
+
+    cot = jax.random.normal(jax.random.PRNGKey(7), x.shape)
+    want, grad_want = jax.value_and_grad(lambda xx: jnp.sum(one.apply({"params": params}, xx) * cot))(x)
+    got, grad_got = jax.jit(jax.value_and_grad(lambda xx: jnp.sum(run_split(xx) * cot)))(x)
+    assert abs(float(got - want)) <= 1e-5 * abs(float(want))
+    assert rel_err(grad_got, grad_want) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_guard_checks_splash_at_a_chunk_offset_the_slice_holds():
+    # Under context parallelism the guard compiles splash at the run's chunk over the padded sequence,
+    # then compares it with XLA on a slice whose queries start at an offset the run's chunks never take
+    # (128 of 256; the run's chunks start at multiples of 80): the slice's kernels switch on its own.
+    from nsa_jax.kernels.guard import check_branch
+
+    cfg = tiny_model_cfg(G=2, K=2, l=16, d=8, lp=16, n=3, w=16, scorer="minmax")
+    layout = SeqLayout(2, 80, 320)
+    plan = dataclasses.replace(plan_kernels(cfg.nsa, layout.seq_len, "tpu", layout=layout), interpret=True)
+    for branch in ("win", "cmp"):
+        assert "splash" in check_branch(cfg, branch, 1, layout.seq_len, plan, rows=layout.chunk)

@@ -89,6 +89,18 @@ def test_splash_attention_compiles_for_tpu(target):
         assert text.count("tpu_custom_call") >= 3, text.count("tpu_custom_call")
 
 
+def test_splash_at_a_traced_chunk_offset_compiles_for_tpu():
+    # Context parallelism: a device's chunk of T/4 queries over the whole sequence's keys at an offset
+    # traced from its index: one kernel per chunk offset (forward, dQ, dK/dV each), switched.
+    q, kv, _ = _abstract("v5e-4")
+    chunk, offsets = T // 4, tuple(range(0, T, T // 4))
+    q_chunk = jax.ShapeDtypeStruct((1, chunk, G * K, D), q.dtype, sharding=q.sharding)
+    offset = jax.ShapeDtypeStruct((), jnp.int32, sharding=q.sharding)
+    attend = lambda q, k, v, o: window_attention_splash(q, k, v, 512, q_offset=o, offsets=offsets)  # noqa: E731
+    text = _fwd_bwd(attend).lower(q_chunk, kv, kv, offset).compile().as_text()
+    assert text.count("tpu_custom_call") >= 3 * len(offsets), text.count("tpu_custom_call")
+
+
 def test_a_reduced_a100_pcie_step_compiles_for_a_v5e_slice_with_the_kernels():
     cfg = load_config("a100_pcie", ["model.n_layers=2", "model.scan_unroll=1", "train.global_batch=4"])
     compiled = aot.compile_train_step(cfg, "v5e-4", 4)

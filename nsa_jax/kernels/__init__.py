@@ -131,23 +131,19 @@ def selection_attention(
 
 
 def window_attention(
-    q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512, q_offset=0, softcap=0.0
+    q, k, v, window, scale=None, *, impl="xla", interpret=None, query_chunk=512, q_offset=0, offsets=None, softcap=0.0
 ):
     """Sliding-window attention through `impl` (`pallas`, `splash` or `xla`); `softcap` (Gemma 2's scores
-    c * tanh(s / c)) runs in XLA only; `splash` takes no query offset."""
+    c * tanh(s / c)) runs in XLA only; `splash` at a traced `q_offset` runs one kernel per value in
+    `offsets` (splash_tpu._at_offset), which the other kernels do not read."""
     if softcap and impl != "xla":
         raise ValueError("window attention with softcap runs in XLA only (impl='xla')")
     if impl == SPLASH:
-        _no_offset(q_offset, "window")
-        return window_attention_splash(q, k, v, window, scale, interpret=_interpret(interpret))
+        kw = dict(q_offset=q_offset, offsets=offsets, interpret=_interpret(interpret))
+        return window_attention_splash(q, k, v, window, scale, **kw)
     if impl == "pallas":
         return window_attention_pallas(q, k, v, window, scale, interpret=_interpret(interpret), q_offset=q_offset)
     return window_attention_xla(q, k, v, window, scale, query_chunk=query_chunk, q_offset=q_offset, softcap=softcap)
-
-
-def _no_offset(q_offset, branch: str) -> None:
-    if not (isinstance(q_offset, int) and q_offset == 0):
-        raise ValueError(f"the {branch} branch on splash attention takes no query offset (context parallelism: xla)")
 
 
 def compressed_attention(
@@ -165,12 +161,13 @@ def compressed_attention(
     select_n=None,
     t_T=None,
     q_offset=0,
+    offsets=None,
     num_blocks=None,
     scores=True,
     softcap=0.0,
 ):
     """Compressed-branch attention and the selection-block scores (or blocks) through `impl` (`pallas`,
-    `cudnn`, `splash` (the attention alone, no query offset) or `xla`).
+    `cudnn`, `splash` (the attention alone; at a traced `q_offset` one kernel per value in `offsets`) or `xla`).
 
     Query t sees compressed token i iff i*d + l - 1 <= t; a query that sees none
     gets 0. Returns o [B, T, H, Dv] in q's dtype and the group block scores
@@ -198,7 +195,6 @@ def compressed_attention(
     if impl == SPLASH:
         if scores:
             raise ValueError("splash attention forms no probabilities: the cmp scores run on xla (or a GPU's kernels)")
-        _no_offset(q_offset, "compressed")
     pool = "sum" if scores else None
     B, T, H, Dk = q.shape
     Tc, K, Dv = kc.shape[1], kc.shape[2], vc.shape[3]
@@ -209,7 +205,8 @@ def compressed_attention(
     if Tc == 0:
         o, s = jnp.zeros((B, T, H, Dv), q.dtype), jnp.zeros((B, T, K, n_blocks), jnp.float32)
     elif impl == SPLASH:
-        return compressed_attention_splash(q, kc, vc, l=l, d=d, scale=scale, interpret=_interpret(interpret)), None
+        kw = dict(l=l, d=d, scale=scale, q_offset=q_offset, offsets=offsets, interpret=_interpret(interpret))
+        return compressed_attention_splash(q, kc, vc, **kw), None
     elif impl in COMPRESSED_KERNELS:
         attention = "cudnn" if impl == "cudnn" else "flash"
         kw = dict(l=l, d=d, lp=lp, scale=scale, interpret=_interpret(interpret), attention=attention)
@@ -246,6 +243,12 @@ class BranchCalls:
     def _run(self) -> dict:
         return {"interpret": self.plan.interpret, "query_chunk": self.nsa.query_chunk}
 
+    def _offsets(self) -> tuple[int, ...] | None:
+        """The query offsets a device's pieces can start at under context parallelism (every chunk's first
+        position), for the kernels whose masks are static (splash); None on whole sequences."""
+        layout = self.plan.layout
+        return None if layout is None else tuple(range(0, layout.seq_len, layout.chunk))
+
     def compressed(self, q, kc, vc, *, t_T=None, q_offset=0, num_blocks=None, impl=None):
         """(o [B, T, H, Dv], what the selection takes from the compressed branch: under `cmp` the
         selected blocks [B, T, K, n]; under `rescore` cmp's best scorer_candidates blocks for `blocks`;
@@ -256,7 +259,8 @@ class BranchCalls:
         select_n = {"cmp": a.n, "rescore": scorer_candidates(a)}.get(a.scorer) if scored else None
         o, out = compressed_attention(
             q, kc, vc, l=a.l, d=a.d, lp=a.lp, select_n=select_n, t_T=t_T,
-            impl="xla" if self.softcap else impl or self.plan.cmp, q_offset=q_offset, num_blocks=num_blocks,
+            impl="xla" if self.softcap else impl or self.plan.cmp, q_offset=q_offset, offsets=self._offsets(),
+            num_blocks=num_blocks,
             scores=scored, softcap=self.softcap, **self._run(),
         )  # fmt: skip
         return o, out
@@ -291,4 +295,5 @@ class BranchCalls:
         """`window`: keys a query sees (default model.nsa.w; dense attention passes its own)."""
         w = self.nsa.w if window is None else window
         impl = "xla" if self.softcap else impl or self.plan.win
-        return window_attention(q, k, v, w, impl=impl, q_offset=q_offset, softcap=self.softcap, **self._run())
+        kw = dict(impl=impl, q_offset=q_offset, offsets=self._offsets(), softcap=self.softcap)
+        return window_attention(q, k, v, w, **kw, **self._run())

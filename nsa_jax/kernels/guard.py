@@ -41,6 +41,18 @@ from nsa_jax.kernels.xla import num_compressed, select_blocks
 
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
 SLICE_SEQ = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class _SliceSplit:
+    """The sequence split of check_branch's slice under context parallelism: its queries start at 0 or
+    at `chunk` of `seq_len` keys (kernels/plan.SequenceSplit)."""
+
+    chunk: int
+    seq_len: int
+    context: int = 1
+
+
 SLICE_BATCH = 1
 # Largest max |pallas - xla| relative to max |xla| per output, by input dtype.
 TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
@@ -184,6 +196,10 @@ def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0,
     part = short // 2 if offset else short
     xs = _slice_inputs(cfg, branch, short, part, np.random.default_rng(seed))
     q_offset = jnp.int32(short - part) if offset else 0
+    if offset and plan.layout is not None:  # kernels of static offsets (splash) know the slice's: 0, short - part
+        plan = dataclasses.replace(plan, layout=_SliceSplit(short - part, short))
+        fn = _branch_fn(plan, cfg.nsa, branch, -(-seq // cfg.nsa.lp))[1]
+        run = _loss_and_grads(fn, "pallas", n_diff)
     static = () if offset else (len(xs),)
     o_p, idx_p, g_p = jax.jit(run, static_argnums=static)(*xs, q_offset)
     o_x, idx_x, g_x = jax.jit(_loss_and_grads(fn, "xla", n_diff), static_argnums=static)(*xs, q_offset)

@@ -23,8 +23,8 @@ No process-wide state: a compile for another card asks for that card's backend. 
   a power of two >= 16 and the guard passed them; the window branch (and dense attention) on jax's splash
   attention (kernels/splash_tpu.py), and the compressed branch too where its scorer needs no
   probabilities from it (not ``cmp``, ``mix`` or ``rescore``, which score in XLA's chunks), unless the
-  guard failed them; under context parallelism (a traced query offset, which splash's static masks
-  cannot take) both on XLA.
+  guard failed them; under context parallelism too (splash's masks are static: one kernel per chunk
+  offset, picked by the device's traced one).
 * Context parallelism (a ``layout``, nsa/context.py): the same kernels, each device's queries
   at an offset into the whole padded sequence (``seq``: its length). The plan carries the
   layout to the layer; the compressed branch never runs through cuDNN there (no query offset).
@@ -226,10 +226,9 @@ def plan_kernels(
 def _tpu_plan(nsa, fallback, layout) -> KernelPlan:
     """A TPU's plan (the module docstring's rule)."""
     slc = "xla" if "slc" in fallback or not selection_kernel_fits(nsa.lp) else TPU_SELECTION
-    whole = layout is None  # splash's masks are static: no query offset
-    win = SPLASH if whole and "win" not in fallback else "xla"
+    win = SPLASH if "win" not in fallback else "xla"
     scored = "slc" in nsa.branches and nsa.scorer in CMP_SCORERS
-    cmp = SPLASH if whole and not scored and "cmp" not in fallback else "xla"
+    cmp = SPLASH if not scored and "cmp" not in fallback else "xla"
     return KernelPlan(cmp=cmp, slc=slc, win=win, layout=layout)
 
 
