@@ -41,6 +41,12 @@ from nsa_jax.kernels.xla import num_compressed, select_blocks
 
 # The slice the two paths are compared on: sequence length (clipped to the run's) and rows.
 SLICE_SEQ = 256
+SLICE_BATCH = 1
+# Largest max |pallas - xla| relative to max |xla| per output, by input dtype.
+TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
+# Smallest share of selected block indices (cmp branch) on which the two paths agree;
+# below 1 because near-ties in the block scores may round either way.
+MIN_INDEX_AGREEMENT = 0.98
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +58,6 @@ class _SliceSplit:
     seq_len: int
     context: int = 1
 
-
-SLICE_BATCH = 1
-# Largest max |pallas - xla| relative to max |xla| per output, by input dtype.
-TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
-# Smallest share of selected block indices (cmp branch) on which the two paths agree;
-# below 1 because near-ties in the block scores may round either way.
-MIN_INDEX_AGREEMENT = 0.98
 
 _KERNELS = {
     "cmp": "compressed_pallas/block_scores_pallas (nsa_cmp_*, nsa_block_select)",
@@ -183,7 +182,8 @@ def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0,
     kernel's name; raises what the compile raised, or KernelMismatch.
     """
     offset = rows is not None and rows < seq
-    kernel, fn = _branch_fn(plan, cfg.nsa, branch, -(-seq // cfg.nsa.lp) if offset else None)
+    num_blocks = -(-seq // cfg.nsa.lp) if offset else None
+    kernel, fn = _branch_fn(plan, cfg.nsa, branch, num_blocks)
     shapes = _shapes(cfg, branch, batch, seq, rows if offset else seq)
     n_diff = 3
     run = _loss_and_grads(fn, "pallas", n_diff)
@@ -198,7 +198,7 @@ def check_branch(cfg, branch: str, batch: int, seq: int, plan, *, seed: int = 0,
     q_offset = jnp.int32(short - part) if offset else 0
     if offset and plan.layout is not None:  # kernels of static offsets (splash) know the slice's: 0, short - part
         plan = dataclasses.replace(plan, layout=_SliceSplit(short - part, short))
-        fn = _branch_fn(plan, cfg.nsa, branch, -(-seq // cfg.nsa.lp))[1]
+        fn = _branch_fn(plan, cfg.nsa, branch, num_blocks)[1]
         run = _loss_and_grads(fn, "pallas", n_diff)
     static = () if offset else (len(xs),)
     o_p, idx_p, g_p = jax.jit(run, static_argnums=static)(*xs, q_offset)
