@@ -41,6 +41,7 @@ _THRESHOLD_HELP = {
     "min_loss_drop": "loss: the last-k mean must be below the first-k mean by more than this",
     "max_step_cv": "step time: highest robust coefficient of variation (1.4826 x MAD / median) over the window",
     "max_mem_growth": "memory: highest growth of bytes in use, last vs first half of the window (0.05 = 5%%)",
+    "mem_growth_floor_gib": "memory: growth is a leak only when it is also above this many GiB",
     "max_mem_gib": "memory: highest peak bytes in use per rank, GiB",
     "min_gate_entropy": "gates: lowest window-mean gate entropy in nats (uniform over 3 branches: 1.099)",
     "max_gate_mean": "gates: highest window-mean gate of any branch",

@@ -432,6 +432,17 @@ def test_memory_growth_gates_and_step_time_follow_their_flags(tmp_path):
     assert "keys 0.80x, values 0.90x" in gates.detail and "above" not in gates.detail
     assert judge(d, max_mem_gib=1.0).criteria[4].status == "NO-GO"
     assert status(judge(d, min_toks_per_s=5000))["throughput"] == "NO-GO"
+    # The halves differ by 0.2 GiB: a leak above a 0.1 GiB floor, none under a 0.3 GiB one.
+    assert status(judge(d, mem_growth_floor_gib=0.3))["memory"] == "GO"
+
+
+def test_a_small_process_drifting_tens_of_mib_is_no_leak(tmp_path):
+    # A CPU run's 0.5 GiB of RSS growing 10% (50 MiB) across the window: allocator drift, under the 0.1 GiB floor.
+    small = [int(0.5 * C.GIB * (1 + 0.01 * s)) for s in range(1, 41)]
+    s = judge(write_run(tmp_path / "small", mem=small))
+    assert s.figures["mem_growth"][0] > 0.05 and status(s)["memory"] == "GO"
+    assert "0.1 GiB (--mem-growth-floor-gib)" in next(c.detail for c in s.criteria if c.name == "memory")
+    assert status(judge(write_run(tmp_path / "big", mem=[4 * m for m in small])))["memory"] == "NO-GO"
 
 
 def test_a_few_odd_steps_do_not_move_the_step_time_and_throughput_figures(tmp_path):

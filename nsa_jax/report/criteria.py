@@ -46,6 +46,8 @@ class Thresholds:
     min_loss_drop: float = 0.0
     max_step_cv: float = 0.25
     max_mem_growth: float = 0.05
+    # A few tens of MiB of allocator drift is 5% of a small process (a CPU run's 0.5 GiB of RSS) but no leak.
+    mem_growth_floor_gib: float = 0.1
     max_mem_gib: float = 60.0
     min_gate_entropy: float = 0.5
     max_gate_mean: float = 0.95
@@ -329,14 +331,18 @@ def _memory(run: Run, fig: dict, last: int, th: Thresholds) -> Criterion:
         m0, m1 = statistics.fmean(a), statistics.fmean(b)
         growth = (m1 - m0) / m0 if m0 > 0 else math.inf
         growths[rank] = growth
-        ok = ok and growth <= th.max_mem_growth and peak <= th.max_mem_gib
+        leaking = growth > th.max_mem_growth and (m1 - m0) / GIB > th.mem_growth_floor_gib
+        ok = ok and not leaking and peak <= th.max_mem_gib
         parts.append(f"rank{rank} ({src}): {m0 / GIB:.2f} -> {m1 / GIB:.2f} GiB ({growth:+.1%}), peak {peak:.2f} GiB")
     fig.update(mem_growth=growths, mem_peak_gib=peaks)
     if not growths and all(p <= th.max_mem_gib for p in peaks.values()):
         status = NA
     else:
         status = GO if ok else NO_GO
-    limits = f"limits growth {th.max_mem_growth:.0%} (--max-mem-growth), peak {th.max_mem_gib:g} GiB (--max-mem-gib)"
+    limits = (
+        f"limits growth {th.max_mem_growth:.0%} (--max-mem-growth) and {th.mem_growth_floor_gib:g} GiB "
+        f"(--mem-growth-floor-gib), peak {th.max_mem_gib:g} GiB (--max-mem-gib)"
+    )
     return Criterion("memory", status, "; ".join(parts) + f"; first vs last half of the window; {limits}")
 
 
