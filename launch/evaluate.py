@@ -7,6 +7,7 @@ passkey, text).
         [--text FILE ...] [--out DIR] [--device-memory BYTES] [--seed S]
     python -m launch.evaluate --random-init --config cpu_tiny --lengths 512 --out /tmp/ev
     python -m launch.evaluate --ckpt smollm2-dense --suites text,passkey --text FILE ... --lengths 1024,2048
+    python -m launch.evaluate --agree BASE_OUT OTHER_OUT
 
 Suites (default: the first three, which training's eval.suites also runs):
   - needle: a pass key at each of --depths of a held-out row of L + 1 tokens, asked for at the
@@ -53,6 +54,12 @@ PROBE_LENGTH or more first times one batch there (seconds), so the projection ne
 waits for a batch that takes minutes. After a length's first batch a second line
 projects from its own rate. The line says which it used.
 
+Prompt by prompt: needle and passkey keep each row's answer (right or not, and its log-probability), so
+`--agree BASE_OUT OTHER_OUT` compares two evaluations of the same prompts (the same --depths, --samples,
+--seed and --text; any weights or config): for each length, how many prompts each got right, and on how
+many of BASE's right answers OTHER is right too, by depth. It reads the two evaluation.json files and runs
+nothing.
+
 Stopping: SIGTERM or Ctrl-C (SIGINT) ends the command at once, even inside a long
 forward (the batch in flight belongs to no kept result), with one line on stderr
 naming what evaluation.json keeps and the command that continues: exit status 0
@@ -85,7 +92,15 @@ from launch.generate import check_params, load_model
 from nsa_jax.config import EVAL_SUITES, ConfigError
 from nsa_jax.data import make_tokenizer
 from nsa_jax.data.needle import min_row_len
-from nsa_jax.evaluation.results import Mismatch, Results, describe, make_settings, weights_digest
+from nsa_jax.evaluation.results import (
+    Mismatch,
+    Results,
+    agreement,
+    describe,
+    make_settings,
+    read_document,
+    weights_digest,
+)
 from nsa_jax.evaluation.scorer import ModelScorer
 from nsa_jax.evaluation.suites import DEFAULT_DEPTHS, GRID_SUITES, SUITES, Settings, TextRows, cell, cell_batches
 from nsa_jax.evaluation.timing import CostModel, Rates
@@ -136,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m launch.evaluate", description="Long-context evaluation of a checkpoint.", in_process=True
     )
     p.add_argument("--ckpt", help="checkpoint path (the formats launch.generate reads)")
+    p.add_argument(
+        "--agree",
+        nargs=2,
+        metavar=("BASE_OUT", "OTHER_OUT"),
+        help="compare two evaluations' needle / passkey answers prompt by prompt, and run nothing",
+    )
     p.add_argument("--random-init", action="store_true", help="random params of --config instead of a checkpoint")
     p.add_argument("--config", default=None, help="config name in configs/ or a YAML path")
     add_overrides(p)
@@ -413,7 +434,31 @@ class Evaluation:
                 self.say(f"L={L:,}: done in {fmt_seconds(time.perf_counter() - t_length)}; {where}")
 
 
+def agreement_lines(base: str, other: str, cells: list[dict]) -> list[str]:
+    """What `--agree` prints: a line per (suite, L), then its depths."""
+    lines = []
+    for c in cells:
+        of_base = f"{c['both'] / c['base']:.2f} of BASE's right answers" if c["base"] else "BASE got none right"
+        lines.append(
+            f"{c['suite']} L={c['L']:,}: BASE right on {c['base']} of {c['rows']}, OTHER on {c['other']}; both on "
+            f"{c['both']} ({of_base}); OTHER alone on {c['other_only']}"
+        )
+        for depth, d in c["by_depth"].items():
+            lines.append(
+                f"  depth {depth:g}: BASE {d['base']} of {d['rows']}, OTHER {d['other']}, both {d['both']}, "
+                f"OTHER alone {d['other_only']}"
+            )
+    return [f"BASE {base}, OTHER {other}: the same prompts, answered greedily", *lines]
+
+
 def run(args, argv: list[str]) -> int:
+    if args.agree:
+        try:
+            cells = agreement(*(read_document(where) for where in args.agree))
+        except Mismatch as e:
+            raise UsageError(str(e)) from None
+        print("\n".join(agreement_lines(*args.agree, cells)))
+        return 0
     _check_args(args)
     ev: Evaluation | None = None
 

@@ -152,6 +152,65 @@ def test_passkey_suite_with_stub_scorers():
     assert acc[:, 0].tolist() == [1.0, 1.0] and acc[1, -1] == 0.0  # the stub's shape: early depths retrieved
 
 
+def test_passkey_keeps_each_prompt_and_two_models_are_compared_prompt_by_prompt(tmp_path, capsys):
+    """Each row's answer is kept beside the means; `--agree` counts, per length and depth, the prompts both stubs
+    get right, from the needle's place in each row (found from its tokens), not from the suite's own counts."""
+    from launch.evaluate import main
+    from nsa_jax.evaluation.results import make_settings
+
+    lengths, samples = [200, 400], 3
+    rules = {"early": lambda at, L: at < 0.3 * L, "late": lambda at, L: at > 0.15 * L}  # early / late needles
+    docs = {}
+    for name, rule in rules.items():
+        res = run_suites(
+            Stub(lambda row, rule=rule: rule(needle_at(row), len(row))),
+            CFG,
+            ["passkey"],
+            lengths,
+            text=text_rows,
+            depths=DEPTHS,
+            samples=samples,
+        )
+        settings = make_settings({"name": name}, name, DEPTHS, samples, 4, 0, [])
+        docs[name] = {"meta": {"settings": settings}, **res}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "evaluation.json").write_text(json.dumps(docs[name]))
+    for i, L in enumerate(lengths):
+        built = needle_rows(text_rows, TOK, L, DEPTHS, samples, seed=0, extra=0)
+        at = [needle_at(r.tokens_T1) for _, _, r in built]
+        early = [rules["early"](a, L + 1) for a in at]
+        late = [rules["late"](a, L + 1) for a in at]
+        kept = docs["early"]["passkey"]["rows"][str(L)]
+        assert [(r["depth"], r["sample"], r["right"]) for r in kept] == [
+            (DEPTHS[d], s, h) for (d, s, _), h in zip(built, early)
+        ]
+        assert [r["logprob"] for r in kept] == pytest.approx([5 * np.log(0.9 if h else 0.01) for h in early])
+        both = sum(h and t for h, t in zip(early, late))
+        alone = sum(t and not h for h, t in zip(early, late))
+        assert 0 < both < sum(early) and alone > 0  # the rules disagree both ways at this length
+        assert main(["--agree", str(tmp_path / "early"), str(tmp_path / "late")]) == 0
+        out = capsys.readouterr().out
+        assert (
+            f"passkey L={L}: BASE right on {sum(early)} of {len(at)}, OTHER on {sum(late)}; both on {both} "
+            f"({both / sum(early):.2f} of BASE's right answers); OTHER alone on {alone}"
+        ) in out
+        d0 = [k for k, (d, _, _) in enumerate(built) if d == 0]
+        assert f"  depth 0: BASE {sum(early[k] for k in d0)} of {samples}, OTHER {sum(late[k] for k in d0)}," in out
+    # Other prompts, or files without each row's answer: one line, exit status 2.
+    docs["late"]["meta"]["settings"]["seed"] = 1
+    (tmp_path / "late" / "evaluation.json").write_text(json.dumps(docs["late"]))
+    assert main(["--agree", str(tmp_path / "early"), str(tmp_path / "late")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the two evaluations asked different prompts (seed 0 there, 1 here)"), err
+    del docs["early"]["passkey"]["rows"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "evaluation.json").write_text(json.dumps(docs["early"]))
+    assert main(["--agree", str(tmp_path / "old"), str(tmp_path / "early")]) == 2
+    assert "share no needle or passkey cell with each row's answer kept" in capsys.readouterr().err
+    assert main(["--agree", str(tmp_path / "old"), str(tmp_path / "none")]) == 2
+    assert "no readable evaluation.json" in capsys.readouterr().err
+
+
 def _tiny_model(tmp_path):
     """A tiny model folder of random weights drawn on the host, and its (config, params)."""
     from launch.generate import write_inference_dir

@@ -116,13 +116,68 @@ def read_cells(doc: dict) -> dict[Cell, dict]:
     for suite in GRID_SUITES:
         grid = doc.get(suite)
         if grid:
+            rows = grid.get("rows", {})
             for L, acc, lp in zip(grid["lengths"], grid["accuracy"], grid["logprob"]):
                 cells[suite, int(L)] = {"accuracy": acc, "logprob": lp}
+                if str(L) in rows:
+                    cells[suite, int(L)]["rows"] = rows[str(L)]
     for suite in SUITES:
         if suite not in GRID_SUITES and suite in doc:
             for L, r in doc[suite]["by_length"].items():
                 cells[suite, int(L)] = r
     return cells
+
+
+# What must match for two evaluations' rows to be the same prompts (the weights and config may differ).
+_PROMPT_SETTINGS = ("depths", "samples", "seed", "text")
+
+
+def read_document(where: str | os.PathLike) -> dict:
+    """The evaluation.json of an out folder (or the file itself); Mismatch (one line) when there is none."""
+    path = pathlib.Path(where)
+    path = path / RESULTS_FILE if path.is_dir() else path
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise Mismatch(f"{where}: no readable {RESULTS_FILE} ({e}); name the --out folder of an evaluation") from None
+
+
+def agreement(base: dict, other: dict) -> list[dict]:
+    """Prompt by prompt, two evaluations' answers on the rows both kept: for each (suite, L) grid cell both hold,
+    {'suite', 'L', 'rows', 'base', 'other', 'both', 'other_only'} (rows right by each; right by both; right by
+    `other` alone) and the same per depth under 'by_depth'. Mismatch when the rows are not the same prompts
+    (other depths, samples, seed or text) or neither pair of cells kept its rows.
+    """
+    a, b = (doc.get("meta", {}).get("settings", {}) for doc in (base, other))
+    diff = differences({k: a.get(k) for k in _PROMPT_SETTINGS}, {k: b.get(k) for k in _PROMPT_SETTINGS})
+    if diff:
+        raise Mismatch(
+            f"the two evaluations asked different prompts ({'; '.join(diff)}); compare runs of the same "
+            "--depths, --samples, --seed and --text"
+        )
+    cells_a, cells_b = read_cells(base), read_cells(other)
+    out = []
+    for suite, L in sorted(set(cells_a) & set(cells_b), key=lambda c: (GRID_SUITES.index(c[0]), c[1])):
+        if suite not in GRID_SUITES or "rows" not in cells_a[suite, L] or "rows" not in cells_b[suite, L]:
+            continue
+        ra = {(r["depth"], r["sample"]): r["right"] for r in cells_a[suite, L]["rows"]}
+        rb = {(r["depth"], r["sample"]): r["right"] for r in cells_b[suite, L]["rows"]}
+        by_depth: dict[float, dict] = {}
+        for k in sorted(ra.keys() & rb.keys()):
+            d = by_depth.setdefault(k[0], dict.fromkeys(("rows", "base", "other", "both", "other_only"), 0))
+            d["rows"] += 1
+            d["base"] += ra[k]
+            d["other"] += rb[k]
+            d["both"] += ra[k] and rb[k]
+            d["other_only"] += rb[k] and not ra[k]
+        total = {f: sum(d[f] for d in by_depth.values()) for f in ("rows", "base", "other", "both", "other_only")}
+        out.append({"suite": suite, "L": L, **total, "by_depth": by_depth})
+    if not out:
+        raise Mismatch(
+            "the two evaluations share no needle or passkey cell with each row's answer kept; run the same suites "
+            "and lengths with both models (evaluations made before rows were kept hold only means)"
+        )
+    return out
 
 
 def unfinished(path: str | os.PathLike) -> list[Cell]:

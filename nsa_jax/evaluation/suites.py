@@ -189,7 +189,9 @@ def needle_rows(
 
 
 def _grid_cell(scorer, L: int, st: Settings, advance: Advance, suite: str = "needle") -> dict:
-    """{'accuracy' [depth], 'logprob' [depth]}: mean exact match and answer log-probability per depth."""
+    """{'accuracy' [depth], 'logprob' [depth], 'rows'}: mean exact match and answer log-probability per depth,
+    and each row's own ({'depth', 'sample', 'right', 'logprob'}, depth-major): what two models' answers are
+    compared by, prompt by prompt (`results.agreement`)."""
     built = needle_rows(st.text, st.tokenizer, L, st.depths, st.samples, st.seed, ROW_EXTRA[suite])
     tokens = np.stack([r.tokens_T1 for _, _, r in built])
     nll, hit = (_run_exact if suite == "passkey" else _run_rows)(scorer, tokens, advance)
@@ -197,7 +199,11 @@ def _grid_cell(scorer, L: int, st: Settings, advance: Advance, suite: str = "nee
     d_N = np.array([d for d, _, _ in built])
     acc = [float(exact_N[d_N == d].mean()) for d in range(len(st.depths))]
     logp = [float(lp_N[d_N == d].mean()) for d in range(len(st.depths))]
-    return {"accuracy": acc, "logprob": logp}
+    rows = [
+        {"depth": float(st.depths[d]), "sample": int(s), "right": bool(e), "logprob": float(lp)}
+        for (d, s, _), e, lp in zip(built, exact_N, lp_N)
+    ]
+    return {"accuracy": acc, "logprob": logp, "rows": rows}
 
 
 def _loss_cell(scorer, L: int, st: Settings, advance: Advance) -> dict:
@@ -258,6 +264,7 @@ def assemble(cells: dict[tuple[str, int], dict], settings: Settings) -> dict:
 
     needle, passkey: {'lengths', 'depths', 'samples', 'accuracy' [L][depth], 'logprob' [L][depth]}, and
     for passkey 'accuracy_by_length' [L] (the mean over its depths: every depth has `samples` rows);
+    'rows' {str(L): each row's answer} for the cells that kept them (files written before rows were kept have none);
     text: {'by_length': {str(L): cell}};
     loss-by-position and kv_recall: {'rows', 'by_length': {str(L): cell}}.
     """
@@ -276,6 +283,9 @@ def assemble(cells: dict[tuple[str, int], dict], settings: Settings) -> dict:
             }
             if suite == "passkey":
                 out[suite]["accuracy_by_length"] = [float(np.mean(cells[suite, L]["accuracy"])) for L in lengths]
+            rows = {str(L): cells[suite, L]["rows"] for L in lengths if "rows" in cells[suite, L]}
+            if rows:
+                out[suite]["rows"] = rows
         elif suite == "text":
             out[suite] = {"by_length": {str(L): cells[suite, L] for L in lengths}}
         else:
