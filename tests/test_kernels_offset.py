@@ -229,6 +229,9 @@ def test_splash_window_and_compressed_chunks_match_reference():
         q, k, v, W, impl="splash", interpret=True, q_offset=q_offset, offsets=OFFSETS
     )  # noqa: E501, E731
     check_chunks(run_chunks(win, q, k, v, do), q, k, v, do, window_visible(W), jnp.float32)
+    # An offset the list lacks gets NaNs (the step stops at them), not another offset's mask.
+    o_unlisted = jax.jit(win)(rows(q, 7), k, v, jnp.int32(7))
+    assert 7 not in OFFSETS and np.isnan(np.asarray(o_unlisted)).all()
     _, kc, vc, _ = random_inputs(np.random.default_rng(10), 1, TC, G * K, K, D, jnp.float32)
 
     def cmp(q, kc, vc, q_offset):

@@ -145,13 +145,17 @@ def _attend(mask_kind, q_BxTxHxDk, k_BxSxKxDk, v_BxSxKxDv, scale, interpret, off
 
 def _at_offset(run, q_offset, offsets: tuple[int, ...] | None):
     """run(offset) at a query offset: a number runs one kernel; a traced one (context parallelism)
-    `lax.switch`es among one kernel per candidate in `offsets`, the positions it can take."""
+    `lax.switch`es among one kernel per candidate in `offsets`, the positions it can take (NaNs at any other)."""
     if isinstance(q_offset, (int, np.integer)):
         return run(int(q_offset))
     if not offsets:
         raise ValueError("splash attention at a traced query offset needs the offsets it can take (offsets=...)")
-    branch = jnp.argmax(jnp.asarray(offsets, jnp.int32) == q_offset)  # an offset not listed runs the first
-    return jax.lax.switch(branch, [lambda off=off: run(off) for off in offsets])
+    listed = jnp.asarray(offsets, jnp.int32) == q_offset
+    # An offset not listed gets NaNs, which the step's non-finite check stops at, never another offset's mask.
+    branch = jnp.where(listed.any(), jnp.argmax(listed), len(offsets))
+    out = jax.eval_shape(lambda: run(offsets[0]))
+    unlisted = lambda: jnp.full(out.shape, jnp.nan, out.dtype)  # noqa: E731
+    return jax.lax.switch(branch, [*(lambda off=off: run(off) for off in offsets), unlisted])
 
 
 def window_attention_splash(
