@@ -56,8 +56,9 @@ projects from its own rate. The line says which it used.
 
 Prompt by prompt: needle and passkey keep each row's answer (right or not, and its log-probability), so
 `--agree BASE_OUT OTHER_OUT` compares two evaluations of the same prompts (the same --depths, --samples,
---seed and --text; any weights or config): for each length, how many prompts each got right, and on how
-many of BASE's right answers OTHER is right too, by depth. It reads the two evaluation.json files and runs
+--seed and --text; any weights or config): for each length, how many prompts each got right, on how
+many of BASE's right answers OTHER is right too, and the key's log-probability, OTHER's less BASE's,
+prompt against prompt, by depth. It reads the two evaluation.json files and runs
 nothing.
 
 Stopping: SIGTERM or Ctrl-C (SIGINT) ends the command at once, even inside a long
@@ -441,12 +442,13 @@ def agreement_lines(base: str, other: str, cells: list[dict]) -> list[str]:
         of_base = f"{c['both'] / c['base']:.2f} of BASE's right answers" if c["base"] else "BASE got none right"
         lines.append(
             f"{c['suite']} L={c['L']:,}: BASE right on {c['base']} of {c['rows']}, OTHER on {c['other']}; both on "
-            f"{c['both']} ({of_base}); OTHER alone on {c['other_only']}"
+            f"{c['both']} ({of_base}); OTHER alone on {c['other_only']}; log p(key) OTHER - BASE: mean "
+            f"{c['logp_gap'] / c['rows']:+.2f}, lower on {c['other_lower']} of {c['rows']}"
         )
         for depth, d in c["by_depth"].items():
             lines.append(
                 f"  depth {depth:g}: BASE {d['base']} of {d['rows']}, OTHER {d['other']}, both {d['both']}, "
-                f"OTHER alone {d['other_only']}"
+                f"OTHER alone {d['other_only']}; log p(key) OTHER - BASE {d['logp_gap'] / d['rows']:+.2f}"
             )
     return [f"BASE {base}, OTHER {other}: the same prompts, answered greedily", *lines]
 

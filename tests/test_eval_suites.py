@@ -190,9 +190,13 @@ def test_passkey_keeps_each_prompt_and_two_models_are_compared_prompt_by_prompt(
         assert 0 < both < sum(early) and alone > 0  # the rules disagree both ways at this length
         assert main(["--agree", str(tmp_path / "early"), str(tmp_path / "late")]) == 0
         out = capsys.readouterr().out
+        # The stubs' key log p: 5 log 0.9 where right, 5 log 0.01 where not.
+        gap = sum(5 * (t - h) * np.log(0.9 / 0.01) for h, t in zip(early, late)) / len(at)
+        lower = sum(h and not t for h, t in zip(early, late))
         assert (
             f"passkey L={L}: BASE right on {sum(early)} of {len(at)}, OTHER on {sum(late)}; both on {both} "
-            f"({both / sum(early):.2f} of BASE's right answers); OTHER alone on {alone}"
+            f"({both / sum(early):.2f} of BASE's right answers); OTHER alone on {alone}; log p(key) OTHER - BASE: "
+            f"mean {gap:+.2f}, lower on {lower} of {len(at)}"
         ) in out
         d0 = [k for k, (d, _, _) in enumerate(built) if d == 0]
         assert f"  depth 0: BASE {sum(early[k] for k in d0)} of {samples}, OTHER {sum(late[k] for k in d0)}," in out

@@ -142,11 +142,15 @@ def read_document(where: str | os.PathLike) -> dict:
         raise Mismatch(f"{where}: no readable {RESULTS_FILE} ({e}); name the --out folder of an evaluation") from None
 
 
+_COUNTS = ("rows", "base", "other", "both", "other_only", "other_lower", "logp_gap")
+
+
 def agreement(base: dict, other: dict) -> list[dict]:
     """Prompt by prompt, two evaluations' answers on the rows both kept: for each (suite, L) grid cell both hold,
-    {'suite', 'L', 'rows', 'base', 'other', 'both', 'other_only'} (rows right by each; right by both; right by
-    `other` alone) and the same per depth under 'by_depth'. Mismatch when the rows are not the same prompts
-    (other depths, samples, seed or text) or neither pair of cells kept its rows.
+    {'suite', 'L', 'rows', 'base', 'other', 'both', 'other_only', 'other_lower', 'logp_gap'} (rows right by each;
+    right by both; right by `other` alone; rows where `other` gives the key a lower log-probability; the sum over
+    rows of other's log p minus base's) and the same per depth under 'by_depth'. Mismatch when the rows are not
+    the same prompts (other depths, samples, seed or text) or no pair of cells kept its rows.
     """
     a, b = (doc.get("meta", {}).get("settings", {}) for doc in (base, other))
     diff = differences({k: a.get(k) for k in _PROMPT_SETTINGS}, {k: b.get(k) for k in _PROMPT_SETTINGS})
@@ -160,17 +164,20 @@ def agreement(base: dict, other: dict) -> list[dict]:
     for suite, L in sorted(set(cells_a) & set(cells_b), key=lambda c: (GRID_SUITES.index(c[0]), c[1])):
         if suite not in GRID_SUITES or "rows" not in cells_a[suite, L] or "rows" not in cells_b[suite, L]:
             continue
-        ra = {(r["depth"], r["sample"]): r["right"] for r in cells_a[suite, L]["rows"]}
-        rb = {(r["depth"], r["sample"]): r["right"] for r in cells_b[suite, L]["rows"]}
+        ra = {(r["depth"], r["sample"]): r for r in cells_a[suite, L]["rows"]}
+        rb = {(r["depth"], r["sample"]): r for r in cells_b[suite, L]["rows"]}
         by_depth: dict[float, dict] = {}
         for k in sorted(ra.keys() & rb.keys()):
-            d = by_depth.setdefault(k[0], dict.fromkeys(("rows", "base", "other", "both", "other_only"), 0))
+            x, y = ra[k], rb[k]
+            d = by_depth.setdefault(k[0], dict.fromkeys(_COUNTS, 0))
             d["rows"] += 1
-            d["base"] += ra[k]
-            d["other"] += rb[k]
-            d["both"] += ra[k] and rb[k]
-            d["other_only"] += rb[k] and not ra[k]
-        total = {f: sum(d[f] for d in by_depth.values()) for f in ("rows", "base", "other", "both", "other_only")}
+            d["base"] += x["right"]
+            d["other"] += y["right"]
+            d["both"] += x["right"] and y["right"]
+            d["other_only"] += y["right"] and not x["right"]
+            d["other_lower"] += y["logprob"] < x["logprob"]
+            d["logp_gap"] += y["logprob"] - x["logprob"]
+        total = {f: sum(d[f] for d in by_depth.values()) for f in _COUNTS}
         out.append({"suite": suite, "L": L, **total, "by_depth": by_depth})
     if not out:
         raise Mismatch(
