@@ -58,8 +58,7 @@ Prompt by prompt: needle and passkey keep each row's answer (right or not, and i
 `--agree BASE_OUT OTHER_OUT` compares two evaluations of the same prompts (the same --depths, --samples,
 --seed and --text; any weights or config): for each length, how many prompts each got right, on how
 many of BASE's right answers OTHER is right too, and the key's log-probability, OTHER's less BASE's,
-prompt against prompt, by depth. It reads the two evaluation.json files and runs
-nothing.
+prompt against prompt, by depth. It reads the two evaluation.json files and runs nothing.
 
 Stopping: SIGTERM or Ctrl-C (SIGINT) ends the command at once, even inside a long
 forward (the batch in flight belongs to no kept result), with one line on stderr

@@ -161,9 +161,8 @@ def agreement(base: dict, other: dict) -> list[dict]:
         )
     cells_a, cells_b = read_cells(base), read_cells(other)
     out = []
-    for suite, L in sorted(set(cells_a) & set(cells_b), key=lambda c: (GRID_SUITES.index(c[0]), c[1])):
-        if suite not in GRID_SUITES or "rows" not in cells_a[suite, L] or "rows" not in cells_b[suite, L]:
-            continue
+    both_kept = [c for c in set(cells_a) & set(cells_b) if "rows" in cells_a[c] and "rows" in cells_b[c]]
+    for suite, L in sorted(both_kept, key=lambda c: (GRID_SUITES.index(c[0]), c[1])):  # only grid cells keep rows
         ra = {(r["depth"], r["sample"]): r for r in cells_a[suite, L]["rows"]}
         rb = {(r["depth"], r["sample"]): r for r in cells_b[suite, L]["rows"]}
         by_depth: dict[float, dict] = {}
