@@ -172,7 +172,8 @@ def test_passkey_keeps_each_prompt_and_two_models_are_compared_prompt_by_prompt(
             samples=samples,
         )
         settings = make_settings({"name": name}, name, DEPTHS, samples, 4, 0, [])
-        docs[name] = {"meta": {"settings": settings}, **res}
+        # A cell without rows in both files (a text cell), which `--agree` passes over.
+        docs[name] = {"meta": {"settings": settings}, **res, "text": {"by_length": {"200": {"loss": 3.0}}}}
         (tmp_path / name).mkdir()
         (tmp_path / name / "evaluation.json").write_text(json.dumps(docs[name]))
     for i, L in enumerate(lengths):
