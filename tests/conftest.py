@@ -66,13 +66,93 @@ FULL_SUITE_ONLY = frozenset(
 )
 
 
+# The release tier: slow tests the README's command (and so CI) skips, saying so, unless `--release`
+# is given. Each repeats, for another variant, process count or length, a check the suite keeps: the
+# value names it. Together about 9 minutes of the full suite's 54 on one core (the `--durations` table
+# of docs/lab/2026-11-28-test-compile-time.md, 2026-12-06). Run them before a release and after
+# changing nsa_jax/parallel, the checkpoint's layout or the kernels: `python -m pytest -q -n 2 --release`.
+RELEASE_ONLY = dict(
+    [
+        (
+            "tests/test_pretrained.py::test_smollm2_from_gguf_is_transformers_at_2048_tokens_and_greedy",
+            "SmolLM2 at 512 tokens; the families' 16 greedy tokens through the decode cache",
+        ),
+        (
+            "tests/test_pretrained.py::test_gemma_s_gradient_is_the_same_through_the_traced_and_the_static_layer_kinds[dense]",
+            "the same test with NSA's global layers",
+        ),
+        (
+            "tests/test_context.py::test_four_devices_equal_one_with_data_and_seq",
+            "C = 2 against one device; data 2 x seq 2 and C = 4 in the resume test",
+        ),
+        (
+            "tests/test_context.py::test_checkpoints_cross_between_fsdp_with_context_and_dp_on_one_device_per_row",
+            "a checkpoint resumed across context degrees; across strategies in test_strategies.py",
+        ),
+        (
+            "tests/test_context.py::test_the_pallas_kernels_under_two_devices_equal_one",
+            "each kernel at a query offset (test_kernels_offset.py); the guard under context parallelism",
+        ),
+        (
+            "tests/test_context.py::test_zero1_under_context_parallelism_steps_as_dp_with_the_moments_split",
+            "zero1 on 2 devices (test_strategies.py); fsdp under C = 2 (the chunked-loss test)",
+        ),
+        (
+            "tests/test_context.py::test_the_scorers_under_two_devices_equal_one[mix]",
+            "the same test with rescore",
+        ),
+        (
+            "tests/test_context.py::test_one_device_noise_floor",
+            "the tolerances it calibrated, in every C = 2 test",
+        ),
+        (
+            "tests/test_elastic.py::test_resume_on_another_layout_trains_on_the_same_rows[2proc-1proc]",
+            "the same test from 1 process to 2, and from 2 devices to 1",
+        ),
+        (
+            "tests/test_elastic.py::test_resume_on_another_layout_trains_on_the_same_rows[1dev-4dev]",
+            "the same test from 2 devices to 1; test_context.py's resume at C = 4",
+        ),
+        (
+            "tests/test_elastic.py::test_tokenized_resume_on_another_process_count_trains_on_the_same_rows[2proc-1proc]",
+            "the same test from 1 process to 2",
+        ),
+        (
+            "tests/test_kernels_tpu.py::test_nsa_layer_on_the_tpu_plan_under_context_parallelism_equals_one_device",
+            "the TPU plan's layer against the reference; the tpu tier's compiles",
+        ),
+        (
+            "tests/test_learning_options.py::test_phases_on_two_devices_match_one_device[dp]",
+            "the same test under fsdp",
+        ),
+        (
+            "tests/test_strategies.py::test_rows_with_their_own_weights_train_alike_under_every_strategy[pmap]",
+            "pmap against the reference (test_two_devices_match_single_device_reference)",
+        ),
+        (
+            "tests/test_reviews.py::test_the_fine_tune_trains_alike_under_every_strategy",
+            "every strategy against the one-device reference (test_strategies.py)",
+        ),
+    ]
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--release", action="store_true", help="also run the release tier (conftest.py RELEASE_ONLY)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     modules = {item.nodeid.split("::")[0]: item.module for item in items if hasattr(item, "module")}
-    for nodeid in FULL_SUITE_ONLY:
+    listed = [("FULL_SUITE_ONLY", n) for n in FULL_SUITE_ONLY] + [("RELEASE_ONLY", n) for n in RELEASE_ONLY]
+    for where, nodeid in listed:
         path, name = nodeid.split("::")
         if path in modules and not hasattr(modules[path], name.split("[")[0]):
-            raise pytest.UsageError(f"tests/conftest.py FULL_SUITE_ONLY names {nodeid}, which no longer exists")
+            raise pytest.UsageError(f"tests/conftest.py {where} names {nodeid}, which no longer exists")
+    release = config.getoption("release")
     for item in items:
-        if item.nodeid in FULL_SUITE_ONLY:
+        if item.nodeid in FULL_SUITE_ONLY or item.nodeid in RELEASE_ONLY:
             item.add_marker(pytest.mark.slow)
+        if item.nodeid in RELEASE_ONLY and not release:
+            keeps = RELEASE_ONLY[item.nodeid]
+            item.add_marker(pytest.mark.skip(reason=f"release tier (--release runs it); the suite keeps {keeps}"))

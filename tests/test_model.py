@@ -147,7 +147,7 @@ def test_prefill_and_decode_modes_reject_a_missing_cache_or_unscanned_layers():
         run(cfg, "sample")
 
 
-@pytest.mark.slow  # 11 s each; test_context keeps a chunked loss in the fast tier
+@pytest.mark.slow  # 11 s each; test_context.py keeps a chunked loss under C = 2 and fsdp
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_chunked_loss_equals_the_loss_of_whole_logits(tied):
     """train.loss_chunk=16 over rows of 50 (the last chunk padded): the loss equals a float64 numpy
