@@ -67,10 +67,12 @@ FULL_SUITE_ONLY = frozenset(
 
 
 # The release tier: slow tests the README's command (and so CI) skips, saying so, unless `--release`
-# is given. Each repeats, for another variant, process count or length, a check the suite keeps: the
-# value names it. Together about 14 minutes of the full suite's 54 on one core (the `--durations` tables
-# of docs/lab/2026-11-28-test-compile-time.md, 2026-12-06). Run them before a release and after
-# changing nsa_jax/parallel, the checkpoint's layout or the kernels: `python -m pytest -q -n 2 --release`.
+# is given. Most repeat a check the suite keeps for another variant, process count, card or length;
+# five (added 2026-12-07, to bring CI toward 30 minutes) check a behaviour beside one the suite keeps
+# end to end. The value names what the suite keeps. Together about 16 minutes of the full suite's 54
+# on one core, and 5 of the aot tier's 27 tests (the `--durations` tables of
+# docs/lab/2026-11-28-test-compile-time.md). Run them before a release and after changing
+# nsa_jax/parallel, the checkpoint's layout or the kernels: `python -m pytest -q -n 2 --release`.
 RELEASE_ONLY = dict(
     [
         (
@@ -200,12 +202,81 @@ RELEASE_ONLY = dict(
             "tests/test_checkpoint.py::test_a_run_file_the_full_disk_refuses_stops_the_run_like_a_failed_save",
             "a full disk end to end (test_quiet_stops.py); a failed background save stopping the run",
         ),
+        (
+            "tests/test_kernel_guard.py::test_evaluation_runs_the_branches_the_guard_moved_to_xla_there_too",
+            "the guard's per-branch fallback (test_guard_falls_back_per_branch_on_compile_error_and_wrong_result)",
+        ),
+        (
+            "tests/test_checkpoint.py::test_a_stage_that_trains_the_new_parts_alone_resumes_with_every_parameter_training",
+            "train.trainable's freezing (test_train.py); an exact resume after SIGTERM and a kill (test_checkpoint.py)",
+        ),
+        (
+            "tests/test_benchmarks.py::test_bench_train_times_each_setting_once_and_a_failing_one_costs_no_other_row",
+            "bench_strategies' and bench_kernels' CLIs and their JSON",
+        ),
+        (
+            "tests/test_interrupts.py::test_a_stop_during_a_long_step_waits_for_that_step_only_and_long_waits_say_so",
+            "the first Ctrl-C end to end (test_ctrl_c_saves_says_how_to_resume_and_the_same_command_resumes)",
+        ),
+        (
+            "tests/test_spawn.py::test_a_full_disk_on_process_0_stops_every_process_at_the_same_step",
+            "a full disk end to end on one process (test_quiet_stops.py); processes agreeing on the stop step "
+            "(test_checkpoint.py)",
+        ),
+        # The aot tier (`-m aot` with the cuda12 extra):
+        (
+            "tests/test_aot.py::test_pallas_kernels_compile_without_spills[a100-40-T2048]",
+            "the same kernels at T = 3000 (no tile divides it), 8192 and 65536; the a100_pcie step at its T",
+        ),
+        (
+            "tests/test_aot.py::test_pallas_kernels_compile_without_spills[h100-T2048]",
+            "the same kernels at T = 3000 (no tile divides it), 8192 and 65536",
+        ),
+        (
+            "tests/test_aot.py::test_kernels_under_a_traced_query_offset_compile_without_spills[h100]",
+            "the same test for sm_80; sm_90's kernels without an offset (test_pallas_kernels_compile_without_spills)",
+        ),
+        (
+            "tests/test_aot.py::test_layer_with_cudnn_compressed_attention_compiles_within_budget[h100]",
+            "the same test for sm_80; sm_90's flash kernels at 64k (test_pallas_kernels_compile_without_spills)",
+        ),
+        (
+            "tests/test_aot.py::test_info_target_prints_progress_and_the_fit",
+            "the fit check's compile and answer (test_a100_pcie_step_fits_a100_40gb); the heartbeat's lines "
+            "(test_heartbeat_logs_while_the_block_runs)",
+        ),
     ]
 )
 
 
 def pytest_addoption(parser):
     parser.addoption("--release", action="store_true", help="also run the release tier (conftest.py RELEASE_ONLY)")
+    parser.addoption(
+        "--one-case-each",
+        action="store_true",
+        help="run only the first selected case of each parametrized test (CI's tier on the newest jax: every "
+        "test function, so every code path, on that jax, without each shape and variant again)",
+    )
+
+
+class OneCaseEach:
+    """`--one-case-each`: keeps the first case of each test function among those `-m` and `-k` leave."""
+
+    @pytest.hookimpl(trylast=True)  # after the mark plugin's deselection
+    def pytest_collection_modifyitems(self, config, items):
+        seen, kept, dropped = set(), [], []
+        for item in items:
+            function = item.nodeid.split("[")[0]
+            (dropped if function in seen else kept).append(item)
+            seen.add(function)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+
+
+def pytest_configure(config):
+    if config.getoption("one_case_each"):
+        config.pluginmanager.register(OneCaseEach(), "one_case_each")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
