@@ -9,13 +9,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from nsa_jax.tools.aot import cuda_plugin_available  # noqa: E402 (XLA_FLAGS is read when a backend starts)
 
 # The tests compile hundreds of small programs that then run for milliseconds, so on the CPU
-# their time is XLA's compiles, most of it LLVM optimizing code: without its passes the suite
-# takes about a third less time and computes the same results (no fast-math either way). Not
-# where jax's CUDA plugin is installed: there the aot tier compiles for the cards, and its
-# register, spill and memory figures must be those of the default pipeline.
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+# their time is XLA's compiles: without LLVM's optimizing passes the suite takes about a third
+# less time, and with XLA:CPU's classic loop emitters in place of its newer MLIR fusion emitters
+# a third less again (docs/lab/2026-11-28-test-compile-time.md); the same results either way, no
+# fast-math in either. Not where jax's CUDA plugin is installed: there the aot tier compiles for
+# the cards, and its register, spill and memory figures must be those of the default pipeline.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 if os.environ["JAX_PLATFORMS"] == "cpu" and not cuda_plugin_available():
-    os.environ["XLA_FLAGS"] += f" {FAST_COMPILE_FLAG}"  # helpers.cpu_env passes it to subprocesses
+    os.environ["XLA_FLAGS"] += "".join(f" {f}" for f in FAST_COMPILE_FLAGS)  # helpers.cpu_env passes them on
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
