@@ -1,6 +1,8 @@
 """Test setup: CPU backend with several host devices, fp32 matmuls (pyproject puts the repo on sys.path)."""
 
 import os
+import subprocess
+import sys
 
 # Before jax starts a backend: data-parallel tests need more than one device.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -11,12 +13,25 @@ from nsa_jax.tools.aot import cuda_plugin_available  # noqa: E402 (XLA_FLAGS is 
 # The tests compile hundreds of small programs that then run for milliseconds, so on the CPU
 # their time is XLA's compiles: without LLVM's optimizing passes the suite takes about a third
 # less time, and with XLA:CPU's classic loop emitters in place of its newer MLIR fusion emitters
-# a third less again (docs/lab/2026-11-28-test-compile-time.md); the same results either way, no
-# fast-math in either. Not where jax's CUDA plugin is installed: there the aot tier compiles for
-# the cards, and its register, spill and memory figures must be those of the default pipeline.
+# a third less again where this jaxlib still has them (docs/lab/2026-11-28-test-compile-time.md);
+# the same results either way, no fast-math in either. Not where jax's CUDA plugin is installed:
+# there the aot tier compiles for the cards, and its register, spill and memory figures must be
+# those of the default pipeline.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def fast_compile_flags() -> list[str]:
+    """FAST_COMPILE_FLAGS that this jaxlib takes. jax 0.12 dropped the classic emitters and their flag,
+    which XLA then refuses at start: a probe process says (about 2 s, once a run: workers inherit)."""
+    probe = "import jax; jax.numpy.zeros(1).block_until_ready()"
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS[1], "JAX_PLATFORMS": "cpu"}
+    classic = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=300).returncode == 0
+    return list(FAST_COMPILE_FLAGS[: 2 if classic else 1])
+
+
 if os.environ["JAX_PLATFORMS"] == "cpu" and not cuda_plugin_available():
-    os.environ["XLA_FLAGS"] += "".join(f" {f}" for f in FAST_COMPILE_FLAGS)  # helpers.cpu_env passes them on
+    if FAST_COMPILE_FLAGS[0] not in os.environ["XLA_FLAGS"]:  # a worker or subprocess of a run that has them
+        os.environ["XLA_FLAGS"] += "".join(f" {f}" for f in fast_compile_flags())  # helpers.cpu_env passes them on
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
