@@ -11,7 +11,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import FAST_COMPILE_FLAGS
 
 from nsa_jax.config import load_config
 from nsa_jax.step import optimizer as O
@@ -89,7 +88,7 @@ def cpu_env(devices: int | None = 1, cache: pathlib.Path | None = None, **extra:
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     if devices is not None:
         # The device count, and conftest's compile flags where the test process has them.
-        fast = tuple(f.split("=")[0] for f in FAST_COMPILE_FLAGS)
+        fast = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
         kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(fast)]
         env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={devices}", *kept])
     if cache is not None:
