@@ -87,10 +87,10 @@ def cpu_env(devices: int | None = 1, cache: pathlib.Path | None = None, **extra:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NSA_", "JAX_COORD", "JAX_NUM", "JAX_PROC"))}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     if devices is not None:
-        # The device count, and conftest's compile flags where the test process has them.
-        fast = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
-        kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(fast)]
-        env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={devices}", *kept])
+        # The device count, and the test process's other XLA flags (conftest's compile flags, where it set them).
+        count = "--xla_force_host_platform_device_count"
+        kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+        env["XLA_FLAGS"] = " ".join([f"{count}={devices}", *kept])
     if cache is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env.update(extra)
