@@ -68,7 +68,10 @@ waits for a write in progress quits at once.
 
 Before the suites run, one `note:` line on stderr names the lengths beyond the
 training length (train.seq_len: positions never trained), and one says when the
-checkpoint was trained on synthetic data where a suite reads text (needle, passkey, --text).
+checkpoint was trained on synthetic data where a suite reads text (needle, passkey, --text),
+and one per (suite, L) whose rows (a needle or passkey haystack per --samples, a loss-by-position
+row per --rows) outnumber the rows of L + 1 tokens the --text files hold: those rows repeat text
+that another row already holds, so give more text for prompts that differ.
 The progress bar (stderr) is redrawn every few seconds, so its clock moves while a
 long forward or a compile runs.
 """
@@ -230,6 +233,26 @@ def notes(args, cfg) -> list[str]:
         why.append("the --text files are text it never learned")
     if why and (line := synthetic_note(cfg, "; ".join(why))):
         out.append(line)
+    return out
+
+
+def repeat_notes(args, text: TextRows) -> list[str]:
+    """A `note:` per (suite, L) that takes more rows of --text than it holds: the later rows repeat its text
+    (a needle or passkey haystack per --samples, a loss-by-position row per --rows)."""
+    out = []
+    for suite in args.suites:
+        n, flag = (args.samples, "--samples") if suite in GRID_SUITES else (args.rows, "--rows")
+        if suite not in (*GRID_SUITES, "loss-by-position"):
+            continue
+        for L in args.lengths:
+            have = text.distinct_rows(L)
+            if have is not None and n > have:
+                out.append(
+                    f"note: {suite} at L={L:,}: --text holds {have} row{'s' if have != 1 else ''} of {L + 1:,} tokens, "
+                    f"so {n - have} of its {n} rows ({flag}) {'repeats' if n - have == 1 else 'repeat'} that text; "
+                    "give more text (--text FILE ...) "
+                    "for rows that differ"
+                )
     return out
 
 
@@ -410,7 +433,7 @@ class Evaluation:
                 self.bar.set_postfix_str(f"compiling L={L}")
                 results.meta["compiled_bytes"][str(L)] = scorer.prepare(L)
             self.bar.set_postfix_str("")
-            for line in notes(args, self.cfg):
+            for line in [*notes(args, self.cfg), *repeat_notes(args, self.settings.text)]:
                 self.say(line)
             results.begin(self.todo)
             for i, L in enumerate(lengths, 1):

@@ -400,6 +400,32 @@ def test_cli_notes_lengths_beyond_training_and_synthetic_data():
     assert notes(build_parser().parse_args(["--random-init", "--lengths", "4096"]), cfg) == []
 
 
+def test_a_suite_that_takes_more_rows_than_the_text_holds_says_its_rows_repeat(tmp_path):
+    """A needle/passkey haystack per --samples and a loss-by-position row per --rows: where the --text file
+    holds fewer distinct rows of L + 1 tokens, one note per (suite, L) says how many repeat it."""
+    from launch.evaluate import build_parser, repeat_notes
+    from nsa_jax.evaluation.suites import TextRows
+
+    f = tmp_path / "hay.txt"
+    f.write_text("".join(f"{i:04d}" for i in range(250)))  # bytes: 1,000 tokens, and 2 of the blank line after
+    cfg = load_config("cpu_tiny", ["train.seq_len=256"])
+    text = TextRows(cfg, [str(f)])
+    # 1,002 tokens: 3 rows of 256 (and 234 more) at L = 255, 2 of 501 at L = 500, none of 1,025 at L = 1,024.
+    argv = ["--ckpt", "x", "--text", str(f), "--lengths", "255,500,1024", "--samples", "3", "--rows", "2"]
+    got = repeat_notes(build_parser().parse_args([*argv, "--suites", "passkey,loss-by-position,text"]), text)
+    assert got == [
+        "note: passkey at L=500: --text holds 2 rows of 501 tokens, so 1 of its 3 rows (--samples) repeats that "
+        "text; give more text (--text FILE ...) for rows that differ",
+        "note: passkey at L=1,024: --text holds 0 rows of 1,025 tokens, so 3 of its 3 rows (--samples) repeat "
+        "that text; give more text (--text FILE ...) for rows that differ",
+        "note: loss-by-position at L=1,024: --text holds 0 rows of 1,025 tokens, so 2 of its 2 rows (--rows) "
+        "repeat that text; give more text (--text FILE ...) for rows that differ",
+    ]
+    rows = text(255, 4)  # the 4th: the last 234 tokens, then the text's first 22 again
+    assert len({r.tobytes() for r in rows[:3]}) == 3 and (rows[3][234:] == rows[0][:22]).all()
+    assert repeat_notes(build_parser().parse_args(argv[:-6] + ["--lengths", "255"]), TextRows(cfg)) == []
+
+
 def test_progress_bar_is_redrawn_while_nothing_advances_it():
     import time
 

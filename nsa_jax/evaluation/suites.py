@@ -78,6 +78,10 @@ class TextRows:
             self._cache[(L, n)] = self._rows(L, n)
         return self._cache[(L, n)]
 
+    def distinct_rows(self, L: int) -> int | None:
+        """How many rows of L + 1 tokens the files hold before a row repeats their text; None: the `val` split."""
+        return None if self.tokens is None else len(self.tokens) // (L + 1)
+
     def _rows(self, L: int, n: int) -> np.ndarray:
         if self.tokens is not None:
             # Consecutive windows of the joined text; a short text repeats (the rows stay real text).
