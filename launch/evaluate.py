@@ -240,18 +240,15 @@ def repeat_notes(args, text: TextRows) -> list[str]:
     """A `note:` per (suite, L) that takes more rows of --text than it holds: the later rows repeat its text
     (a needle or passkey haystack per --samples, a loss-by-position row per --rows)."""
     out = []
-    for suite in args.suites:
+    for suite in (s for s in args.suites if s in (*GRID_SUITES, "loss-by-position")):
         n, flag = (args.samples, "--samples") if suite in GRID_SUITES else (args.rows, "--rows")
-        if suite not in (*GRID_SUITES, "loss-by-position"):
-            continue
         for L in args.lengths:
             have = text.distinct_rows(L)
             if have is not None and n > have:
                 out.append(
                     f"note: {suite} at L={L:,}: --text holds {have} row{'s' if have != 1 else ''} of {L + 1:,} tokens, "
                     f"so {n - have} of its {n} rows ({flag}) {'repeats' if n - have == 1 else 'repeat'} that text; "
-                    "give more text (--text FILE ...) "
-                    "for rows that differ"
+                    "give more text (--text FILE ...) for rows that differ"
                 )
     return out
 
