@@ -33,7 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nsa_jax.kernels.xla import EXCLUDED, FORCED, map_query_chunks, masked_softmax, select_blocks
+from nsa_jax.kernels.xla import EXCLUDED, FORCED, NEG_INF, map_query_chunks, masked_softmax, select_blocks
 
 # The scorers a config may name (NSAConfig.scorer).
 SCORERS = ("cmp", "minmax", "mix", "rescore")
@@ -68,6 +68,15 @@ def candidate_mass(logits_XxGxMxL: jax.Array, visible_XxMxL: jax.Array) -> jax.A
     return p.reshape(*X, G, M, L).sum(axis=(-3, -1))
 
 
+def block_mass(lse_XxGxM: jax.Array) -> jax.Array:
+    """[..., M] fp32: candidate_mass from each head's log-sum-exp of each candidate block's visible logits
+    (-inf: none visible): per head a softmax over the candidates' log-sum-exps, summed over the heads."""
+    m = jnp.max(lse_XxGxM, axis=-1, keepdims=True)
+    p = jnp.exp(lse_XxGxM - jnp.where(m > NEG_INF / 2, m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return jnp.sum(p / jnp.where(denom > 0, denom, 1.0), axis=-2)
+
+
 def pick_candidates(mass_XxM: jax.Array, cand_XxM: jax.Array, t_X: jax.Array, lp: int, n: int) -> jax.Array:
     """[..., n] int32: the n of M candidate blocks `cand` (-1: unused) a query at position t keeps, its
     forced blocks (0, t // lp - 1, t // lp) first, then by `mass` (ties to the earlier candidate, cmp's
@@ -96,25 +105,29 @@ def select_rescore_xla(
     """Block indices [B, T, K, n] int32 of `rescore`'s second stage over the candidates [B, T, K, M] of
     its first (cmp's top m; select_blocks' contract). `k`: the selection keys of the whole sequence.
 
-    One query chunk at a time the logits run against every key, masked to the candidates' keys the
-    query sees: the same softmax as over the gathered M x lp keys (the decode step's), as matmuls."""
+    One query chunk at a time the logits run against every key and reduce to each block's log-sum-exp
+    over the keys the query sees; the candidates' masses are a softmax over their blocks' log-sum-exps:
+    the same softmax as over the gathered M x lp keys (the decode step's), with no gather of logits."""
     B, T, H, Dk = q_BxTxHxDk.shape
     Tk, K = k_BxTxKxDk.shape[1], k_BxTxKxDk.shape[2]
     scale = Dk**-0.5 if scale is None else scale
     nb = -(-Tk // lp)
     k = jnp.pad(jax.lax.stop_gradient(k_BxTxKxDk), [(0, 0), (0, nb * lp - Tk), (0, 0), (0, 0)]).astype(jnp.float32)
     q = jax.lax.stop_gradient(q_BxTxHxDk)
+    pos_NbxL = jnp.arange(nb * lp, dtype=jnp.int32).reshape(nb, lp)
 
     def body(start, q_BxCxHxDk, cand_BxCxKxM):
         C = q_BxCxHxDk.shape[1]
         t_C = start + q_offset + jnp.arange(C, dtype=jnp.int32)
         qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
         s = jnp.einsum("bckgd,btkd->bckgt", qg, k).reshape(B, C, K, H // K, nb, lp) * scale
-        # Each candidate's block of logits, in candidate order ([..., G, M, lp]), and the keys t sees.
-        s = jnp.take_along_axis(s, jnp.maximum(cand_BxCxKxM, 0)[:, :, :, None, :, None], axis=4)
-        pos = jnp.maximum(cand_BxCxKxM, 0)[..., None] * lp + jnp.arange(lp, dtype=jnp.int32)
-        vis = (cand_BxCxKxM >= 0)[..., None] & (pos <= t_C[None, :, None, None, None]) & (pos < Tk)
-        return pick_candidates(candidate_mass(s, vis), cand_BxCxKxM, t_C[None, :, None], lp, n)
+        vis_CxNbxL = (pos_NbxL[None] <= t_C[:, None, None]) & (pos_NbxL[None] < Tk)
+        lse = jax.nn.logsumexp(jnp.where(vis_CxNbxL[None, :, None, None], s, NEG_INF), axis=-1)  # [B, C, K, G, Nb]
+        # Each candidate's log-sum-exp ([..., G, M]); a block with no visible key is -inf and scores 0.
+        at = jnp.maximum(cand_BxCxKxM, 0)[:, :, :, None, :]
+        lse_m = jnp.take_along_axis(lse, jnp.broadcast_to(at, (*lse.shape[:-1], at.shape[-1])), axis=-1)
+        lse_m = jnp.where((cand_BxCxKxM >= 0)[:, :, :, None, :], lse_m, NEG_INF)
+        return pick_candidates(block_mass(lse_m), cand_BxCxKxM, t_C[None, :, None], lp, n)
 
     # The chunk's logits are [C, H, Tk] fp32: at most 2^27 of them (0.5 GiB) however long the sequence.
     chunk = max(16, min(query_chunk, RESCORE_LOGITS // (B * H * nb * lp)))
