@@ -68,15 +68,6 @@ def candidate_mass(logits_XxGxMxL: jax.Array, visible_XxMxL: jax.Array) -> jax.A
     return p.reshape(*X, G, M, L).sum(axis=(-3, -1))
 
 
-def block_mass(lse_XxGxM: jax.Array) -> jax.Array:
-    """[..., M] fp32: candidate_mass from each head's log-sum-exp of each candidate block's visible logits
-    (-inf: none visible): per head a softmax over the candidates' log-sum-exps, summed over the heads."""
-    m = jnp.max(lse_XxGxM, axis=-1, keepdims=True)
-    p = jnp.exp(lse_XxGxM - jnp.where(m > NEG_INF / 2, m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return jnp.sum(p / jnp.where(denom > 0, denom, 1.0), axis=-2)
-
-
 def pick_candidates(mass_XxM: jax.Array, cand_XxM: jax.Array, t_X: jax.Array, lp: int, n: int) -> jax.Array:
     """[..., n] int32: the n of M candidate blocks `cand` (-1: unused) a query at position t keeps, its
     forced blocks (0, t // lp - 1, t // lp) first, then by `mass` (ties to the earlier candidate, cmp's
@@ -123,11 +114,13 @@ def select_rescore_xla(
         s = jnp.einsum("bckgd,btkd->bckgt", qg, k).reshape(B, C, K, H // K, nb, lp) * scale
         vis_CxNbxL = (pos_NbxL[None] <= t_C[:, None, None]) & (pos_NbxL[None] < Tk)
         lse = jax.nn.logsumexp(jnp.where(vis_CxNbxL[None, :, None, None], s, NEG_INF), axis=-1)  # [B, C, K, G, Nb]
-        # Each candidate's log-sum-exp ([..., G, M]); a block with no visible key is -inf and scores 0.
+        # Each candidate's log-sum-exp ([..., G, M]); per head a softmax over those of the candidates that hold
+        # a visible key (the others score 0), summed over the group's heads.
         at = jnp.maximum(cand_BxCxKxM, 0)[:, :, :, None, :]
         lse_m = jnp.take_along_axis(lse, jnp.broadcast_to(at, (*lse.shape[:-1], at.shape[-1])), axis=-1)
-        lse_m = jnp.where((cand_BxCxKxM >= 0)[:, :, :, None, :], lse_m, NEG_INF)
-        return pick_candidates(block_mass(lse_m), cand_BxCxKxM, t_C[None, :, None], lp, n)
+        vis_m = (cand_BxCxKxM >= 0)[:, :, :, None, :] & (lse_m > NEG_INF / 2)
+        mass = jnp.sum(masked_softmax(lse_m, vis_m), axis=-2)
+        return pick_candidates(mass, cand_BxCxKxM, t_C[None, :, None], lp, n)
 
     # The chunk's logits are [C, H, Tk] fp32: at most 2^27 of them (0.5 GiB) however long the sequence.
     chunk = max(16, min(query_chunk, RESCORE_LOGITS // (B * H * nb * lp)))
