@@ -12,6 +12,8 @@
 #   DATASET    fineweb_edu (default) or synthetic, for phases 1-3; DATA_PATH: the parquet shards
 #   STEPS1, STEPS2, STEPS3   300, 1000, and the config's 50000
 #   LAST       the last steps phases 1 and 2 are judged and summarised on (default 50, the runbook's)
+#   REPORT_FLAGS  more flags for that judgement, launch.report's limits (e.g. "--max-step-cv 0.5" on a
+#              host shared with other work, where step times spread; default none)
 #   INTERCONNECT auto (default: NVLink if `nvidia-smi topo -m` shows NV#), pcie or nvlink
 #   STALL_SECONDS  in-process stall watchdog (default 1800); WATCHDOG=0 skips launch.watchdog in phase 3
 #   ALLOW_BUSY_GPU=1  start although a GPU holds another process's memory (the preflight refuses, else)
@@ -30,6 +32,7 @@ STEPS1=${STEPS1:-300}
 STEPS2=${STEPS2:-1000}
 STEPS3=${STEPS3:-}
 LAST=${LAST:-50}
+REPORT_FLAGS=${REPORT_FLAGS:-}
 STALL_SECONDS=${STALL_SECONDS:-1800}
 WATCHDOG=${WATCHDOG:-1}
 INTERCONNECT=${INTERCONNECT:-auto}
@@ -147,7 +150,8 @@ PY
   then
     return 1
   fi
-  if [[ ${3:-} == judge ]] && ! "$PYTHON" -m launch.report "$dir" --strict --last "$LAST"; then
+  # shellcheck disable=SC2086  # REPORT_FLAGS: several words on purpose
+  if [[ ${3:-} == judge ]] && ! "$PYTHON" -m launch.report "$dir" --strict --last "$LAST" $REPORT_FLAGS; then
     say "FAIL: launch.report $dir --strict: a criterion is not GO (above; report in $dir/report)"; return 1
   fi
   say "ok: $dir reached step $steps on every rank${3:+; launch.report: GO}"

@@ -422,15 +422,17 @@ def test_production_script_parses_and_dry_runs_every_phase(tmp_path):
 @pytest.mark.slow
 def test_production_script_phase_1_is_judged_by_launch_report(tmp_path):
     """A real phase 1 (cpu_tiny at T = 128, synthetic, 12 steps): the gate is launch.report --strict over
-    the last LAST steps (the runbook's 50; 10 here), and the summary prints the per-step mean and stdev
-    of toks_per_s the runbook's table names."""
+    the last LAST steps (the runbook's 50; 10 here), with REPORT_FLAGS passed on to it, and the summary
+    prints the per-step mean and stdev of toks_per_s the runbook's table names. The step-time spread's
+    limit is loosened through REPORT_FLAGS: 0.7 s steps beside the other test worker spread past 0.25."""
     config = tmp_path / "tiny.yaml"
     config.write_text((ROOT / "configs" / "cpu_tiny.yaml").read_text().replace("seq_len: 256", "seq_len: 128"))
     env = {k: v for k, v in cpu_env().items() if not k.startswith("NCCL_")}
     env.update(PHASE="1", CONFIG=str(config), DATASET="synthetic", STEPS1="12", LAST="10", OUT=str(tmp_path / "out"))
-    env.update(PYTHON=sys.executable, INTERCONNECT="pcie")
+    env.update(PYTHON=sys.executable, INTERCONNECT="pcie", REPORT_FLAGS="--max-step-cv 5 --max-heartbeat-gap-s 900")
     r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "limit 5, --max-step-cv)" in r.stdout and "limit 900s (--max-heartbeat-gap-s)" in r.stdout
     assert "verdict: GO" in r.stdout and "reached step 12 on every rank; launch.report: GO" in r.stderr
     assert "toks_per_s last 10:" in r.stdout and "over 10 steps" in r.stdout
     assert "per-step mean" in r.stdout and "stdev" in r.stdout
