@@ -82,6 +82,24 @@ def pick_candidates(mass_XxM: jax.Array, cand_XxM: jax.Array, t_X: jax.Array, lp
     return jnp.where(vals > EXCLUDED / 2, jnp.take_along_axis(cand_XxM, at, axis=-1), -1).astype(jnp.int32)
 
 
+def block_logsumexp(
+    q_BxCxHxDk: jax.Array, k_BxSxKxDk: jax.Array, t_C: jax.Array, *, lp: int, scale: float, keys: int | None = None
+) -> jax.Array:
+    """[B, C, K, G, Nb] float32: per head, each selection block's log-sum-exp of the logits of queries at
+    positions t_C over the block's keys they see (position <= t and < `keys`, default S); NEG_INF where a
+    query sees none of a block. `k`: S = Nb * lp keys (whole blocks). A softmax over a query's blocks'
+    log-sum-exps is where its full attention goes, block by block (rescore's masses, the distillation's
+    target), with no [.., S] probabilities kept."""
+    B, C, H, Dk = q_BxCxHxDk.shape
+    S, K = k_BxSxKxDk.shape[1], k_BxSxKxDk.shape[2]
+    keys = S if keys is None else keys
+    qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
+    s = jnp.einsum("bckgd,btkd->bckgt", qg, k_BxSxKxDk.astype(jnp.float32)).reshape(B, C, K, H // K, S // lp, lp)
+    pos_NbxL = jnp.arange(S, dtype=jnp.int32).reshape(S // lp, lp)
+    vis_CxNbxL = (pos_NbxL[None] <= t_C[:, None, None]) & (pos_NbxL[None] < keys)
+    return jax.nn.logsumexp(jnp.where(vis_CxNbxL[None, :, None, None], s * scale, NEG_INF), axis=-1)
+
+
 def select_rescore_xla(
     q_BxTxHxDk: jax.Array,
     k_BxTxKxDk: jax.Array,
@@ -100,20 +118,16 @@ def select_rescore_xla(
     over the keys the query sees; the candidates' masses are a softmax over their blocks' log-sum-exps:
     the same softmax as over the gathered M x lp keys (the decode step's), with no gather of logits."""
     B, T, H, Dk = q_BxTxHxDk.shape
-    Tk, K = k_BxTxKxDk.shape[1], k_BxTxKxDk.shape[2]
+    Tk = k_BxTxKxDk.shape[1]
     scale = Dk**-0.5 if scale is None else scale
     nb = -(-Tk // lp)
     k = jnp.pad(jax.lax.stop_gradient(k_BxTxKxDk), [(0, 0), (0, nb * lp - Tk), (0, 0), (0, 0)]).astype(jnp.float32)
     q = jax.lax.stop_gradient(q_BxTxHxDk)
-    pos_NbxL = jnp.arange(nb * lp, dtype=jnp.int32).reshape(nb, lp)
 
     def body(start, q_BxCxHxDk, cand_BxCxKxM):
         C = q_BxCxHxDk.shape[1]
         t_C = start + q_offset + jnp.arange(C, dtype=jnp.int32)
-        qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
-        s = jnp.einsum("bckgd,btkd->bckgt", qg, k).reshape(B, C, K, H // K, nb, lp) * scale
-        vis_CxNbxL = (pos_NbxL[None] <= t_C[:, None, None]) & (pos_NbxL[None] < Tk)
-        lse = jax.nn.logsumexp(jnp.where(vis_CxNbxL[None, :, None, None], s, NEG_INF), axis=-1)  # [B, C, K, G, Nb]
+        lse = block_logsumexp(q_BxCxHxDk, k, t_C, lp=lp, scale=scale, keys=Tk)  # [B, C, K, G, Nb]
         # Each candidate's log-sum-exp ([..., G, M]); per head a softmax over those of the candidates that hold
         # a visible key (the others score 0), summed over the group's heads.
         at = jnp.maximum(cand_BxCxKxM, 0)[:, :, :, None, :]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nsa_jax.kernels.xla import map_query_chunks, masked_softmax
+from nsa_jax.kernels.scorers import block_logsumexp
+from nsa_jax.kernels.xla import NEG_INF, map_query_chunks, masked_softmax
 
 
 def free_blocks(t_C: jax.Array, n_blocks: int, lp: int) -> jax.Array:
@@ -29,15 +30,10 @@ def full_block_mass(q_BxCxHxDk: jax.Array, k_BxTxKxDk: jax.Array, t_C: jax.Array
     """[B, C, K, Nb] float32: where the selection branch's attention would go with every earlier key
     visible. Queries at positions t_C against all causal keys, softmax per head, summed per
     selection block of lp keys and averaged over the group's heads; each row sums to 1."""
-    B, C, H, Dk = q_BxCxHxDk.shape
-    T, K = k_BxTxKxDk.shape[1], k_BxTxKxDk.shape[2]
-    n_blocks = -(-T // lp)
-    k = jnp.pad(k_BxTxKxDk, [(0, 0), (0, n_blocks * lp - T), (0, 0), (0, 0)]).astype(jnp.float32)
-    qg = q_BxCxHxDk.astype(jnp.float32).reshape(B, C, K, H // K, Dk)
-    s = jnp.einsum("bckgd,btkd->bckgt", qg, k) * scale
-    causal = (jnp.arange(n_blocks * lp, dtype=jnp.int32)[None, :] <= t_C[:, None])[None, :, None, None, :]
-    p = masked_softmax(s, causal)
-    return jnp.mean(p.reshape(B, C, K, H // K, n_blocks, lp).sum(-1), axis=3)
+    T = k_BxTxKxDk.shape[1]
+    k = jnp.pad(k_BxTxKxDk, [(0, 0), (0, -T % lp), (0, 0), (0, 0)])
+    lse = block_logsumexp(q_BxCxHxDk, k, t_C, lp=lp, scale=scale, keys=T)  # [B, C, K, G, Nb]
+    return jnp.mean(masked_softmax(lse, lse > NEG_INF / 2), axis=3)
 
 
 def compressed_block_scores(
