@@ -716,8 +716,20 @@ class Evaluate:
         return rc
 
 
+@pytest.fixture
+def start_evaluate():
+    """Evaluate(args) for the test, killing any still running when it ends: a failed assertion would
+    otherwise leave an evaluation at L=100,000 (hours) running after the test."""
+    started: list[Evaluate] = []
+    yield lambda args: started.append(Evaluate(args)) or started[-1]
+    for e in started:
+        if e.p.poll() is None:
+            e.p.kill()
+            e.p.wait(30)
+
+
 @pytest.mark.slow
-def test_a_stopped_long_evaluation_keeps_what_it_did_and_the_same_command_continues(tmp_path):
+def test_a_stopped_long_evaluation_keeps_what_it_did_and_the_same_command_continues(tmp_path, start_evaluate):
     """cpu_tiny at L=256 then 100,000 (minutes a batch on a CPU): SIGTERM once 256 is done and 100,000 started
     ends it at once (exit 0), keeping L=256 and naming the command; that command skips 256, projects 100,000 from
     one timed batch at 1,024, and a Ctrl-C ends it with 130."""
@@ -736,9 +748,10 @@ def test_a_stopped_long_evaluation_keeps_what_it_did_and_the_same_command_contin
     args += ["--rows", "1", "--batch-size", "1", "--text", str(tmp_path / "hay.txt"), "--out", str(out)]
     again = f"run the same command: python -m launch.evaluate {shlex.join(args)}"
 
-    first = Evaluate(args)
+    first = start_evaluate(args)
     line = first.until("L=100,000: length 2 of 2")
-    minutes = r"(\d+h\d\dm|\d+m\d\ds)"  # a batch at 100,000 takes minutes on a CPU
+    # fmt_duration's forms: a batch at 100,000 takes minutes to hours on a CPU, days on one shared with other work
+    minutes = r"(\d+d\d\dh|\d+h\d\dm|\d+m\d\ds)"
     # L=256 alone is too short to project from: one batch is timed at 1,024 first, and the growth from
     # 256 to 1,024 scales the cost model's ratio.
     assert "L=100,000: timing one batch at L=1,024 first, to project how long L=100,000 takes" in first.err
@@ -758,7 +771,7 @@ def test_a_stopped_long_evaluation_keeps_what_it_did_and_the_same_command_contin
     assert list(kept["loss-by-position"]["by_length"]) == ["256"]
     assert kept["meta"]["pending"] == [["loss-by-position", 100000]]
 
-    second = Evaluate(args)
+    second = start_evaluate(args)
     line = second.until("L=100,000: length 1 of 1")
     assert f"skipping loss-by-position at L=256: in {results} already (the same weights and settings)" in second.err
     assert "L=100,000: timing one batch at L=1,024 first, to project how long L=100,000 takes" in second.err
