@@ -721,7 +721,12 @@ def start_evaluate():
     """Evaluate(args) for the test, killing any still running when it ends: a failed assertion would
     otherwise leave an evaluation at L=100,000 (hours) running after the test."""
     started: list[Evaluate] = []
-    yield lambda args: started.append(Evaluate(args)) or started[-1]
+
+    def start(args: list[str]) -> Evaluate:
+        started.append(Evaluate(args))
+        return started[-1]
+
+    yield start
     for e in started:
         if e.p.poll() is None:
             e.p.kill()
